@@ -1,0 +1,1 @@
+"""fivecut: train transformer LMs by cutting the job five ways."""
