@@ -1,0 +1,5 @@
+import sys
+
+from fivecut.cli import main
+
+sys.exit(main())

@@ -1,0 +1,238 @@
+"""Collectives with accounting, and the autograd primitives the cuts are built from.
+
+Every collective in fivecut goes through this module. Each call takes a `Group` (a
+process group plus the name of the cut it serves and the ledger it reports to) and
+writes one record to that ledger. A group of size 1 communicates nothing and records
+nothing.
+
+Autograd primitives (Megatron's names in brackets):
+    copy_to(x, g)              [f] forward identity,       backward all-reduce
+    reduce_from(x, g)          [g] forward all-reduce,     backward identity
+    scatter_along(x, d, g)         forward keep my slice,  backward all-gather
+    gather_along(x, d, g)          forward all-gather,     backward keep my slice
+    gather_along(x, d, g, grad_reduce=True)
+                                   forward all-gather,     backward reduce-scatter (sequence parallel)
+    reduce_scatter_along(x, d, g)  forward reduce-scatter, backward all-gather (sequence parallel)
+    all_to_all(x, g, ...)          forward all-to-all,     backward the reverse all-to-all
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fivecut.ledger import Ledger
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(eq=False)
+class Group:
+    """A process group as one cut sees it. `pg` is None when the group has one rank."""
+
+    cut: str
+    ranks: tuple[int, ...]  # global ranks, in group order
+    pg: dist.ProcessGroup | None
+    ledger: Ledger
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index inside the group."""
+        return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+
+# ---------------------------------------------------------------- plain collectives
+
+
+def all_reduce(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of `x`; returns the Work when `async_op`."""
+    if group.size == 1:
+        return None
+    group.ledger.record("all_reduce", group.cut, group.size, x.numel(), x.element_size())
+    return dist.all_reduce(x, op=op, group=group.pg, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
+    """`out` [n * x.shape[0], ...] receives every rank's `x`, stacked along dim 0."""
+    if group.size == 1:
+        out.copy_(x)
+        return None
+    group.ledger.record("all_gather", group.cut, group.size, out.numel(), out.element_size())
+    return _all_gather_single(out, x, group=group.pg, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """`out` [x.shape[0] / n, ...] receives this rank's slice (dim 0) of the sum of every rank's `x`."""
+    if group.size == 1:
+        out.copy_(x)
+        return None
+    group.ledger.record("reduce_scatter", group.cut, group.size, x.numel(), x.element_size())
+    return _reduce_scatter_single(out, x, op=op, group=group.pg, async_op=async_op)
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`."""
+    if group.size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((group.size * moved.shape[0], *moved.shape[1:]))
+    all_gather_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's slice along `dim`."""
+    if group.size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % group.size:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} does not divide by group size {group.size}")
+    out = moved.new_empty((moved.shape[0] // group.size, *moved.shape[1:]))
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def all_to_all_single(
+    x: torch.Tensor, group: Group, out_splits: list[int] | None = None, in_splits: list[int] | None = None
+) -> torch.Tensor:
+    """Exchange slices of dim 0: slice i of `x` (sizes `in_splits`) goes to rank i."""
+    if group.size == 1:
+        return x
+    row = x[0].numel() if x.dim() > 1 else 1
+    rows_out = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = x.new_empty((rows_out, *x.shape[1:]))
+    sent_rows = (sum(in_splits) - in_splits[group.rank]) if in_splits is not None else x.shape[0] * (group.size - 1) / group.size
+    group.ledger.record("all_to_all", group.cut, group.size, x.numel(), x.element_size(), wire_bytes=sent_rows * row * x.element_size())
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.pg)
+    return out
+
+
+def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group):
+    """Post point-to-point sends and receives (peers are group ranks) together; returns the Works."""
+    ops = []
+    for tensor, peer in sends:
+        group.ledger.record("send", group.cut, group.size, tensor.numel(), tensor.element_size())
+        ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group=group.pg))
+    for tensor, peer in recvs:
+        group.ledger.record("recv", group.cut, group.size, tensor.numel(), tensor.element_size())
+        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group=group.pg))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+# ---------------------------------------------------------------- autograd primitives
+
+
+def my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not divide by group size {group.size} ({group.cut})")
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return my_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, grad_reduce):
+        ctx.dim, ctx.group, ctx.grad_reduce = dim, group, grad_reduce
+        return all_gather(x.contiguous(), group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_reduce:
+            return reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
+        return my_slice(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return all_to_all_single(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = all_to_all_single(grad.contiguous(), ctx.group, ctx.in_splits, ctx.out_splits)
+        return back, None, None, None
+
+
+def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's f: enter a parallel region (identity forward, all-reduce of the gradient)."""
+    return x if group.size == 1 else _CopyTo.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Megatron's g: leave a parallel region (all-reduce forward, identity backward)."""
+    return x if group.size == 1 else _ReduceFrom.apply(x, group)
+
+
+def scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _Scatter.apply(x, dim, group)
+
+
+def gather_along(x: torch.Tensor, dim: int, group: Group, grad_reduce: bool = False) -> torch.Tensor:
+    """All-gather along `dim`; the gradient is sliced, or reduce-scattered when `grad_reduce`."""
+    return x if group.size == 1 else _Gather.apply(x, dim, group, grad_reduce)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceScatter.apply(x, dim, group)
+
+
+def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int] | None = None, in_splits: list[int] | None = None):
+    """Differentiable all-to-all along dim 0; the backward sends gradients the reverse way."""
+    return x if group.size == 1 else _AllToAll.apply(x, group, out_splits, in_splits)

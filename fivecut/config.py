@@ -1,0 +1,182 @@
+"""Typed configuration: dataclass sections, TOML files, `--set section.key=value` overrides.
+
+Every key is checked: an unknown key or a value of the wrong type is a `ConfigError`
+that names the key and, for a misspelling, the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivecut.mesh import ParallelDims
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """The architecture: a preset, then any field of `ModelArgs` overridden by name."""
+
+    preset: str = "tiny"
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+    init_std: float | None = None
+    n_experts: int | None = None
+    top_k: int | None = None
+    n_shared_experts: int | None = None
+    moe_ffn_dim: int | None = None
+    first_dense_layers: int | None = None
+    gate: str | None = None
+    route_scale: float | None = None
+
+
+@dataclass
+class DataConfig:
+    source: str = "shakespeare"  # "shakespeare", a text file, or a folder of *.txt
+    tokenizer: str = "byte"  # "gpt2" | "byte"
+    cache_dir: str = "~/.cache/fivecut"
+    val_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 8  # sequences per optimizer step, over all ranks and micro-steps
+    seq_len: int = 128
+    accumulate: int = 1  # gradient-accumulation micro-steps per optimizer step
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    dtype: str = "fp32"  # "fp32" | "bf16" (autocast, fp32 master weights)
+    seed: int = 0
+    eval_every: int = 50  # 0 disables periodic validation
+    eval_batches: int = 8
+    bucket_mb: float = 25.0  # DDP gradient bucket size
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs/latest"
+    progress: bool = True  # progress bar on rank 0
+    log_every: int = 10  # a text line in the log every N steps
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 = look it up / measure it
+    plot: bool = True  # loss-curve PNG at the end
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Build a `Config` from defaults, then a TOML file, then `section.key=value` overrides."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            table = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+        apply_table(cfg, table, origin=str(path))
+    for item in overrides:
+        key, value = parse_override(item)
+        apply_table(cfg, nest(key, value), origin=f"--set {item}")
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    """`a.b=3` -> ("a.b", 3); the value is read as a TOML literal, else kept as a string."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key.strip(), value
+
+
+def nest(dotted: str, value: object) -> dict:
+    table: object = value
+    for part in reversed(dotted.split(".")):
+        table = {part: table}
+    return table  # type: ignore[return-value]
+
+
+def apply_table(obj: object, table: dict, origin: str, prefix: str = "") -> None:
+    """Write a (nested) TOML table onto a dataclass tree, checking every key and type."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    hints = typing.get_type_hints(type(obj))
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(unknown_key_message(dotted, prefix, names, origin))
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted} is a section; give keys like {dotted}.{names_of(current)[0]} ({origin})")
+            apply_table(current, value, origin, prefix=f"{dotted}.")
+        else:
+            setattr(obj, key, checked_value(dotted, value, hints[key], origin))
+
+
+def names_of(obj: object) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def unknown_key_message(dotted: str, prefix: str, names: list[str], origin: str) -> str:
+    close = difflib.get_close_matches(dotted.rsplit(".", 1)[-1], names, n=1)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(prefix + n for n in names)}"
+    return f"unknown config key {dotted} ({origin}){hint}"
+
+
+def checked_value(dotted: str, value: object, hint: object, origin: str) -> object:
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(kind, type) and type(value) is kind:
+            return value
+    wanted = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
+    raise ConfigError(f"config key {dotted} wants {wanted}, got {value!r} ({type(value).__name__}) from {origin}")
+
+
+def model_args(section: ModelConfig):
+    """The preset named by `section.preset`, with every field that is set overriding it."""
+    from fivecut.model import get_preset
+
+    base = get_preset(section.preset)
+    changes = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name != "preset"}
+    return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,133 @@
+"""Starting ranks: under torchrun, alone, or spawned here for `verify`, `ledger` and the tests.
+
+`spawn(fn, world_size, *args)` starts one process per rank with torch.multiprocessing,
+rendezvous through a FileStore in a private temporary folder (no ports, no retries), one
+thread per rank. It returns every rank's result, or raises `RankFailure` carrying each
+rank's traceback: a rank that raised, and, on timeout, where each stuck rank was
+(faulthandler dumps its stack into a file the parent reads).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import queue
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """One or more spawned ranks failed or hung; the message holds each rank's traceback."""
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def local_device() -> torch.device:
+    """cuda:LOCAL_RANK on a GPU machine (never the global rank: multi-node), else cpu."""
+    if device_type() == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_from_environment(timeout_s: float = 600.0) -> None:
+    """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or form a one-rank job."""
+    if dist.is_initialized():
+        return
+    backend = backend_for(device_type())
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        local_device()
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, results):
+    torch.set_num_threads(1)
+    trace = open(Path(trace_dir) / f"rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=trace, all_threads=False)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        results.put((rank, "ok", fn(*args)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+    """Run `fn(*args)` on `world_size` gloo ranks on this machine; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="fivecut-") as tmp:
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, timeout_s, fn, args, results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome = _collect(results, procs, timeout_s)
+        _dump_stuck_stacks(procs, outcome)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        return _finish(outcome, world_size, Path(tmp), timeout_s)
+
+
+def _collect(results, procs, timeout_s: float) -> dict[int, tuple[str, object]]:
+    """Gather results until all ranks answered, one failed (plus a short grace), or time ran out."""
+    outcome: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.5)
+            outcome[rank] = (status, value)
+            if status == "error":
+                deadline = min(deadline, time.monotonic() + 10)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in outcome]
+            for i in dead:
+                time.sleep(0.5)  # a result may still be in flight
+                if i not in outcome and results.empty():
+                    outcome[i] = ("error", f"rank {i} died with exit code {procs[i].exitcode} and no traceback")
+    return outcome
+
+
+def _dump_stuck_stacks(procs, outcome) -> None:
+    """Ask every rank that has not answered to write its Python stack (SIGUSR1 -> faulthandler)."""
+    for rank, p in enumerate(procs):
+        if rank not in outcome and p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
+def _finish(outcome, world_size: int, trace_dir: Path, timeout_s: float) -> list:
+    if len(outcome) == world_size and all(status == "ok" for status, _ in outcome.values()):
+        return [outcome[r][1] for r in range(world_size)]
+    parts = []
+    for r in range(world_size):
+        if r in outcome and outcome[r][0] == "error":
+            parts.append(f"--- rank {r} raised:\n{outcome[r][1]}")
+        elif r not in outcome:
+            stack = (trace_dir / f"rank{r}.txt").read_text() if (trace_dir / f"rank{r}.txt").exists() else ""
+            parts.append(f"--- rank {r} did not finish within {timeout_s:.0f}s; its stack:\n{stack or '(not dumped)'}")
+    raise RankFailure("\n".join(parts))

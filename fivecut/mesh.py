@@ -1,0 +1,211 @@
+"""The layout: `ParallelDims` validated before any process exists, then one `Mesh`.
+
+Mesh dimensions are ordered (pp, dp, cp, tp), tp innermost so that a tensor-parallel
+group is made of neighbouring ranks (one node). Derived groups:
+    dp_cp      gradient reduction of non-expert parameters (dp x cp)
+    ep         expert-parallel ranks, borrowed from dp x cp
+    expert_dp  the remaining (dp x cp) / ep ranks that replicate the same experts
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from fivecut.comm import Group
+from fivecut.ledger import Ledger
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "dualpipev")
+CP_MODES = ("ring", "ulysses")
+
+# What this version can run. Each later cut widens its entry; anything outside is refused
+# with the issue that brings it, never silently ignored.
+IMPLEMENTED = {
+    "zero": ({0}, "ZeRO-1/2/3 (the ZeRO issue)"),
+    "tp": ({1}, "tensor parallelism (the tensor/sequence-parallel issue)"),
+    "sp": ({False}, "sequence parallelism (the tensor/sequence-parallel issue)"),
+    "pp": ({1}, "pipeline parallelism (the pipeline issue)"),
+    "cp": ({1}, "context parallelism (the context-parallel issue)"),
+    "ep": ({1}, "expert parallelism (the expert-parallel issue)"),
+}
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message gives the numbers and a fix."""
+
+
+@dataclass
+class ParallelDims:
+    dp: int = 1  # data-parallel replicas
+    zero: int = 0  # 0 = DDP; 1/2/3 shard optimizer state / + gradients / + parameters over dp
+    tp: int = 1  # tensor-parallel ranks (inside a node)
+    sp: bool = False  # Megatron sequence parallelism inside the tp group
+    pp: int = 1  # pipeline stages (ranks)
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1  # stages per pipeline rank (interleaved, dualpipev)
+    microbatches: int = 1  # pipeline microbatches per step
+    cp: int = 1  # context-parallel ranks (sequence split inside attention)
+    cp_mode: str = "ring"  # "ring" | "ulysses"
+    ep: int = 1  # expert-parallel ranks, folded into dp x cp
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.cp, self.tp)
+
+    def describe(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep",) if getattr(self, name) > 1]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.sp:
+            parts.append("sp=true")
+        return ",".join(parts) or "single"
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self, model, seq_len: int, global_batch: int, accumulate: int, world_size: int | None = None) -> None:
+        """Refuse a layout that cannot work for `model` (a ModelArgs), naming the numbers and a fix."""
+        problems = (
+            self._structural_problems()
+            + self._model_problems(model)
+            + self._batch_problems(seq_len, global_batch, accumulate)
+            + self._world_problems(world_size)
+        )
+        if problems:
+            raise LayoutError("invalid layout " + self.describe() + ":\n  - " + "\n  - ".join(problems))
+        unimplemented = self.unimplemented()
+        if unimplemented:
+            raise LayoutError("not implemented yet in this version of fivecut:\n  - " + "\n  - ".join(unimplemented))
+
+    def _structural_problems(self) -> list[str]:
+        out = []
+        for name in MESH_DIMS + ("ep", "pp_virtual", "microbatches"):
+            if getattr(self, name) < 1:
+                out.append(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"parallel.zero={self.zero}; ZeRO stages are 0, 1, 2, 3")
+        if self.pp_schedule not in PP_SCHEDULES:
+            out.append(f"parallel.pp_schedule={self.pp_schedule!r}; choose one of {', '.join(PP_SCHEDULES)}")
+        if self.cp_mode not in CP_MODES:
+            out.append(f"parallel.cp_mode={self.cp_mode!r}; choose one of {', '.join(CP_MODES)}")
+        if self.sp and self.tp == 1:
+            out.append("parallel.sp=true needs tensor parallelism; set parallel.tp >= 2 or sp=false")
+        if self.zero and self.dp == 1:
+            out.append(f"parallel.zero={self.zero} shards over data-parallel ranks but dp=1; set parallel.dp >= 2")
+        if self.pp > 1 and self.microbatches < self.pp and self.pp_schedule != "gpipe":
+            out.append(f"{self.pp_schedule} with pp={self.pp} needs microbatches >= pp; got {self.microbatches}")
+        if self.pp_virtual > 1 and self.pp_schedule not in ("interleaved", "dualpipev"):
+            out.append(f"pp_virtual={self.pp_virtual} only applies to interleaved or dualpipev, not {self.pp_schedule}")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
+        return out
+
+    def _model_problems(self, model) -> list[str]:
+        out = []
+        if model.n_heads % self.tp:
+            out.append(f"model has n_heads={model.n_heads}, not divisible by tp={self.tp}; choose tp from {divisors(model.n_heads)}")
+        kv_ok = model.n_kv_heads % self.tp == 0 or self.tp % model.n_kv_heads == 0
+        if not kv_ok:
+            out.append(f"n_kv_heads={model.n_kv_heads} and tp={self.tp}: one must divide the other to split or replicate kv heads")
+        stages = self.pp * self.pp_virtual * (2 if self.pp_schedule == "dualpipev" else 1)
+        if self.pp > 1 and model.n_layers < stages:
+            out.append(f"n_layers={model.n_layers} is fewer than pipeline stages pp*virtual={stages}; lower pp or pp_virtual")
+        if self.ep > 1 and not model.n_experts:
+            out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
+        if self.ep > 1 and model.n_experts % self.ep:
+            out.append(f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}")
+        return out
+
+    def _batch_problems(self, seq_len: int, global_batch: int, accumulate: int) -> list[str]:
+        out = []
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            out.append(f"seq_len={seq_len} must divide by 2*cp={2 * self.cp} (load-balanced causal chunks)")
+        if self.sp and seq_len % self.tp:
+            out.append(f"seq_len={seq_len} must divide by tp={self.tp} for sequence parallelism")
+        per_rank = self.dp * accumulate * (self.microbatches if self.pp > 1 else 1)
+        if global_batch % per_rank:
+            good = per_rank * max(1, round(global_batch / per_rank))
+            out.append(
+                f"global_batch={global_batch} must divide by dp*accumulate*microbatches={per_rank}; try train.global_batch={good}"
+            )
+        return out
+
+    def _world_problems(self, world_size: int | None) -> list[str]:
+        if world_size is None or world_size == self.world_size:
+            return []
+        return [
+            f"pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp} = {self.world_size} but {world_size} processes "
+            f"were started; make the product {world_size} (e.g. parallel.dp={world_size // (self.world_size // self.dp) or 1})"
+        ]
+
+    def unimplemented(self) -> list[str]:
+        out = []
+        for name, (supported, where) in IMPLEMENTED.items():
+            if getattr(self, name) not in supported:
+                out.append(f"parallel.{name}={getattr(self, name)}: {where} is not in this version; supported: {sorted(supported)}")
+        return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Mesh:
+    """The DeviceMesh (pp, dp, cp, tp) and the named groups every cut receives explicitly."""
+
+    def __init__(self, dims: ParallelDims, device_type: str, ledger: Ledger | None = None):
+        self.dims = dims
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+        self.coords = dict(zip(MESH_DIMS, self.device_mesh.get_coordinate()))
+        self.groups: dict[str, Group] = {}
+        for name in MESH_DIMS:
+            self.groups[name] = self._mesh_group(name)
+        self.groups["dp_cp"] = self._derived_group("dp", ("dp", "cp"))
+
+    def group(self, name: str) -> Group:
+        return self.groups[name]
+
+    def coordinate(self, name: str) -> int:
+        return self.coords[name]
+
+    def _mesh_group(self, name: str) -> Group:
+        ranks = self._ranks_along((name,))
+        pg = self.device_mesh.get_group(name) if len(ranks) > 1 else None
+        return Group(name, ranks, pg, self.ledger)
+
+    def _derived_group(self, cut: str, dims: tuple[str, ...]) -> Group:
+        """A group over several mesh dims; every rank creates every such group, in the same order."""
+        mine = self._ranks_along(dims)
+        if len(mine) == 1:
+            return Group(cut, mine, None, self.ledger)
+        pg = None
+        for ranks in self._all_rank_sets(dims):
+            created = dist.new_group(list(ranks))
+            if ranks == mine:
+                pg = created
+        return Group(cut, mine, pg, self.ledger)
+
+    def _ranks_along(self, dims: tuple[str, ...]) -> tuple[int, ...]:
+        """Global ranks that share this rank's coordinates on every dim not in `dims`."""
+        return next(r for r in self._all_rank_sets(dims) if dist.get_rank() in r)
+
+    def _all_rank_sets(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
+        grid = self.device_mesh.mesh  # [pp, dp, cp, tp] tensor of global ranks
+        keep = [MESH_DIMS.index(d) for d in dims]
+        fixed = [i for i in range(len(MESH_DIMS)) if i not in keep]
+        sets = []
+        for outer in itertools.product(*(range(grid.shape[i]) for i in fixed)):
+            index: list[object] = [slice(None)] * len(MESH_DIMS)
+            for axis, value in zip(fixed, outer):
+                index[axis] = value
+            sets.append(tuple(int(r) for r in grid[tuple(index)].flatten().tolist()))
+        return sets
+

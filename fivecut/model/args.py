@@ -1,0 +1,163 @@
+"""Model hyper-parameters and the analytic counts derived from them.
+
+The counts here (parameters, active parameters, FLOPs per token) are what the
+planner uses for models too large to build, so they must equal what the real
+module holds; tests check that for every preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GATES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention; == n_heads means MHA
+    ffn_dim: int = 384  # SwiGLU hidden size of the dense feed-forward
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # mixture of experts (DeepSeek style); n_experts == 0 means a dense model
+    n_experts: int = 0  # routed experts
+    top_k: int = 2
+    n_shared_experts: int = 0  # always-on experts, computed alongside
+    moe_ffn_dim: int = 0  # hidden size of each expert (0 -> ffn_dim)
+    first_dense_layers: int = 0  # the first k layers use the dense feed-forward
+    gate: str = "softmax"  # "softmax" | "sigmoid" scoring of the router
+    route_scale: float = 1.0  # multiplies the normalized top-k weights
+
+    # ----- derived sizes -------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden size of one routed (or shared) expert."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.first_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
+
+    # ----- parameter counts ----------------------------------------------
+
+    def _attention_params(self) -> int:
+        hd = self.head_dim
+        q_and_o = 2 * self.dim * self.n_heads * hd  # wq, wo
+        k_and_v = 2 * self.dim * self.n_kv_heads * hd  # wk, wv
+        return q_and_o + k_and_v
+
+    def _ffn_params(self, hidden: int) -> int:
+        return 3 * self.dim * hidden  # w1, w3, w2
+
+    def _moe_params(self, experts_counted: int) -> int:
+        router = self.dim * self.n_experts
+        routed = experts_counted * self._ffn_params(self.expert_dim)
+        shared = self._ffn_params(self.expert_dim * self.n_shared_experts)
+        return router + routed + shared
+
+    def _layer_params(self, i: int, experts_counted: int) -> int:
+        norms = 2 * self.dim
+        if self.moe_layer(i):
+            ffn = self._moe_params(experts_counted)
+        else:
+            ffn = self._ffn_params(self.ffn_dim)
+        return norms + self._attention_params() + ffn
+
+    def _count(self, embedding: bool, experts_counted: int) -> int:
+        layers = sum(self._layer_params(i, experts_counted) for i in range(self.n_layers))
+        table = self.vocab_size * self.dim
+        # The output head is always counted; with tied embeddings it is the
+        # same matrix as the token embedding, counted once (as the head).
+        head_and_embedding = table if self.tie_embeddings else (2 * table if embedding else table)
+        return layers + self.dim + head_and_embedding  # + final norm
+
+    def num_params(self, embedding: bool = True) -> int:
+        """Parameters of the model. ``embedding=False`` leaves out the token
+        embedding table, except when it is tied to the output head (then the
+        shared matrix is a head, and counted)."""
+        return self._count(embedding, self.n_experts)
+
+    def num_active_params(self, embedding: bool = True) -> int:
+        """Parameters one token passes through: MoE layers count only their
+        router, top_k routed experts and the shared experts."""
+        return self._count(embedding, self.top_k if self.is_moe else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6·N + 12·L·h·s, with
+        N the active parameters without the token embedding (the output head
+        included), L layers, h = dim, s = seq_len (the attention scores)."""
+        n = self.num_active_params(embedding=False)
+        return float(6 * n + 12 * self.n_layers * self.dim * seq_len)
+
+    # ----- validation ----------------------------------------------------
+
+    def validate(self) -> "ModelArgs":
+        """Raise ValueError naming the numbers and a fix; return self if fine."""
+        _check_positive(self)
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); "
+                f"choose n_heads among the divisors of dim, e.g. {_nearest_divisor(self.dim, self.n_heads)}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads}); "
+                f"choose n_kv_heads dividing n_heads, e.g. {_nearest_divisor(self.n_heads, self.n_kv_heads)}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim // n_heads = {self.dim} // {self.n_heads} = {self.head_dim} is odd, "
+                "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
+            )
+        if self.gate not in GATES:
+            raise ValueError(f"gate {self.gate!r} is not one of {GATES}")
+        if self.first_dense_layers > self.n_layers:
+            raise ValueError(
+                f"first_dense_layers ({self.first_dense_layers}) exceeds n_layers ({self.n_layers}); "
+                f"set first_dense_layers <= {self.n_layers}"
+            )
+        if self.is_moe and self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds n_experts ({self.n_experts}); "
+                f"set top_k <= {self.n_experts} or add experts"
+            )
+        return self
+
+
+_POSITIVE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+             "max_seq_len", "rope_theta", "norm_eps", "init_std", "top_k", "route_scale")
+_NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
+
+
+def _check_positive(args: ModelArgs) -> None:
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}; set {name} > 0")
+    for name in _NON_NEGATIVE:
+        value = getattr(args, name)
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}; set {name} >= 0 (0 disables it)")
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    """The divisor of n closest to ``near`` (for suggestions in errors)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), d))

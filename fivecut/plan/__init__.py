@@ -1,0 +1,1 @@
+"""The planner: what a layout costs in memory, communication and time, before launch."""

@@ -1,0 +1,50 @@
+"""Model-state memory actually held by a rank: parameters, gradients, optimizer state.
+
+Storages are counted once each (a gradient that is a view into a flat bucket counts the
+bucket; tied weights count once), so the figure is what the rank really allocates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer):
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                yield value
+
+
+def model_state_bytes(params, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank (deduplicated)."""
+    params = list(params)
+    seen: set[int] = set()
+    out = {
+        "params": _storage_bytes(params, seen),
+        "grads": _storage_bytes([p.grad for p in params], seen),
+        "optimizer": _storage_bytes(optimizer_tensors(optimizer), seen) if optimizer is not None else 0,
+    }
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,251 @@
+"""The training loop, the same for every layout.
+
+The loss of a step is the sum of token losses over the global batch divided by the
+number of tokens in the global batch, so any split into ranks, accumulation
+micro-steps or pipeline microbatches adds up to the same number and the same gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fivecut import comm
+from fivecut.config import Config, model_args
+from fivecut.launch import local_device
+from fivecut.ledger import Row
+from fivecut.mesh import Mesh
+from fivecut.model import build_model
+from fivecut.parallel.parallelize import Parallelized, parallelize
+from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
+from fivecut.train.memory import format_bytes, model_state_bytes
+from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
+from fivecut.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)  # training loss per step
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
+    grad_norms: list[float] = field(default_factory=list)
+    ledger_rows: list[Row] = field(default_factory=list)  # the last step's communication
+    memory: dict[str, int] = field(default_factory=dict)  # model-state bytes on this rank
+    loss_plot: str | None = None
+
+
+@dataclass
+class Context:
+    """What one rank needs during training, built once by `setup`."""
+
+    cfg: Config
+    mesh: Mesh
+    device: torch.device
+    par: Parallelized
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    val_batches: list
+    metrics_group: comm.Group
+    flops_per_token: float
+
+    @property
+    def is_logger(self) -> bool:
+        return dist.get_rank() == 0
+
+    def autocast(self):
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def validate(cfg: Config, world_size: int | None = None):
+    """Everything that can be refused before a process group exists; returns the ModelArgs."""
+    args = model_args(cfg.model)
+    args.validate()
+    t = cfg.train
+    if t.seq_len > args.max_seq_len:
+        raise ValueError(f"train.seq_len={t.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set model.max_seq_len")
+    if t.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"train.dtype={t.dtype!r}; choose fp32 or bf16")
+    cfg.parallel.validate(args, t.seq_len, t.global_batch, t.accumulate, world_size)
+    return args
+
+
+def setup(cfg: Config) -> Context:
+    args = validate(cfg, dist.get_world_size())
+    device = local_device()
+    mesh = Mesh(cfg.parallel, device.type)
+    splits = load_tokens(cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
+    vocab = splits.vocab_size
+    if vocab > args.vocab_size:
+        raise ValueError(
+            f"tokenizer {cfg.data.tokenizer!r} has {vocab} tokens but the model's vocab_size is {args.vocab_size}; "
+            f"set model.vocab_size >= {vocab} or use a preset made for this tokenizer"
+        )
+    model = build_model(args, device=device, seed=cfg.train.seed)
+    par = parallelize(model, mesh, bucket_mb=cfg.train.bucket_mb)
+    t = cfg.train
+    optimizer = build_optimizer(par.params, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
+    val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
+    metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
+    return Context(cfg, mesh, device, par, optimizer, sampler, val, metrics_group, args.flops_per_token(t.seq_len))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropy, in fp32.  logits [b, s, V], targets [b, s]."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def forward_backward(ctx: Context, step: int) -> torch.Tensor:
+    """Run every accumulation micro-step of `step`; return this rank's share of the loss."""
+    cut = ctx.mesh
+    batches = ctx.sampler.local_batches(step, cut.coordinate("dp"), cut.dims.dp, ctx.cfg.train.accumulate)
+    denominator = ctx.sampler.tokens_in_global_batch()
+    total = torch.zeros((), device=ctx.device)
+    for i, (inputs, targets) in enumerate(batches):
+        last = i == len(batches) - 1
+        sync = contextlib.nullcontext() if last else ctx.par.grad_sync.no_sync()
+        with sync:
+            with ctx.mesh.ledger.phase("forward"), ctx.autocast():
+                loss = token_loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device)) / denominator
+            with ctx.mesh.ledger.phase("backward"):
+                loss.backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(ctx: Context, step: int) -> float:
+    t = ctx.cfg.train
+    with ctx.mesh.ledger.phase("optimizer"):
+        grads = [p.grad for p in ctx.par.params]
+        norm = clip_gradients(grads, t.grad_clip, ctx.par.grad_shard_group)
+        set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
+        ctx.optimizer.step()
+    return norm
+
+
+def global_mean(ctx: Context, value: torch.Tensor) -> float:
+    """Sum a per-rank share (already divided by global tokens) over the data-parallel ranks."""
+    value = value.detach().clone()
+    with ctx.mesh.ledger.phase("metrics"):
+        comm.all_reduce(value, ctx.metrics_group)
+    return float(value)
+
+
+@torch.no_grad()
+def evaluate(ctx: Context) -> float:
+    dp, rank = ctx.mesh.dims.dp, ctx.mesh.coordinate("dp")
+    total = torch.zeros((), device=ctx.device)
+    tokens = 0
+    for batch in ctx.val_batches:
+        tokens += batch[1].numel()
+        inputs, targets = shard_batch(batch, rank, dp)
+        with ctx.autocast():
+            total += token_loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device))
+    return global_mean(ctx, total / tokens)
+
+
+def train(cfg: Config, quiet: bool = False) -> RunResult:
+    """Train under the layout of `cfg.parallel`; the process group must already exist."""
+    ctx = setup(cfg)
+    log = Logger(ctx, quiet)
+    result = RunResult()
+    for step in range(1, cfg.train.steps + 1):
+        ctx.mesh.ledger.begin_step(step)
+        started = time.perf_counter()
+        ctx.par.grad_sync.zero_grad()
+        local = forward_backward(ctx, step)
+        norm = optimizer_step(ctx, step)
+        loss = global_mean(ctx, local)
+        elapsed = time.perf_counter() - started
+        result.losses.append(loss)
+        result.grad_norms.append(norm)
+        record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
+        if step == 1:
+            result.memory = model_state_bytes(ctx.par.params, ctx.optimizer)
+            log.memory(result.memory)
+        if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            record["val_loss"] = result.val_losses[step] = evaluate(ctx)
+        log.step(record, elapsed)
+    result.ledger_rows = ctx.mesh.ledger.rows()
+    result.loss_plot = log.close()
+    return result
+
+
+class Logger:
+    """Rank 0's view of the run: progress bar, text lines, JSONL metrics, the loss curve."""
+
+    def __init__(self, ctx: Context, quiet: bool):
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.active = ctx.is_logger and not quiet
+        self.records: list[dict] = []
+        self.bar = None
+        if not self.active:
+            return
+        out = Path(self.cfg.log.out_dir)
+        self.sink = MetricsSink(out)
+        (out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        self.peak, self.peak_source = peak_tflops(ctx.device, self.cfg.train.dtype, self.cfg.log.peak_tflops)
+        n_params = sum(p.numel() for p in ctx.par.params)
+        self.print(
+            f"fivecut: {self.cfg.model.preset} model, {n_params / 1e6:.2f}M parameters on rank 0, layout "
+            f"{self.cfg.parallel.describe()} ({dist.get_world_size()} ranks, {ctx.device.type}), "
+            f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} TFLOP/s ({self.peak_source})"
+        )
+        if self.cfg.log.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def print(self, text: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def memory(self, parts: dict[str, int]) -> None:
+        self.print(
+            "model-state memory on rank 0: "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if k != "total")
+            + f" = {format_bytes(parts['total'])}"
+        )
+
+    def step(self, record: dict, elapsed: float) -> None:
+        if not self.active:
+            return
+        t = self.cfg.train
+        tokens_per_s = t.global_batch * t.seq_len / elapsed
+        achieved = tokens_per_s * self.ctx.flops_per_token / dist.get_world_size() / 1e12
+        record.update(tokens_per_s=tokens_per_s, mfu=achieved / self.peak if self.peak else 0.0, step_time=elapsed)
+        self.records.append(record)
+        self.sink.write(record)
+        text = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * record['mfu']:.1f}%"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        if record["step"] % self.cfg.log.log_every == 0 or "val_loss" in record or record["step"] == t.steps:
+            val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            self.print(f"step {record['step']:>5}/{t.steps}  {text}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}{val}")
+
+    def close(self) -> str | None:
+        if not self.active:
+            return None
+        if self.bar is not None:
+            self.bar.close()
+        self.sink.close()
+        self.print(f"metrics: {self.sink.path}")
+        if not self.cfg.log.plot or not self.records:
+            return None
+        path = plot_losses(self.records, Path(self.cfg.log.out_dir) / "loss.png", f"fivecut {self.cfg.model.preset}, {self.cfg.parallel.describe()}")
+        self.print(f"loss curve: {path}")
+        return str(path)
