@@ -31,7 +31,7 @@ def peak_tflops(device: torch.device, dtype: str, configured: float = 0.0) -> tu
     return measured_matmul_tflops(dtype), "measured CPU matmul"
 
 
-def measured_matmul_tflops(dtype: str, n: int = 512, repeats: int = 5) -> float:
+def measured_matmul_tflops(dtype: str, n: int = 1024, repeats: int = 10) -> float:
     """What one process's matmul achieves here: a stand-in for peak on a CPU, which has no data sheet."""
     kind = torch.bfloat16 if dtype == "bf16" else torch.float32
     a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
