@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -65,7 +66,8 @@ def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, res
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        results.put((rank, "ok", fn(*args)))
+        # pickled here, in-band: tensors shared by file descriptor would vanish with this process
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -122,7 +124,7 @@ def _dump_stuck_stacks(procs, outcome) -> None:
 
 def _finish(outcome, world_size: int, trace_dir: Path, timeout_s: float) -> list:
     if len(outcome) == world_size and all(status == "ok" for status, _ in outcome.values()):
-        return [outcome[r][1] for r in range(world_size)]
+        return [pickle.loads(outcome[r][1]) for r in range(world_size)]
     parts = []
     for r in range(world_size):
         if r in outcome and outcome[r][0] == "error":

@@ -13,16 +13,6 @@ from fivecut.model import PRESETS, SHAPE_ONLY, ModelArgs, Transformer, build_mod
 from fivecut.model.transformer import GroupedExperts, MoE
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and far faster on a busy
-    machine, where spinning OpenMP threads contend. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tokens(args, b=2, s=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, args.vocab_size, (b, s), generator=g)

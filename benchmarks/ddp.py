@@ -1,0 +1,233 @@
+"""fivecut's DataParallel against torch.nn.parallel.DistributedDataParallel.
+
+    python benchmarks/ddp.py [--model small|tiny|tiny-gpt2] [--world 2] [--steps 20] [--repeats 5]
+                             [--batch 8] [--seq 128] [--bucket-mb 25]
+
+Each of `world` gloo ranks (fivecut.launch.spawn, one thread per rank) builds the same model
+from the same seed twice: one copy wrapped by fivecut's DataParallel over the dp group, the
+other by torch's DDP over the same process group (same bucket size, gradients as bucket
+views, no per-forward buffer broadcast: fivecut has none and the only buffers are RoPE
+tables). Both see the same random-token batch on a rank (a different one per rank).
+
+fivecut sums gradients over ranks (the loss is divided by the *global* token count); torch
+averages them, so torch's loss is multiplied by the world size. The two then compute the
+same gradients, which is checked once before timing, and follow the same AdamW trajectory,
+which is checked again after timing.
+
+A timed step: zero_grad, forward, loss, backward (which ends with the wait for the gradient
+all-reduce, in both), AdamW step. Timing is interleaved (benchmarks/common.py). The last
+line printed is `ratio=<fivecut/torch>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    all_steps,
+    compare,
+    format_rate,
+    format_ratio,
+    format_seconds,
+    interleave,
+    machine,
+    markdown_table,
+    median,
+)
+from fivecut.launch import spawn  # noqa: E402
+from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
+from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.parallel.data import DataParallel  # noqa: E402
+from fivecut.train.trainer import token_loss_sum  # noqa: E402
+
+FIVECUT, TORCH = "fivecut DataParallel", "torch DDP"
+ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+GRAD_RTOL = 1e-6  # gradients must agree to this, relative to each tensor's largest entry
+
+
+class Side:
+    """One candidate: a model, its gradient sync, its optimizer, and how to zero and scale."""
+
+    def __init__(self, name, model, wrapped, zero_grad, loss_scale):
+        self.name, self.model, self.wrapped = name, model, wrapped
+        self.zero_grad, self.loss_scale = zero_grad, loss_scale
+        self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def forward_backward(self, inputs, targets, global_tokens) -> torch.Tensor:
+        self.zero_grad()
+        loss = token_loss_sum(self.wrapped(inputs), targets) / global_tokens * self.loss_scale
+        loss.backward()
+        return loss.detach()
+
+    def step(self, inputs, targets, global_tokens) -> None:
+        self.forward_backward(inputs, targets, global_tokens)
+        self.optimizer.step()
+
+
+def build_sides(opts: dict, world: int):
+    args = get_preset(opts["model"])
+    mesh = Mesh(ParallelDims(dp=world), "cpu")
+    group = mesh.group("dp_cp")
+
+    ours = build_model(args, seed=0)
+    dp = DataParallel(ours, group, bucket_mb=opts["bucket_mb"])
+
+    def ours_zero():
+        mesh.ledger.begin_step(0)  # keep the ledger from growing over hundreds of steps
+        dp.zero_grad()
+
+    theirs = build_model(args, seed=0)
+    ddp = DistributedDataParallel(
+        theirs,
+        process_group=group.pg,
+        bucket_cap_mb=opts["bucket_mb"],
+        gradient_as_bucket_view=True,
+        forward_sync_buffers=False,
+    )
+    fivecut = Side(FIVECUT, ours, ours, ours_zero, loss_scale=1.0)
+    torch_side = Side(TORCH, theirs, ddp, lambda: theirs.zero_grad(set_to_none=opts["torch_set_to_none"]), world)
+    return args, mesh, dp, ddp, fivecut, torch_side
+
+
+def max_rel_diff(xs, ys) -> float:
+    """Largest |x - y| / max|y| over pairs of tensors (0 when identical)."""
+    worst = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        scale = y.abs().max().item() or 1.0
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
+def rank_main(opts: dict) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    args, mesh, dp, ddp, fivecut, torch_side = build_sides(opts, world)
+    batch, seq = opts["batch"], opts["seq"]
+    gen = torch.Generator().manual_seed(1234 + rank)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # [b, s] each
+    global_tokens = world * batch * seq
+
+    # Same work: one backward each, then every summed gradient must agree.
+    loss_a = fivecut.forward_backward(inputs, targets, global_tokens)
+    loss_b = torch_side.forward_backward(inputs, targets, global_tokens) / world
+    params_a, params_b = list(fivecut.model.parameters()), list(torch_side.model.parameters())
+    grad_diff = max_rel_diff([p.grad for p in params_a], [p.grad for p in params_b])
+    grad_bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(params_a, params_b))
+    if grad_diff > GRAD_RTOL:
+        raise AssertionError(f"rank {rank}: fivecut and torch gradients differ by {grad_diff:.3g} (> {GRAD_RTOL})")
+    fivecut.optimizer.step()
+    torch_side.optimizer.step()
+
+    step_a = lambda: fivecut.step(inputs, targets, global_tokens)  # noqa: E731
+    step_b = lambda: torch_side.step(inputs, targets, global_tokens)  # noqa: E731
+    started = time.perf_counter()
+    runs = {FIVECUT: [], TORCH: []}
+    for r in range(opts["repeats"]):
+        # one repeat at a time so that rank 0 can report progress; interleave() alternates the order
+        order = {FIVECUT: step_a, TORCH: step_b} if r % 2 == 0 else {TORCH: step_b, FIVECUT: step_a}
+        one = interleave(order, opts["steps"], repeats=1, warmup=opts["warmup"])
+        for name in one:
+            runs[name] += one[name]
+        if rank == 0:
+            ratio = median(runs[FIVECUT][-1]) / median(runs[TORCH][-1])
+            print(
+                f"  repeat {r + 1}/{opts['repeats']} ({' then '.join(order)}): "
+                f"fivecut {format_seconds(median(runs[FIVECUT][-1]))}, torch {format_seconds(median(runs[TORCH][-1]))}, "
+                f"ratio {format_ratio(ratio)}  [{time.perf_counter() - started:.0f} s]",
+                flush=True,
+            )
+    param_diff = max_rel_diff(params_a, params_b)  # same trajectory after every step taken
+    ddp_info = ddp._get_ddp_logging_data()
+    return dict(
+        runs=runs,
+        loss=(float(loss_a), float(loss_b)),
+        grad_diff=grad_diff,
+        grad_bitwise=grad_bitwise,
+        param_diff=param_diff,
+        params=sum(p.numel() for p in params_a),
+        fivecut_buckets=[b.flat.numel() * b.flat.element_size() for b in dp.buckets],
+        torch_buckets=str(ddp_info.get("bucket_sizes", "?")),
+        all_reduces=len(mesh.ledger.records),
+    )
+
+
+def report(opts: dict, results: list[dict], elapsed: float) -> str:
+    r0 = results[0]
+    runs = r0["runs"]  # step times are already the slowest rank's
+    cmp = compare(runs, FIVECUT, TORCH)
+    tokens = opts["world"] * opts["batch"] * opts["seq"]
+    rows = []
+    for name in (FIVECUT, TORCH):
+        medians = [median(run) for run in runs[name]]
+        rows.append(
+            [
+                name,
+                format_seconds(median(all_steps(runs[name]))),
+                f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
+                format_rate(tokens / median(all_steps(runs[name]))),
+            ]
+        )
+    lo, hi = cmp.spread
+    rows.append(["ratio fivecut / torch", format_ratio(cmp.ratio), f"{format_ratio(lo)} .. {format_ratio(hi)}", ""])
+    table = markdown_table(["", "median step", "repeat medians (min .. max)", "tokens/s (global)"], rows)
+    worst_grad = max(r["grad_diff"] for r in results)
+    worst_param = max(r["param_diff"] for r in results)
+    bitwise = all(r["grad_bitwise"] for r in results)
+    mb = lambda xs: ", ".join(f"{x / 2**20:.1f}" for x in xs)  # noqa: E731
+    lines = [
+        f"model {opts['model']} ({r0['params'] / 1e6:.2f}M parameters), {opts['world']} gloo ranks x 1 thread, "
+        f"batch {opts['batch']} x {opts['seq']} tokens per rank, bucket {opts['bucket_mb']} MB, "
+        f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) each, "
+        f"torch zero_grad(set_to_none={opts['torch_set_to_none']})",
+        f"machine: {machine()}",
+        f"same work: loss {r0['loss'][0]:.6f} vs {r0['loss'][1]:.6f}; gradients after one step "
+        f"{'bitwise equal' if bitwise else f'max rel diff {worst_grad:.2e}'} on every rank; "
+        f"parameters after all steps max rel diff {worst_param:.2e}",
+        f"buckets (MB): fivecut [{mb(r0['fivecut_buckets'])}] ({r0['all_reduces']} all-reduces/step); "
+        f"torch [{r0['torch_buckets']}] (bytes)",
+        "",
+        table,
+        "",
+        f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}; wall time {elapsed:.0f} s",
+        f"ratio={cmp.ratio:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def parse(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small", help="fivecut preset (small, tiny, tiny-gpt2, ...)")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per candidate per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument(
+        "--torch-set-to-none", action="store_true",
+        help="zero torch's gradients with set_to_none=True (its default) instead of zeroing the bucket views",
+    )
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
+    return vars(p.parse_args(argv))
+
+
+def main(argv=None) -> None:
+    opts = parse(argv)
+    print(f"benchmarks/ddp.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
+    started = time.perf_counter()
+    results = spawn(rank_main, opts["world"], opts, timeout_s=opts["timeout"])
+    print(report(opts, results, time.perf_counter() - started), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""DDP parity: data-parallel ranks reproduce single-process training.
+
+Tolerances (fp32): the only difference from the reference is the order in which
+floating-point sums are taken (per-rank partial sums, then the all-reduce), so
+  - logits: rtol 1e-5, atol 1e-6 (a matmul over fewer rows may block differently);
+  - gradients: rtol 1e-5, atol 1e-7 (gradient entries are ~1e-4..1e-2);
+  - losses over optimizer steps: rtol 1e-5 (the project's bar for every cut).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fivecut.config import Config, load_config
+from fivecut.launch import spawn
+from fivecut.mesh import Mesh, ParallelDims
+from fivecut.model import build_model, get_preset
+from fivecut.parallel.data import DataParallel, plan_buckets
+from fivecut.train.data import BatchSampler
+from fivecut.train.trainer import token_loss_sum, train
+
+LOSS_RTOL = 1e-5
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+LOGIT_TOL = dict(rtol=1e-5, atol=1e-6)
+
+TOKENS = np.random.default_rng(0).integers(0, 256, size=20_000).astype(np.uint16)
+
+
+def sampler() -> BatchSampler:
+    return BatchSampler(TOKENS, seq_len=32, global_batch=8, seed=3)
+
+
+def one_step_gradients(dp: int, accumulate: int, bucket_mb: float):
+    """Gradients of one step (all micro-steps), the first micro-step's logits, the loss share."""
+    model = build_model(get_preset("tiny"), seed=0)
+    rank, sync = 0, None
+    if dp > 1:
+        mesh = Mesh(ParallelDims(dp=dp), "cpu")
+        rank = mesh.coordinate("dp")
+        sync = DataParallel(model, mesh.group("dp_cp"), bucket_mb=bucket_mb)
+    s = sampler()
+    batches = s.local_batches(step=1, dp_rank=rank, dp_size=dp, accumulate=accumulate)
+    first_logits, loss_share = None, 0.0
+    for i, (inputs, targets) in enumerate(batches):
+        accumulating = sync is not None and i < len(batches) - 1
+        with sync.no_sync() if accumulating else contextlib.nullcontext():
+            logits = model(inputs)
+            loss = token_loss_sum(logits, targets) / s.tokens_in_global_batch()
+            loss.backward()
+        first_logits = logits.detach() if first_logits is None else first_logits
+        loss_share += float(loss.detach())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return grads, first_logits, loss_share
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dp,accumulate,bucket_mb", [(2, 1, 25.0), (4, 1, 0.05), (2, 2, 0.05)])
+def test_gradients_and_logits_match_single_process(dp, accumulate, bucket_mb):
+    ref_grads, ref_logits, ref_loss = one_step_gradients(1, 1, bucket_mb)
+    results = spawn(one_step_gradients, dp, dp, accumulate, bucket_mb)
+    for grads, _, _ in results:
+        assert grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    rows = ref_logits.shape[0] // (dp * accumulate)
+    for rank, (_, logits, _) in enumerate(results):
+        torch.testing.assert_close(logits, ref_logits[rank * rows : (rank + 1) * rows], **LOGIT_TOL)
+    assert sum(r[2] for r in results) == pytest.approx(ref_loss, rel=LOSS_RTOL)
+
+
+def test_buckets_follow_order_and_size():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 20, 30, 5)]
+    buckets = plan_buckets(params, bucket_bytes=4 * 30)
+    assert [[p.numel() for p in b] for b in buckets] == [[10, 20], [30], [5]]
+
+
+def unused_parameter_step():
+    mesh = Mesh(ParallelDims(dp=2), "cpu")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
+    sync = DataParallel(model, mesh.group("dp_cp"), bucket_mb=1e-5)  # one bucket per parameter
+    x = torch.full((2, 4), float(mesh.coordinate("dp") + 1))
+    model["used"](x).sum().backward()
+    return model["used"].weight.grad.clone(), model["unused"].weight.grad.clone()
+
+
+@pytest.mark.multirank
+def test_unused_parameters_do_not_hang():
+    results = spawn(unused_parameter_step, 2, timeout_s=60)
+    used, unused = results[0]
+    torch.testing.assert_close(used, results[1][0])
+    assert torch.all(used == 3 * 2)  # rows of 1s and 2s from the two ranks, 2 rows each, summed
+    assert torch.all(unused == 0)
+
+
+def run_config(cfg: Config):
+    return train(cfg, quiet=True).losses
+
+
+def small_config(cache_dir: str, *overrides: str) -> Config:
+    base = [
+        "train.steps=6",
+        "train.seq_len=32",
+        "train.global_batch=8",
+        "train.warmup=2",
+        "train.eval_every=0",
+        f'data.cache_dir="{cache_dir}"',
+        "log.progress=false",
+        "log.plot=false",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.mark.multirank
+def test_losses_over_steps_match_for_dp_and_accumulation(byte_cache, tmp_path):
+    reference = spawn(run_config, 1, small_config(byte_cache, f'log.out_dir="{tmp_path}/ref"'))[0]
+    layouts = {
+        "dp=2": small_config(byte_cache, "parallel.dp=2", f'log.out_dir="{tmp_path}/a"'),
+        "accumulate=4": small_config(byte_cache, "train.accumulate=4", f'log.out_dir="{tmp_path}/b"'),
+        "dp=2,accumulate=2": small_config(byte_cache, "parallel.dp=2", "train.accumulate=2", f'log.out_dir="{tmp_path}/c"'),
+    }
+    for name, cfg in layouts.items():
+        losses = spawn(run_config, cfg.parallel.world_size, cfg)[0]
+        np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL, err_msg=name)
+    assert reference[-1] < reference[0]  # it is actually training
+
