@@ -216,7 +216,8 @@ def test_divisors():
 
 
 def mesh_layouts():
-    """On each of 4 ranks, build two meshes and report every group as this rank sees it."""
+    """On each of 4 ranks, build three meshes and report every group as this rank sees it."""
+    import torch
     import torch.distributed as dist
 
     from fivecut.ledger import Ledger
@@ -242,8 +243,6 @@ def mesh_layouts():
         for name in ("pp", "dp", "tp", "dp_cp"):
             g = mesh.group(name)
             if g.pg is not None:
-                import torch
-
                 t = torch.tensor([float(dist.get_rank())])
                 dist.all_reduce(t, group=g.pg)
                 sums[name] = t.item()
@@ -254,6 +253,12 @@ def mesh_layouts():
             "sums": sums,
             "mesh_ledger": mesh.ledger is ledger,
         }
+    # dp=2, cp=2: dp_cp is the whole world, a group over two mesh dims
+    mesh = Mesh(ParallelDims(dp=2, cp=2), "cpu")
+    g = mesh.group("dp_cp")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t, group=g.pg)
+    out["dp2cp2"] = (mesh.group("cp").ranks, mesh.group("dp").ranks, g.ranks, g.rank, t.item())
     return out
 
 
@@ -297,25 +302,9 @@ def test_mesh_groups_on_four_ranks():
         assert g["tp"]["size"] == 1 and g["cp"]["size"] == 1
         assert m["sums"] == {"pp": float(sum(pp_groups[rank])), "dp": float(sum(dp_groups[rank])), "dp_cp": float(sum(dp_groups[rank]))}
 
-
-def mesh_with_cp():
-    """dp=2, cp=2 on 4 ranks: dp_cp is the whole world, a group over two mesh dims."""
-    import torch
-    import torch.distributed as dist
-
-    from fivecut.mesh import Mesh
-
-    mesh = Mesh(ParallelDims(dp=2, cp=2), "cpu")
-    g = mesh.group("dp_cp")
-    t = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(t, group=g.pg)
-    return mesh.group("cp").ranks, mesh.group("dp").ranks, g.ranks, g.rank, t.item()
-
-
-@pytest.mark.multirank
-def test_dp_cp_group_spans_two_dims():
-    results = spawn(mesh_with_cp, 4, timeout_s=120)
-    for rank, (cp, dp, dp_cp, dp_cp_rank, total) in enumerate(results):
+    # ---- dp=2, cp=2: cp inside dp, dp_cp is all four ranks
+    for rank, res in enumerate(results):
+        cp, dp, dp_cp, dp_cp_rank, total = res["dp2cp2"]
         assert cp == ((0, 1) if rank < 2 else (2, 3))
         assert dp == ((0, 2) if rank % 2 == 0 else (1, 3))
         assert dp_cp == (0, 1, 2, 3) and dp_cp_rank == rank

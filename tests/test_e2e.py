@@ -1,0 +1,84 @@
+"""End to end: the CLI as a user runs it (subprocesses, real corpus, real collectives)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+QUICK = ["--set", "train.seq_len=32", "--set", "train.global_batch=4", "--set", "train.eval_every=2", "--set", "train.eval_batches=2"]
+
+
+def fivecut(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fivecut", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "fivecut", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_key_is_refused_with_a_suggestion():
+    run = fivecut("train", "--set", "train.stepz=3")
+    assert run.returncode != 0
+    assert "train.stepz" in run.stderr and "train.steps" in run.stderr
+
+
+def test_impossible_layout_is_refused_before_any_process_starts():
+    run = fivecut("verify", "--layout", "tp=3", timeout=60)
+    assert run.returncode != 0
+    assert "n_heads=4" in run.stderr and "tp=3" in run.stderr
+    assert "verify:" not in run.stdout  # nothing was started
+
+
+def test_verify_dp2_passes(byte_cache):
+    run = fivecut("verify", "--layout", "dp=2", "--steps", "3", "--set", f'data.cache_dir="{byte_cache}"')
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().splitlines()[-1].startswith("PASS max_rel_loss_diff=")
+
+
+def test_ledger_dp2_matches_the_closed_form(byte_cache):
+    run = fivecut("ledger", "--layout", "dp=2", "--set", f'data.cache_dir="{byte_cache}"')
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "ratio=1.000"
+    assert "all_reduce" in run.stdout and "backward" in run.stdout
+
+
+def train_args(cache: str, out: str, steps: int = 4) -> list[str]:
+    return ["train", "--set", f"train.steps={steps}", "--set", f'data.cache_dir="{cache}"', "--set", f'log.out_dir="{out}"', *QUICK]
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_one_process_logs_metrics_and_plots(byte_cache, tmp_path):
+    run = fivecut(*train_args(byte_cache, str(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    text = run.stdout + run.stderr
+    for needle in ("tok/s", "MFU", "model-state memory", "val", "loss curve:"):
+        assert needle in text
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert "val_loss" in records[1] and "mfu" in records[0]
+
+
+@pytest.mark.multirank
+def test_torchrun_dp2_logs_the_same_losses(byte_cache, tmp_path):
+    single = fivecut(*train_args(byte_cache, str(tmp_path / "one")))
+    assert single.returncode == 0, single.stderr
+    double = torchrun(2, *train_args(byte_cache, str(tmp_path / "two")), "--set", "parallel.dp=2")
+    assert double.returncode == 0, double.stderr
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+
+
+def test_torchrun_with_the_wrong_world_size_names_the_fix(byte_cache, tmp_path):
+    run = torchrun(2, *train_args(byte_cache, str(tmp_path)))
+    assert run.returncode != 0
+    assert "2 processes" in run.stderr and "parallel.dp=2" in run.stderr
