@@ -51,6 +51,20 @@ class Group:
         return self.ranks[group_rank]
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message says which rank, op, cut and group."""
+
+
+def _run(name: str, group: Group, call, /, *args, **kwargs):
+    """Issue `call`; a failure (gloo/NCCL error, timeout) is re-raised naming rank, op and cut."""
+    try:
+        return call(*args, **kwargs)
+    except RuntimeError as err:
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: {name} on the {group.cut} group (ranks {list(group.ranks)}) failed: {err}"
+        ) from err
+
+
 # ---------------------------------------------------------------- plain collectives
 
 
@@ -59,7 +73,7 @@ def all_reduce(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
     if group.size == 1:
         return None
     group.ledger.record("all_reduce", group.cut, group.size, x.numel(), x.element_size())
-    return dist.all_reduce(x, op=op, group=group.pg, async_op=async_op)
+    return _run("all_reduce", group, dist.all_reduce, x, op=op, group=group.pg, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
@@ -68,7 +82,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: 
         out.copy_(x)
         return None
     group.ledger.record("all_gather", group.cut, group.size, out.numel(), out.element_size())
-    return _all_gather_single(out, x, group=group.pg, async_op=async_op)
+    return _run("all_gather", group, _all_gather_single, out, x, group=group.pg, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -77,7 +91,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, op=dis
         out.copy_(x)
         return None
     group.ledger.record("reduce_scatter", group.cut, group.size, x.numel(), x.element_size())
-    return _reduce_scatter_single(out, x, op=op, group=group.pg, async_op=async_op)
+    return _run("reduce_scatter", group, _reduce_scatter_single, out, x, op=op, group=group.pg, async_op=async_op)
 
 
 def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -113,8 +127,14 @@ def all_to_all_single(
     out = x.new_empty((rows_out, *x.shape[1:]))
     sent_rows = (sum(in_splits) - in_splits[group.rank]) if in_splits is not None else x.shape[0] * (group.size - 1) / group.size
     group.ledger.record("all_to_all", group.cut, group.size, x.numel(), x.element_size(), wire_bytes=sent_rows * row * x.element_size())
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group.pg)
+    _run("all_to_all", group, dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group.pg)
     return out
+
+
+def wait(work, op: str, group: Group) -> None:
+    """Wait for an asynchronous collective, naming it if it fails or times out."""
+    if work is not None:
+        _run(op, group, work.wait)
 
 
 def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group):
@@ -126,7 +146,7 @@ def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tor
     for tensor, peer in recvs:
         group.ledger.record("recv", group.cut, group.size, tensor.numel(), tensor.element_size())
         ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group=group.pg))
-    return dist.batch_isend_irecv(ops) if ops else []
+    return _run("send/recv", group, dist.batch_isend_irecv, ops) if ops else []
 
 
 # ---------------------------------------------------------------- autograd primitives

@@ -111,8 +111,7 @@ class DataParallel:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
+            comm.wait(bucket.work, "all_reduce", self.group)
             bucket.work, bucket.ready = None, 0
         self._next = 0
         self._callback_queued = False
