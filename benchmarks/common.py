@@ -137,10 +137,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], alig
     return "\n".join([markdown_row(header), markdown_row(rule), *(markdown_row(r) for r in rows)])
 
 
+def load_average() -> str:
+    """1/5/15-minute load averages (the benchmark's own ranks count in them once running)."""
+    return "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
 def machine() -> str:
     """One line about where the numbers come from, load included (they are noisy otherwise)."""
-    load = "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {platform.system()}, "
-        f"torch {torch.__version__}, python {platform.python_version()}, load average {load}"
+        f"torch {torch.__version__}, python {platform.python_version()}, load average {load_average()}"
     )

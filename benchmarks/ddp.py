@@ -1,7 +1,12 @@
 """fivecut's DataParallel against torch.nn.parallel.DistributedDataParallel.
 
-    python benchmarks/ddp.py [--model small|tiny|tiny-gpt2] [--world 2] [--steps 20] [--repeats 5]
-                             [--batch 8] [--seq 128] [--bucket-mb 25]
+    python benchmarks/ddp.py [--model tiny|tiny-gpt2|small] [--world 2] [--steps 20] [--repeats 5]
+                             [--batch 8] [--seq 128] [--bucket-mb 25] [--torch-set-to-none]
+
+The default model is `tiny` (0.85M parameters), not `small`: on the 2-core CPU machine the
+defaults take about 40 s with `tiny`, about 4 min with `tiny-gpt2` (0.85 s a step, the GPT-2
+vocabulary's head and loss dominate) and about 14 min with `small` (3.5-4 s a step). For
+`small`, `--steps 5 --repeats 3` fits in about 3 minutes.
 
 Each of `world` gloo ranks (fivecut.launch.spawn, one thread per rank) builds the same model
 from the same seed twice: one copy wrapped by fivecut's DataParallel over the dp group, the
@@ -39,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     format_ratio,
     format_seconds,
     interleave,
+    load_average,
     machine,
     markdown_table,
     median,
@@ -107,6 +113,14 @@ def max_rel_diff(xs, ys) -> float:
     return worst
 
 
+def torch_bucket_bytes(ddp) -> list[int]:
+    """Sizes of torch's buckets as rebuilt after the first step (private API; empty if it moved)."""
+    try:
+        return [b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    except (AttributeError, RuntimeError):
+        return []
+
+
 def rank_main(opts: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     args, mesh, dp, ddp, fivecut, torch_side = build_sides(opts, world)
@@ -146,7 +160,6 @@ def rank_main(opts: dict) -> dict:
                 flush=True,
             )
     param_diff = max_rel_diff(params_a, params_b)  # same trajectory after every step taken
-    ddp_info = ddp._get_ddp_logging_data()
     return dict(
         runs=runs,
         loss=(float(loss_a), float(loss_b)),
@@ -155,12 +168,12 @@ def rank_main(opts: dict) -> dict:
         param_diff=param_diff,
         params=sum(p.numel() for p in params_a),
         fivecut_buckets=[b.flat.numel() * b.flat.element_size() for b in dp.buckets],
-        torch_buckets=str(ddp_info.get("bucket_sizes", "?")),
+        torch_buckets=torch_bucket_bytes(ddp),
         all_reduces=len(mesh.ledger.records),
     )
 
 
-def report(opts: dict, results: list[dict], elapsed: float) -> str:
+def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     r0 = results[0]
     runs = r0["runs"]  # step times are already the slowest rank's
     cmp = compare(runs, FIVECUT, TORCH)
@@ -172,13 +185,18 @@ def report(opts: dict, results: list[dict], elapsed: float) -> str:
             [
                 name,
                 format_seconds(median(all_steps(runs[name]))),
+                format_seconds(min(all_steps(runs[name]))),
                 f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
                 format_rate(tokens / median(all_steps(runs[name]))),
             ]
         )
     lo, hi = cmp.spread
-    rows.append(["ratio fivecut / torch", format_ratio(cmp.ratio), f"{format_ratio(lo)} .. {format_ratio(hi)}", ""])
-    table = markdown_table(["", "median step", "repeat medians (min .. max)", "tokens/s (global)"], rows)
+    fastest = min(all_steps(runs[FIVECUT])) / min(all_steps(runs[TORCH]))
+    rows.append(
+        ["ratio fivecut / torch", format_ratio(cmp.ratio), format_ratio(fastest), f"{format_ratio(lo)} .. {format_ratio(hi)}", ""]
+    )
+    header = ["", "median step", "fastest step", "repeat medians (min .. max)", "tokens/s (global, at median)"]
+    table = markdown_table(header, rows)
     worst_grad = max(r["grad_diff"] for r in results)
     worst_param = max(r["param_diff"] for r in results)
     bitwise = all(r["grad_bitwise"] for r in results)
@@ -188,12 +206,12 @@ def report(opts: dict, results: list[dict], elapsed: float) -> str:
         f"batch {opts['batch']} x {opts['seq']} tokens per rank, bucket {opts['bucket_mb']} MB, "
         f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) each, "
         f"torch zero_grad(set_to_none={opts['torch_set_to_none']})",
-        f"machine: {machine()}",
+        f"machine: {before} before, {load_average()} after",
         f"same work: loss {r0['loss'][0]:.6f} vs {r0['loss'][1]:.6f}; gradients after one step "
         f"{'bitwise equal' if bitwise else f'max rel diff {worst_grad:.2e}'} on every rank; "
         f"parameters after all steps max rel diff {worst_param:.2e}",
         f"buckets (MB): fivecut [{mb(r0['fivecut_buckets'])}] ({r0['all_reduces']} all-reduces/step); "
-        f"torch [{r0['torch_buckets']}] (bytes)",
+        f"torch [{mb(r0['torch_buckets']) or '?'}]",
         "",
         table,
         "",
@@ -205,7 +223,7 @@ def report(opts: dict, results: list[dict], elapsed: float) -> str:
 
 def parse(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="small", help="fivecut preset (small, tiny, tiny-gpt2, ...)")
+    p.add_argument("--model", default="tiny", help="fivecut preset: tiny (default), tiny-gpt2, small, ...")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=20, help="timed steps per candidate per repeat")
     p.add_argument("--repeats", type=int, default=5)
@@ -224,9 +242,10 @@ def parse(argv=None) -> dict:
 def main(argv=None) -> None:
     opts = parse(argv)
     print(f"benchmarks/ddp.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
+    before = machine()
     started = time.perf_counter()
     results = spawn(rank_main, opts["world"], opts, timeout_s=opts["timeout"])
-    print(report(opts, results, time.perf_counter() - started), flush=True)
+    print(report(opts, results, time.perf_counter() - started, before), flush=True)
 
 
 if __name__ == "__main__":

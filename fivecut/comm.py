@@ -18,6 +18,7 @@ Autograd primitives (Megatron's names in brackets):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +123,7 @@ def all_to_all_single(
     """Exchange slices of dim 0: slice i of `x` (sizes `in_splits`) goes to rank i."""
     if group.size == 1:
         return x
-    row = x[0].numel() if x.dim() > 1 else 1
+    row = math.prod(x.shape[1:])  # elements per row (x may have no rows)
     rows_out = sum(out_splits) if out_splits is not None else x.shape[0]
     out = x.new_empty((rows_out, *x.shape[1:]))
     sent_rows = (sum(in_splits) - in_splits[group.rank]) if in_splits is not None else x.shape[0] * (group.size - 1) / group.size
@@ -139,6 +140,10 @@ def wait(work, op: str, group: Group) -> None:
 
 def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group):
     """Post point-to-point sends and receives (peers are group ranks) together; returns the Works."""
+    if group.size == 1:  # a rank talking to itself: copy, nothing on the wire
+        for (sent, _), (received, _) in zip(sends, recvs):
+            received.copy_(sent)
+        return []
     ops = []
     for tensor, peer in sends:
         group.ledger.record("send", group.cut, group.size, tensor.numel(), tensor.element_size())

@@ -122,7 +122,7 @@ def parse_override(item: str) -> tuple[str, object]:
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text
+        value = text.strip()
     return key.strip(), value
 
 
@@ -155,9 +155,16 @@ def names_of(obj: object) -> list[str]:
 
 
 def unknown_key_message(dotted: str, prefix: str, names: list[str], origin: str) -> str:
-    close = difflib.get_close_matches(dotted.rsplit(".", 1)[-1], names, n=1)
-    hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(prefix + n for n in names)}"
+    close = closest(dotted.rsplit(".", 1)[-1], names)
+    hint = f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else f"; valid keys: {', '.join(prefix + n for n in names)}"
     return f"unknown config key {dotted} ({origin}){hint}"
+
+
+def closest(word: str, names: list[str]) -> list[str]:
+    """The valid names most similar to `word` (all of them when tied), best first."""
+    scored = [(difflib.SequenceMatcher(None, word, n).ratio(), n) for n in names]
+    best = max((score for score, _ in scored), default=0.0)
+    return [n for score, n in scored if score >= 0.6 and score == best]
 
 
 def checked_value(dotted: str, value: object, hint: object, origin: str) -> object:

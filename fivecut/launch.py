@@ -88,6 +88,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
             p.start()
         outcome = _collect(results, procs, timeout_s)
         _dump_stuck_stacks(procs, outcome)
+        for rank, p in enumerate(procs):
+            if rank not in outcome and p.is_alive():
+                p.kill()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -110,7 +113,8 @@ def _collect(results, procs, timeout_s: float) -> dict[int, tuple[str, object]]:
             for i in dead:
                 time.sleep(0.5)  # a result may still be in flight
                 if i not in outcome and results.empty():
-                    outcome[i] = ("error", f"rank {i} died with exit code {procs[i].exitcode} and no traceback")
+                    outcome[i] = ("died", f"exit code {procs[i].exitcode}, no traceback")
+                    deadline = min(deadline, time.monotonic() + 10)
     return outcome
 
 
@@ -129,6 +133,8 @@ def _finish(outcome, world_size: int, trace_dir: Path, timeout_s: float) -> list
     for r in range(world_size):
         if r in outcome and outcome[r][0] == "error":
             parts.append(f"--- rank {r} raised:\n{outcome[r][1]}")
+        elif r in outcome and outcome[r][0] == "died":
+            parts.append(f"--- rank {r} died: {outcome[r][1]}")
         elif r not in outcome:
             stack = (trace_dir / f"rank{r}.txt").read_text() if (trace_dir / f"rank{r}.txt").exists() else ""
             parts.append(f"--- rank {r} did not finish within {timeout_s:.0f}s; its stack:\n{stack or '(not dumped)'}")

@@ -72,9 +72,14 @@ class ParallelDims:
 
     def validate(self, model, seq_len: int, global_batch: int, accumulate: int, world_size: int | None = None) -> None:
         """Refuse a layout that cannot work for `model` (a ModelArgs), naming the numbers and a fix."""
-        problems = (
-            self._structural_problems()
-            + self._model_problems(model)
+        problems = self._structural_problems()
+        if accumulate < 1:
+            problems.append(f"train.accumulate={accumulate} must be >= 1")
+        sizes = [getattr(self, n) for n in MESH_DIMS + ("ep", "pp_virtual", "microbatches")] + [accumulate]
+        if min(sizes) < 1:  # the checks below divide by these numbers
+            raise LayoutError("invalid layout " + self.describe() + ":\n  - " + "\n  - ".join(problems))
+        problems += (
+            self._model_problems(model)
             + self._batch_problems(seq_len, global_batch, accumulate)
             + self._world_problems(world_size)
         )
@@ -140,9 +145,15 @@ class ParallelDims:
     def _world_problems(self, world_size: int | None) -> list[str]:
         if world_size is None or world_size == self.world_size:
             return []
+        rest = self.world_size // self.dp  # pp*cp*tp
+        fix = (
+            f"e.g. parallel.dp={world_size // rest}"
+            if world_size % rest == 0
+            else f"pp*cp*tp = {rest} must divide {world_size}"
+        )
         return [
             f"pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp} = {self.world_size} but {world_size} processes "
-            f"were started; make the product {world_size} (e.g. parallel.dp={world_size // (self.world_size // self.dp) or 1})"
+            f"were started; make the product {world_size} ({fix})"
         ]
 
     def unimplemented(self) -> list[str]:

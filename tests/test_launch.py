@@ -51,12 +51,15 @@ def explode_in_rank_one():
     """Rank 1 raises; rank 2 vanishes without a traceback; rank 0 waits in a collective for them."""
     import torch.distributed as dist
 
+    from fivecut import comm
+    from fivecut.ledger import Ledger
+
     rank = dist.get_rank()
     if rank == 1:
         raise ValueError("rank one exploded with code 4242")
     if rank == 2:
         os._exit(3)
-    dist.all_reduce(torch.ones(1))
+    comm.all_reduce(torch.ones(1), comm.Group("dp", (0, 1, 2), dist.group.WORLD, Ledger()))
     return "unreachable"
 
 
@@ -72,9 +75,11 @@ def test_a_rank_that_raises_or_dies():
     assert "ValueError: rank one exploded with code 4242" in msg
     assert "Traceback (most recent call last)" in msg and "explode_in_rank_one" in msg
     # rank 2: no traceback, but its exit code
-    assert "rank 2 died with exit code 3" in msg
+    assert "rank 2 died: exit code 3" in msg
     # rank 0 never got its all_reduce: either it failed when its peers vanished, or it was killed
     assert "--- rank 0 raised:" in msg or "--- rank 0 did not finish" in msg
+    if "--- rank 0 raised:" in msg:  # the failed collective is named: rank, op, cut, group
+        assert "CollectiveError: rank 0: all_reduce on the dp group (ranks [0, 1, 2]) failed" in msg
     assert "unreachable" not in msg
     # not the 120 s timeout: a failed rank ends the run after a short grace
     assert elapsed < 60, elapsed

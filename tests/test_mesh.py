@@ -309,3 +309,18 @@ def test_mesh_groups_on_four_ranks():
         assert dp == ((0, 2) if rank % 2 == 0 else (1, 3))
         assert dp_cp == (0, 1, 2, 3) and dp_cp_rank == rank
         assert total == 10.0
+
+
+# ---------------------------------------------------------------- regressions
+
+
+@pytest.mark.parametrize("dims,accumulate", [(ParallelDims(tp=0), 1), (ParallelDims(dp=0), 1), (ParallelDims(), 0)])
+def test_zero_sizes_are_refused_not_divided_by(dims, accumulate):
+    with pytest.raises(LayoutError, match="must be >= 1"):
+        dims.validate(TINY, 128, 8, accumulate)
+
+
+def test_world_size_fix_is_only_offered_when_it_exists():
+    assert "parallel.dp=2" in problems(ParallelDims(tp=2), world_size=4)
+    msg = problems(ParallelDims(tp=4), world_size=2)
+    assert "pp*cp*tp = 4 must divide 2" in msg and "parallel.dp=" not in msg
