@@ -129,3 +129,20 @@ def test_losses_over_steps_match_for_dp_and_accumulation(byte_cache, tmp_path):
         np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL, err_msg=name)
     assert reference[-1] < reference[0]  # it is actually training
 
+
+
+def step_after_set_to_none():
+    mesh = Mesh(ParallelDims(dp=2), "cpu")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    sync = DataParallel(model, mesh.group("dp_cp"))
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)  # detaches .grad from the bucket
+    model(torch.full((1, 4), float(mesh.coordinate("dp") + 1))).sum().backward()
+    return model.weight.grad.clone()
+
+
+@pytest.mark.multirank
+def test_gradients_still_synchronized_after_optimizer_zero_grad():
+    first, second = spawn(step_after_set_to_none, 2, timeout_s=60)
+    torch.testing.assert_close(first, second)
+    assert torch.all(first == 1 + 2)

@@ -72,6 +72,7 @@ class DataParallel:
         backward_order = list(reversed(self.params))
         self.buckets = [bucket_views(ps) for ps in plan_buckets(backward_order, int(bucket_mb * 2**20))]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.view_of = {p: p.grad for p in self.params}  # each .grad's place in its bucket
         self.sync = True
         self._callback_queued = False
         self._next = 0  # index of the next bucket to launch
@@ -90,8 +91,18 @@ class DataParallel:
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.flat.zero_()
+        for p, view in self.view_of.items():
+            p.grad = view
+
+    def _into_bucket(self, param: nn.Parameter) -> None:
+        """If `.grad` was replaced (e.g. optimizer.zero_grad(set_to_none=True)), move it back into the bucket."""
+        view = self.view_of[param]
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self._into_bucket(param)
         if not self.sync or self.group.size == 1:
             return
         if not self._callback_queued:
