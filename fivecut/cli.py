@@ -156,9 +156,22 @@ def cmd_verify(ns) -> int:
     return 0
 
 
+def print_memory(measured: dict[str, int], cfg: Config) -> None:
+    from fivecut.plan.memory import formula, model_state_bytes
+    from fivecut.train.memory import format_bytes
+
+    dims = cfg.parallel
+    n = dims.dp * dims.cp
+    predicted = model_state_bytes(model_args(cfg.model).num_params(), dims.zero, n)
+    print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)}, n={n})")
+    print(f"{'':<10} {'measured':>12} {'predicted':>12}")
+    for key in ("params", "grads", "optimizer", "total"):
+        print(f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12}")
+    print(f"memory_ratio={measured['total'] / predicted['total']:.3f}")
+
+
 def cmd_ledger(ns) -> int:
     from fivecut.plan.volume import predict
-    from fivecut.train.memory import format_bytes
 
     cfg = layout_config(ns)
     results = run_spawned(cfg, ns.timeout)
@@ -166,7 +179,7 @@ def cmd_ledger(ns) -> int:
     print(f"ledger: {cfg.model.preset}, layout {cfg.parallel.describe()}, step {cfg.train.steps}, rank 0")
     print(format_rows(mine.ledger_rows))
     print()
-    print("model-state memory, rank 0: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mine.memory.items()))
+    print_memory(mine.memory, cfg)
     predicted = predict(model_args(cfg.model), cfg)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")

@@ -68,7 +68,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
-    dtype: str = "fp32"  # "fp32" | "bf16" (autocast, fp32 master weights)
+    dtype: str = "fp32"  # "fp32" | "bf16" (autocast compute, fp32 master weights and optimizer state)
+    reduce_dtype: str = "fp32"  # dtype of gradient reductions: "fp32" | "bf16"
     seed: int = 0
     eval_every: int = 50  # 0 disables periodic validation
     eval_batches: int = 8

@@ -25,7 +25,6 @@ CP_MODES = ("ring", "ulysses")
 # What this version can run. Each later cut widens its entry; anything outside is refused
 # with the issue that brings it, never silently ignored.
 IMPLEMENTED = {
-    "zero": ({0}, "ZeRO-1/2/3 (the ZeRO issue)"),
     "tp": ({1}, "tensor parallelism (the tensor/sequence-parallel issue)"),
     "sp": ({False}, "sequence parallelism (the tensor/sequence-parallel issue)"),
     "pp": ({1}, "pipeline parallelism (the pipeline issue)"),
@@ -42,6 +41,7 @@ class LayoutError(ValueError):
 class ParallelDims:
     dp: int = 1  # data-parallel replicas
     zero: int = 0  # 0 = DDP; 1/2/3 shard optimizer state / + gradients / + parameters over dp
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward (re-gather for backward)
     tp: int = 1  # tensor-parallel ranks (inside a node)
     sp: bool = False  # Megatron sequence parallelism inside the tp group
     pp: int = 1  # pipeline stages (ranks)

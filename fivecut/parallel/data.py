@@ -8,10 +8,13 @@ Gradients live in flat buckets (one contiguous buffer per ~`bucket_mb` of parame
 in the reverse order of the parameters, which is roughly the order backward produces
 them); each parameter's `.grad` is a view into its bucket, so autograd accumulates
 straight into the buffer that is communicated. A post-accumulate-grad hook counts the
-gradients that are ready; a full bucket is all-reduced asynchronously while backward
+gradients that are ready; a full bucket is reduced asynchronously while backward
 carries on with earlier layers. Buckets are launched strictly in index order so that
 every rank issues the same collectives in the same order. At the end of backward a
 queued callback launches whatever is left (unused parameters) and waits for all.
+
+`GradReducer` is that machinery without the choice of collective; DDP all-reduces,
+ZeRO-1/2 (`fivecut.parallel.zero`) reduce-scatter.
 
 Communication per optimizer step: one all-reduce of every gradient, 2(n-1)/n x 4Phi bytes
 on the wire per rank in fp32 (Phi = number of parameters).
@@ -19,6 +22,7 @@ on the wire per rank in fp32 (Phi = number of parameters).
 
 from __future__ import annotations
 
+import abc
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,16 +33,24 @@ from fivecut import comm
 from fivecut.comm import Group
 
 
+def decays(p: torch.Tensor) -> bool:
+    """Weight decay applies to matrices (embeddings, projections, experts), not to norm weights."""
+    return p.dim() >= 2
+
+
 @dataclass(eq=False)
 class Bucket:
-    params: list[nn.Parameter]
-    flat: torch.Tensor  # [sum of numel] gradient storage of these params
+    params: list[nn.Parameter]  # in flat-buffer order: decayed parameters first
+    flat: torch.Tensor | None = None  # [padded numel] gradients of `params`, when kept in one buffer
     ready: int = 0
     work: object | None = None
+    wire: torch.Tensor | None = None  # what is on the wire when it differs from `flat` (reduce dtype)
+    out: torch.Tensor | None = None  # the reduction's result when it is not written in place
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Group parameters (in the given order) into runs of about `bucket_bytes`, one dtype per run."""
+    """Group parameters (in the given order) into runs of about `bucket_bytes`, one dtype per run;
+    inside a run the decayed parameters come first (a ZeRO shard then splits in at most two)."""
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
@@ -48,35 +60,36 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
             size = 0
         buckets[-1].append(p)
         size += p.numel() * p.element_size()
-    return buckets
+    return [sorted(b, key=lambda p: not decays(p)) for b in buckets]
 
 
-def bucket_views(params: list[nn.Parameter]) -> Bucket:
-    """Allocate one flat gradient buffer for `params` and point each `.grad` into it."""
-    total = sum(p.numel() for p in params)
+def padded(numel: int, parts: int) -> int:
+    return -(-numel // parts) * parts
+
+
+def point_grads_into(params: list[nn.Parameter], pad_to: int = 1) -> torch.Tensor:
+    """Allocate one flat gradient buffer (padded to a multiple of `pad_to`) and point each `.grad` into it."""
+    total = padded(sum(p.numel() for p in params), pad_to)
     flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
         p.grad = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
-    return Bucket(params, flat)
+    return flat
 
 
-class DataParallel:
-    """Bucketed, overlapped gradient all-reduce over `group` for the parameters of `module`."""
+class GradReducer(abc.ABC):
+    """Launch a reduction of each bucket as soon as backward has produced all its gradients."""
 
-    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0):
-        self.module = module
+    def __init__(self, buckets: list[Bucket], group: Group, reduce_dtype: torch.dtype | None = None):
         self.group = group
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        backward_order = list(reversed(self.params))
-        self.buckets = [bucket_views(ps) for ps in plan_buckets(backward_order, int(bucket_mb * 2**20))]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.view_of = {p: p.grad for p in self.params}  # each .grad's place in its bucket
+        self.buckets = buckets
+        self.reduce_dtype = reduce_dtype  # None: reduce in the gradients' own dtype
+        self.bucket_of = {p: b for b in buckets for p in b.params}
         self.sync = True
         self._callback_queued = False
         self._next = 0  # index of the next bucket to launch
-        for p in self.params:
+        for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @contextmanager
@@ -88,41 +101,88 @@ class DataParallel:
         finally:
             self.sync = previous
 
+    def reducing(self) -> bool:
+        """Whether this backward pass communicates."""
+        return self.sync and self.group.size > 1
+
+    def after_step(self) -> None:
+        """Called after the optimizer step (ZeRO gathers the updated parameters here)."""
+
+    def grad_arrived(self, param: nn.Parameter) -> None:
+        """A gradient was accumulated into `param.grad` (subclasses keep it in place)."""
+
+    @abc.abstractmethod
+    def launch(self, bucket: Bucket) -> object:
+        """Start reducing `bucket`; return the asynchronous work."""
+
+    def complete(self, bucket: Bucket) -> None:
+        """The reduction of `bucket` finished (subclasses consume its result)."""
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self.grad_arrived(param)
+        if not self.reducing():
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        self.bucket_of[param].ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        bucket = self.buckets[self._next]
+        bucket.work = self.launch(bucket)
+        self._next += 1
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left (parameters without gradient), wait for all."""
+        while self._next < len(self.buckets):
+            self._launch_next()
+        for bucket in self.buckets:
+            comm.wait(bucket.work, "reduction", self.group)
+            self.complete(bucket)
+            bucket.work, bucket.ready, bucket.wire = None, 0, None
+        self._next = 0
+        self._callback_queued = False
+
+    def to_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tensor to communicate: `flat` itself, or a copy in the reduce dtype."""
+        if self.reduce_dtype is None or self.reduce_dtype == flat.dtype:
+            return flat
+        return flat.to(self.reduce_dtype)
+
+
+class DataParallel(GradReducer):
+    """Bucketed, overlapped gradient all-reduce over `group` for the parameters of `module`."""
+
+    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None):
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        plan = plan_buckets(list(reversed(self.params)), int(bucket_mb * 2**20))
+        buckets = [Bucket(ps, point_grads_into(ps, pad_to=self.pad_to(group))) for ps in plan]
+        super().__init__(buckets, group, reduce_dtype)
+        self.view_of = {p: p.grad for p in self.params}  # each .grad's place in its bucket
+
+    def pad_to(self, group: Group) -> int:
+        return 1
+
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.flat.zero_()
         for p, view in self.view_of.items():
             p.grad = view
 
-    def _into_bucket(self, param: nn.Parameter) -> None:
+    def grad_arrived(self, param: nn.Parameter) -> None:
         """If `.grad` was replaced (e.g. optimizer.zero_grad(set_to_none=True)), move it back into the bucket."""
         view = self.view_of[param]
         if param.grad is not view:
             view.copy_(param.grad)
             param.grad = view
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        self._into_bucket(param)
-        if not self.sync or self.group.size == 1:
-            return
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._callback_queued = True
-        bucket = self.bucket_of[param]
-        bucket.ready += 1
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
+    def launch(self, bucket: Bucket) -> object:
+        bucket.wire = self.to_wire(bucket.flat)
+        return comm.all_reduce(bucket.wire, self.group, async_op=True)
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True)
-        self._next += 1
-
-    def _finish(self) -> None:
-        """End of backward: launch what is left (parameters without gradient), wait for all."""
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-        for bucket in self.buckets:
-            comm.wait(bucket.work, "all_reduce", self.group)
-            bucket.work, bucket.ready = None, 0
-        self._next = 0
-        self._callback_queued = False
+    def complete(self, bucket: Bucket) -> None:
+        if bucket.wire is not bucket.flat:
+            bucket.flat.copy_(bucket.wire)

@@ -29,13 +29,12 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer):
                 yield value
 
 
-def model_state_bytes(params, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state held by this rank (deduplicated)."""
-    params = list(params)
+def model_state_bytes(params, grads, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank (each storage once)."""
     seen: set[int] = set()
     out = {
         "params": _storage_bytes(params, seen),
-        "grads": _storage_bytes([p.grad for p in params], seen),
+        "grads": _storage_bytes(grads, seen),
         "optimizer": _storage_bytes(optimizer_tensors(optimizer), seen) if optimizer is not None else 0,
     }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]

@@ -5,16 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from fivecut import comm
 from fivecut.comm import Group
 
 
-def build_optimizer(params: list[nn.Parameter], lr: float, weight_decay: float, betas, eps: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+def build_optimizer(pieces: list[tuple[torch.Tensor, bool]], lr: float, weight_decay: float, betas, eps: float) -> torch.optim.AdamW:
+    """AdamW over (tensor, decays) pieces: whole parameters, or ZeRO shards cut where decay changes."""
+    decay = [t for t, decayed in pieces if decayed]
+    no_decay = [t for t, decayed in pieces if not decayed]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 

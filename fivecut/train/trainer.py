@@ -31,6 +31,9 @@ from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)  # training loss per step
@@ -72,8 +75,9 @@ def validate(cfg: Config, world_size: int | None = None):
     t = cfg.train
     if t.seq_len > args.max_seq_len:
         raise ValueError(f"train.seq_len={t.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set model.max_seq_len")
-    if t.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"train.dtype={t.dtype!r}; choose fp32 or bf16")
+    for key in ("dtype", "reduce_dtype"):
+        if getattr(t, key) not in DTYPES:
+            raise ValueError(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
     cfg.parallel.validate(args, t.seq_len, t.global_batch, t.accumulate, world_size)
     return args
 
@@ -90,9 +94,9 @@ def setup(cfg: Config) -> Context:
             f"set model.vocab_size >= {vocab} or use a preset made for this tokenizer"
         )
     model = build_model(args, device=device, seed=cfg.train.seed)
-    par = parallelize(model, mesh, bucket_mb=cfg.train.bucket_mb)
     t = cfg.train
-    optimizer = build_optimizer(par.params, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    par = parallelize(model, mesh, bucket_mb=t.bucket_mb, reduce_dtype=DTYPES[t.reduce_dtype])
+    optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
     val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
@@ -112,7 +116,7 @@ def forward_backward(ctx: Context, step: int) -> torch.Tensor:
     total = torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(batches):
         last = i == len(batches) - 1
-        sync = contextlib.nullcontext() if last else ctx.par.grad_sync.no_sync()
+        sync = contextlib.nullcontext() if last else ctx.par.sync.no_sync()
         with sync:
             with ctx.mesh.ledger.phase("forward"), ctx.autocast():
                 loss = token_loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device)) / denominator
@@ -125,10 +129,10 @@ def forward_backward(ctx: Context, step: int) -> torch.Tensor:
 def optimizer_step(ctx: Context, step: int) -> float:
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
-        grads = [p.grad for p in ctx.par.params]
-        norm = clip_gradients(grads, t.grad_clip, ctx.par.grad_shard_group)
+        norm = clip_gradients(ctx.par.grads, t.grad_clip, ctx.par.grad_shard_group)
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
         ctx.optimizer.step()
+        ctx.par.sync.after_step()
     return norm
 
 
@@ -161,7 +165,7 @@ def train(cfg: Config, quiet: bool = False) -> RunResult:
     for step in range(1, cfg.train.steps + 1):
         ctx.mesh.ledger.begin_step(step)
         started = time.perf_counter()
-        ctx.par.grad_sync.zero_grad()
+        ctx.par.sync.zero_grad()
         local = forward_backward(ctx, step)
         norm = optimizer_step(ctx, step)
         loss = global_mean(ctx, local)
@@ -170,7 +174,7 @@ def train(cfg: Config, quiet: bool = False) -> RunResult:
         result.grad_norms.append(norm)
         record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
         if step == 1:
-            result.memory = model_state_bytes(ctx.par.params, ctx.optimizer)
+            result.memory = model_state_bytes(*ctx.par.state_tensors(), ctx.optimizer)
             log.memory(result.memory)
         if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
             record["val_loss"] = result.val_losses[step] = evaluate(ctx)
@@ -194,9 +198,9 @@ class Logger:
         self.sink = MetricsSink(out)
         (out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         self.peak, self.peak_source = peak_tflops(ctx.device, self.cfg.train.dtype, self.cfg.log.peak_tflops)
-        n_params = sum(p.numel() for p in ctx.par.params)
+        n_params = model_args(self.cfg.model).num_params()
         self.print(
-            f"fivecut: {self.cfg.model.preset} model, {n_params / 1e6:.2f}M parameters on rank 0, layout "
+            f"fivecut: {self.cfg.model.preset} model, {n_params / 1e6:.2f}M parameters, layout "
             f"{self.cfg.parallel.describe()} ({dist.get_world_size()} ranks, {ctx.device.type}), "
             f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} TFLOP/s ({self.peak_source})"
         )

@@ -1,0 +1,333 @@
+"""ZeRO-1/2/3: cut the optimizer state, then the gradients, then the parameters, over dp.
+
+Plain DP keeps three full copies on every rank: parameters (4Psi bytes in fp32),
+gradients (4Psi) and Adam's two moments (8Psi). ZeRO lays parameters end to end in flat
+buffers padded to a multiple of n (the dp group size) and gives rank r the r-th of n
+equal slices (its *shard*); each rank updates only its shard.
+
+    stage  kept whole on every rank      model-state bytes per rank   communication per step
+    1      parameters, gradients          8Psi + 8Psi/n                reduce-scatter Psi + all-gather Psi
+    2      parameters                     4Psi + 12Psi/n               the same (gradients freed per bucket)
+    3      nothing but the unit in use    16Psi/n                      all-gather x2 + reduce-scatter = 3Psi
+
+(wire bytes are these volumes x 4 bytes x (n-1)/n; with `reshard_after_forward=False`
+ZeRO-3 gathers once, 2Psi.)
+
+Stages 1 and 2 reuse the bucket machinery of DDP (`fivecut.parallel.data`): a bucket's
+gradients are reduce-scattered as soon as backward has produced them; after the
+optimizer step every rank all-gathers the updated shards into the parameters, which are
+views of the flat buffers. Stage 2 reduces every micro-step (accumulating into the
+shard) and frees each bucket's full gradients as soon as they are sent; stage 1 keeps
+them and, like DDP, communicates only on the last micro-step.
+
+Stage 3 (FSDP) cuts the model into units (each transformer block; the root unit holds
+everything else: embedding, final norm, head, so that tied weights live in one unit).
+A unit's parameters are gathered just before its first module runs and freed after its
+last module (or kept until backward when `reshard_after_forward` is false), gathered
+again when backward reaches the unit, and its gradients are reduce-scattered as soon as
+the unit's backward is done. The next unit's all-gather is issued while the current one
+computes, in forward and in backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivecut import comm
+from fivecut.comm import Group
+from fivecut.parallel.data import Bucket, DataParallel, decays, padded
+
+
+class FlatShard:
+    """`params` laid end to end (decayed ones first) in a buffer of `padded` elements, cut into
+    n equal slices; this rank owns slice `group.rank`, of `size` elements starting at `lo`."""
+
+    def __init__(self, params: list[nn.Parameter], group: Group):
+        self.params = sorted(params, key=lambda p: not decays(p))  # stable: decayed first
+        self.shapes = [p.shape for p in self.params]  # parameters may be freed (size 0) later
+        self.group = group
+        self.numel = sum(p.numel() for p in params)
+        self.padded = padded(self.numel, group.size)
+        self.size = self.padded // group.size
+        self.lo = group.rank * self.size
+        self.n_decay = sum(p.numel() for p in params if decays(p))
+        self.full: torch.Tensor | None = None  # [padded] ZeRO-1/2: the parameters' storage
+        self.local: torch.Tensor | None = None  # [size] this rank's parameters (what the optimizer updates)
+        self.grad: torch.Tensor | None = None  # [size] this rank's reduced gradient
+
+    def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+        """[padded] the tensors (parameters or gradients, in `params` order; None = zeros) end to end."""
+        flat = like.new_zeros(self.padded)
+        offset = 0
+        for t, shape in zip(tensors, self.shapes):
+            if t is not None:
+                flat[offset : offset + shape.numel()].copy_(t.reshape(-1))
+            offset += shape.numel()
+        return flat
+
+    def point_params_into(self, full: torch.Tensor) -> None:
+        """Make every parameter a view of the gathered buffer `full` [padded]."""
+        offset = 0
+        for p, shape in zip(self.params, self.shapes):
+            p.data = full[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+        """The shard cut where the decayed parameters end: [(view with .grad set, decays)]."""
+        cut = min(max(self.n_decay - self.lo, 0), self.size)
+        pieces = []
+        for start, stop, decayed in ((0, cut, True), (cut, self.size, False)):
+            if stop > start:
+                piece = self.local[start:stop]
+                piece.grad = self.grad[start:stop]
+                pieces.append((piece, decayed))
+        return pieces
+
+
+# ---------------------------------------------------------------- ZeRO-1 and ZeRO-2
+
+
+class ZeroDataParallel(DataParallel):
+    """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over `group`: replicated parameters, sharded
+    optimizer state (and, for stage 2, sharded gradients)."""
+
+    def __init__(self, module: nn.Module, group: Group, stage: int, bucket_mb: float = 25.0, reduce_dtype=None):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
+        self.stage = stage
+        super().__init__(module, group, bucket_mb, reduce_dtype)
+        self.shards = [self._shard_bucket(b) for b in self.buckets]
+        self.shard_of = dict(zip(map(id, self.buckets), self.shards))
+        if stage == 2:  # gradients live in the shards only; full ones exist per bucket, in flight
+            for bucket in self.buckets:
+                bucket.flat = None
+            for p in self.params:
+                p.grad = None
+            self.view_of = {}
+
+    def pad_to(self, group: Group) -> int:
+        return group.size
+
+    def _shard_bucket(self, bucket: Bucket) -> FlatShard:
+        shard = FlatShard(bucket.params, self.group)
+        full = shard.flatten([p.detach() for p in shard.params], like=bucket.params[0])  # [padded]
+        shard.point_params_into(full)
+        shard.full = full
+        shard.local = full[shard.lo : shard.lo + shard.size]
+        # stage 1: the reduced gradient overwrites this rank's slice of the bucket
+        shard.grad = bucket.flat[shard.lo : shard.lo + shard.size] if self.stage == 1 else full.new_zeros(shard.size)
+        return shard
+
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+        return [piece for shard in self.shards for piece in shard.optimizer_pieces()]
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [shard.grad for shard in self.shards]
+
+    def reducing(self) -> bool:
+        return self.group.size > 1 and (self.sync or self.stage == 2)
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            super().zero_grad()
+        else:
+            for shard in self.shards:
+                shard.grad.zero_()
+
+    def grad_arrived(self, param: nn.Parameter) -> None:
+        if self.stage == 1:
+            super().grad_arrived(param)
+
+    def launch(self, bucket: Bucket) -> object:
+        shard = self.shard_of[id(bucket)]
+        flat = bucket.flat
+        if self.stage == 2:  # gather this micro-step's gradients, and free them
+            flat = shard.flatten([p.grad for p in shard.params], like=shard.local)
+            for p in bucket.params:
+                p.grad = None
+        bucket.wire = self.to_wire(flat)
+        bucket.out = bucket.wire.new_empty(shard.size)
+        return comm.reduce_scatter_into(bucket.out, bucket.wire, self.group, async_op=True)
+
+    def complete(self, bucket: Bucket) -> None:
+        shard = self.shard_of[id(bucket)]
+        if self.stage == 1:
+            shard.grad.copy_(bucket.out)
+        else:
+            shard.grad.add_(bucket.out)
+        bucket.out = None
+
+    def after_step(self) -> None:
+        """Every rank updated its shard; gather all shards back into the parameters."""
+        works = [comm.all_gather_into(s.full, s.local.clone(), self.group, async_op=True) for s in self.shards]
+        for work in works:
+            comm.wait(work, "all_gather", self.group)
+
+
+# ---------------------------------------------------------------- ZeRO-3
+
+
+@dataclass(eq=False)
+class Unit:
+    """A group of modules whose parameters are gathered and freed together."""
+
+    name: str
+    modules: list[nn.Module]  # in forward order; the first gathers, the last may free
+    shard: FlatShard
+    full: torch.Tensor | None = None  # [padded] gathered parameters, while in use
+    incoming: torch.Tensor | None = None  # [padded] an all-gather in flight
+    gather_work: object | None = None
+    ready: int = 0  # parameters whose gradient this backward has produced
+    reduced: bool = False
+    reduce_work: object | None = None
+    reduce_out: torch.Tensor | None = None
+
+
+class FullyShardedDataParallel:
+    """ZeRO-3 over `group` for a `Transformer`: every parameter sharded; units gathered on use."""
+
+    def __init__(self, model: nn.Module, group: Group, reshard_after_forward: bool = True, reduce_dtype=None):
+        self.model = model
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype = reduce_dtype
+        self.units = [self._make_unit(name, modules) for name, modules in transformer_units(model)]
+        self.unit_of = {p: u for u in self.units for p in u.shard.params}
+        self.forward_order = self.units  # root first (the embedding runs first), then the blocks
+        self.backward_order = [self.units[0]] + self.units[1:][::-1]  # the head runs backward first
+        self._callback_queued = False
+        for unit in self.units:
+            self._register_hooks(unit)
+
+    # ------------------------------------------------------------ construction
+
+    def _make_unit(self, name: str, modules: list[nn.Module]) -> Unit:
+        params = unique_params(modules)
+        shard = FlatShard(params, self.group)
+        full = shard.flatten([p.detach() for p in shard.params], like=params[0])
+        shard.local = full[shard.lo : shard.lo + shard.size].clone()
+        shard.grad = torch.zeros_like(shard.local)
+        unit = Unit(name, modules, shard)
+        self._free(unit)
+        return unit
+
+    def _register_hooks(self, unit: Unit) -> None:
+        for module in unit.modules:
+            module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u, m))
+        unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
+        for p in unit.shard.params:
+            p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
+
+    # ------------------------------------------------------------ the trainer's interface
+
+    @contextmanager
+    def no_sync(self):
+        """ZeRO-3 keeps no full gradients, so every micro-step reduce-scatters: nothing to suspend."""
+        yield
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.shard.grad.zero_()
+
+    def after_step(self) -> None:
+        """Nothing to do: the next forward gathers the updated shards."""
+
+    def optimizer_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+        return [piece for unit in self.units for piece in unit.shard.optimizer_pieces()]
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [unit.shard.grad for unit in self.units]
+
+    # ------------------------------------------------------------ gather / free
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        if unit is None or unit.full is not None or unit.gather_work is not None:
+            return
+        unit.incoming = unit.shard.local.new_empty(unit.shard.padded)
+        unit.gather_work = comm.all_gather_into(unit.incoming, unit.shard.local, self.group, async_op=True)
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.full is not None:
+            return
+        self._prefetch(unit)
+        comm.wait(unit.gather_work, "all_gather", self.group)
+        unit.full, unit.incoming, unit.gather_work = unit.incoming, None, None
+        unit.shard.point_params_into(unit.full)
+
+    def _free(self, unit: Unit) -> None:
+        for p in unit.shard.params:
+            p.data = p.data.new_empty(0)
+        unit.full = None
+
+    @staticmethod
+    def _after(order: list[Unit], unit: Unit) -> Unit | None:
+        i = order.index(unit)
+        return order[i + 1] if i + 1 < len(order) else None
+
+    # ------------------------------------------------------------ hooks
+
+    def _before_forward(self, unit: Unit, module: nn.Module) -> None:
+        self._gather(unit)
+        if module is unit.modules[0]:
+            self._prefetch(self._after(self.forward_order, unit))
+
+    def _after_forward(self, unit: Unit, out) -> None:
+        training = torch.is_grad_enabled()
+        if not training or self.reshard_after_forward:
+            self._free(unit)
+        if training and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, u=unit: self._before_backward(u))
+
+    def _before_backward(self, unit: Unit) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self._gather(unit)
+        self._prefetch(self._after(self.backward_order, unit))
+
+    def _grad_ready(self, unit: Unit) -> None:
+        unit.ready += 1
+        if unit.ready == len(unit.shard.params):
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        """The unit's backward is done: send its gradients off (reduce-scatter), free them and the unit."""
+        params = unit.shard.params
+        flat = unit.shard.flatten([p.grad for p in params], like=unit.shard.local)
+        for p in params:
+            p.grad = None
+        wire = flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)
+        unit.reduce_out = wire.new_empty(unit.shard.size)
+        unit.reduce_work = comm.reduce_scatter_into(unit.reduce_out, wire, self.group, async_op=True)
+        unit.reduced = True
+        self._free(unit)
+
+    def _end_of_backward(self) -> None:
+        for unit in self.backward_order:
+            if not unit.reduced:  # parameters that received no gradient this pass
+                self._reduce(unit)
+        for unit in self.backward_order:
+            comm.wait(unit.reduce_work, "reduce_scatter", self.group)
+            unit.shard.grad.add_(unit.reduce_out)
+            unit.reduce_work, unit.reduce_out, unit.reduced, unit.ready = None, None, False, 0
+        self._callback_queued = False
+
+
+def unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def transformer_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """ZeRO-3 units of a `Transformer`: the root (embedding, final norm, head), then each block."""
+    root = [m for m in (model.tok_embeddings, model.norm, model.output) if m is not None]
+    blocks = [(f"layers.{name}", [block]) for name, block in model.layers.items()]
+    return [("root", root)] + blocks
