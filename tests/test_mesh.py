@@ -169,7 +169,6 @@ def test_data_parallel_passes():
     "dims, name, world",
     [
         (ParallelDims(tp=2), "tp", 2),
-        (ParallelDims(dp=2, zero=1), "zero", 2),
         (ParallelDims(tp=2, sp=True), "sp", 2),
         (ParallelDims(pp=2, microbatches=2), "pp", 2),
         (ParallelDims(cp=2), "cp", 2),
