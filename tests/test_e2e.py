@@ -82,3 +82,15 @@ def test_torchrun_with_the_wrong_world_size_names_the_fix(byte_cache, tmp_path):
     run = torchrun(2, *train_args(byte_cache, str(tmp_path)))
     assert run.returncode != 0
     assert "2 processes" in run.stderr and "parallel.dp=2" in run.stderr
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ledger_zero_matches_volume_and_memory(byte_cache, stage):
+    run = fivecut("ledger", "--layout", f"dp=4,zero={stage}", "--set", f'data.cache_dir="{byte_cache}"')
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "ratio=1.000"
+    memory = next(line for line in lines if line.startswith("memory_ratio="))
+    assert abs(float(memory.split("=")[1]) - 1) <= 0.05  # measured model-state bytes within 5% of the formula
+    assert "reduce_scatter" in run.stdout and "all_gather" in run.stdout
