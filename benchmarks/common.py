@@ -148,3 +148,106 @@ def machine() -> str:
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {platform.system()}, "
         f"torch {torch.__version__}, python {platform.python_version()}, load average {load_average()}"
     )
+
+
+# ---------------------------------------------------------------- memory inside a rank (CPU)
+#
+# On CPU there is no torch.cuda.max_memory_allocated. Two measurements stand in for it:
+#   - tensor bytes: the profiler's memory events (profile_memory=True) carry the net bytes
+#     allocated since the profiler started ("Total Allocated"); its maximum over a region is
+#     that region's peak of live tensor memory above what was live when it began. Frees of
+#     tensors allocated *before* the profiler started are not seen (the figure can only err high).
+#   - resident set: Linux's VmHWM (peak RSS) can be reset per process by writing 5 to
+#     /proc/self/clear_refs, unlike getrusage's ru_maxrss, which only ever grows. After
+#     malloc_trim(0) hands freed heap pages back, VmHWM - VmRSS measures one region's peak.
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """Current resident set size of this process (None where /proc is not available)."""
+    kib = _proc_status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size since the process started or since `reset_peak_rss()`."""
+    kib = _proc_status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def release_free_memory() -> None:
+    """Collect garbage and return freed heap pages to the OS (glibc malloc_trim), if possible."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_rss_delta(fn: Callable[[], object]) -> int | None:
+    """Peak RSS while running `fn`, above the RSS just before it (after releasing free memory);
+    None where the peak cannot be reset (then only the monotonic ru_maxrss would be left)."""
+    release_free_memory()
+    base = rss_bytes()
+    if base is None or not reset_peak_rss():
+        return None
+    fn()
+    return max(0, peak_rss_bytes() - base)
+
+
+def profile_tensor_memory(fn: Callable[[], object]) -> dict:
+    """Run `fn` under the profiler with memory events. Returns the peak of live tensor bytes
+    above the start ("peak_bytes"), the count of each c10d collective op ("collectives"), and
+    the profiler itself ("profiler", for key_averages())."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    peak = max((e["args"]["Total Allocated"] for e in memory), default=0)
+    collectives: dict[str, int] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "cpu_op" and name.startswith("c10d::"):
+            collectives[name] = collectives.get(name, 0) + 1
+    return {"peak_bytes": max(0, peak), "collectives": collectives, "profiler": prof}
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

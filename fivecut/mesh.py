@@ -25,8 +25,6 @@ CP_MODES = ("ring", "ulysses")
 # What this version can run. Each later cut widens its entry; anything outside is refused
 # with the issue that brings it, never silently ignored.
 IMPLEMENTED = {
-    "tp": ({1}, "tensor parallelism (the tensor/sequence-parallel issue)"),
-    "sp": ({False}, "sequence parallelism (the tensor/sequence-parallel issue)"),
     "pp": ({1}, "pipeline parallelism (the pipeline issue)"),
     "cp": ({1}, "context parallelism (the context-parallel issue)"),
     "ep": ({1}, "expert parallelism (the expert-parallel issue)"),

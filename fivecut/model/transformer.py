@@ -301,11 +301,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (or hidden [b, s, dim] when this stage has no
-        embedding); positions [s] or [b, s], default arange(s).
+        embedding); positions [s] or [b, s], default arange(s) -- pass them when
+        the hidden input is a sequence-parallel slice.
         Returns logits [b, s, vocab] (or hidden [b, s, dim] without output)."""
+        if positions is None:  # from the input, not from h: sequence parallelism may cut h along s
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
         rope = (self.rope_cos[positions], self.rope_sin[positions])  # [s, hd] each
         for layer in (self.layers.values() if self.layers is not None else ()):
             h = layer(h, rope)

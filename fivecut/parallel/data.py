@@ -38,6 +38,26 @@ def decays(p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
+def tp_replicated(p: torch.Tensor, tp: int) -> bool:
+    """Whether `p` holds the same values on every tensor-parallel rank (not cut by tensor parallelism)."""
+    return tp > 1 and getattr(p, "fivecut_tp", None) is None
+
+
+def flat_order(p: torch.Tensor) -> tuple[bool, bool]:
+    """Sort key inside flat buffers: decayed first, then tensor-parallel shards before replicas,
+    so that a ZeRO shard splits into few homogeneous optimizer pieces."""
+    return (not decays(p), getattr(p, "fivecut_tp", None) is None)
+
+
+@dataclass(eq=False)
+class Piece:
+    """What an optimizer updates: a parameter or a slice of a ZeRO shard, `.grad` set."""
+
+    tensor: torch.Tensor
+    decays: bool
+    tp_replicated: bool  # identical on every tensor-parallel rank: counted once in the global norm
+
+
 @dataclass(eq=False)
 class Bucket:
     params: list[nn.Parameter]  # in flat-buffer order: decayed parameters first
@@ -49,8 +69,8 @@ class Bucket:
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Group parameters (in the given order) into runs of about `bucket_bytes`, one dtype per run;
-    inside a run the decayed parameters come first (a ZeRO shard then splits in at most two)."""
+    """Group parameters (in the given order) into runs of about `bucket_bytes`, one dtype per run,
+    each run sorted by `flat_order`."""
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
@@ -60,7 +80,7 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
             size = 0
         buckets[-1].append(p)
         size += p.numel() * p.element_size()
-    return [sorted(b, key=lambda p: not decays(p)) for b in buckets]
+    return [sorted(b, key=flat_order) for b in buckets]
 
 
 def padded(numel: int, parts: int) -> int:

@@ -39,22 +39,23 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.parallel.data import Bucket, DataParallel, decays, padded
+from fivecut.parallel.data import Bucket, DataParallel, Piece, decays, flat_order, padded, tp_replicated
 
 
 class FlatShard:
     """`params` laid end to end (decayed ones first) in a buffer of `padded` elements, cut into
     n equal slices; this rank owns slice `group.rank`, of `size` elements starting at `lo`."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group):
-        self.params = sorted(params, key=lambda p: not decays(p))  # stable: decayed first
-        self.shapes = [p.shape for p in self.params]  # parameters may be freed (size 0) later
+    def __init__(self, params: list[nn.Parameter], group: Group, tp: int = 1):
+        self.params = sorted(params, key=flat_order)  # stable: decayed first, then TP shards first
+        # recorded now: ZeRO-3 frees the parameters (size 0), which hides their shapes and kinds
+        self.shapes = [p.shape for p in self.params]
+        self.kinds = [(decays(p), tp_replicated(p, tp)) for p in self.params]
         self.group = group
         self.numel = sum(p.numel() for p in params)
         self.padded = padded(self.numel, group.size)
         self.size = self.padded // group.size
         self.lo = group.rank * self.size
-        self.n_decay = sum(p.numel() for p in params if decays(p))
         self.full: torch.Tensor | None = None  # [padded] ZeRO-1/2: the parameters' storage
         self.local: torch.Tensor | None = None  # [size] this rank's parameters (what the optimizer updates)
         self.grad: torch.Tensor | None = None  # [size] this rank's reduced gradient
@@ -76,16 +77,33 @@ class FlatShard:
             p.data = full[offset : offset + shape.numel()].view(shape)
             offset += shape.numel()
 
-    def optimizer_pieces(self) -> list[tuple[torch.Tensor, bool]]:
-        """The shard cut where the decayed parameters end: [(view with .grad set, decays)]."""
-        cut = min(max(self.n_decay - self.lo, 0), self.size)
-        pieces = []
-        for start, stop, decayed in ((0, cut, True), (cut, self.size, False)):
-            if stop > start:
-                piece = self.local[start:stop]
-                piece.grad = self.grad[start:stop]
-                pieces.append((piece, decayed))
-        return pieces
+    def optimizer_pieces(self) -> list[Piece]:
+        """This rank's shard cut wherever the parameters' kind (decay, TP replica) changes."""
+        pieces: list[Piece] = []
+        offset = 0
+        for shape, kind in zip(self.shapes, self.kinds):
+            start, stop = max(offset, self.lo) - self.lo, min(offset + shape.numel(), self.lo + self.size) - self.lo
+            offset += shape.numel()
+            if stop <= start:
+                continue
+            if pieces and (pieces[-1].decays, pieces[-1].tp_replicated) == kind and pieces[-1].stop == start:
+                pieces[-1].stop = stop
+            else:
+                pieces.append(_Span(start, stop, *kind))
+        return [self._piece(span) for span in pieces]
+
+    def _piece(self, span: "_Span") -> Piece:
+        view = self.local[span.start : span.stop]
+        view.grad = self.grad[span.start : span.stop]
+        return Piece(view, span.decays, span.tp_replicated)
+
+
+@dataclass
+class _Span:
+    start: int
+    stop: int
+    decays: bool
+    tp_replicated: bool
 
 
 # ---------------------------------------------------------------- ZeRO-1 and ZeRO-2
@@ -95,10 +113,11 @@ class ZeroDataParallel(DataParallel):
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over `group`: replicated parameters, sharded
     optimizer state (and, for stage 2, sharded gradients)."""
 
-    def __init__(self, module: nn.Module, group: Group, stage: int, bucket_mb: float = 25.0, reduce_dtype=None):
+    def __init__(self, module: nn.Module, group: Group, stage: int, bucket_mb: float = 25.0, reduce_dtype=None, tp: int = 1):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
+        self.tp = tp
         super().__init__(module, group, bucket_mb, reduce_dtype)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
@@ -113,7 +132,7 @@ class ZeroDataParallel(DataParallel):
         return group.size
 
     def _shard_bucket(self, bucket: Bucket) -> FlatShard:
-        shard = FlatShard(bucket.params, self.group)
+        shard = FlatShard(bucket.params, self.group, self.tp)
         full = shard.flatten([p.detach() for p in shard.params], like=bucket.params[0])  # [padded]
         shard.point_params_into(full)
         shard.full = full
@@ -122,7 +141,7 @@ class ZeroDataParallel(DataParallel):
         shard.grad = bucket.flat[shard.lo : shard.lo + shard.size] if self.stage == 1 else full.new_zeros(shard.size)
         return shard
 
-    def optimizer_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+    def optimizer_pieces(self) -> list[Piece]:
         return [piece for shard in self.shards for piece in shard.optimizer_pieces()]
 
     def shard_grads(self) -> list[torch.Tensor]:
@@ -190,8 +209,9 @@ class Unit:
 class FullyShardedDataParallel:
     """ZeRO-3 over `group` for a `Transformer`: every parameter sharded; units gathered on use."""
 
-    def __init__(self, model: nn.Module, group: Group, reshard_after_forward: bool = True, reduce_dtype=None):
+    def __init__(self, model: nn.Module, group: Group, reshard_after_forward: bool = True, reduce_dtype=None, tp: int = 1):
         self.model = model
+        self.tp = tp
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
@@ -207,7 +227,7 @@ class FullyShardedDataParallel:
 
     def _make_unit(self, name: str, modules: list[nn.Module]) -> Unit:
         params = unique_params(modules)
-        shard = FlatShard(params, self.group)
+        shard = FlatShard(params, self.group, self.tp)
         full = shard.flatten([p.detach() for p in shard.params], like=params[0])
         shard.local = full[shard.lo : shard.lo + shard.size].clone()
         shard.grad = torch.zeros_like(shard.local)
@@ -236,7 +256,7 @@ class FullyShardedDataParallel:
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
 
-    def optimizer_pieces(self) -> list[tuple[torch.Tensor, bool]]:
+    def optimizer_pieces(self) -> list[Piece]:
         return [piece for unit in self.units for piece in unit.shard.optimizer_pieces()]
 
     def shard_grads(self) -> list[torch.Tensor]:

@@ -9,10 +9,10 @@ from fivecut import comm
 from fivecut.comm import Group
 
 
-def build_optimizer(pieces: list[tuple[torch.Tensor, bool]], lr: float, weight_decay: float, betas, eps: float) -> torch.optim.AdamW:
-    """AdamW over (tensor, decays) pieces: whole parameters, or ZeRO shards cut where decay changes."""
-    decay = [t for t, decayed in pieces if decayed]
-    no_decay = [t for t, decayed in pieces if not decayed]
+def build_optimizer(pieces, lr: float, weight_decay: float, betas, eps: float) -> torch.optim.AdamW:
+    """AdamW over `Piece`s: whole parameters, or ZeRO shards cut where the kind of parameter changes."""
+    decay = [piece.tensor for piece in pieces if piece.decays]
+    no_decay = [piece.tensor for piece in pieces if not piece.decays]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
@@ -30,23 +30,25 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def grad_norm(local_grads: list[torch.Tensor], shard_group: Group | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients. `local_grads` are this rank's gradients; when they are
-    shards of a larger set (ZeRO, TP), `shard_group` sums the squared norms over the owners."""
-    grads = [g for g in local_grads if g is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
-    if shard_group is not None:
-        comm.all_reduce(squares, shard_group)
+def grad_norm(pieces, groups: list[Group], tp: int = 1) -> torch.Tensor:
+    """Global L2 norm of the gradients of this rank's `Piece`s. Squared norms are summed over
+    `groups` (ZeRO's dp group when gradients are sharded, the tp group under tensor
+    parallelism); pieces replicated over tp are weighted 1/tp so that they count once."""
+    grads = [(p.tensor.grad, p.tp_replicated) for p in pieces if p.tensor.grad is not None]
+    squares = torch.zeros((), device=grads[0][0].device if grads else "cpu")
+    for g, replicated in grads:
+        squares += g.detach().float().pow(2).sum() / (tp if replicated else 1)
+    for group in groups:
+        comm.all_reduce(squares, group)
     return squares.sqrt()
 
 
-def clip_gradients(grads: list[torch.Tensor], max_norm: float, shard_group: Group | None = None) -> float:
+def clip_gradients(pieces, max_norm: float, groups: list[Group], tp: int = 1) -> float:
     """Scale gradients in place so that their global norm is at most `max_norm`; return the norm before."""
-    norm = grad_norm(grads, shard_group)
+    norm = grad_norm(pieces, groups, tp)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            if g is not None:
-                g.mul_(scale.to(g.dtype))
+        for piece in pieces:
+            if piece.tensor.grad is not None:
+                piece.tensor.grad.mul_(scale.to(piece.tensor.grad.dtype))
     return float(norm)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fivecut import comm
 from fivecut.config import Config, model_args
@@ -24,7 +23,7 @@ from fivecut.launch import local_device
 from fivecut.ledger import Row
 from fivecut.mesh import Mesh
 from fivecut.model import build_model
-from fivecut.parallel.parallelize import Parallelized, parallelize
+from fivecut.parallel.parallelize import Parallelized, parallelize, token_loss_sum  # noqa: F401 (re-exported)
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
@@ -103,11 +102,6 @@ def setup(cfg: Config) -> Context:
     return Context(cfg, mesh, device, par, optimizer, sampler, val, metrics_group, args.flops_per_token(t.seq_len))
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy, in fp32.  logits [b, s, V], targets [b, s]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
 def forward_backward(ctx: Context, step: int) -> torch.Tensor:
     """Run every accumulation micro-step of `step`; return this rank's share of the loss."""
     cut = ctx.mesh
@@ -119,7 +113,7 @@ def forward_backward(ctx: Context, step: int) -> torch.Tensor:
         sync = contextlib.nullcontext() if last else ctx.par.sync.no_sync()
         with sync:
             with ctx.mesh.ledger.phase("forward"), ctx.autocast():
-                loss = token_loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device)) / denominator
+                loss = ctx.par.loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device)) / denominator
             with ctx.mesh.ledger.phase("backward"):
                 loss.backward()
         total += loss.detach()
@@ -129,7 +123,7 @@ def forward_backward(ctx: Context, step: int) -> torch.Tensor:
 def optimizer_step(ctx: Context, step: int) -> float:
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
-        norm = clip_gradients(ctx.par.grads, t.grad_clip, ctx.par.grad_shard_group)
+        norm = clip_gradients(ctx.par.pieces, t.grad_clip, ctx.par.norm_groups, ctx.mesh.dims.tp)
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
         ctx.optimizer.step()
         ctx.par.sync.after_step()
@@ -153,7 +147,7 @@ def evaluate(ctx: Context) -> float:
         tokens += batch[1].numel()
         inputs, targets = shard_batch(batch, rank, dp)
         with ctx.autocast():
-            total += token_loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device))
+            total += ctx.par.loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device))
     return global_mean(ctx, total / tokens)
 
 
