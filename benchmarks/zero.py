@@ -1,7 +1,7 @@
 """fivecut ZeRO-0/1/2/3 against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.
 
     python benchmarks/zero.py [--model tiny|tiny-gpt2|small] [--world 2] [--steps 10] [--repeats 5]
-                              [--batch 8] [--seq 128] [--bucket-mb 25] [--profile]
+                              [--batch 8] [--seq 128] [--bucket-mb 25] [--only zero3,zero0,zero12] [--profile]
 
 Candidates, each built in every rank from the same seed (so with the same weights):
 
@@ -34,8 +34,8 @@ A timed step: zero_grad, forward, loss, backward, optimizer step (and fivecut's
 `sync.after_step()`: the all-gather of ZeRO-1/2). Timing is interleaved (benchmarks/common.py),
 and candidates that are compared run back to back: each repeat runs the groups
 [ZeRO-3, FSDP2], [ZeRO-0, DDP], [ZeRO-1, ZeroRedundancyOptimizer, ZeRO-2] in a rotating order,
-rotating the members of each group too. The ratio of a candidate is the median over repeats
-of median(candidate) / median(counterpart).
+rotating the members of each group too (`--only` keeps some of the groups). The ratio of a
+candidate is the median over repeats of median(candidate) / median(counterpart).
 
 Memory, per rank (CPU, so no allocator statistics):
   - model state: bytes of parameters, gradients and optimizer state held between steps
@@ -49,9 +49,10 @@ Memory, per rank (CPU, so no allocator statistics):
 
 The last two lines are `ratio_zero3_vs_fsdp2=<x>` and `ratio_zero0_vs_ddp=<x>`.
 
-The default model is `tiny` (0.85M parameters): the defaults take about 2 minutes on the
-2-core machine. `tiny-gpt2` (a 3.2M-parameter tied GPT-2 embedding) and `small` (17.6M) are
-slower by 5-10x and 20-30x a step; use fewer `--steps` and `--repeats` for those.
+The default model is `tiny` (0.85M parameters): the defaults take about 75 s on the 2-core
+machine (7 candidates x 5 repeats x 12 steps of about 0.11 s). A step of `tiny-gpt2` takes
+about 0.85 s and one of `small` 3.5-4 s there (benchmarks/ddp.py), so the defaults would take
+about 6 and 26 minutes; `--model small --steps 3 --repeats 3` takes about 7.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ Z3, FSDP2 = "fivecut ZeRO-3", "torch FSDP2"
 Z0, DDP = "fivecut ZeRO-0 (DDP)", "torch DDP"
 Z1, ZRO = "fivecut ZeRO-1", "torch DDP + ZeroRedundancyOptimizer"
 Z2 = "fivecut ZeRO-2"
-GROUPS = [[Z3, FSDP2], [Z0, DDP], [Z1, ZRO, Z2]]  # timed back to back, rotating
+SHORT = {Z3: "ZeRO-3", FSDP2: "FSDP2", Z0: "ZeRO-0", DDP: "DDP", Z1: "ZeRO-1", ZRO: "ZeroRedundancyOptimizer", Z2: "ZeRO-2"}
+GROUPS = {"zero3": [Z3, FSDP2], "zero0": [Z0, DDP], "zero12": [Z1, ZRO, Z2]}  # each timed back to back
 COUNTERPART = {Z3: FSDP2, Z0: DDP, Z1: ZRO, Z2: ZRO}
 ORDER = [Z3, FSDP2, Z0, DDP, Z1, ZRO, Z2]  # table order
 # expected model-state bytes per rank (fp32 parameters and gradients, two fp32 Adam moments)
@@ -210,17 +212,22 @@ def build_ddp(args, world: int, bucket_mb: float, zero_redundancy: bool) -> Cand
     return Candidate(ZRO if zero_redundancy else DDP, ddp, optimizer, zero, lambda: None, float(world), state)
 
 
-def build_all(args, world: int, bucket_mb: float) -> dict[str, Candidate]:
-    built = {
-        Z3: build_fivecut(Z3, 3, args, world, bucket_mb),
-        FSDP2: build_fsdp2(args, world),
-        Z0: build_fivecut(Z0, 0, args, world, bucket_mb),
-        DDP: build_ddp(args, world, bucket_mb, zero_redundancy=False),
-        Z1: build_fivecut(Z1, 1, args, world, bucket_mb),
-        ZRO: build_ddp(args, world, bucket_mb, zero_redundancy=True),
-        Z2: build_fivecut(Z2, 2, args, world, bucket_mb),
+def build_all(args, world: int, bucket_mb: float, names: list[str]) -> dict[str, Candidate]:
+    builders = {
+        Z3: lambda: build_fivecut(Z3, 3, args, world, bucket_mb),
+        FSDP2: lambda: build_fsdp2(args, world),
+        Z0: lambda: build_fivecut(Z0, 0, args, world, bucket_mb),
+        DDP: lambda: build_ddp(args, world, bucket_mb, zero_redundancy=False),
+        Z1: lambda: build_fivecut(Z1, 1, args, world, bucket_mb),
+        ZRO: lambda: build_ddp(args, world, bucket_mb, zero_redundancy=True),
+        Z2: lambda: build_fivecut(Z2, 2, args, world, bucket_mb),
     }
-    return {name: built[name] for name in ORDER}
+    return {name: builders[name]() for name in ORDER if name in names}
+
+
+def pairs(names) -> dict[str, str]:
+    """{fivecut candidate: its torch counterpart} among `names`."""
+    return {a: b for a, b in COUNTERPART.items() if a in names and b in names}
 
 
 def global_loss(loss: torch.Tensor) -> float:
@@ -233,7 +240,8 @@ def check_same_work(candidates: dict[str, Candidate], batch) -> dict[str, list[f
     """Train every candidate CHECK_STEPS steps on the same batches; its global losses must match its
     counterpart's (and the torch DDP reference's) to LOSS_RTOL."""
     losses = {name: [global_loss(c.step(*batch)) for _ in range(CHECK_STEPS)] for name, c in candidates.items()}
-    for name, against in [*COUNTERPART.items(), *((n, DDP) for n in candidates if n != DDP)]:
+    reference = [(n, DDP) for n in candidates if n != DDP and DDP in candidates]
+    for name, against in [*pairs(candidates).items(), *reference]:
         for step, (x, y) in enumerate(zip(losses[name], losses[against])):
             if abs(x - y) > LOSS_RTOL * abs(y):
                 raise AssertionError(f"{name} vs {against}: loss {step} is {x!r} vs {y!r} (rel diff > {LOSS_RTOL})")
@@ -243,21 +251,22 @@ def check_same_work(candidates: dict[str, Candidate], batch) -> dict[str, list[f
 def time_interleaved(candidates, batch, opts, rank) -> dict[str, list[list[float]]]:
     runs: dict[str, list[list[float]]] = {name: [] for name in candidates}
     started = time.perf_counter()
+    groups = [GROUPS[key] for key in opts["only"]]
     for r in range(opts["repeats"]):
-        shift = r % len(GROUPS)
+        shift = r % len(groups)
         order = []
-        for group in GROUPS[shift:] + GROUPS[:shift]:
+        for group in groups[shift:] + groups[:shift]:
             k = r % len(group)
             order += group[k:] + group[:k]
         for name in order:
             c = candidates[name]
             runs[name].append(time_steps(lambda c=c: c.step(*batch), opts["steps"], opts["warmup"]))
         if rank == 0:
-            pairs = ", ".join(
-                f"{a.split()[-1]}/{COUNTERPART[a].split()[-1]} {format_ratio(median(runs[a][-1]) / median(runs[COUNTERPART[a]][-1]))}"
-                for a in (Z3, Z0, Z1)
+            now = ", ".join(
+                f"{SHORT[a]}/{SHORT[b]} {format_ratio(median(runs[a][-1]) / median(runs[b][-1]))}"
+                for a, b in pairs(candidates).items()
             )
-            print(f"  repeat {r + 1}/{opts['repeats']}: {pairs}  [{time.perf_counter() - started:.0f} s]", flush=True)
+            print(f"  repeat {r + 1}/{opts['repeats']}: {now}  [{time.perf_counter() - started:.0f} s]", flush=True)
     return runs
 
 
@@ -292,7 +301,7 @@ def measure_memory(candidates, batch, opts) -> dict[str, dict]:
 def rank_main(opts: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     args = get_preset(opts["model"])
-    candidates = build_all(args, world, opts["bucket_mb"])
+    candidates = build_all(args, world, opts["bucket_mb"], [n for key in opts["only"] for n in GROUPS[key]])
     gen = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, args.vocab_size, (opts["batch"], opts["seq"] + 1), generator=gen)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), world * opts["batch"] * opts["seq"])  # [b, s] x2
@@ -326,9 +335,10 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     r0 = results[0]
     runs = r0["runs"]  # step times are already the slowest rank's
     tokens = opts["world"] * opts["batch"] * opts["seq"]
-    comparisons = {a: compare(runs, a, b) for a, b in COUNTERPART.items()}
+    names = [n for n in ORDER if n in runs]
+    comparisons = {a: compare(runs, a, b) for a, b in pairs(names).items()}
     rows = []
-    for name in ORDER:
+    for name in names:
         medians = [median(run) for run in runs[name]]
         cmp = comparisons.get(name)
         rows.append([
@@ -337,15 +347,17 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
             format_seconds(min(all_steps(runs[name]))),
             f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
             f"{tokens / median(all_steps(runs[name])):,.0f}",
-            f"{format_ratio(cmp.ratio)} vs {cmp.b.removeprefix('torch ')}" if cmp else "",
+            f"{format_ratio(cmp.ratio)} vs {SHORT[cmp.b]}" if cmp else "",
             f"{format_ratio(cmp.spread[0])} .. {format_ratio(cmp.spread[1])}" if cmp else "",
+            format_ratio(min(all_steps(runs[name])) / min(all_steps(runs[cmp.b]))) if cmp else "",
         ])
     timing = markdown_table(
-        ["", "median step", "fastest step", "repeat medians (min .. max)", "tok/s (global)", "ratio (median of repeats)", "repeat ratios (min .. max)"],
+        ["", "median step", "fastest step", "repeat medians (min .. max)", "tok/s (global)",
+         "ratio (median of repeats)", "repeat ratios (min .. max)", "ratio of fastest steps"],
         rows,
     )
     mem_rows = []
-    for name in ORDER:
+    for name in names:
         worst = lambda key: max(r["memory"][name][key] if key != "state" else r["memory"][name]["state"]["total"] for r in results)  # noqa: E731
         s = r0["memory"][name]["state"]
         rss = [r["memory"][name]["rss"] for r in results]
@@ -363,7 +375,7 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         mem_rows,
     )
     losses = r0["losses"]
-    worst_loss = max(abs(losses[a][i] - losses[b][i]) / abs(losses[b][i]) for a, b in COUNTERPART.items() for i in range(CHECK_STEPS))
+    worst_loss = max(abs(losses[a][i] - losses[b][i]) / abs(losses[b][i]) for a, b in pairs(names).items() for i in range(CHECK_STEPS))
     psi = r0["params"]
     lines = [
         f"model {opts['model']} ({psi / 1e6:.2f}M parameters = Ψ, {format_bytes(4 * psi)} in fp32), {opts['world']} gloo ranks x 1 thread, "
@@ -371,19 +383,18 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate",
         f"machine: {before} before, {load_average()} after",
         "same work: global loss before/after 1/after 2 steps: "
-        + "; ".join(f"{n.removeprefix('fivecut ').removeprefix('torch ')} " + "/".join(f"{x:.6f}" for x in losses[n]) for n in ORDER),
+        + "; ".join(f"{SHORT[n]} " + "/".join(f"{x:.6f}" for x in losses[n]) for n in names),
         f"  largest relative difference from the counterpart: {worst_loss:.2e} (tolerance {LOSS_RTOL:.0e})",
         "",
         timing,
         "",
         memory,
         "",
-        "ratios per repeat: " + "; ".join(f"{a.removeprefix('fivecut ')}: " + ", ".join(f"{x:.3f}" for x in comparisons[a].ratios) for a in (Z3, Z0, Z1, Z2)),
+        "ratios per repeat: " + "; ".join(f"{SHORT[a]}: " + ", ".join(f"{x:.3f}" for x in c.ratios) for a, c in comparisons.items()),
         f"ru_maxrss (monotonic, all candidates together): rank 0 {format_bytes(r0['maxrss'][0])} after building, "
         f"{format_bytes(r0['maxrss'][1])} at the end; wall time {elapsed:.0f} s",
-        f"ratio_zero3_vs_fsdp2={comparisons[Z3].ratio:.3f}",
-        f"ratio_zero0_vs_ddp={comparisons[Z0].ratio:.3f}",
     ]
+    lines += [f"ratio_{key}={comparisons[a].ratio:.3f}" for a, key in ((Z3, "zero3_vs_fsdp2"), (Z0, "zero0_vs_ddp")) if a in comparisons]
     return "\n".join(lines)
 
 
@@ -397,10 +408,18 @@ def parse(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP / ZeRO-1/2 bucket size (both sides)")
+    p.add_argument(
+        "--only", default=",".join(GROUPS), type=lambda s: s.split(","),
+        help="comma-separated groups to run: zero3 (ZeRO-3, FSDP2), zero0 (ZeRO-0, DDP), zero12 (ZeRO-1/2, ZeroRedundancyOptimizer)",
+    )
     p.add_argument("--profile", action="store_true", help="print rank 0's op table of one ZeRO-3 and one FSDP2 step")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
-    return vars(p.parse_args(argv))
+    opts = vars(p.parse_args(argv))
+    unknown = [key for key in opts["only"] if key not in GROUPS]
+    if unknown:
+        p.error(f"--only: unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
+    return opts
 
 
 def main(argv=None) -> None:

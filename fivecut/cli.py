@@ -120,7 +120,7 @@ def reference_of(cfg: Config) -> Config:
     return ref
 
 
-def run_spawned(cfg: Config, timeout: float):
+def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False):
     """Tokenize once here, then run `cfg` on its own ranks; returns every rank's RunResult."""
     from fivecut.launch import spawn
     from fivecut.train.data import load_tokens
@@ -129,13 +129,13 @@ def run_spawned(cfg: Config, timeout: float):
     with tempfile.TemporaryDirectory(prefix="fivecut-run-") as out:
         cfg = copy.deepcopy(cfg)
         cfg.log.out_dir = out
-        return spawn(train_quietly, cfg.parallel.world_size, cfg, timeout_s=timeout)
+        return spawn(train_quietly, cfg.parallel.world_size, cfg, measure_activations, timeout_s=timeout)
 
 
-def train_quietly(cfg: Config):
+def train_quietly(cfg: Config, measure_activations: bool = False):
     from fivecut.train.trainer import train
 
-    return train(cfg, quiet=True)
+    return train(cfg, quiet=True, measure_activations=measure_activations)
 
 
 def cmd_verify(ns) -> int:
@@ -160,26 +160,48 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.plan.memory import formula, model_state_bytes
     from fivecut.train.memory import format_bytes
 
+    from fivecut.plan.volume import meta_model, meta_params
+
     dims = cfg.parallel
     n = dims.dp * dims.cp
-    predicted = model_state_bytes(model_args(cfg.model).num_params(), dims.zero, n)
-    print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)}, n={n})")
+    psi = sum(p.numel() for p in meta_params(meta_model(model_args(cfg.model), dims.tp, dims.sp)))
+    predicted = model_state_bytes(psi, dims.zero, n)
+    print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)}, n={n}, Psi={psi:,} on this rank)")
     print(f"{'':<10} {'measured':>12} {'predicted':>12}")
     for key in ("params", "grads", "optimizer", "total"):
         print(f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12}")
     print(f"memory_ratio={measured['total'] / predicted['total']:.3f}")
 
 
+def print_activations(measured: dict[str, int], cfg: Config) -> None:
+    """Bytes a layer keeps for backward (step 1, first micro-step), measured vs the formula."""
+    from fivecut.plan.activations import activation_bytes_per_layer
+    from fivecut.train.memory import format_bytes
+
+    args, dims, t = model_args(cfg.model), cfg.parallel, cfg.train
+    rows = t.global_batch // (dims.dp * t.accumulate)
+    last = measured[str(args.n_layers - 1)]  # layer 0 also holds what all layers share (RoPE tables)
+    predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp)
+    print(f"\nactivations saved for backward per layer (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
+    print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
+    if dims.tp > 1:
+        without, single = (activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, sp) for sp in (False, True))
+        print(f"at tp={dims.tp} the formula gives {format_bytes(without)} without SP, {format_bytes(single)} with SP: "
+              f"SP cuts activations by {without / single:.3f}x")
+    print(f"activation_ratio={last / predicted:.3f}")
+
+
 def cmd_ledger(ns) -> int:
     from fivecut.plan.volume import predict
 
     cfg = layout_config(ns)
-    results = run_spawned(cfg, ns.timeout)
+    results = run_spawned(cfg, ns.timeout, measure_activations=True)
     mine = results[0]
     print(f"ledger: {cfg.model.preset}, layout {cfg.parallel.describe()}, step {cfg.train.steps}, rank 0")
     print(format_rows(mine.ledger_rows))
     print()
     print_memory(mine.memory, cfg)
+    print_activations(mine.activations, cfg)
     predicted = predict(model_args(cfg.model), cfg)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")

@@ -38,6 +38,7 @@ class Group:
     ranks: tuple[int, ...]  # global ranks, in group order
     pg: dist.ProcessGroup | None
     ledger: Ledger
+    index: int | None = None  # this process's place in `ranks`; None: looked up from the global rank
 
     @property
     def size(self) -> int:
@@ -46,6 +47,8 @@ class Group:
     @property
     def rank(self) -> int:
         """This process's index inside the group."""
+        if self.index is not None:
+            return self.index
         return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
 
     def global_rank(self, group_rank: int) -> int:
@@ -102,7 +105,7 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((group.size * moved.shape[0], *moved.shape[1:]))
     all_gather_into(out, moved, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # one copy here rather than one in every consumer
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -114,7 +117,7 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} does not divide by group size {group.size}")
     out = moved.new_empty((moved.shape[0] // group.size, *moved.shape[1:]))
     reduce_scatter_into(out, moved, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def all_to_all_single(

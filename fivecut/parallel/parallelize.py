@@ -20,6 +20,7 @@ from torch import nn
 from fivecut.comm import Group
 from fivecut.mesh import Mesh
 from fivecut.parallel.data import DataParallel, Piece, decays, tp_replicated
+from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 
@@ -38,6 +39,7 @@ class Parallelized:
     pieces: list[Piece]  # what this rank's optimizer updates
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> sum of token losses
     norm_groups: list[Group]  # groups over which squared gradient norms are summed
+    saved: SavedActivations  # wrap each forward in `saved.forward()`
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -62,14 +64,16 @@ def parallelize(
         raise ValueError("parallelize: " + "; ".join(unimplemented))
     tp_group = mesh.group("tp")
     loss_sum = token_loss_sum
+    saved = SavedActivations()
+    saved.track_layers(model.layers)
     if dims.tp > 1:
-        apply_tensor_parallel(model, tp_group, dims.sp)
+        apply_tensor_parallel(model, tp_group, dims.sp, saved)
         check_shards(model, model.args, dims.tp)
         vocab = model.args.vocab_size
         loss_sum = lambda logits, targets: vocab_parallel_loss_sum(logits, targets, tp_group, vocab)  # noqa: E731
     sync, pieces = data_parallel(model, mesh, bucket_mb, reduce_dtype)
     groups = ([mesh.group("dp_cp")] if dims.zero else []) + ([tp_group] if dims.tp > 1 else [])
-    return Parallelized(model, sync, pieces, loss_sum, groups)
+    return Parallelized(model, sync, pieces, loss_sum, groups, saved)
 
 
 def data_parallel(model: nn.Module, mesh: Mesh, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:

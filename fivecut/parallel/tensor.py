@@ -38,6 +38,7 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.model.transformer import RMSNorm
+from fivecut.parallel.saved import SavedActivations
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def shard_param(full: torch.Tensor, dim: int, group: Group, padded_size: int | N
     if padded_size is not None and padded_size > full.shape[dim]:
         pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded_size - full.shape[dim]]
         full = F.pad(full, pad)
-    param = nn.Parameter(comm.my_slice(full.detach(), dim, group))
+    param = nn.Parameter(comm.my_slice(full.detach(), dim, group).clone())  # its own storage: the full weight is freed
     param.fivecut_tp = TPShard(dim, group.size, tuple(full.shape))
     return param
 
@@ -80,17 +81,22 @@ def leave_region(y: torch.Tensor, group: Group, sequence_parallel: bool) -> torc
     return comm.reduce_from(y, group)
 
 
-def make_region(module: nn.Module, group: Group, sequence_parallel: bool) -> None:
-    """Put f before `module`'s first input and g after its output."""
+def make_region(module: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations, reduce_output=True) -> None:
+    """Put f before `module`'s first input and (unless `reduce_output` is false) g after its output.
+    With SP, backward keeps only the local slice of the gathered input and gathers it again."""
 
     def before(_module, args):
-        return (enter_region(args[0], group, sequence_parallel), *args[1:])
+        full = enter_region(args[0], group, sequence_parallel)
+        if sequence_parallel:
+            saved.keep_local(full, args[0], 1, group)
+        return (full, *args[1:])
 
     def after(_module, _args, out):
         return leave_region(out, group, sequence_parallel)
 
     module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
+    if reduce_output:
+        module.register_forward_hook(after)
 
 
 # ---------------------------------------------------------------- layers
@@ -206,7 +212,7 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations) -> None:
     """Cut a `Transformer` in place over `group` (t ranks); Megatron's layout, SP optional."""
     args = model.args
     if args.is_moe:
@@ -217,8 +223,8 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     for block in model.layers.values():
         parallelize_attention(block.attention, args, group)
         parallelize_mlp(block.feed_forward, group)
-        make_region(block.attention, group, sequence_parallel)
-        make_region(block.feed_forward, group, sequence_parallel)
+        make_region(block.attention, group, sequence_parallel, saved)
+        make_region(block.feed_forward, group, sequence_parallel, saved)
         if sequence_parallel:
             block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group)
             block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group)
@@ -230,7 +236,7 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
             model.output.out_features = model.output.weight.shape[0]
         else:
             column_parallel(model.output, group, padded_out=vocab)
-        model.output.register_forward_pre_hook(lambda m, a: (enter_region(a[0], group, sequence_parallel),))
+        make_region(model.output, group, sequence_parallel, saved, reduce_output=False)  # logits stay cut by vocabulary
 
 
 def parallelize_attention(attention: nn.Module, args, group: Group) -> None:

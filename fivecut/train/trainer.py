@@ -40,6 +40,7 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     ledger_rows: list[Row] = field(default_factory=list)  # the last step's communication
     memory: dict[str, int] = field(default_factory=dict)  # model-state bytes on this rank
+    activations: dict[str, int] = field(default_factory=dict)  # layer -> bytes saved for backward (step 1)
     loss_plot: str | None = None
 
 
@@ -102,8 +103,9 @@ def setup(cfg: Config) -> Context:
     return Context(cfg, mesh, device, par, optimizer, sampler, val, metrics_group, args.flops_per_token(t.seq_len))
 
 
-def forward_backward(ctx: Context, step: int) -> torch.Tensor:
-    """Run every accumulation micro-step of `step`; return this rank's share of the loss."""
+def forward_backward(ctx: Context, step: int, activations: dict | None = None) -> torch.Tensor:
+    """Run every accumulation micro-step of `step`; return this rank's share of the loss.
+    With `activations`, the bytes each layer saves for backward in the first micro-step go there."""
     cut = ctx.mesh
     batches = ctx.sampler.local_batches(step, cut.coordinate("dp"), cut.dims.dp, ctx.cfg.train.accumulate)
     denominator = ctx.sampler.tokens_in_global_batch()
@@ -112,8 +114,11 @@ def forward_backward(ctx: Context, step: int) -> torch.Tensor:
         last = i == len(batches) - 1
         sync = contextlib.nullcontext() if last else ctx.par.sync.no_sync()
         with sync:
-            with ctx.mesh.ledger.phase("forward"), ctx.autocast():
+            measuring = ctx.par.saved.measure() if activations is not None and i == 0 else contextlib.nullcontext()
+            with ctx.mesh.ledger.phase("forward"), ctx.par.saved.forward(), measuring, ctx.autocast():
                 loss = ctx.par.loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device)) / denominator
+            if activations is not None and i == 0:
+                activations.update(ctx.par.saved.bytes_per_layer)
             with ctx.mesh.ledger.phase("backward"):
                 loss.backward()
         total += loss.detach()
@@ -151,8 +156,9 @@ def evaluate(ctx: Context) -> float:
     return global_mean(ctx, total / tokens)
 
 
-def train(cfg: Config, quiet: bool = False) -> RunResult:
-    """Train under the layout of `cfg.parallel`; the process group must already exist."""
+def train(cfg: Config, quiet: bool = False, measure_activations: bool = False) -> RunResult:
+    """Train under the layout of `cfg.parallel`; the process group must already exist.
+    `measure_activations` records the bytes each layer saves for backward in step 1."""
     ctx = setup(cfg)
     log = Logger(ctx, quiet)
     result = RunResult()
@@ -160,7 +166,7 @@ def train(cfg: Config, quiet: bool = False) -> RunResult:
         ctx.mesh.ledger.begin_step(step)
         started = time.perf_counter()
         ctx.par.sync.zero_grad()
-        local = forward_backward(ctx, step)
+        local = forward_backward(ctx, step, result.activations if measure_activations and step == 1 else None)
         norm = optimizer_step(ctx, step)
         loss = global_mean(ctx, local)
         elapsed = time.perf_counter() - started
