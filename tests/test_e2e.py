@@ -94,3 +94,15 @@ def test_ledger_zero_matches_volume_and_memory(byte_cache, stage):
     memory = next(line for line in lines if line.startswith("memory_ratio="))
     assert abs(float(memory.split("=")[1]) - 1) <= 0.05  # measured model-state bytes within 5% of the formula
     assert "reduce_scatter" in run.stdout and "all_gather" in run.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp=2", "tp=2,sp=true"])
+def test_ledger_tensor_parallel_volume_and_activations(byte_cache, layout):
+    run = fivecut("ledger", "--layout", layout, "--set", f'data.cache_dir="{byte_cache}"')
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "ratio=1.000"
+    activations = next(line for line in lines if line.startswith("activation_ratio="))
+    assert abs(float(activations.split("=")[1]) - 1) <= 0.10  # measured saved bytes within 10% of the formula
+    assert "SP cuts activations by" in run.stdout

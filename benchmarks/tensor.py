@@ -1,0 +1,405 @@
+"""fivecut's tensor (and sequence) parallelism against PyTorch's DTensor `parallelize_module`.
+
+    python benchmarks/tensor.py [--model tiny] [--tp 2] [--sp | --no-sp] [--steps 10] [--repeats 5]
+                                [--batch 8] [--seq 128] [--warmup 2] [--breakdown] [--profile]
+
+Both variants run by default: plain TP (Megatron f/g all-reduces) and TP with sequence
+parallelism (all-gather / reduce-scatter, norms cut along the sequence); `--sp` runs only the
+second, `--no-sp` only the first. On the 2-core CPU machine the defaults (`tiny`, tp 2,
+5 repeats x 10 steps, both variants) take about 1-2 minutes under moderate load.
+
+Each of `tp` gloo ranks (fivecut.launch.spawn, one thread per rank) builds the same model
+from the same seed twice and cuts it over the tp group:
+
+    fivecut   parallelize(model, Mesh(ParallelDims(tp=N, sp=...), "cpu")): column/row-parallel
+              regions with f/g forward hooks, vocab-parallel embedding and cross-entropy
+              (`par.loss_sum`), SP norms; each forward inside `par.saved.forward()`, which with
+              SP keeps only the local slice of each gathered region input and all-gathers it
+              again in backward.
+    DTensor   torch.distributed.tensor.parallel.parallelize_module over the same mesh's "tp"
+              DeviceMesh, torchtitan's Llama plan: tok_embeddings RowwiseParallel (output
+              Shard(1) with SP, else Replicate); attention / feed_forward PrepareModuleInput to
+              Replicate; wq, wk, wv, w1, w3 ColwiseParallel (local outputs: the model derives its
+              local heads from the projection width); wo, w2 RowwiseParallel (output Shard(1) with
+              SP, else Replicate); norms SequenceParallel() with SP; output ColwiseParallel with
+              DTensor logits Shard(-1), and the cross-entropy inside `loss_parallel()`.
+
+Every rank sees the same batch (tensor parallelism splits the work, not the data). Both losses
+are the sum of token losses divided by the batch's tokens. Both optimizers are AdamW (lr 3e-4,
+betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices, none on norm weights: fivecut's
+`build_optimizer` split on both sides, over fivecut's Pieces and over the DTensor parameters),
+no gradient clipping. Before timing, both train three steps and the losses (before any update,
+after one and after two steps) must agree to LOSS_RTOL: the two do the same work.
+
+A timed step: zero_grad, forward, loss, backward, AdamW step. Timing is interleaved
+(benchmarks/common.py); within a repeat the variants run one after the other, each its own
+interleaved pair. `--breakdown` (on by default) splits each step into forward+loss / backward /
+optimizer on rank 0; `--profile` prints the profiler's top operators of one step per side. The
+collectives of one step are counted on both sides from the gloo backend's own records
+(`record_param_comms` profiler events), so both are counted the same way. The last lines
+printed are `ratio_tp=<x>` and/or `ratio_tp_sp=<x>` (fivecut / DTensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.parallel import (  # noqa: E402
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from benchmarks.common import (  # noqa: E402
+    all_steps,
+    compare,
+    format_rate,
+    format_ratio,
+    format_seconds,
+    interleave,
+    load_average,
+    machine,
+    markdown_table,
+    median,
+)
+from fivecut.launch import spawn  # noqa: E402
+from fivecut.ledger import ring_factor  # noqa: E402
+from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
+from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.parallel.data import Piece, decays  # noqa: E402
+from fivecut.parallel.parallelize import parallelize  # noqa: E402
+from fivecut.train.optim import build_optimizer  # noqa: E402
+
+FIVECUT, DTENSOR = "fivecut", "DTensor"
+ADAMW = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+LOSS_RTOL = 1e-5  # losses before and after one and two optimizer steps must agree to this
+VARIANTS = {"tp": False, "tp_sp": True}  # name -> sequence parallel
+PHASES = ("forward+loss", "backward", "optimizer")
+
+
+class Side:
+    """One candidate: forward+loss, backward and optimizer, timed by phase on every step."""
+
+    def __init__(self, name: str, model, forward_loss, backward, zero_grad, optimizer, after_step=lambda: None):
+        self.name, self.model = name, model
+        self.forward_loss, self.backward = forward_loss, backward
+        self.zero_grad, self.optimizer, self.after_step = zero_grad, optimizer, after_step
+        self.phases: list[tuple[float, float, float]] = []  # seconds per step (this rank)
+
+    def step(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.zero_grad()
+        loss = self.forward_loss()
+        t1 = time.perf_counter()
+        self.backward(loss)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.after_step()
+        t3 = time.perf_counter()
+        self.phases.append((t1 - t0, t2 - t1, t3 - t2))
+        return loss.detach()
+
+
+def dtensor_plan(sp: bool) -> tuple[dict, dict]:
+    """torchtitan's Llama TP plan: (root plan, per-block plan)."""
+    seq = Shard(1) if sp else Replicate()
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    block = {
+        "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sp:
+        root["norm"] = SequenceParallel()
+        block |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    return root, block
+
+
+def build_sides(opts: dict, sp: bool, inputs, targets):
+    """The fivecut and DTensor candidates of one variant, from the same seed."""
+    args = get_preset(opts["model"])
+    tp = opts["tp"]
+    mesh = Mesh(ParallelDims(tp=tp, sp=sp), "cpu")
+    tokens = inputs.numel()  # every tp rank holds the whole batch
+
+    ours = build_model(args, seed=0)
+    par = parallelize(ours, mesh)
+    ours_opt = build_optimizer(par.pieces, **ADAMW)
+
+    def ours_forward_loss():
+        with par.saved.forward():
+            return par.loss_sum(par.module(inputs), targets) / tokens
+
+    def ours_zero():
+        mesh.ledger.begin_step(0)  # keep the ledger from growing over hundreds of steps
+        par.sync.zero_grad()
+
+    fivecut = Side(FIVECUT, ours, ours_forward_loss, lambda loss: loss.backward(), ours_zero, ours_opt, par.sync.after_step)
+
+    theirs = build_model(args, seed=0)
+    root, block = dtensor_plan(sp)
+    tp_mesh = mesh.device_mesh["tp"]
+    for layer in theirs.layers.values():
+        parallelize_module(layer, tp_mesh, block)
+    parallelize_module(theirs, tp_mesh, root)
+    their_opt = build_optimizer([Piece(p, decays(p), False) for p in theirs.parameters()], **ADAMW)
+
+    def their_forward_loss():
+        with loss_parallel():
+            logits = theirs(inputs)  # DTensor [b, s, V] Shard(-1)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
+
+    def their_backward(loss):
+        with loss_parallel():
+            loss.backward()
+
+    dtensor = Side(DTENSOR, theirs, their_forward_loss, their_backward, lambda: theirs.zero_grad(), their_opt)
+    return mesh, par, fivecut, dtensor
+
+
+def scalar(loss: torch.Tensor) -> float:
+    full = getattr(loss, "full_tensor", None)
+    return float(full() if full is not None else loss)
+
+
+@contextmanager
+def quiet_stderr():
+    """Silence file descriptor 2 (the profiler's C++ start/stop lines) for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def profiled(step: Callable[[], object], record_shapes: bool = False):
+    from torch.profiler import ProfilerActivity, profile
+
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as prof:
+        step()
+    return prof
+
+
+def collective_kind(name: str) -> str | None:
+    """all_reduce / all_gather / reduce_scatter for a c10d operator name; None for the rest."""
+    if "wait" in name or "barrier" in name or "wrap_tensor" in name:
+        return None
+    for kind, key in (("all_reduce", "allreduce"), ("all_gather", "allgather"), ("reduce_scatter", "reduce_scatter")):
+        if key in name.replace("all_reduce", "allreduce").replace("all_gather", "allgather"):
+            return kind
+    return name
+
+
+def count_collectives(step: Callable[[], object], tp: int, ledger=None) -> dict[str, list[int]]:
+    """Collectives of one call of `step`: {kind: [calls, elements of the full tensor]}.
+
+    Calls are counted the same way on both sides: the process group's own `c10d::` operators,
+    which every collective reaches (fivecut's directly, DTensor's functional collectives through
+    `_c10d_functional::`, including those issued inside DTensor's dispatch, e.g. by
+    loss_parallel). Elements: fivecut's from its ledger; DTensor's from the input shapes of the
+    `_c10d_functional::` operators (all-gather: input x tp)."""
+    prof = profiled(step, record_shapes=True)
+    out: dict[str, list[int]] = {}
+    for e in prof.events():
+        if e.name.startswith("c10d::") and (kind := collective_kind(e.name)):
+            out.setdefault(kind, [0, 0])[0] += 1
+        elif e.name.startswith("_c10d_functional::") and ledger is None and (kind := collective_kind(e.name)):
+            numel = math.prod(e.input_shapes[0]) if e.input_shapes and e.input_shapes[0] else 0
+            out.setdefault(kind, [0, 0])[1] += numel * (tp if kind == "all_gather" else 1)
+    if ledger is not None:
+        for record in ledger.records:
+            out.setdefault(record.op, [0, 0])[1] += record.elements
+    return out
+
+
+def profile_top(step: Callable[[], object], rows: int = 25) -> str:
+    return profiled(step).key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def rank_main(opts: dict) -> dict:
+    rank = dist.get_rank()
+    args = get_preset(opts["model"])
+    gen = torch.Generator().manual_seed(1234)  # the same batch on every tp rank
+    tokens = torch.randint(0, args.vocab_size, (opts["batch"], opts["seq"] + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # [b, s] each
+
+    variants = {}
+    for name in opts["variants"]:
+        mesh, par, ours, theirs = build_sides(opts, VARIANTS[name], inputs, targets)
+        # Same work: the loss before any update, after one step and after two.
+        losses = [(scalar(ours.step()), scalar(theirs.step())) for _ in range(3)]
+        for i, (a, b) in enumerate(losses):
+            if abs(a - b) > LOSS_RTOL * abs(b):
+                raise AssertionError(f"rank {rank} {name}: loss after {i} steps: fivecut {a:.8f} vs DTensor {b:.8f}")
+        comms = {FIVECUT: count_collectives(ours.step, opts["tp"], mesh.ledger), DTENSOR: count_collectives(theirs.step, opts["tp"])}
+        profiles = {side.name: profile_top(side.step) for side in (ours, theirs)} if opts["profile"] else {}
+        ours.phases.clear()
+        theirs.phases.clear()
+        variants[name] = dict(sides=(ours, theirs), losses=losses, comms=comms, profiles=profiles, runs={FIVECUT: [], DTENSOR: []})
+
+    started = time.perf_counter()
+    for r in range(opts["repeats"]):
+        for name, v in variants.items():
+            ours, theirs = v["sides"]
+            order = {FIVECUT: ours.step, DTENSOR: theirs.step} if r % 2 == 0 else {DTENSOR: theirs.step, FIVECUT: ours.step}
+            one = interleave(order, opts["steps"], repeats=1, warmup=opts["warmup"])
+            for side in one:
+                v["runs"][side] += one[side]
+            if rank == 0:
+                a, b = median(v["runs"][FIVECUT][-1]), median(v["runs"][DTENSOR][-1])
+                print(
+                    f"  repeat {r + 1}/{opts['repeats']} {name:<5} ({' then '.join(order)}): fivecut {format_seconds(a)}, "
+                    f"DTensor {format_seconds(b)}, ratio {format_ratio(a / b)}  [{time.perf_counter() - started:.0f} s]",
+                    flush=True,
+                )
+
+    out = {}
+    for name, v in variants.items():
+        ours, theirs = v["sides"]
+        final = (scalar(ours.forward_loss()), scalar(theirs.forward_loss()))  # after every step taken
+        out[name] = dict(
+            runs=v["runs"],
+            losses=v["losses"],
+            final=final,
+            comms=v["comms"],
+            profiles=v["profiles"],
+            phases={s.name: [median(col) for col in zip(*s.phases)] for s in (ours, theirs)},
+            params=sum(p.numel() for p in get_full_params(ours.model)),
+        )
+    return out
+
+
+def get_full_params(model):
+    """Full parameter tensors of the unsharded model (for the count only)."""
+    return build_model(model.args, device="meta").parameters()
+
+
+def format_comms(comms: dict[str, list[int]], tp: int) -> str:
+    """'op xcalls (MiB on the wire per rank)', fp32, ring factors as in fivecut.ledger."""
+    wire = {op: elements * 4 * ring_factor(op, tp) for op, (_, elements) in comms.items()}
+    parts = [f"{op} x{calls} ({wire[op] / 2**20:.2f} MiB)" for op, (calls, _) in sorted(comms.items())]
+    return (", ".join(parts) + f"; {sum(wire.values()) / 2**20:.2f} MiB in all") if parts else "none"
+
+
+def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
+    r0 = results[0]
+    tokens = opts["batch"] * opts["seq"]
+    lines = [
+        f"model {opts['model']} ({r0[opts['variants'][0]]['params'] / 1e6:.2f}M parameters), tp {opts['tp']} gloo ranks "
+        f"x 1 thread, batch {opts['batch']} x {opts['seq']} tokens (the same on every tp rank), "
+        f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) each",
+        f"machine: {before} before, {load_average()} after",
+        "",
+    ]
+    ratios = {}
+    for name in opts["variants"]:
+        v = r0[name]
+        runs = v["runs"]
+        cmp = compare(runs, FIVECUT, DTENSOR)
+        ratios[name] = cmp.ratio
+        worst = max(abs(a - b) / abs(b) for r in results for a, b in r[name]["losses"])
+        rows = []
+        for side in (FIVECUT, DTENSOR):
+            medians = [median(run) for run in runs[side]]
+            fwd, bwd, opt = v["phases"][side]
+            rows.append(
+                [
+                    side,
+                    format_seconds(median(all_steps(runs[side]))),
+                    format_seconds(min(all_steps(runs[side]))),
+                    f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
+                    format_rate(tokens / median(all_steps(runs[side]))),
+                    f"{format_seconds(fwd)} / {format_seconds(bwd)} / {format_seconds(opt)}",
+                ]
+            )
+        lo, hi = cmp.spread
+        fastest = min(all_steps(runs[FIVECUT])) / min(all_steps(runs[DTENSOR]))
+        rows.append(["ratio fivecut / DTensor", format_ratio(cmp.ratio), format_ratio(fastest), f"{format_ratio(lo)} .. {format_ratio(hi)}", "", ""])
+        header = ["", "median step", "fastest step", "repeat medians (min .. max)", "tokens/s (at median)", "fwd+loss / bwd / optim (rank 0)"]
+        losses = ", ".join(f"{a:.6f} vs {b:.6f}" for a, b in v["losses"])
+        lines += [
+            f"### {name} ({'sequence parallel' if VARIANTS[name] else 'no sequence parallelism'})",
+            f"same work: losses before / after 1 / after 2 steps {losses} (max rel diff {worst:.1e} over ranks); "
+            f"after all steps {v['final'][0]:.6f} vs {v['final'][1]:.6f}",
+            f"collectives per step (rank 0): fivecut {format_comms(v['comms'][FIVECUT], opts['tp'])}; "
+            f"DTensor {format_comms(v['comms'][DTENSOR], opts['tp'])}",
+            "",
+            markdown_table(header, rows),
+            "",
+            f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
+            "",
+        ]
+        for side, table in v["profiles"].items():
+            lines += [f"profile of one {side} step (rank 0):", table, ""]
+    lines.append(f"wall time {elapsed:.0f} s")
+    lines += [f"ratio_{name}={ratios[name]:.3f}" for name in opts["variants"]]
+    return "\n".join(lines)
+
+
+def parse(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="fivecut preset whose vocabulary, heads and kv heads divide by tp")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (DTensor's plan needs tp | n_kv_heads)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--sp", action="store_true", help="run only the sequence-parallel variant")
+    only.add_argument("--no-sp", action="store_true", help="run only the variant without sequence parallelism")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per candidate per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
+    p.add_argument("--batch", type=int, default=8, help="sequences (the same on every tp rank)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--profile", action="store_true", help="print the profiler's top operators of one step per side")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
+    opts = vars(p.parse_args(argv))
+    opts["variants"] = ["tp_sp"] if opts["sp"] else ["tp"] if opts["no_sp"] else ["tp", "tp_sp"]
+    args = get_preset(opts["model"])
+    t = opts["tp"]
+    for what, n in (("vocab_size", args.vocab_size), ("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_dim", args.ffn_dim)):
+        if n % t:
+            p.error(f"model {opts['model']} has {what}={n}, not divisible by tp={t}: DTensor's plan cannot cut it")
+    if "tp_sp" in opts["variants"] and opts["seq"] % t:
+        p.error(f"--seq {opts['seq']} must divide by tp={t} for sequence parallelism")
+    return opts
+
+
+def main(argv=None) -> None:
+    opts = parse(argv)
+    print(f"benchmarks/tensor.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
+    before = machine()
+    started = time.perf_counter()
+    results = spawn(rank_main, opts["tp"], opts, timeout_s=opts["timeout"])
+    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Tensor and sequence parallelism parity: forward output and every parameter's gradient
+(shards gathered back to full shape) against the single-device model, then losses over
+optimizer steps.
+
+Tolerances (fp32): a row-parallel matmul sums its partial products over ranks in a
+different order than one matmul does, so
+  - logits: rtol 1e-5, atol 1e-6;
+  - gradients of the mean token loss: rtol 1e-5, atol 1e-6 (entries up to ~1e-2);
+  - losses over optimizer steps: rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fivecut import comm
+from fivecut.comm import Group
+from fivecut.launch import spawn
+from fivecut.ledger import Ledger
+from fivecut.mesh import Mesh, ParallelDims
+from fivecut.model import build_model, get_preset
+from fivecut.parallel.parallelize import parallelize, token_loss_sum
+from fivecut.parallel.saved import SavedActivations
+from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, padded_vocab
+from test_ddp import LOSS_RTOL, run_config, small_config
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (4, 33), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference(preset: str):
+    model = build_model(get_preset(preset), seed=0)
+    inputs, targets = batch(model.args.vocab_size)
+    logits = model(inputs)
+    (token_loss_sum(logits, targets) / targets.numel()).backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def tensor_parallel_step(preset: str, tp: int, sp: bool):
+    """Forward + backward under tp ranks; logits and gradients gathered to full (unpadded) shape."""
+    mesh = Mesh(ParallelDims(tp=tp, sp=sp), "cpu")
+    model = build_model(get_preset(preset), seed=0)
+    par = parallelize(model, mesh)
+    group, vocab = mesh.group("tp"), model.args.vocab_size
+    inputs, targets = batch(vocab)
+    with par.saved.forward():
+        logits = par.module(inputs)  # [b, s, V_pad / t]
+    (par.loss_sum(logits, targets) / targets.numel()).backward()
+    full_logits = comm.all_gather(logits.detach(), group, dim=-1)[..., :vocab]
+    grads = {}
+    for name, p in model.named_parameters():
+        shard = getattr(p, "fivecut_tp", None)
+        g = p.grad if shard is None else comm.all_gather(p.grad, group, shard.dim)
+        grads[name] = g.narrow(0, 0, vocab) if g.shape[0] == padded_vocab(vocab, tp) != vocab else g
+    return full_logits, grads
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "preset,tp,sp",
+    [("tiny", 2, False), ("tiny", 4, False), ("tiny", 2, True), ("tiny", 4, True), ("tiny-gpt2", 2, True), ("tiny-gpt2", 4, False)],
+)
+def test_forward_and_every_gradient_match_single_device(preset, tp, sp):
+    # tiny: 4 heads, 2 kv heads -> tp=4 replicates kv heads; tiny-gpt2: vocab 50257 padded to 50258 / 50260
+    ref_logits, ref_grads = reference(preset)
+    for logits, grads in spawn(tensor_parallel_step, tp, preset, tp, sp):
+        torch.testing.assert_close(logits, ref_logits, **TOL)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.tp=2", "parallel.sp=true", "parallel.dp=2"), ("parallel.tp=2", "parallel.dp=2", "parallel.zero=3")])
+def test_losses_over_steps(layout, byte_cache, tmp_path):
+    reference_losses = spawn(run_config, 1, small_config(byte_cache, f'log.out_dir="{tmp_path}/r"'))[0]
+    cfg = small_config(byte_cache, *layout, f'log.out_dir="{tmp_path}/l"')
+    np.testing.assert_allclose(spawn(run_config, cfg.parallel.world_size, cfg)[0], reference_losses, rtol=LOSS_RTOL)
+
+
+LOGITS = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(0))  # 11 real columns + 1 of padding
+TARGETS = torch.tensor([[0, 10, 5, 6, 3], [7, 7, 1, 9, 2], [4, 8, 10, 0, 5]])
+
+
+def vocab_parallel_loss(tp: int):
+    from fivecut.parallel.tensor import vocab_parallel_loss_sum
+
+    group = Mesh(ParallelDims(tp=tp), "cpu").group("tp")
+    local = comm.my_slice(LOGITS, -1, group).requires_grad_()  # [3, 5, 12/t]
+    loss = vocab_parallel_loss_sum(local, TARGETS, group, vocab_size=11)
+    loss.backward()
+    return float(loss), local.grad
+
+
+@pytest.mark.multirank
+def test_vocab_parallel_cross_entropy_matches_and_ignores_padding():
+    full = LOGITS[..., :11].clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(full.reshape(-1, 11), TARGETS.flatten(), reduction="sum")
+    ref.backward()
+    results = spawn(vocab_parallel_loss, 2, 2)
+    for loss, _ in results:
+        assert loss == pytest.approx(float(ref), rel=1e-6)
+    grads = torch.cat([g for _, g in results], dim=-1)  # [3, 5, 12]
+    torch.testing.assert_close(grads[..., :11], full.grad, rtol=1e-6, atol=1e-7)
+    assert torch.all(grads[..., 11] == 0)  # the padding column gets no gradient
+
+
+def test_check_shards_refuses_an_unsharded_layer():
+    args = get_preset("tiny")
+    model = build_model(args, device="meta")
+    group = Group("tp", (0, 1), None, Ledger(), index=0)
+    apply_tensor_parallel(model, group, False, SavedActivations())
+    check_shards(model, args, 2)  # the cut model passes
+    model.layers["1"].feed_forward.w1.weight = torch.nn.Parameter(torch.empty(args.ffn_dim, args.dim, device="meta"))
+    with pytest.raises(RuntimeError, match="layers.1.feed_forward.w1.weight"):
+        check_shards(model, args, 2)
