@@ -53,7 +53,7 @@ from fivecut.launch import spawn  # noqa: E402
 from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import DataParallel  # noqa: E402
-from fivecut.train.trainer import token_loss_sum  # noqa: E402
+from fivecut.parallel.parallelize import token_loss_sum  # noqa: E402
 
 FIVECUT, TORCH = "fivecut DataParallel", "torch DDP"
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

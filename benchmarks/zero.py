@@ -47,12 +47,15 @@ Memory, per rank (CPU, so no allocator statistics):
     it (VmHWM reset through /proc/self/clear_refs after malloc_trim). ru_maxrss cannot separate
     candidates: it only grows, and all candidates live in the same process.
 
-The last two lines are `ratio_zero3_vs_fsdp2=<x>` and `ratio_zero0_vs_ddp=<x>`.
+The last two lines are `ratio_zero3_vs_fsdp2=<x>` and `ratio_zero0_vs_ddp=<x>` (each only when
+its pair runs).
 
 The default model is `tiny` (0.85M parameters): the defaults take about 75 s on the 2-core
-machine (7 candidates x 5 repeats x 12 steps of about 0.11 s). A step of `tiny-gpt2` takes
-about 0.85 s and one of `small` 3.5-4 s there (benchmarks/ddp.py), so the defaults would take
-about 6 and 26 minutes; `--model small --steps 3 --repeats 3` takes about 7.
+machine when it is quiet (7 candidates x 5 repeats x 12 steps of about 0.11 s), 2-4 min when
+it is shared. A step of `tiny-gpt2` takes about 0.85 s and one of `small` 3.5-4 s there
+(benchmarks/ddp.py), so the defaults would take about 6 and 26 minutes; for `small`, use
+`--steps 3 --repeats 3` (about 7 min), or `--batch 1 --seq 32`, where parameters rather than
+activations dominate memory (`--only zero3 --steps 4 --repeats 4`: about 100 s).
 """
 
 from __future__ import annotations
@@ -95,10 +98,9 @@ from fivecut.launch import spawn  # noqa: E402
 from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import decays  # noqa: E402
-from fivecut.parallel.parallelize import parallelize  # noqa: E402
+from fivecut.parallel.parallelize import parallelize, token_loss_sum  # noqa: E402
 from fivecut.train.memory import model_state_bytes  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
-from fivecut.train.trainer import token_loss_sum  # noqa: E402
 
 Z3, FSDP2 = "fivecut ZeRO-3", "torch FSDP2"
 Z0, DDP = "fivecut ZeRO-0 (DDP)", "torch DDP"

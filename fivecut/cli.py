@@ -1,4 +1,4 @@
-"""`fivecut train | verify | ledger`: the commands a user runs."""
+"""`fivecut train | verify | ledger | schedule`: the commands a user runs."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="one step under a layout: communication measured vs predicted")
     add_layout_arguments(ledger, steps=1)
     ledger.set_defaults(func=cmd_ledger)
+
+    schedule = sub.add_parser("schedule", help="a pipeline schedule: action lists, simulated timeline, bubble, Gantt PNG")
+    schedule.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved, zb1p or dualpipev")
+    schedule.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    schedule.add_argument("--microbatches", type=int, required=True)
+    schedule.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
+    schedule.add_argument("--cost-f", type=float, default=1.0, help="forward time per stage")
+    schedule.add_argument("--cost-b", type=float, default=None, help="backward time (default 2, or 1 when B/W split)")
+    schedule.add_argument("--cost-w", type=float, default=None, help="weight-gradient time when split (default 1)")
+    schedule.add_argument("--cost-comm", type=float, default=0.0, help="send-to-receive latency")
+    schedule.add_argument("--out", help="write the Gantt chart to this PNG")
+    schedule.set_defaults(func=cmd_schedule)
     return parser
 
 
@@ -160,11 +172,11 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.plan.memory import formula, model_state_bytes
     from fivecut.train.memory import format_bytes
 
-    from fivecut.plan.volume import meta_model, meta_params
+    from fivecut.plan.volume import local_param_count
 
     dims = cfg.parallel
     n = dims.dp * dims.cp
-    psi = sum(p.numel() for p in meta_params(meta_model(model_args(cfg.model), dims.tp, dims.sp)))
+    psi = local_param_count(model_args(cfg.model), cfg)
     predicted = model_state_bytes(psi, dims.zero, n)
     print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)}, n={n}, Psi={psi:,} on this rank)")
     print(f"{'':<10} {'measured':>12} {'predicted':>12}")
@@ -179,8 +191,11 @@ def print_activations(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.train.memory import format_bytes
 
     args, dims, t = model_args(cfg.model), cfg.parallel, cfg.train
+    if not measured:
+        print("\nactivations: not measured under pipeline parallelism (stages keep microbatches in flight)")
+        return
     rows = t.global_batch // (dims.dp * t.accumulate)
-    last = measured[str(args.n_layers - 1)]  # layer 0 also holds what all layers share (RoPE tables)
+    last = measured[max(measured, key=int)]  # layer 0 also holds what all layers share (RoPE tables)
     predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp)
     print(f"\nactivations saved for backward per layer (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
@@ -215,6 +230,51 @@ def cmd_ledger(ns) -> int:
         print(f"no closed form for: {', '.join(sorted(unpredicted))}")
     print(f"ratio={measured_total / predicted_total:.3f}" if predicted_total else "ratio=nan (nothing predicted)")
     return 0
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def cmd_schedule(ns) -> int:
+    from fivecut.parallel.pipeline.draw import draw
+    from fivecut.parallel.pipeline.schedule import build_schedule, check, peak_in_flight
+    from fivecut.parallel.pipeline.simulate import simulate, text
+
+    sch = build_schedule(ns.schedule, ns.pp, ns.microbatches, ns.virtual)
+    check(sch)
+    tl = simulate(sch, ns.cost_f, ns.cost_b, ns.cost_w, ns.cost_comm)
+    costs = ", ".join(f"{k}={v:g}" for k, v in tl.costs.items() if k != "W" or sch.split_backward)
+    print(f"schedule: {sch.name}, pp={sch.pp}, {sch.n_stages} stages, {sch.microbatches} microbatches, {costs}")
+    print("\nactions per rank (F/B/W stage.microbatch; sF/rF send/receive activations, sB/rB gradients):")
+    for rank, actions in enumerate(sch.actions):
+        print(f"rank {rank} (stages {', '.join(map(str, sch.stages_of(rank)))}): {' '.join(map(str, actions))}")
+    print("\ntimeline (one cell per time unit, '.' idle, ' marks a rank's later stage):")
+    print(text(tl))
+    print(f"\npeak in flight (microbatch-stages holding activations): {peak_in_flight(sch)}")
+    print(f"idle per rank: {', '.join(f'{tl.idle_fraction(r):.4f}' for r in range(sch.pp))}; makespan {tl.makespan:g}")
+    closed = closed_form_bubble(sch.name, sch.pp, sch.microbatches, sch.n_stages // sch.pp, tl.costs)
+    if closed:
+        print(f"closed form {closed[0]} = {closed[1]:.4f}")
+    if ns.out:
+        draw(tl, ns.out, f"{sch.name}, pp={sch.pp}, m={sch.microbatches}" + (f", v={ns.virtual}" if ns.virtual > 1 else ""))
+        print(f"wrote {ns.out}")
+    print(f"bubble={tl.bubble:.4f}")
+    return 0
+
+
+def closed_form_bubble(name: str, pp: int, m: int, virtual: int, costs: dict[str, float]) -> tuple[str, float] | None:
+    """The bubble fraction in closed form, where one holds for these costs (none with communication latency)."""
+    if costs["comm"]:
+        return None
+    if name in ("gpipe", "1f1b"):
+        return "(P-1)/(M+P-1)", (pp - 1) / (m + pp - 1)
+    if name == "interleaved":
+        return "(P-1)/(V*M+P-1)", (pp - 1) / (virtual * m + pp - 1)
+    if costs["F"] == costs["B"] == costs["W"] and name == "zb1p" and m >= pp:
+        return "ZB-H1 (P-1)(F+B-W) idle per rank, F=B=W: (P-1)/(3M+P-1)", (pp - 1) / (3 * m + pp - 1)
+    if costs["F"] == costs["B"] == costs["W"] and name == "dualpipev":
+        return "DualPipeV, F=B=W, only the last rank's first wait: (P-1)/(6M+P-1)", (pp - 1) / (6 * m + pp - 1)
+    return None
 
 
 if __name__ == "__main__":

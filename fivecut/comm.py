@@ -141,7 +141,7 @@ def wait(work, op: str, group: Group) -> None:
         _run(op, group, work.wait)
 
 
-def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group):
+def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group, tag: int = 0):
     """Post point-to-point sends and receives (peers are group ranks) together; returns the Works."""
     if group.size == 1:  # a rank talking to itself: copy, nothing on the wire
         for (sent, _), (received, _) in zip(sends, recvs):
@@ -150,10 +150,10 @@ def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tor
     ops = []
     for tensor, peer in sends:
         group.ledger.record("send", group.cut, group.size, tensor.numel(), tensor.element_size())
-        ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group=group.pg))
+        ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group=group.pg, tag=tag))
     for tensor, peer in recvs:
         group.ledger.record("recv", group.cut, group.size, tensor.numel(), tensor.element_size())
-        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group=group.pg))
+        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group=group.pg, tag=tag))
     return _run("send/recv", group, dist.batch_isend_irecv, ops) if ops else []
 
 

@@ -173,11 +173,16 @@ def checked_value(dotted: str, value: object, hint: object, origin: str) -> obje
     for kind in allowed:
         if kind is type(None) and value is None:
             return None
+        if typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            if isinstance(value, list) and all(type(v) is item for v in value):
+                return value
+            continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if isinstance(kind, type) and type(value) is kind:
             return value
-    wanted = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
+    wanted = " or ".join(k.__name__ if isinstance(k, type) else str(k) for k in allowed if k is not type(None))
     raise ConfigError(f"config key {dotted} wants {wanted}, got {value!r} ({type(value).__name__}) from {origin}")
 
 

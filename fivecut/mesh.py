@@ -25,7 +25,6 @@ CP_MODES = ("ring", "ulysses")
 # What this version can run. Each later cut widens its entry; anything outside is refused
 # with the issue that brings it, never silently ignored.
 IMPLEMENTED = {
-    "pp": ({1}, "pipeline parallelism (the pipeline issue)"),
     "cp": ({1}, "context parallelism (the context-parallel issue)"),
     "ep": ({1}, "expert parallelism (the expert-parallel issue)"),
 }
@@ -46,6 +45,7 @@ class ParallelDims:
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1  # stages per pipeline rank (interleaved, dualpipev)
     microbatches: int = 1  # pipeline microbatches per step
+    pp_layers: list[int] | None = None  # layers per pipeline stage; None: balanced by cost
     cp: int = 1  # context-parallel ranks (sequence split inside attention)
     cp_mode: str = "ring"  # "ring" | "ulysses"
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
@@ -156,6 +156,8 @@ class ParallelDims:
 
     def unimplemented(self) -> list[str]:
         out = []
+        if self.pp > 1 and self.zero >= 2:
+            out.append(f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this version; use zero=0 or 1")
         for name, (supported, where) in IMPLEMENTED.items():
             if getattr(self, name) not in supported:
                 out.append(f"parallel.{name}={getattr(self, name)}: {where} is not in this version; supported: {sorted(supported)}")
@@ -178,6 +180,7 @@ class Mesh:
         for name in MESH_DIMS:
             self.groups[name] = self._mesh_group(name)
         self.groups["dp_cp"] = self._derived_group("dp", ("dp", "cp"))
+        self.groups["pp_ends"] = self._pipeline_ends()
 
     def group(self, name: str) -> Group:
         return self.groups[name]
@@ -201,6 +204,19 @@ class Mesh:
             if ranks == mine:
                 pg = created
         return Group(cut, mine, pg, self.ledger)
+
+    def _pipeline_ends(self) -> Group:
+        """First and last pipeline rank of each pipeline (they hold the tied embedding twice)."""
+        grid = self.device_mesh.mesh  # [pp, dp, cp, tp]
+        me = dist.get_rank()
+        mine = Group("pp", (me,), None, self.ledger)
+        if self.dims.pp == 1:
+            return mine
+        for pair in zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist()):
+            created = dist.new_group(list(pair))
+            if me in pair:
+                mine = Group("pp", tuple(pair), created, self.ledger)
+        return mine
 
     def _ranks_along(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         """Global ranks that share this rank's coordinates on every dim not in `dims`."""

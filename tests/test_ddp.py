@@ -22,7 +22,8 @@ from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.data import DataParallel, plan_buckets
 from fivecut.train.data import BatchSampler
-from fivecut.train.trainer import token_loss_sum, train
+from fivecut.parallel.parallelize import token_loss_sum
+from fivecut.train.trainer import train
 
 LOSS_RTOL = 1e-5
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)

@@ -22,7 +22,7 @@ from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize
 from fivecut.train.data import BatchSampler
-from fivecut.train.trainer import token_loss_sum
+from fivecut.parallel.parallelize import token_loss_sum
 from test_ddp import GRAD_TOL, LOGIT_TOL, LOSS_RTOL, TOKENS, one_step_gradients, run_config, small_config
 
 pytestmark = pytest.mark.multirank

@@ -43,6 +43,16 @@ def tp_replicated(p: torch.Tensor, tp: int) -> bool:
     return tp > 1 and getattr(p, "fivecut_tp", None) is None
 
 
+def norm_share(p: torch.Tensor) -> float:
+    """The part of `p`'s squared norm this copy contributes: 1, or 1/k for one of k copies kept on
+    different pipeline ranks (tied embeddings on the first and the last stage)."""
+    return getattr(p, "fivecut_norm_share", 1.0)
+
+
+def param_kind(p: torch.Tensor, tp: int) -> tuple[bool, bool, float]:
+    return decays(p), tp_replicated(p, tp), norm_share(p)
+
+
 def flat_order(p: torch.Tensor) -> tuple[bool, bool]:
     """Sort key inside flat buffers: decayed first, then tensor-parallel shards before replicas,
     so that a ZeRO shard splits into few homogeneous optimizer pieces."""
@@ -56,6 +66,7 @@ class Piece:
     tensor: torch.Tensor
     decays: bool
     tp_replicated: bool  # identical on every tensor-parallel rank: counted once in the global norm
+    norm_share: float = 1.0  # see `norm_share`
 
 
 @dataclass(eq=False)
@@ -127,6 +138,12 @@ class GradReducer(abc.ABC):
 
     def after_step(self) -> None:
         """Called after the optimizer step (ZeRO gathers the updated parameters here)."""
+
+    def reduce_all(self) -> None:
+        """Reduce every bucket now (after a pipeline schedule ran its backwards under `no_sync`)."""
+        if self.group.size > 1:
+            self._next = 0
+            self._finish()
 
     def grad_arrived(self, param: nn.Parameter) -> None:
         """A gradient was accumulated into `param.grad` (subclasses keep it in place)."""

@@ -17,9 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivecut import comm
 from fivecut.comm import Group
 from fivecut.mesh import Mesh
-from fivecut.parallel.data import DataParallel, Piece, decays, tp_replicated
+from fivecut.model import build_model
+from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
+from fivecut.parallel.pipeline.split import build_stage, stage_layers, tied_weight
+from fivecut.parallel.data import DataParallel, Piece, param_kind
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
@@ -40,6 +44,7 @@ class Parallelized:
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> sum of token losses
     norm_groups: list[Group]  # groups over which squared gradient norms are summed
     saved: SavedActivations  # wrap each forward in `saved.forward()`
+    pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -62,25 +67,90 @@ def parallelize(
     unimplemented = dims.unimplemented()
     if unimplemented:
         raise ValueError("parallelize: " + "; ".join(unimplemented))
-    tp_group = mesh.group("tp")
-    loss_sum = token_loss_sum
     saved = SavedActivations()
-    saved.track_layers(model.layers)
-    if dims.tp > 1:
-        apply_tensor_parallel(model, tp_group, dims.sp, saved)
-        check_shards(model, model.args, dims.tp)
-        vocab = model.args.vocab_size
-        loss_sum = lambda logits, targets: vocab_parallel_loss_sum(logits, targets, tp_group, vocab)  # noqa: E731
+    loss_sum = tensor_parallel(model, mesh, saved)
     sync, pieces = data_parallel(model, mesh, bucket_mb, reduce_dtype)
-    groups = ([mesh.group("dp_cp")] if dims.zero else []) + ([tp_group] if dims.tp > 1 else [])
-    return Parallelized(model, sync, pieces, loss_sum, groups, saved)
+    return Parallelized(model, sync, pieces, loss_sum, norm_groups(mesh), saved)
+
+
+def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
+    """TP/SP over the tp group (when tp > 1); returns the loss function that fits the model's logits."""
+    dims, tp_group = mesh.dims, mesh.group("tp")
+    saved.track_layers(model.layers)
+    if dims.tp == 1:
+        return token_loss_sum
+    apply_tensor_parallel(model, tp_group, dims.sp, saved)
+    check_shards(model, model.args, dims.tp)
+    vocab = model.args.vocab_size
+    return lambda logits, targets: vocab_parallel_loss_sum(logits, targets, tp_group, vocab)
+
+
+def norm_groups(mesh: Mesh) -> list[Group]:
+    """Where squared gradient norms are summed: over shards (ZeRO), tensor and pipeline ranks."""
+    dims = mesh.dims
+    return [mesh.group(name) for name, on in (("dp_cp", dims.zero > 0), ("tp", dims.tp > 1), ("pp", dims.pp > 1)) if on]
+
+
+def build_parallel(args, mesh: Mesh, device, seed: int, train) -> Parallelized:
+    """Build this rank's part of the model from the seed and apply every cut of `mesh.dims`."""
+    dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
+    if mesh.dims.pp == 1:
+        return parallelize(build_model(args, device=device, seed=seed), mesh, train.bucket_mb, dtype)
+    return pipeline_parallelize(args, mesh, device, seed, train, dtype)
+
+
+def pipeline_parallelize(args, mesh: Mesh, device, seed: int, train, reduce_dtype) -> Parallelized:
+    """PP split -> TP inside each stage -> DP over all of this rank's stages."""
+    dims = mesh.dims
+    schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+    check(schedule)
+    layers = stage_layers(args, schedule.n_stages, train.seq_len, dims.pp_layers)
+    mine = schedule.stages_of(mesh.coordinate("pp"))
+    last = schedule.n_stages - 1
+    stages = {s: build_stage(args, layers[s], s == 0, s == last, device, seed) for s in mine}
+    saved = SavedActivations()
+    loss_sum = token_loss_sum
+    for stage in stages.values():
+        loss_sum = tensor_parallel(stage, mesh, saved)
+    tie_pipeline_ends(stages, last, mesh)
+    module = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
+    sync, pieces = data_parallel(module, mesh, train.bucket_mb, reduce_dtype)
+    ends_apart = schedule.stage_rank[0] != schedule.stage_rank[last]
+    tied = next((tied_weight(stages[s]) for s in (0, last) if s in stages), None) if ends_apart else None
+    pipeline = Pipeline(schedule, stages, mesh.group("pp_ends"), tied)
+    return Parallelized(module, sync, pieces, loss_sum, norm_groups(mesh), saved, pipeline)
+
+
+def tie_pipeline_ends(stages: dict[int, nn.Module], last: int, mesh: Mesh) -> None:
+    """Tied embeddings: one Parameter when the first and last stage share a rank; otherwise each
+    end keeps a copy (gradients summed over `pp_ends`) that counts half in the global norm."""
+    if 0 in stages and last in stages:
+        weight = stages[0].tok_embeddings.weight
+        if stages[last].args.tie_embeddings:
+            stages[last].output.weight = weight
+        return
+    for s in (0, last):
+        if s in stages and stages[s].args.tie_embeddings and mesh.dims.pp > 1:
+            tied_weight(stages[s]).fivecut_norm_share = 0.5
+
+
+@dataclass
+class Pipeline:
+    schedule: Schedule
+    stages: dict[int, nn.Module]
+    ends: Group  # the first and the last pipeline rank (tied embeddings)
+    tied: nn.Parameter | None  # this rank's copy of a tied embedding held on both ends
+
+    def sum_tied_grads(self) -> None:
+        if self.tied is not None and self.ends.size > 1 and self.tied.grad is not None:
+            comm.all_reduce(self.tied.grad, self.ends)
 
 
 def data_parallel(model: nn.Module, mesh: Mesh, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:
     dims, group = mesh.dims, mesh.group("dp_cp")
     if dims.zero == 0:
         sync = DataParallel(model, group, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
-        return sync, [Piece(p, decays(p), tp_replicated(p, dims.tp)) for p in sync.params]
+        return sync, [Piece(p, *param_kind(p, dims.tp)) for p in sync.params]
     if dims.zero in (1, 2):
         sync = ZeroDataParallel(model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=dims.tp)
     else:

@@ -26,7 +26,18 @@ A unit's parameters are gathered just before its first module runs and freed aft
 last module (or kept until backward when `reshard_after_forward` is false), gathered
 again when backward reaches the unit, and its gradients are reduce-scattered as soon as
 the unit's backward is done. The next unit's all-gather is issued while the current one
-computes, in forward and in backward.
+computes, in forward and in backward. Every unit, the root included, follows
+`reshard_after_forward`, so ZeRO-3 moves exactly 3Psi (FSDP2 keeps its root gathered
+between forward and backward, saving the root's second gather).
+
+Each unit owns one flat buffer `full` [padded] for its lifetime, and its parameters are
+views of it. Freeing resizes the buffer's *storage* to 0 and gathering resizes it back and
+all-gathers into it (as FSDP2 does): the tensors autograd saved in forward (e.g. a
+Linear's `weight.t()`) are views of the same storage, so freeing really frees them, and
+backward reads the re-gathered values. (Pointing parameters at a fresh buffer per gather
+would leave every forward buffer alive through autograd's saved views until backward.)
+At most one reduce-scatter is in flight: launching a unit's waits for the previous one,
+whose full-size gradient buffer the collective holds until then.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.parallel.data import Bucket, DataParallel, Piece, decays, flat_order, padded, tp_replicated
+from fivecut.parallel.data import Bucket, DataParallel, Piece, flat_order, padded, param_kind
 
 
 class FlatShard:
@@ -50,7 +61,7 @@ class FlatShard:
         self.params = sorted(params, key=flat_order)  # stable: decayed first, then TP shards first
         # recorded now: ZeRO-3 frees the parameters (size 0), which hides their shapes and kinds
         self.shapes = [p.shape for p in self.params]
-        self.kinds = [(decays(p), tp_replicated(p, tp)) for p in self.params]
+        self.kinds = [param_kind(p, tp) for p in self.params]
         self.group = group
         self.numel = sum(p.numel() for p in params)
         self.padded = padded(self.numel, group.size)
@@ -86,24 +97,23 @@ class FlatShard:
             offset += shape.numel()
             if stop <= start:
                 continue
-            if pieces and (pieces[-1].decays, pieces[-1].tp_replicated) == kind and pieces[-1].stop == start:
+            if pieces and pieces[-1].kind == kind and pieces[-1].stop == start:
                 pieces[-1].stop = stop
             else:
-                pieces.append(_Span(start, stop, *kind))
+                pieces.append(_Span(start, stop, kind))
         return [self._piece(span) for span in pieces]
 
     def _piece(self, span: "_Span") -> Piece:
         view = self.local[span.start : span.stop]
         view.grad = self.grad[span.start : span.stop]
-        return Piece(view, span.decays, span.tp_replicated)
+        return Piece(view, *span.kind)
 
 
 @dataclass
 class _Span:
     start: int
     stop: int
-    decays: bool
-    tp_replicated: bool
+    kind: tuple[bool, bool, float]  # (decays, tp_replicated, norm_share)
 
 
 # ---------------------------------------------------------------- ZeRO-1 and ZeRO-2
@@ -197,8 +207,8 @@ class Unit:
     name: str
     modules: list[nn.Module]  # in forward order; the first gathers, the last may free
     shard: FlatShard
-    full: torch.Tensor | None = None  # [padded] gathered parameters, while in use
-    incoming: torch.Tensor | None = None  # [padded] an all-gather in flight
+    full: torch.Tensor  # [padded] the parameters' storage: allocated while gathered, size 0 otherwise
+    gathered: bool = True  # `full` holds the parameters (or an all-gather into it is in flight)
     gather_work: object | None = None
     ready: int = 0  # parameters whose gradient this backward has produced
     reduced: bool = False
@@ -220,6 +230,7 @@ class FullyShardedDataParallel:
         self.forward_order = self.units  # root first (the embedding runs first), then the blocks
         self.backward_order = [self.units[0]] + self.units[1:][::-1]  # the head runs backward first
         self._callback_queued = False
+        self._reducing: Unit | None = None  # the unit whose reduce-scatter is in flight
         for unit in self.units:
             self._register_hooks(unit)
 
@@ -231,7 +242,8 @@ class FullyShardedDataParallel:
         full = shard.flatten([p.detach() for p in shard.params], like=params[0])
         shard.local = full[shard.lo : shard.lo + shard.size].clone()
         shard.grad = torch.zeros_like(shard.local)
-        unit = Unit(name, modules, shard)
+        shard.point_params_into(full)  # once: the parameters stay views of `full`
+        unit = Unit(name, modules, shard, full)
         self._free(unit)
         return unit
 
@@ -265,23 +277,27 @@ class FullyShardedDataParallel:
     # ------------------------------------------------------------ gather / free
 
     def _prefetch(self, unit: Unit | None) -> None:
-        if unit is None or unit.full is not None or unit.gather_work is not None:
+        if unit is None or unit.gathered:
             return
-        unit.incoming = unit.shard.local.new_empty(unit.shard.padded)
-        unit.gather_work = comm.all_gather_into(unit.incoming, unit.shard.local, self.group, async_op=True)
+        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        # autograd saved views of `full` in forward; refilling it in place is what backward must read
+        with torch.autograd._unsafe_preserve_version_counter(unit.full):
+            unit.gather_work = comm.all_gather_into(unit.full, unit.shard.local, self.group, async_op=True)
+        unit.gathered = True
 
     def _gather(self, unit: Unit) -> None:
-        if unit.full is not None:
-            return
         self._prefetch(unit)
-        comm.wait(unit.gather_work, "all_gather", self.group)
-        unit.full, unit.incoming, unit.gather_work = unit.incoming, None, None
-        unit.shard.point_params_into(unit.full)
+        if unit.gather_work is not None:
+            comm.wait(unit.gather_work, "all_gather", self.group)
+            unit.gather_work = None
 
     def _free(self, unit: Unit) -> None:
-        for p in unit.shard.params:
-            p.data = p.data.new_empty(0)
-        unit.full = None
+        """Release the gathered parameters, and with them the views autograd saved of them."""
+        if unit.gather_work is not None:  # prefetched but never used: the collective still writes into it
+            comm.wait(unit.gather_work, "all_gather", self.group)
+            unit.gather_work = None
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False
 
     @staticmethod
     def _after(order: list[Unit], unit: Unit) -> Unit | None:
@@ -316,6 +332,9 @@ class FullyShardedDataParallel:
 
     def _reduce(self, unit: Unit) -> None:
         """The unit's backward is done: send its gradients off (reduce-scatter), free them and the unit."""
+        if self._reducing is not None:  # one in flight: its work holds a full-size gradient buffer
+            self._finish_reduce(self._reducing)
+        self._reducing = unit
         params = unit.shard.params
         flat = unit.shard.flatten([p.grad for p in params], like=unit.shard.local)
         for p in params:
@@ -330,11 +349,17 @@ class FullyShardedDataParallel:
         for unit in self.backward_order:
             if not unit.reduced:  # parameters that received no gradient this pass
                 self._reduce(unit)
+        if self._reducing is not None:
+            self._finish_reduce(self._reducing)
         for unit in self.backward_order:
-            comm.wait(unit.reduce_work, "reduce_scatter", self.group)
-            unit.shard.grad.add_(unit.reduce_out)
-            unit.reduce_work, unit.reduce_out, unit.reduced, unit.ready = None, None, False, 0
+            unit.reduced, unit.ready = False, 0
         self._callback_queued = False
+
+    def _finish_reduce(self, unit: Unit) -> None:
+        comm.wait(unit.reduce_work, "reduce_scatter", self.group)
+        unit.shard.grad.add_(unit.reduce_out)
+        unit.reduce_work, unit.reduce_out = None, None
+        self._reducing = None
 
 
 def unique_params(modules: list[nn.Module]) -> list[nn.Parameter]:

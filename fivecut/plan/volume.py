@@ -26,42 +26,98 @@ def predict(args, cfg) -> dict[str, tuple[float, str]]:
         out["metrics"] = (ring_factor("all_reduce", n) * 4, "all-reduce of the step's loss (one fp32)")
     if dims.tp > 1:
         out["tp"] = tensor_parallel_volume(args, cfg)
+    if dims.pp > 1:
+        out["pp"] = pipeline_volume(args, cfg)
+        metrics = out.get("metrics", (0.0, ""))[0]
+        out["metrics"] = (metrics + ring_factor("all_reduce", dims.pp) * 4, "all-reduce of the step's loss (one fp32) over dp and pp")
     return out
 
 
+def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
+    """Pipeline rank `rank`: at each stage boundary it borders, each microbatch sends or receives
+    its activations forward and their gradient backward, E = b_mb * s_local * h elements each;
+    plus the tied embedding's gradient summed over the first and last rank, and the clip norm."""
+    dims, train = cfg.parallel, cfg.train
+    sched, _ = pipeline_plan(args, cfg)
+    owner = sched.stage_rank
+    borders = sum(1 for s in range(sched.n_stages - 1) if owner[s] != owner[s + 1] and rank in (owner[s], owner[s + 1]))
+    rows = train.global_batch // (dims.dp * train.accumulate * dims.microbatches)
+    s_local = train.seq_len // (dims.tp if dims.sp else 1)
+    e = rows * s_local * args.dim
+    volume = train.accumulate * dims.microbatches * 2 * borders * e * FP32
+    how = f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = {rows}*{s_local}*{args.dim}"
+    ends = {owner[0], owner[-1]}
+    if args.tie_embeddings and len(ends) == 2 and rank in ends:
+        shard = -(-args.vocab_size // dims.tp) * args.dim
+        volume += ring_factor("all_reduce", 2) * FP32 * shard
+        how += " + tied embedding all-reduce over the two ends"
+    if train.grad_clip > 0:
+        volume += ring_factor("all_reduce", dims.pp) * FP32
+        how += " + clip norm"
+    return volume, how
+
+
 def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
-    """Per micro-step, E = b*s*h activations (b = rows per rank), L blocks, fp32:
+    """Per microbatch (an accumulation micro-step, or a pipeline microbatch), E = b*s*h
+    activations (b = its rows), L = the blocks on this rank, fp32:
     no SP: all-reduce of E after the embedding and after each region (1 + 2L, forward), of the
            gradient of E before each region and the head (2L + 1, backward);
     SP:    the same E as reduce-scatters and all-gathers, plus one all-gather of E in backward
            per region and head (the saved inputs, kept as slices) and an all-reduce of each
            norm weight's gradient (2L + 1 of h);
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced),
-           replicated k/v weights' gradients when t > kv heads, and the clip norm (1 element)."""
+           replicated k/v weights' gradients when t > kv heads, and the clip norm (1 element).
+    Under pipeline parallelism the embedding and the head count only on the ranks holding them."""
     dims, train = cfg.parallel, cfg.train
-    t, L, h = dims.tp, args.n_layers, args.dim
+    t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
-    b = train.global_batch // (dims.dp * train.accumulate)
+    micro = dims.microbatches if dims.pp > 1 else 1
+    b = train.global_batch // (dims.dp * train.accumulate * micro)
     e = b * train.seq_len * h
-    loss = 3 * b * train.seq_len
-    kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
-    if dims.sp:
-        gathered = (1 + 2 * L) * 2 + (2 * L + 1) * 2 + (2 * L + 1)  # RS+AG forward/backward, regathers
-        per_micro = ag * FP32 * gathered * e + ar * FP32 * (loss + (2 * L + 1) * h + kv)
-        how = f"SP: ({gathered} x E all-gather/reduce-scatter) x (t-1)/t + all-reduces (loss 3bs, norms, kv)"
-    else:
-        per_micro = ar * FP32 * ((1 + 2 * L) * e + (2 * L + 1) * e + loss + kv)
-        how = f"all-reduce of (4L + 2) x E + 3bs (loss){' + kv grads' if kv else ''}, x 2(t-1)/t"
+    per_micro, calls = 0.0, []
+    for L, emb, head, passes in rank_stages(args, cfg):
+        loss = 3 * b * train.seq_len * head
+        kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
+        if dims.sp:
+            forward = (emb + 2 * L) + (2 * L + head)  # reduce-scatters, all-gathers
+            backward = forward + (2 * L + head)  # their transposes, and the regathered inputs
+            per_micro += ag * FP32 * (forward + passes * backward) * e + ar * FP32 * (loss + passes * ((2 * L + head) * h + kv))
+        else:
+            per_micro += ar * FP32 * ((emb + 2 * L) * e + loss + passes * ((2 * L + head) * e + kv))
+        calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}{' x2 backward' if passes == 2 else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
-    total = train.accumulate * per_micro + clip
-    return total, f"{train.accumulate} micro-steps x [{how}], E = b*s*h = {b}*{train.seq_len}*{h}, t={t}"
+    total = train.accumulate * micro * per_micro + clip
+    how = "SP: all-gather/reduce-scatter of E" if dims.sp else "all-reduce of E"
+    return total, f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E = {b}*{train.seq_len}*{h}, t={t}"
+
+
+def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int]]:
+    """(blocks, embedding 0/1, head 0/1, backward passes) of each stage on the rank at pipeline
+    position `pp_rank`. A split backward (zero-bubble schedules) runs the stage's backward twice,
+    B for the input's gradient and W for the weights' (autograd with inputs=weights), so its
+    backward collectives run twice -- except on the first stage, whose input needs no gradient."""
+    dims = cfg.parallel
+    if dims.pp == 1:
+        return [(args.n_layers, 1, 1, 1)]
+    sched, layers = pipeline_plan(args, cfg)
+    last = sched.n_stages - 1
+    return [(len(layers[s]), int(s == 0), int(s == last), 2 if sched.split_backward and s > 0 else 1) for s in sched.stages_of(pp_rank)]
+
+
+def pipeline_plan(args, cfg):
+    from fivecut.parallel.pipeline.schedule import build_schedule
+    from fivecut.parallel.pipeline.split import stage_layers
+
+    dims = cfg.parallel
+    sched = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+    return sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
 
 
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    model = meta_model(args, dims.tp, dims.sp)
-    phi = sum(p.numel() for p in meta_params(model))  # this rank's parameters (TP shards when tp > 1)
+    model = local_meta_module(args, cfg)
+    phi = sum(p.numel() for p in meta_params(model))  # this rank's parameters (its stages, its TP shards)
     ar, ag, rs = ring_factor("all_reduce", n), ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
     clip = ar * 4 if train.grad_clip > 0 else 0.0  # squared shard norms, one fp32 (ZeRO only)
     if dims.zero == 0:
@@ -81,8 +137,9 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     return volume, how + (" + clip-norm all-reduce" if clip else "")
 
 
-def meta_model(args, tp: int = 1, sp: bool = False):
-    """The model on the meta device, cut as rank 0 of `tp` tensor-parallel ranks would hold it."""
+def meta_model(args, tp: int = 1, sp: bool = False, layers: range | None = None, first: bool = True, last: bool = True):
+    """The model (or one pipeline stage of it) on the meta device, cut as rank 0 of `tp`
+    tensor-parallel ranks would hold it."""
     from fivecut.comm import Group
     from fivecut.ledger import Ledger
     from fivecut.model import build_model
@@ -90,6 +147,12 @@ def meta_model(args, tp: int = 1, sp: bool = False):
     from fivecut.parallel.tensor import apply_tensor_parallel
 
     model = build_model(args, device="meta")
+    if layers is not None:
+        for name in [n for n in model.layers if int(n) not in layers]:
+            del model.layers[name]
+    model.tok_embeddings = model.tok_embeddings if first else None
+    if not last:
+        model.norm, model.output = None, None
     if tp > 1:
         apply_tensor_parallel(model, Group("tp", tuple(range(tp)), None, Ledger(), index=0), sp, SavedActivations())
     return model
@@ -97,3 +160,24 @@ def meta_model(args, tp: int = 1, sp: bool = False):
 
 def meta_params(model) -> list:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def local_meta_module(args, cfg, pp_rank: int = 0):
+    """What the rank at pipeline position `pp_rank` holds, on the meta device: the model, or its
+    stages in a ModuleDict (one tied matrix when the first and last stage share the rank)."""
+    from torch import nn
+
+    dims = cfg.parallel
+    if dims.pp == 1:
+        return meta_model(args, dims.tp, dims.sp)
+    sched, layers = pipeline_plan(args, cfg)
+    last = sched.n_stages - 1
+    stages = {s: meta_model(args, dims.tp, dims.sp, layers[s], first=s == 0, last=s == last) for s in sched.stages_of(pp_rank)}
+    if args.tie_embeddings and 0 in stages and last in stages:
+        stages[last].output.weight = stages[0].tok_embeddings.weight
+    return nn.ModuleDict({str(s): m for s, m in stages.items()})
+
+
+def local_param_count(args, cfg, pp_rank: int = 0) -> int:
+    """Parameters held by a rank at pipeline position `pp_rank` (its stages, its TP shards)."""
+    return sum(p.numel() for p in meta_params(local_meta_module(args, cfg, pp_rank)))

@@ -33,11 +33,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def grad_norm(pieces, groups: list[Group], tp: int = 1) -> torch.Tensor:
     """Global L2 norm of the gradients of this rank's `Piece`s. Squared norms are summed over
     `groups` (ZeRO's dp group when gradients are sharded, the tp group under tensor
-    parallelism); pieces replicated over tp are weighted 1/tp so that they count once."""
-    grads = [(p.tensor.grad, p.tp_replicated) for p in pieces if p.tensor.grad is not None]
+    parallelism, the pp group under pipeline parallelism); a piece with k copies on those
+    ranks (replicated over tp, tied on two pipeline stages) is weighted 1/k: it counts once."""
+    grads = [(p.tensor.grad, p.norm_share / (tp if p.tp_replicated else 1)) for p in pieces if p.tensor.grad is not None]
     squares = torch.zeros((), device=grads[0][0].device if grads else "cpu")
-    for g, replicated in grads:
-        squares += g.detach().float().pow(2).sum() / (tp if replicated else 1)
+    for g, share in grads:
+        squares += g.detach().float().pow(2).sum() * share
     for group in groups:
         comm.all_reduce(squares, group)
     return squares.sqrt()

@@ -22,8 +22,8 @@ from fivecut.config import Config, model_args
 from fivecut.launch import local_device
 from fivecut.ledger import Row
 from fivecut.mesh import Mesh
-from fivecut.model import build_model
-from fivecut.parallel.parallelize import Parallelized, parallelize, token_loss_sum  # noqa: F401 (re-exported)
+from fivecut.parallel.pipeline.executor import PipelineStep
+from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
@@ -93,9 +93,8 @@ def setup(cfg: Config) -> Context:
             f"tokenizer {cfg.data.tokenizer!r} has {vocab} tokens but the model's vocab_size is {args.vocab_size}; "
             f"set model.vocab_size >= {vocab} or use a preset made for this tokenizer"
         )
-    model = build_model(args, device=device, seed=cfg.train.seed)
     t = cfg.train
-    par = parallelize(model, mesh, bucket_mb=t.bucket_mb, reduce_dtype=DTYPES[t.reduce_dtype])
+    par = build_parallel(args, mesh, device, t.seed, t)
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
     val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
@@ -110,6 +109,8 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
     batches = ctx.sampler.local_batches(step, cut.coordinate("dp"), cut.dims.dp, ctx.cfg.train.accumulate)
     denominator = ctx.sampler.tokens_in_global_batch()
     total = torch.zeros((), device=ctx.device)
+    if ctx.par.pipeline is not None:
+        return pipeline_forward_backward(ctx, batches, denominator)
     for i, (inputs, targets) in enumerate(batches):
         last = i == len(batches) - 1
         sync = contextlib.nullcontext() if last else ctx.par.sync.no_sync()
@@ -123,6 +124,41 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
                 loss.backward()
         total += loss.detach()
     return total
+
+
+def pipeline_forward_backward(ctx: Context, batches, denominator: int) -> torch.Tensor:
+    """Each accumulation micro-step's rows cut into microbatches and run through the schedule;
+    gradients reduced over dp once, after the last (tied embeddings first summed over the two ends)."""
+    pipe, dims = ctx.par.pipeline, ctx.mesh.dims
+    total = torch.zeros((), device=ctx.device)
+    for inputs, targets in batches:
+        micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in zip(inputs.chunk(dims.microbatches), targets.chunk(dims.microbatches))]
+        with ctx.par.sync.no_sync():
+            total += pipeline_step(ctx, micro[0][0].shape[0]).run(micro, denominator, ctx.mesh.ledger)
+    with ctx.mesh.ledger.phase("backward"):
+        pipe.sum_tied_grads()
+        ctx.par.sync.reduce_all()
+    return total
+
+
+def pipeline_step(ctx: Context, rows: int) -> PipelineStep:
+    """An executor for this rank's stages, for microbatches of `rows` sequences."""
+    dims, seq = ctx.mesh.dims, ctx.cfg.train.seq_len
+    return PipelineStep(
+        ctx.par.pipeline.schedule,
+        ctx.par.pipeline.stages,
+        ctx.mesh.group("pp"),
+        ctx.par.loss_sum,
+        hidden_shape=(rows, seq // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
+        positions=torch.arange(seq, device=ctx.device),
+        forward_context=lambda: _forward_context(ctx),
+    )
+
+
+@contextlib.contextmanager
+def _forward_context(ctx: Context):
+    with ctx.par.saved.forward(), ctx.autocast():
+        yield
 
 
 def optimizer_step(ctx: Context, step: int) -> float:
@@ -140,6 +176,8 @@ def global_mean(ctx: Context, value: torch.Tensor) -> float:
     value = value.detach().clone()
     with ctx.mesh.ledger.phase("metrics"):
         comm.all_reduce(value, ctx.metrics_group)
+        if ctx.mesh.dims.pp > 1:  # the loss lives on the last stage
+            comm.all_reduce(value, dataclasses.replace(ctx.mesh.group("pp"), cut="metrics"))
     return float(value)
 
 
@@ -150,9 +188,12 @@ def evaluate(ctx: Context) -> float:
     tokens = 0
     for batch in ctx.val_batches:
         tokens += batch[1].numel()
-        inputs, targets = shard_batch(batch, rank, dp)
+        inputs, targets = (t.to(ctx.device) for t in shard_batch(batch, rank, dp))
+        if ctx.par.pipeline is not None:
+            total += pipeline_step(ctx, inputs.shape[0]).forward_only([(inputs, targets)], 1)
+            continue
         with ctx.autocast():
-            total += ctx.par.loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device))
+            total += ctx.par.loss_sum(ctx.par.module(inputs), targets)
     return global_mean(ctx, total / tokens)
 
 
