@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import copy
 import os
 import sys
@@ -95,7 +96,7 @@ def cmd_train(ns) -> int:
 def parse_layout(text: str) -> ParallelDims:
     """`dp=2,zero=1,sp=true` -> ParallelDims, each key checked like a config key."""
     table = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):  # commas outside [...]
         key, value = parse_override(item)
         table[key] = value
     holder = Config()

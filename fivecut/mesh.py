@@ -77,7 +77,8 @@ class ParallelDims:
         if min(sizes) < 1:  # the checks below divide by these numbers
             raise LayoutError("invalid layout " + self.describe() + ":\n  - " + "\n  - ".join(problems))
         problems += (
-            self._model_problems(model)
+            self._pipeline_problems(model, seq_len)
+            + self._model_problems(model)
             + self._batch_problems(seq_len, global_batch, accumulate)
             + self._world_problems(world_size)
         )
@@ -109,6 +110,21 @@ class ParallelDims:
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
         return out
+
+    def _pipeline_problems(self, model, seq_len: int) -> list[str]:
+        """Build the schedule and the stage split now, so that a bad pipeline never starts."""
+        if self.pp == 1:
+            return []
+        from fivecut.parallel.pipeline.schedule import build_schedule, check
+        from fivecut.parallel.pipeline.split import stage_layers
+
+        try:
+            schedule = build_schedule(self.pp_schedule, self.pp, self.microbatches, self.pp_virtual)
+            check(schedule)
+            stage_layers(model, schedule.n_stages, seq_len, self.pp_layers)
+        except ValueError as err:
+            return [str(err)]
+        return []
 
     def _model_problems(self, model) -> list[str]:
         out = []

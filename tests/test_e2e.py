@@ -106,3 +106,17 @@ def test_ledger_tensor_parallel_volume_and_activations(byte_cache, layout):
     activations = next(line for line in lines if line.startswith("activation_ratio="))
     assert abs(float(activations.split("=")[1]) - 1) <= 0.10  # measured saved bytes within 10% of the formula
     assert "SP cuts activations by" in run.stdout
+
+
+@pytest.mark.multirank
+def test_ledger_pipeline_boundaries(byte_cache):
+    run = fivecut("ledger", "--layout", "pp=2,microbatches=4", "--set", f'data.cache_dir="{byte_cache}"')
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "ratio=1.000"
+    assert "send" in run.stdout and "recv" in run.stdout
+
+
+def test_bad_pipeline_is_refused_before_start():
+    run = fivecut("verify", "--layout", "pp=2,pp_schedule=interleaved,pp_virtual=2,microbatches=3", timeout=60)
+    assert run.returncode != 0
+    assert "microbatches=3 is not a multiple of pp=2" in run.stderr

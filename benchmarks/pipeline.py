@@ -1,0 +1,646 @@
+"""fivecut's pipeline parallelism: 1F1B against torch.distributed.pipelining, and measured
+bubbles against fivecut's own schedule simulator.
+
+    python benchmarks/pipeline.py [--model tiny] [--microbatches 4,8] [--steps 10] [--repeats 5]
+                                  [--warmup 2] [--batch 8] [--seq 128]
+                                  [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
+                                  [--bubble-microbatches 4] [--bubble-steps 8] [--bubble-repeats 3]
+                                  [--no-compare] [--no-bubbles]
+
+Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
+same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
+the last the targets). On the 2-core CPU machine the defaults take about 2-4 minutes,
+depending on the load.
+
+Part 1, fivecut 1F1B vs torch `Schedule1F1B`, for each `--microbatches` count:
+
+    fivecut   build_parallel(args, Mesh(ParallelDims(pp=2, pp_schedule="1f1b", microbatches=m,
+              pp_layers=[n/2, n/2])), ...) and the trainer's PipelineStep (each forward inside
+              `par.saved.forward()`), DataParallel over the (size-1) dp group as the trainer has
+              it: gradients in one flat bucket, zero_grad zeroes the bucket.
+    torch     the single-device model built from the same seed, cut to the same layers (other
+              layers deleted, embedding / final norm / head set to None where they do not
+              belong, as fivecut's split does), wrapped in PipelineStage(module, rank, 2, cpu,
+              group=<its own 2-rank gloo group>) and Schedule1F1B(stage, m, loss_fn,
+              scale_grads=False), step(..., return_outputs=False); zero_grad(set_to_none=True),
+              torch's default.
+
+Loss: fivecut sums token cross-entropies and divides by the global batch's token count on the
+last stage. torch's schedules divide the accumulated gradients by n_microbatches unless
+`scale_grads=False`; with `scale_grads=False` and loss_fn = sum of token cross-entropy / global
+tokens the two compute the same loss and gradients, which is checked once before timing (loss
+and every gradient, rtol GRAD_RTOL), and again after timing (parameters after every step).
+Both optimizers are AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices, none
+on norm weights, fivecut's `build_optimizer` split on both sides), no clipping.
+
+A timed step: zero_grad, the schedule (forwards and backwards of all microbatches, the
+point-to-point messages, fivecut's end-of-step wait for its sends), AdamW step. Timing is
+interleaved (benchmarks/common.py). The two 1F1B orders differ slightly: torch warms up with
+pp - r forwards on rank r, fivecut (PipeDream-flush) with pp - 1 - r.
+
+Part 2, measured idle per rank vs `simulate`: fivecut alone under every schedule, pp=2,
+`--bubble-microbatches` microbatches (dualpipev needs >= 2 pp = 4; interleaved a multiple of
+pp). gpipe, 1f1b and zb1p cut the layers [n/2, n/2]; interleaved (virtual 2) and dualpipev
+hold 4 stages of n/4 layers. `PipelineStep.execute` is wrapped (here only) with perf_counter,
+which on Linux is CLOCK_MONOTONIC, one clock for both processes. For each timed step:
+
+    makespan       first rank's start of `run` (after a barrier) to the last rank's end
+    busy(rank)     its F, B, W actions' time
+    idle(rank)     1 - busy / makespan       (the simulator's definition)
+    recv wait      its RECV actions' time (posting and waiting for a message), part of idle
+
+and the medians over steps are set next to `simulate(schedule, cost_f=F, cost_b=B, cost_w=W)`
+with F, B, W the measured mean action times of that schedule (over both ranks, all stages,
+all timed steps; the costs of the two ranks differ), next to the same simulation with one cost
+per (action, stage) (the module's `finish` replaced in this process only), and next to the
+simulator's defaults (F = 1, B = 2 whole, B = W = 1 split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    all_steps,
+    barrier,
+    compare,
+    format_ratio,
+    format_seconds,
+    interleave,
+    load_average,
+    machine,
+    markdown_table,
+    median,
+)
+from fivecut.config import TrainConfig  # noqa: E402
+from fivecut.launch import spawn  # noqa: E402
+from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
+from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.parallel.data import Piece, decays  # noqa: E402
+from fivecut.parallel.parallelize import build_parallel, token_loss_sum  # noqa: E402
+from fivecut.parallel.pipeline import executor  # noqa: E402
+from fivecut.parallel.pipeline import simulate as simulate_module  # noqa: E402
+from fivecut.parallel.pipeline.schedule import Action, build_schedule  # noqa: E402
+from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa: E402
+from fivecut.train.optim import build_optimizer  # noqa: E402
+
+FIVECUT, TORCH = "fivecut 1F1B", "torch Schedule1F1B"
+ADAMW = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+GRAD_RTOL = 1e-5  # gradients must agree to this, relative to each tensor's largest entry
+PP = 2
+
+# name -> (pp_virtual, stages): the layouts of part 2. dualpipev always holds 2 stages per rank;
+# build_schedule accepts virtual 1 or 2 for it, but ParallelDims.validate counts pp_virtual=2
+# twice (pp * virtual * 2 = 8 stages) and refuses 4 layers, so it is given pp_virtual=1 here.
+LAYOUTS = {"gpipe": (1, 2), "1f1b": (1, 2), "zb1p": (1, 2), "interleaved": (2, 4), "dualpipev": (1, 4)}
+PATCHED = "*"  # suffix of a split-backward schedule run with `SavedGradSplit` (--patched-split)
+
+
+def base_name(name: str) -> str:
+    return name.removesuffix(PATCHED)
+
+
+# ---------------------------------------------------------------- the two sides
+
+
+class Fivecut:
+    """fivecut's pipeline as the trainer runs it: build_parallel, PipelineStep, reduce_all, AdamW."""
+
+    def __init__(self, args, mesh: Mesh, opts: dict, name: str, m: int):
+        schedule = base_name(name)
+        virtual, n_stages = LAYOUTS[schedule]
+        layers = [args.n_layers // n_stages] * n_stages
+        dims = dataclasses.replace(mesh.dims, pp_schedule=schedule, microbatches=m, pp_virtual=virtual, pp_layers=layers)
+        dims.validate(args, opts["seq"], opts["batch"], 1, dist.get_world_size())
+        view = copy.copy(mesh)  # same groups, another schedule
+        view.dims = dims
+        self.mesh = view
+        train = TrainConfig(seq_len=opts["seq"], global_batch=opts["batch"])
+        self.par = build_parallel(args, view, torch.device("cpu"), seed=0, train=train)
+        self.schedule = self.par.pipeline.schedule
+        runner = SavedGradSplit if name.endswith(PATCHED) else executor.PipelineStep
+        self.runner = runner(
+            self.schedule,
+            self.par.pipeline.stages,
+            view.group("pp"),
+            self.par.loss_sum,
+            hidden_shape=(opts["batch"] // m, opts["seq"], args.dim),
+            positions=torch.arange(opts["seq"]),
+            forward_context=self.par.saved.forward,  # the trainer's context, less autocast (fp32)
+        )
+        self.optimizer = build_optimizer(self.par.pieces, **ADAMW)
+        self.m, self.denominator = m, opts["batch"] * opts["seq"]
+
+    def named_parameters(self):
+        return [(n, p) for s in sorted(self.par.pipeline.stages) for n, p in self.par.pipeline.stages[s].named_parameters()]
+
+    def zero_grad(self) -> None:
+        self.mesh.ledger.begin_step(0)  # keep the ledger from growing over hundreds of steps
+        self.par.sync.zero_grad()
+
+    def run(self, micro) -> torch.Tensor:
+        """The schedule: forwards and backwards of every microbatch (trainer.pipeline_forward_backward)."""
+        ledger = self.mesh.ledger
+        with self.par.sync.no_sync():
+            loss = self.runner.run(micro, self.denominator, ledger)
+        with ledger.phase("backward"):
+            self.par.pipeline.sum_tied_grads()
+            self.par.sync.reduce_all()
+        return loss
+
+    def forward_backward(self, micro) -> float:
+        self.zero_grad()
+        return float(self.run(micro))
+
+    def step(self, micro) -> None:
+        self.zero_grad()
+        self.run(micro)
+        self.optimizer.step()
+
+
+class SavedGradSplit(executor.PipelineStep):
+    """The split backward as proposed for fivecut (--patched-split): B runs torch.distributed.pipelining's
+    `stage_backward_input`, which also keeps the gradients arriving at the nodes that feed the
+    weights, and W runs `stage_backward_weight` from those, instead of a second backward through
+    the whole stage (`backward(output, inputs=params)`). Stage 0 has no input gradient: its B
+    does nothing and its W is the whole backward, as before."""
+
+    def backward(self, action, mb) -> None:
+        if not self.schedule.split_backward or action.stage == 0:
+            return super().backward(action, mb)
+        grad = None if action.stage == self.schedule.n_stages - 1 else mb.grad_output
+        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        (mb.grad_input,), mb.param_groups = stage_backward_input(
+            [mb.output], None if grad is None else [grad], [mb.input], iter(params)
+        )
+        self.hand_back(action, mb.grad_input)
+
+    def weight_grad(self, action, mb) -> None:
+        if action.stage == 0:
+            return super().weight_grad(action, mb)
+        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        stage_backward_weight(iter(params), mb.param_groups)
+        mb.param_groups = None
+
+
+class Torch:
+    """The same cut of the same model under torch.distributed.pipelining.Schedule1F1B."""
+
+    def __init__(self, args, group, opts: dict, m: int):
+        rank, n = dist.get_rank(), args.n_layers
+        mine = range(rank * n // PP, (rank + 1) * n // PP)
+        model = build_model(args, seed=0)
+        for name in [k for k in model.layers if int(k) not in mine]:
+            del model.layers[name]
+        if rank > 0:
+            model.tok_embeddings = None
+        if rank < PP - 1:
+            model.norm, model.output = None, None
+        self.model, self.rank = model, rank
+        self.stage = PipelineStage(model, rank, PP, torch.device("cpu"), group=group)
+        tokens = opts["batch"] * opts["seq"]
+        self.schedule = Schedule1F1B(
+            self.stage, m, loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / tokens, scale_grads=False
+        )
+        self.optimizer = build_optimizer([Piece(p, decays(p), False) for p in model.parameters()], **ADAMW)
+
+    def named_parameters(self):
+        return list(self.model.named_parameters())
+
+    def run(self, inputs, targets) -> float:
+        if self.rank == 0:
+            self.schedule.step(inputs, return_outputs=False)
+            return 0.0
+        losses: list[torch.Tensor] = []
+        self.schedule.step(target=targets, losses=losses, return_outputs=False)
+        return float(sum(loss.detach() for loss in losses))
+
+    def forward_backward(self, inputs, targets) -> float:
+        self.model.zero_grad()
+        return self.run(inputs, targets)
+
+    def step(self, inputs, targets) -> None:
+        self.model.zero_grad()  # set_to_none=True, torch's default
+        self.run(inputs, targets)
+        self.optimizer.step()
+
+
+def max_rel_diff(xs, ys) -> float:
+    """Largest |x - y| / max|y| over pairs of tensors (0 when identical)."""
+    worst = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        scale = y.abs().max().item() or 1.0
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
+def batch(args, opts: dict):
+    gen = torch.Generator().manual_seed(1234)  # the same batch on both ranks
+    tokens = torch.randint(0, args.vocab_size, (opts["batch"], opts["seq"] + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # [b, s] each
+
+
+# ---------------------------------------------------------------- part 1
+
+
+def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
+    rank = dist.get_rank()
+    inputs, targets = batch(args, opts)
+    micro = list(zip(inputs.chunk(m), targets.chunk(m)))
+    ours, theirs = Fivecut(args, mesh, opts, "1f1b", m), Torch(args, torch_group, opts, m)
+
+    # Same work: one forward+backward each, then the loss and every gradient must agree.
+    loss_a, loss_b = ours.forward_backward(micro), theirs.forward_backward(inputs, targets)
+    named_a, named_b = ours.named_parameters(), theirs.named_parameters()
+    if [n for n, _ in named_a] != [n for n, _ in named_b]:
+        raise AssertionError(f"rank {rank}: the two stages hold different parameters: {named_a} vs {named_b}")
+    params_a, params_b = [p for _, p in named_a], [p for _, p in named_b]
+    grad_diff = max_rel_diff([p.grad for p in params_a], [p.grad for p in params_b])
+    grad_bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(params_a, params_b))
+    if grad_diff > GRAD_RTOL:
+        raise AssertionError(f"rank {rank}: fivecut and torch gradients differ by {grad_diff:.3g} (> {GRAD_RTOL})")
+    if rank == PP - 1 and abs(loss_a - loss_b) > GRAD_RTOL * abs(loss_b):
+        raise AssertionError(f"losses differ: fivecut {loss_a} vs torch {loss_b}")
+    ours.optimizer.step()
+    theirs.optimizer.step()
+
+    step_a = lambda: ours.step(micro)  # noqa: E731
+    step_b = lambda: theirs.step(inputs, targets)  # noqa: E731
+    started = time.perf_counter()
+    runs = {FIVECUT: [], TORCH: []}
+    for r in range(opts["repeats"]):
+        order = {FIVECUT: step_a, TORCH: step_b} if r % 2 == 0 else {TORCH: step_b, FIVECUT: step_a}
+        one = interleave(order, opts["steps"], repeats=1, warmup=opts["warmup"])
+        for name in one:
+            runs[name] += one[name]
+        if rank == 0:
+            print(
+                f"  m={m} repeat {r + 1}/{opts['repeats']} ({' then '.join(order)}): "
+                f"fivecut {format_seconds(median(runs[FIVECUT][-1]))}, torch {format_seconds(median(runs[TORCH][-1]))}, "
+                f"ratio {format_ratio(median(runs[FIVECUT][-1]) / median(runs[TORCH][-1]))}  "
+                f"[{time.perf_counter() - started:.0f} s]",
+                flush=True,
+            )
+    return dict(
+        m=m,
+        runs=runs,
+        loss=(loss_a, loss_b),
+        grad_diff=grad_diff,
+        grad_bitwise=grad_bitwise,
+        param_diff=max_rel_diff(params_a, params_b),
+        params=sum(p.numel() for p in params_a),
+    )
+
+
+# ---------------------------------------------------------------- part 2
+
+_RECORD: list | None = None  # (kind, stage, microbatch, start, end) of each action, while recording
+_execute = executor.PipelineStep.execute
+
+
+def _timed_execute(self, action):
+    start = time.perf_counter()
+    out = _execute(self, action)
+    if _RECORD is not None:
+        _RECORD.append((action.kind, action.stage, action.microbatch, start, time.perf_counter()))
+    return out
+
+
+def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
+    """Every schedule of `--schedules`, interleaved; per timed step this rank's (start, end, actions)."""
+    global _RECORD
+    executor.PipelineStep.execute = _timed_execute
+    m = opts["bubble_microbatches"]
+    inputs, targets = batch(args, opts)
+    micro = list(zip(inputs.chunk(m), targets.chunk(m)))
+    sides = {name: Fivecut(args, mesh, opts, name, m) for name in opts["schedules"]}
+    steps: dict[str, list] = {name: [] for name in sides}
+    checks = {}
+    for name in [n for n in sides if n.endswith(PATCHED)]:  # the patched split computes the same gradients
+        base = sides.get(base_name(name)) or Fivecut(args, mesh, opts, base_name(name), m)
+        base.forward_backward(micro), sides[name].forward_backward(micro)
+        grads = [p.grad for _, p in sides[name].named_parameters()], [p.grad for _, p in base.named_parameters()]
+        checks[name] = (max_rel_diff(*grads), all(torch.equal(a, b) for a, b in zip(*grads)))
+        if checks[name][0] > GRAD_RTOL:
+            raise AssertionError(f"{name}: gradients differ from {base_name(name)}'s by {checks[name][0]:.3g}")
+
+    def one_step(side: Fivecut, record: bool):
+        global _RECORD
+        side.zero_grad()
+        barrier()
+        _RECORD = [] if record else None
+        start = time.perf_counter()
+        side.run(micro)
+        end = time.perf_counter()
+        actions, _RECORD = _RECORD, None
+        side.optimizer.step()
+        return start, end, actions
+
+    names, started = list(sides), time.perf_counter()
+    for r in range(opts["bubble_repeats"]):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            for _ in range(opts["warmup"]):
+                one_step(sides[name], record=False)
+            steps[name] += [one_step(sides[name], record=True) for _ in range(opts["bubble_steps"])]
+        if dist.get_rank() == 0:
+            print(f"  schedules repeat {r + 1}/{opts['bubble_repeats']}  [{time.perf_counter() - started:.0f} s]", flush=True)
+    executor.PipelineStep.execute = _execute
+    return {"steps": steps, "checks": checks}
+
+
+def simulate_per_stage(schedule, table: dict[tuple[str, int], float]) -> Timeline:
+    """`simulate` with one cost per (kind, stage) instead of one per kind."""
+    original = simulate_module.finish
+
+    def finish(a, free, costs, sent):
+        if a.is_compute:
+            return free + table[(a.kind, a.stage)]
+        return original(a, free, costs, sent)
+
+    simulate_module.finish = finish
+    try:
+        return simulate(schedule, 1.0, 1.0, 1.0)  # the costs are only used for `text`'s default unit
+    finally:
+        simulate_module.finish = original
+
+
+def analyse(name: str, per_rank: list[list], m: int) -> dict:
+    """Combine both ranks' records of one schedule: measured idle per rank vs the simulator."""
+    virtual, _ = LAYOUTS[base_name(name)]
+    schedule = build_schedule(base_name(name), PP, m, virtual)
+    compute = {"F": [], "B": [], "W": []}
+    by_stage: dict[tuple[str, int], list[float]] = {}
+    idle, recv, send, outside = ([[] for _ in range(PP)] for _ in range(4))
+    makespans, steps = [], []
+    for i in range(len(per_rank[0])):
+        step = [per_rank[r][i] for r in range(PP)]
+        start, end = min(s[0] for s in step), max(s[1] for s in step)
+        makespan = end - start
+        makespans.append(makespan)
+        steps.append((makespan, start, step))
+        for r, (own_start, own_end, actions) in enumerate(step):
+            busy = sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind in compute)
+            idle[r].append(1 - busy / makespan)
+            recv[r].append(sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind.startswith("RECV")) / makespan)
+            send[r].append(sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind.startswith("SEND")) / makespan)
+            outside[r].append((makespan - (own_end - own_start)) / makespan)
+            for kind, stage, _, t0, t1 in actions:
+                if kind in compute:
+                    compute[kind].append(t1 - t0)
+                    by_stage.setdefault((kind, stage), []).append(t1 - t0)
+    cost = {k: statistics.fmean(v) for k, v in compute.items() if v}
+    cost_w = cost.get("W") if schedule.split_backward else None
+    predicted = simulate(schedule, cost["F"], cost["B"], cost_w)
+    table = {k: statistics.fmean(v) for k, v in by_stage.items()}
+    per_stage = simulate_per_stage(schedule, table)
+    unit = simulate(schedule)
+
+    # the step with the median makespan, as a timeline (the simulator's picture of it)
+    _, start, step = sorted(steps, key=lambda s: s[0])[len(steps) // 2]
+    rows = [[(Action(kind, stage, mb), t0 - start, t1 - start) for kind, stage, mb, t0, t1 in actions] for _, _, actions in step]
+    measured = Timeline(schedule, rows, dict(predicted.costs), max(s[1] for s in step) - start, 0.0)
+    cell = min(c for k, c in predicted.costs.items() if k in compute and c > 0)
+    return dict(
+        name=name,
+        stages=schedule.n_stages,
+        split=schedule.split_backward,
+        cost=cost,
+        stage_cost=table,
+        makespan=median(makespans),
+        idle=[median(x) for x in idle],
+        recv=[median(x) for x in recv],
+        send=[median(x) for x in send],
+        outside=[median(x) for x in outside],
+        predicted=[predicted.idle_fraction(r) for r in range(PP)],
+        predicted_makespan=predicted.makespan,
+        predicted_bubble=predicted.bubble,
+        per_stage=[per_stage.idle_fraction(r) for r in range(PP)],
+        per_stage_makespan=per_stage.makespan,
+        per_stage_bubble=per_stage.bubble,
+        unit=[unit.idle_fraction(r) for r in range(PP)],
+        unit_bubble=unit.bubble,
+        picture_measured=text(measured, cell),
+        picture_predicted=text(predicted, cell),
+        cell=cell,
+    )
+
+
+# ---------------------------------------------------------------- the ranks
+
+
+def rank_main(opts: dict) -> dict:
+    args = get_preset(opts["model"])
+    mesh = Mesh(ParallelDims(pp=PP, microbatches=PP), "cpu")
+    torch_group = dist.new_group(list(range(PP)))  # torch's stages talk over their own group
+    out: dict = {"compare": [], "schedules": {}}
+    if opts["compare"]:
+        out["compare"] = [compare_1f1b(args, mesh, torch_group, opts, m) for m in opts["microbatches"]]
+    if opts["bubbles"]:
+        out["schedules"] = measure_schedules(args, mesh, opts)
+    return out
+
+
+# ---------------------------------------------------------------- the report
+
+
+def percent(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], float]:
+    r0 = results[0]["compare"][i]
+    runs, m = r0["runs"], r0["m"]
+    cmp = compare(runs, FIVECUT, TORCH)
+    tokens = opts["batch"] * opts["seq"]
+    rows = []
+    for name in (FIVECUT, TORCH):
+        medians = [median(run) for run in runs[name]]
+        rows.append([
+            name,
+            format_seconds(median(all_steps(runs[name]))),
+            format_seconds(min(all_steps(runs[name]))),
+            f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
+            f"{tokens / median(all_steps(runs[name])):,.0f} tok/s",
+        ])
+    lo, hi = cmp.spread
+    fastest = min(all_steps(runs[FIVECUT])) / min(all_steps(runs[TORCH]))
+    rows.append(["ratio fivecut / torch", format_ratio(cmp.ratio), format_ratio(fastest),
+                 f"{format_ratio(lo)} .. {format_ratio(hi)}", ""])
+    header = ["", "median step", "fastest step", "repeat medians (min .. max)", "tokens/s (at median)"]
+    per_rank = [r["compare"][i] for r in results]
+    bitwise = all(r["grad_bitwise"] for r in per_rank)
+    worst_grad = max(r["grad_diff"] for r in per_rank)
+    last = per_rank[-1]["loss"]
+    lines = [
+        f"### {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens",
+        "",
+        f"same work: loss {last[0]:.6f} vs {last[1]:.6f}; gradients after one step "
+        f"{'bitwise equal' if bitwise else f'max rel diff {worst_grad:.2e}'} on both ranks; parameters after all "
+        f"steps max rel diff {max(r['param_diff'] for r in per_rank):.2e}; "
+        f"parameters per rank {', '.join(str(r['params']) for r in per_rank)}",
+        "",
+        markdown_table(header, rows),
+        "",
+        f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
+        "",
+    ]
+    return lines, cmp.ratio
+
+
+def bubble_report(opts: dict, results: list[dict]) -> list[str]:
+    m = opts["bubble_microbatches"]
+    per_rank = [r["schedules"]["steps"] for r in results]
+    checks = results[0]["schedules"]["checks"]
+    analyses = [analyse(name, [p[name] for p in per_rank], m) for name in opts["schedules"]]
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    costs = []
+    for a in analyses:
+        c = a["cost"]
+        w = ms(c["W"]) if "W" in c else "-"
+        costs.append([
+            a["name"], a["stages"], ms(c["F"]), ms(c["B"]), w,
+            f"{c['B'] / c['F']:.2f}" + (f" / {c['W'] / c['F']:.2f}" if "W" in c else ""),
+            format_seconds(a["makespan"]), format_seconds(a["predicted_makespan"]), format_seconds(a["per_stage_makespan"]),
+            percent(sum(a["idle"]) / PP), percent(a["predicted_bubble"]), percent(a["per_stage_bubble"]),
+            percent(a["unit_bubble"]),
+        ])
+    cost_table = markdown_table(
+        ["schedule", "stages", "F ms", "B ms", "W ms", "B/F (/ W/F)", "step (measured)", "simulated (mean costs)",
+         "simulated (per-stage costs)", "bubble measured", "bubble simulated (mean costs)",
+         "bubble simulated (per-stage)", "bubble simulated (unit costs)"],
+        costs,
+    )
+    ranks = []
+    for a in analyses:
+        for r in range(PP):
+            ranks.append([
+                a["name"] if r == 0 else "", r, percent(1 - a["idle"][r]), percent(a["idle"][r]), percent(a["recv"][r]),
+                percent(a["send"][r]), percent(a["outside"][r]),
+                percent(a["idle"][r] - a["recv"][r] - a["send"][r] - a["outside"][r]),
+                percent(a["predicted"][r]), percent(a["per_stage"][r]),
+                percent(a["unit"][r]),
+            ])
+    rank_table = markdown_table(
+        ["schedule", "rank", "busy (measured)", "idle (measured)", "idle: in RECV", "idle: in SEND",
+         "idle: before/after own run", "idle: rest",
+         "idle simulated (mean costs)", "idle simulated (per-stage costs)", "idle simulated (unit costs)"],
+        ranks,
+    )
+    stage_lines = []
+    for a in analyses:
+        t = a["stage_cost"]
+        stages = sorted({s for _, s in t})
+        stage_lines.append(
+            f"- {a['name']}: " + "; ".join(
+                f"stage {s}: " + ", ".join(f"{k} {t[(k, s)] * 1e3:.1f}" for k in "FBW" if (k, s) in t) for s in stages
+            ) + " ms"
+        )
+    pictures = []
+    for a in analyses:
+        pictures += [f"{a['name']} (one cell = {a['cell'] * 1e3:.1f} ms), measured (the median step), then simulated with mean costs:",
+                     "```", a["picture_measured"], a["picture_predicted"], "```", ""]
+    return [
+        f"### Measured idle vs the simulator: pp={PP}, {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens, "
+        f"{opts['bubble_repeats']} repeats x {opts['bubble_steps']} steps (+{opts['warmup']} warm-up) per schedule",
+        "",
+        cost_table,
+        "",
+        rank_table,
+        "",
+        "Mean action times per stage:",
+        "",
+        *stage_lines,
+        "",
+        *([f"`*` = split backward with W from saved gradients (`SavedGradSplit`, --patched-split); gradients after one "
+           f"step vs the unpatched schedule: " + "; ".join(
+               f"{n} {'bitwise equal' if eq else f'max rel diff {d:.2e}'}" for n, (d, eq) in checks.items()), ""]
+          if checks else []),
+        *pictures,
+    ]
+
+
+def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
+    args = get_preset(opts["model"])
+    lines = [
+        f"model {opts['model']} ({args.n_layers} layers), pp={PP} gloo ranks x 1 thread, fp32, batch {opts['batch']} x "
+        f"{opts['seq']} tokens per step, {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) "
+        f"per candidate",
+        f"machine: {before} before, {load_average()} after",
+        "",
+    ]
+    ratios = []
+    for i in range(len(opts["microbatches"]) if opts["compare"] else 0):
+        more, ratio = compare_report(opts, results, i)
+        lines += more
+        ratios.append((opts["microbatches"][i], ratio))
+    if opts["bubbles"]:
+        lines += bubble_report(opts, results)
+    lines.append(f"wall time {elapsed:.0f} s")
+    for m, ratio in ratios[1:]:
+        lines.append(f"ratio_1f1b_m{m}={ratio:.3f}")
+    if ratios:
+        lines.append(f"ratio_1f1b={ratios[0][1]:.3f}")
+    return "\n".join(lines)
+
+
+def parse(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="fivecut preset; n_layers must divide by 4")
+    p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts for the 1F1B comparison")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per candidate per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (the same on both ranks)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--schedules", default="gpipe,1f1b,zb1p,interleaved,dualpipev")
+    p.add_argument("--bubble-microbatches", type=int, default=4)
+    p.add_argument("--bubble-steps", type=int, default=8, help="timed steps per schedule per repeat (part 2)")
+    p.add_argument("--bubble-repeats", type=int, default=3)
+    p.add_argument(
+        "--patched-split", action="store_true",
+        help="also run zb1p and dualpipev with W computed from gradients saved in B (SavedGradSplit), marked *",
+    )
+    p.add_argument("--no-compare", dest="compare", action="store_false", help="skip part 1 (fivecut vs torch)")
+    p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
+    opts = vars(p.parse_args(argv))
+    opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
+    opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
+    if opts["patched_split"]:
+        opts["schedules"] += [s + PATCHED for s in opts["schedules"] if s in ("zb1p", "dualpipev")]
+    unknown = [s for s in opts["schedules"] if base_name(s) not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown schedules {unknown}; choose from {', '.join(LAYOUTS)}")
+    if get_preset(opts["model"]).n_layers % 4:
+        p.error(f"model {opts['model']} has {get_preset(opts['model']).n_layers} layers; 4 stages need a multiple of 4")
+    for m in opts["microbatches"] + [opts["bubble_microbatches"]]:
+        if opts["batch"] % m:
+            p.error(f"--batch {opts['batch']} does not divide into {m} microbatches")
+    return opts
+
+
+def main(argv=None) -> None:
+    opts = parse(argv)
+    print(f"benchmarks/pipeline.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
+    before = machine()
+    started = time.perf_counter()
+    results = spawn(rank_main, PP, opts, timeout_s=opts["timeout"])
+    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+
+
+if __name__ == "__main__":
+    main()
