@@ -1,11 +1,11 @@
 """fivecut's pipeline parallelism: 1F1B against torch.distributed.pipelining, and measured
 bubbles against fivecut's own schedule simulator.
 
-    python benchmarks/pipeline.py [--model tiny] [--microbatches 4,8] [--steps 10] [--repeats 5]
+    python benchmarks/pipeline.py [--model tiny] [--microbatches 4,8] [--steps 10] [--repeats 7]
                                   [--warmup 2] [--batch 8] [--seq 128]
                                   [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
-                                  [--bubble-microbatches 4] [--bubble-steps 8] [--bubble-repeats 3]
-                                  [--no-compare] [--no-bubbles]
+                                  [--bubble-microbatches 4] [--bubble-steps 10] [--bubble-repeats 3]
+                                  [--patched-split] [--no-compare] [--no-bubbles]
 
 Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
 same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
@@ -40,20 +40,38 @@ pp - r forwards on rank r, fivecut (PipeDream-flush) with pp - 1 - r.
 
 Part 2, measured idle per rank vs `simulate`: fivecut alone under every schedule, pp=2,
 `--bubble-microbatches` microbatches (dualpipev needs >= 2 pp = 4; interleaved a multiple of
-pp). gpipe, 1f1b and zb1p cut the layers [n/2, n/2]; interleaved (virtual 2) and dualpipev
-hold 4 stages of n/4 layers. `PipelineStep.execute` is wrapped (here only) with perf_counter,
-which on Linux is CLOCK_MONOTONIC, one clock for both processes. For each timed step:
+pp). gpipe, 1f1b and zb1p cut the layers [n/2, n/2]; interleaved (pp_virtual 2) and dualpipev
+(pp_virtual 1: it always holds 2 stages per rank) hold 4 stages of n/4 layers. The schedules
+take turns, rotating the order each repeat. `PipelineStep.execute` is wrapped (in this process
+only) with perf_counter, which on Linux is CLOCK_MONOTONIC, one clock for both processes, so
+the two ranks' records form one timeline. For each timed step:
 
     makespan       first rank's start of `run` (after a barrier) to the last rank's end
     busy(rank)     its F, B, W actions' time
-    idle(rank)     1 - busy / makespan       (the simulator's definition)
-    recv wait      its RECV actions' time (posting and waiting for a message), part of idle
+    idle(rank)     1 - busy / makespan       (the simulator's definition), split into the time
+                   in RECV (posting, waiting for the message), in SEND (posting), before its
+                   own `run` started / after it ended, and the rest (the executor's bookkeeping)
+    latency        for a receive that was already waiting when its send was posted: send
+                   posted -> receive returns
 
-and the medians over steps are set next to `simulate(schedule, cost_f=F, cost_b=B, cost_w=W)`
-with F, B, W the measured mean action times of that schedule (over both ranks, all stages,
-all timed steps; the costs of the two ranks differ), next to the same simulation with one cost
-per (action, stage) (the module's `finish` replaced in this process only), and next to the
-simulator's defaults (F = 1, B = 2 whole, B = W = 1 split).
+Idle fractions are means over the timed steps (so that the parts add up); they are set next to
+four simulations of the same schedule:
+
+    mean costs          simulate(schedule, cost_f=F, cost_b=B, cost_w=W), F, B, W the measured
+                        mean action times of that schedule (both ranks, all stages, all steps)
+    per-stage costs     one measured mean per (kind, stage): the last stage carries the head and
+                        the loss, stage 0 of a split backward has no input gradient (its B does
+                        nothing, its W is the whole backward)
+    per-stage + comm    the same, a send occupying its rank for the mean measured send time and a
+                        message arriving the median latency after its send was posted
+    unit costs          the simulator's defaults (F = 1, B = 2 whole; B = W = 1 split)
+
+(the two simulations with per-stage costs replace `simulate.finish` in this process only).
+
+`--patched-split` adds zb1p and dualpipev run by `SavedGradSplit` (marked `*`): the split
+backward as proposed for fivecut, W from the gradients B saved at the weights' consumers instead
+of a second backward through the stage; its gradients are checked against the unpatched
+schedule's before timing.
 """
 
 from __future__ import annotations
@@ -93,7 +111,7 @@ from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import build_parallel, token_loss_sum  # noqa: E402
 from fivecut.parallel.pipeline import executor  # noqa: E402
 from fivecut.parallel.pipeline import simulate as simulate_module  # noqa: E402
-from fivecut.parallel.pipeline.schedule import Action, build_schedule  # noqa: E402
+from fivecut.parallel.pipeline.schedule import Action, build_schedule, partner  # noqa: E402
 from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
@@ -362,20 +380,27 @@ def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
     return {"steps": steps, "checks": checks}
 
 
-def simulate_per_stage(schedule, table: dict[tuple[str, int], float]) -> Timeline:
-    """`simulate` with one cost per (kind, stage) instead of one per kind."""
+def simulate_measured(schedule, table: dict[tuple[str, int], float], send_cost: float = 0.0, latency: float = 0.0) -> Timeline:
+    """`simulate` with one cost per (kind, stage) instead of one per kind; optionally a send that
+    occupies its rank for `send_cost` and a message that arrives `latency` after its send starts."""
     original = simulate_module.finish
 
     def finish(a, free, costs, sent):
         if a.is_compute:
             return free + table[(a.kind, a.stage)]
-        return original(a, free, costs, sent)
+        if a.kind.startswith("SEND"):
+            return free + send_cost
+        return max(free, sent[partner(a)] + latency)
 
     simulate_module.finish = finish
     try:
-        return simulate(schedule, 1.0, 1.0, 1.0)  # the costs are only used for `text`'s default unit
+        return simulate(schedule, 1.0, 1.0, 1.0, cost_comm=latency)  # costs: only `text`'s default unit uses them
     finally:
         simulate_module.finish = original
+
+
+def labelled(picture: str, label: str) -> str:
+    return "\n".join(f"{label:<10}{line}" for line in picture.splitlines())
 
 
 def analyse(name: str, per_rank: list[list], m: int) -> dict:
@@ -385,28 +410,37 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
     compute = {"F": [], "B": [], "W": []}
     by_stage: dict[tuple[str, int], list[float]] = {}
     idle, recv, send, outside = ([[] for _ in range(PP)] for _ in range(4))
-    makespans, steps = [], []
+    makespans, steps, sends, latencies = [], [], [], []
     for i in range(len(per_rank[0])):
         step = [per_rank[r][i] for r in range(PP)]
         start, end = min(s[0] for s in step), max(s[1] for s in step)
         makespan = end - start
         makespans.append(makespan)
         steps.append((makespan, start, step))
+        when = {}  # action -> (start, end), both ranks (one clock: CLOCK_MONOTONIC)
         for r, (own_start, own_end, actions) in enumerate(step):
             busy = sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind in compute)
             idle[r].append(1 - busy / makespan)
             recv[r].append(sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind.startswith("RECV")) / makespan)
             send[r].append(sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind.startswith("SEND")) / makespan)
             outside[r].append((makespan - (own_end - own_start)) / makespan)
-            for kind, stage, _, t0, t1 in actions:
+            for kind, stage, mb, t0, t1 in actions:
+                when[Action(kind, stage, mb)] = (t0, t1)
                 if kind in compute:
                     compute[kind].append(t1 - t0)
                     by_stage.setdefault((kind, stage), []).append(t1 - t0)
+                elif kind.startswith("SEND"):
+                    sends.append(t1 - t0)
+        for a, (t0, t1) in when.items():  # a message's latency: its send posted -> a waiting receive returns
+            if a.kind.startswith("RECV") and t0 <= when[partner(a)][0]:
+                latencies.append(t1 - when[partner(a)][0])
     cost = {k: statistics.fmean(v) for k, v in compute.items() if v}
     cost_w = cost.get("W") if schedule.split_backward else None
     predicted = simulate(schedule, cost["F"], cost["B"], cost_w)
     table = {k: statistics.fmean(v) for k, v in by_stage.items()}
-    per_stage = simulate_per_stage(schedule, table)
+    per_stage = simulate_measured(schedule, table)
+    send_cost, latency = statistics.fmean(sends), (median(latencies) if latencies else 0.0)
+    with_comm = simulate_measured(schedule, table, send_cost, latency)
     unit = simulate(schedule)
 
     # the step with the median makespan, as a timeline (the simulator's picture of it)
@@ -414,27 +448,28 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
     rows = [[(Action(kind, stage, mb), t0 - start, t1 - start) for kind, stage, mb, t0, t1 in actions] for _, _, actions in step]
     measured = Timeline(schedule, rows, dict(predicted.costs), max(s[1] for s in step) - start, 0.0)
     cell = min(c for k, c in predicted.costs.items() if k in compute and c > 0)
+    sims = {"mean": predicted, "stage": per_stage, "comm": with_comm, "unit": unit}
     return dict(
         name=name,
         stages=schedule.n_stages,
-        split=schedule.split_backward,
         cost=cost,
         stage_cost=table,
+        send_cost=send_cost,
+        latency=latency,
+        latencies=len(latencies),
         makespan=median(makespans),
-        idle=[median(x) for x in idle],
-        recv=[median(x) for x in recv],
-        send=[median(x) for x in send],
-        outside=[median(x) for x in outside],
-        predicted=[predicted.idle_fraction(r) for r in range(PP)],
-        predicted_makespan=predicted.makespan,
-        predicted_bubble=predicted.bubble,
-        per_stage=[per_stage.idle_fraction(r) for r in range(PP)],
-        per_stage_makespan=per_stage.makespan,
-        per_stage_bubble=per_stage.bubble,
-        unit=[unit.idle_fraction(r) for r in range(PP)],
-        unit_bubble=unit.bubble,
-        picture_measured=text(measured, cell),
-        picture_predicted=text(predicted, cell),
+        idle=[statistics.fmean(x) for x in idle],  # means over steps, so that the parts add up
+        recv=[statistics.fmean(x) for x in recv],
+        send=[statistics.fmean(x) for x in send],
+        outside=[statistics.fmean(x) for x in outside],
+        sim_idle={k: [t.idle_fraction(r) for r in range(PP)] for k, t in sims.items()},
+        sim_makespan={k: t.makespan for k, t in sims.items()},
+        sim_bubble={k: t.bubble for k, t in sims.items()},
+        picture="\n".join([
+            labelled(text(measured, cell), "measured"),
+            labelled(text(predicted, cell), "mean"),
+            labelled(text(with_comm, cell), "+comm"),
+        ]),
         cell=cell,
     )
 
@@ -509,35 +544,35 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     costs = []
     for a in analyses:
-        c = a["cost"]
-        w = ms(c["W"]) if "W" in c else "-"
+        c, sm = a["cost"], a["sim_makespan"]
         costs.append([
-            a["name"], a["stages"], ms(c["F"]), ms(c["B"]), w,
+            a["name"], a["stages"], ms(c["F"]), ms(c["B"]), ms(c["W"]) if "W" in c else "-",
             f"{c['B'] / c['F']:.2f}" + (f" / {c['W'] / c['F']:.2f}" if "W" in c else ""),
-            format_seconds(a["makespan"]), format_seconds(a["predicted_makespan"]), format_seconds(a["per_stage_makespan"]),
-            percent(sum(a["idle"]) / PP), percent(a["predicted_bubble"]), percent(a["per_stage_bubble"]),
-            percent(a["unit_bubble"]),
+            f"{ms(a['send_cost'])} / {ms(a['latency'])}",
+            ms(a["makespan"]), ms(sm["mean"]), ms(sm["stage"]), ms(sm["comm"]),
         ])
     cost_table = markdown_table(
-        ["schedule", "stages", "F ms", "B ms", "W ms", "B/F (/ W/F)", "step (measured)", "simulated (mean costs)",
-         "simulated (per-stage costs)", "bubble measured", "bubble simulated (mean costs)",
-         "bubble simulated (per-stage)", "bubble simulated (unit costs)"],
+        ["schedule", "stages", "F", "B", "W", "B/F (/ W/F)", "send / latency", "step measured",
+         "simulated: mean costs", "per-stage costs", "per-stage + comm"],
         costs,
     )
     ranks = []
     for a in analyses:
         for r in range(PP):
+            si = a["sim_idle"]
+            rest = a["idle"][r] - a["recv"][r] - a["send"][r] - a["outside"][r]
             ranks.append([
-                a["name"] if r == 0 else "", r, percent(1 - a["idle"][r]), percent(a["idle"][r]), percent(a["recv"][r]),
-                percent(a["send"][r]), percent(a["outside"][r]),
-                percent(a["idle"][r] - a["recv"][r] - a["send"][r] - a["outside"][r]),
-                percent(a["predicted"][r]), percent(a["per_stage"][r]),
-                percent(a["unit"][r]),
+                a["name"] if r == 0 else "", r, percent(a["idle"][r]),
+                f"{percent(a['recv'][r])} / {percent(a['send'][r])} / {percent(a['outside'][r])} / {percent(rest)}",
+                percent(si["mean"][r]), percent(si["stage"][r]), percent(si["comm"][r]), percent(si["unit"][r]),
             ])
+        ranks.append([
+            "", "bubble", f"**{percent(sum(a['idle']) / PP)}**", "",
+            *(f"**{percent(a['sim_bubble'][k])}**" for k in ("mean", "stage", "comm", "unit")),
+        ])
     rank_table = markdown_table(
-        ["schedule", "rank", "busy (measured)", "idle (measured)", "idle: in RECV", "idle: in SEND",
-         "idle: before/after own run", "idle: rest",
-         "idle simulated (mean costs)", "idle simulated (per-stage costs)", "idle simulated (unit costs)"],
+        ["schedule", "rank", "idle measured", "of which RECV / SEND / before-after own run / rest",
+         "simulated: mean costs", "per-stage costs", "per-stage + comm", "unit costs"],
         ranks,
     )
     stage_lines = []
@@ -547,17 +582,20 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
         stage_lines.append(
             f"- {a['name']}: " + "; ".join(
                 f"stage {s}: " + ", ".join(f"{k} {t[(k, s)] * 1e3:.1f}" for k in "FBW" if (k, s) in t) for s in stages
-            ) + " ms"
+            ) + f" ms; latency from {a['latencies']} waiting receives"
         )
     pictures = []
     for a in analyses:
-        pictures += [f"{a['name']} (one cell = {a['cell'] * 1e3:.1f} ms), measured (the median step), then simulated with mean costs:",
-                     "```", a["picture_measured"], a["picture_predicted"], "```", ""]
+        pictures += [f"{a['name']}, one cell = {a['cell'] * 1e3:.1f} ms:", "```", a["picture"], "```", ""]
     return [
         f"### Measured idle vs the simulator: pp={PP}, {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens, "
         f"{opts['bubble_repeats']} repeats x {opts['bubble_steps']} steps (+{opts['warmup']} warm-up) per schedule",
         "",
+        "Mean action times and steps (ms):",
+        "",
         cost_table,
+        "",
+        "Idle fraction per rank, measured (means over steps) and simulated:",
         "",
         rank_table,
         "",
@@ -569,6 +607,8 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
            f"step vs the unpatched schedule: " + "; ".join(
                f"{n} {'bitwise equal' if eq else f'max rel diff {d:.2e}'}" for n, (d, eq) in checks.items()), ""]
           if checks else []),
+        "Timelines of the median step: measured, simulated with mean costs, simulated with per-stage costs + comm:",
+        "",
         *pictures,
     ]
 
@@ -577,8 +617,9 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     args = get_preset(opts["model"])
     lines = [
         f"model {opts['model']} ({args.n_layers} layers), pp={PP} gloo ranks x 1 thread, fp32, batch {opts['batch']} x "
-        f"{opts['seq']} tokens per step, {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) "
-        f"per candidate",
+        f"{opts['seq']} tokens per step"
+        + (f", {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate"
+           if opts["compare"] else ""),
         f"machine: {before} before, {load_average()} after",
         "",
     ]
@@ -602,13 +643,13 @@ def parse(argv=None) -> dict:
     p.add_argument("--model", default="tiny", help="fivecut preset; n_layers must divide by 4")
     p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts for the 1F1B comparison")
     p.add_argument("--steps", type=int, default=10, help="timed steps per candidate per repeat")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (the same on both ranks)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--schedules", default="gpipe,1f1b,zb1p,interleaved,dualpipev")
     p.add_argument("--bubble-microbatches", type=int, default=4)
-    p.add_argument("--bubble-steps", type=int, default=8, help="timed steps per schedule per repeat (part 2)")
+    p.add_argument("--bubble-steps", type=int, default=10, help="timed steps per schedule per repeat (part 2)")
     p.add_argument("--bubble-repeats", type=int, default=3)
     p.add_argument(
         "--patched-split", action="store_true",

@@ -99,25 +99,26 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, op=dis
 
 
 def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`."""
+    """Concatenate every rank's `x` along `dim` (one copy when dim > 0, none for dim 0)."""
     if group.size == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((group.size * moved.shape[0], *moved.shape[1:]))
-    all_gather_into(out, moved, group)
-    return out.movedim(0, dim).contiguous()  # one copy here rather than one in every consumer
+    x = x.contiguous()
+    out = x.new_empty((group.size, *x.shape))  # [n, ...] rank-major
+    all_gather_into(out.flatten(0, 1), x, group)
+    return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
-    """Sum `x` over the group and keep this rank's slice along `dim`."""
+    """Sum `x` over the group and keep this rank's slice along `dim` (one copy when dim > 0)."""
     if group.size == 1:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    if moved.shape[0] % group.size:
-        raise ValueError(f"reduce_scatter: dim {dim} of size {moved.shape[0]} does not divide by group size {group.size}")
-    out = moved.new_empty((moved.shape[0] // group.size, *moved.shape[1:]))
-    reduce_scatter_into(out, moved, group)
-    return out.movedim(0, dim).contiguous()
+    n = group.size
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} does not divide by group size {n}")
+    chunks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # [n, ...] rank-major
+    out = chunks.new_empty(chunks.shape[1:])
+    reduce_scatter_into(out, chunks.flatten(0, 1), group)
+    return out
 
 
 def all_to_all_single(

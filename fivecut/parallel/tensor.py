@@ -192,9 +192,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local_target, mine = ctx.saved_tensors  # [T, V/t], [T], [T]
-        g = softmax.clone()
-        rows = torch.nonzero(mine).squeeze(-1)
-        g[rows, local_target[rows]] -= 1.0
+        g = softmax.clone()  # d loss / d logits = softmax - one-hot(target), the one-hot only where the target is local
+        index = local_target.clamp(0, g.shape[-1] - 1).unsqueeze(-1)
+        g.scatter_add_(-1, index, -mine.to(g.dtype).unsqueeze(-1))
         return g * grad.unsqueeze(-1), None, None, None, None
 
 
