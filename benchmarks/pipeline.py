@@ -35,8 +35,13 @@ on norm weights, fivecut's `build_optimizer` split on both sides), no clipping.
 
 A timed step: zero_grad, the schedule (forwards and backwards of all microbatches, the
 point-to-point messages, fivecut's end-of-step wait for its sends), AdamW step. Timing is
-interleaved (benchmarks/common.py). The two 1F1B orders differ slightly: torch warms up with
-pp - r forwards on rank r, fivecut (PipeDream-flush) with pp - 1 - r.
+interleaved (benchmarks/common.py). The compute orders are the same (torch warms up with
+pp - r forwards and then runs 1B1F, fivecut with pp - 1 - r and then 1F1B: F0 F1 B0 F2 B1 ... on
+rank 0, F0 B0 F1 B1 ... on rank 1); the messages are posted differently: torch posts a send
+together with the next receive (one batch_isend_irecv) and waits for each send before the next,
+fivecut posts each send alone and waits for all of them at the end of the step. Each rank also
+records its CPU time per step (main thread, and the whole process with gloo's threads), which
+the load on a shared machine disturbs less than wall time.
 
 Part 2, measured idle per rank vs `simulate`: fivecut alone under every schedule, pp=2,
 `--bubble-microbatches` microbatches (dualpipev needs >= 2 pp = 4; interleaved a multiple of
@@ -295,8 +300,17 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
     ours.optimizer.step()
     theirs.optimizer.step()
 
-    step_a = lambda: ours.step(micro)  # noqa: E731
-    step_b = lambda: theirs.step(inputs, targets)  # noqa: E731
+    cpu = {FIVECUT: [], TORCH: []}  # per step (warm-up included): this rank's main-thread and process CPU seconds
+
+    def with_cpu(name, step):
+        def timed():
+            thread, process = time.thread_time(), time.process_time()
+            step()
+            cpu[name].append((time.thread_time() - thread, time.process_time() - process))
+        return timed
+
+    step_a = with_cpu(FIVECUT, lambda: ours.step(micro))
+    step_b = with_cpu(TORCH, lambda: theirs.step(inputs, targets))
     started = time.perf_counter()
     runs = {FIVECUT: [], TORCH: []}
     for r in range(opts["repeats"]):
@@ -315,6 +329,7 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
     return dict(
         m=m,
         runs=runs,
+        cpu={name: (median([c[0] for c in cs]), median([c[1] for c in cs])) for name, cs in cpu.items()},
         loss=(loss_a, loss_b),
         grad_diff=grad_diff,
         grad_bitwise=grad_bitwise,
@@ -458,6 +473,7 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
         latency=latency,
         latencies=len(latencies),
         makespan=median(makespans),
+        makespan_mean=statistics.fmean(makespans),
         idle=[statistics.fmean(x) for x in idle],  # means over steps, so that the parts add up
         recv=[statistics.fmean(x) for x in recv],
         send=[statistics.fmean(x) for x in send],
@@ -520,6 +536,7 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
     bitwise = all(r["grad_bitwise"] for r in per_rank)
     worst_grad = max(r["grad_diff"] for r in per_rank)
     last = per_rank[-1]["loss"]
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     lines = [
         f"### {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens",
         "",
@@ -531,6 +548,11 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
         markdown_table(header, rows),
         "",
         f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
+        "",
+        "CPU time per step, medians (main thread / whole process incl. gloo's threads): " + "; ".join(
+            f"rank {r}: fivecut {ms(c[FIVECUT][0])} / {ms(c[FIVECUT][1])}, torch {ms(c[TORCH][0])} / {ms(c[TORCH][1])}"
+            for r, c in enumerate(p["cpu"] for p in per_rank)
+        ) + " ms",
         "",
     ]
     return lines, cmp.ratio
@@ -549,10 +571,10 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
             a["name"], a["stages"], ms(c["F"]), ms(c["B"]), ms(c["W"]) if "W" in c else "-",
             f"{c['B'] / c['F']:.2f}" + (f" / {c['W'] / c['F']:.2f}" if "W" in c else ""),
             f"{ms(a['send_cost'])} / {ms(a['latency'])}",
-            ms(a["makespan"]), ms(sm["mean"]), ms(sm["stage"]), ms(sm["comm"]),
+            f"{ms(a['makespan_mean'])} / {ms(a['makespan'])}", ms(sm["mean"]), ms(sm["stage"]), ms(sm["comm"]),
         ])
     cost_table = markdown_table(
-        ["schedule", "stages", "F", "B", "W", "B/F (/ W/F)", "send / latency", "step measured",
+        ["schedule", "stages", "F", "B", "W", "B/F (/ W/F)", "send / latency", "step measured (mean / median)",
          "simulated: mean costs", "per-stage costs", "per-stage + comm"],
         costs,
     )

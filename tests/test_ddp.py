@@ -10,6 +10,7 @@ floating-point sums are taken (per-rank partial sums, then the all-reduce), so
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -103,6 +104,13 @@ def run_config(cfg: Config):
     return train(cfg, quiet=True).losses
 
 
+@functools.lru_cache(maxsize=None)
+def single_process_losses(cache_dir: str, *overrides: str) -> list[float]:
+    """The reference run for `small_config(cache_dir, *overrides)`, computed once per session
+    (a quiet run writes no files, so its out_dir does not matter)."""
+    return spawn(run_config, 1, small_config(cache_dir, *overrides))[0]
+
+
 def small_config(cache_dir: str, *overrides: str) -> Config:
     base = [
         "train.steps=6",
@@ -119,7 +127,7 @@ def small_config(cache_dir: str, *overrides: str) -> Config:
 
 @pytest.mark.multirank
 def test_losses_over_steps_match_for_dp_and_accumulation(byte_cache, tmp_path):
-    reference = spawn(run_config, 1, small_config(byte_cache, f'log.out_dir="{tmp_path}/ref"'))[0]
+    reference = single_process_losses(byte_cache)
     layouts = {
         "dp=2": small_config(byte_cache, "parallel.dp=2", f'log.out_dir="{tmp_path}/a"'),
         "accumulate=4": small_config(byte_cache, "train.accumulate=4", f'log.out_dir="{tmp_path}/b"'),

@@ -7,13 +7,15 @@ batch does, so gradients rtol 1e-5, atol 1e-7 and losses over steps rtol 1e-5.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from fivecut.launch import spawn
 from fivecut.train.trainer import forward_backward, setup
-from test_ddp import GRAD_TOL, LOSS_RTOL, run_config, small_config
+from test_ddp import GRAD_TOL, LOSS_RTOL, run_config, single_process_losses, small_config
 
 pytestmark = pytest.mark.multirank
 
@@ -38,6 +40,11 @@ def gradients(cfg, world: int) -> dict[str, torch.Tensor]:
     return merged
 
 
+@functools.lru_cache(maxsize=None)
+def single_process_gradients(cache_dir: str) -> dict[str, torch.Tensor]:
+    return gradients(small_config(cache_dir), 1)
+
+
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -49,7 +56,7 @@ def gradients(cfg, world: int) -> dict[str, torch.Tensor]:
     ],
 )
 def test_every_schedule_reproduces_single_process_gradients(schedule, byte_cache, tmp_path):
-    reference = gradients(small_config(byte_cache, f'log.out_dir="{tmp_path}/r"'), 1)
+    reference = single_process_gradients(byte_cache)
     cfg = small_config(byte_cache, "parallel.pp=2", *(f"parallel.{item}" for item in schedule), f'log.out_dir="{tmp_path}/p"')
     pipelined = gradients(cfg, 2)
     assert pipelined.keys() == reference.keys()
@@ -68,7 +75,7 @@ def test_every_schedule_reproduces_single_process_gradients(schedule, byte_cache
     ],
 )
 def test_losses_over_steps(layout, byte_cache, tmp_path):
-    reference = spawn(run_config, 1, small_config(byte_cache, f'log.out_dir="{tmp_path}/r"'))[0]
+    reference = single_process_losses(byte_cache)
     cfg = small_config(byte_cache, *layout, f'log.out_dir="{tmp_path}/p"')
     np.testing.assert_allclose(spawn(run_config, cfg.parallel.world_size, cfg)[0], reference, rtol=LOSS_RTOL)
 
@@ -78,6 +85,6 @@ def test_tied_embeddings_across_or_on_one_rank(schedule, tmp_path, byte_cache):
     """GPT-2 vocabulary, tied embedding: 1F1B keeps a copy on each end (gradients summed over the
     two ranks, counted once in the clip norm); DualPipeV puts both ends on rank 0 (one Parameter)."""
     gpt2 = ('model.preset="tiny-gpt2"', "model.n_layers=4", 'data.tokenizer="gpt2"', "train.steps=3", "train.grad_clip=0.5")
-    reference = spawn(run_config, 1, small_config(byte_cache, *gpt2, f'log.out_dir="{tmp_path}/r"'))[0]
+    reference = single_process_losses(byte_cache, *gpt2)
     cfg = small_config(byte_cache, *gpt2, "parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.microbatches=4", f'log.out_dir="{tmp_path}/p"')
     np.testing.assert_allclose(spawn(run_config, 2, cfg)[0], reference, rtol=LOSS_RTOL)

@@ -24,7 +24,7 @@ from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, padded_vocab
-from test_ddp import LOSS_RTOL, run_config, small_config
+from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -80,7 +80,7 @@ def test_forward_and_every_gradient_match_single_device(preset, tp, sp):
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.tp=2", "parallel.sp=true", "parallel.dp=2"), ("parallel.tp=2", "parallel.dp=2", "parallel.zero=3")])
 def test_losses_over_steps(layout, byte_cache, tmp_path):
-    reference_losses = spawn(run_config, 1, small_config(byte_cache, f'log.out_dir="{tmp_path}/r"'))[0]
+    reference_losses = single_process_losses(byte_cache)
     cfg = small_config(byte_cache, *layout, f'log.out_dir="{tmp_path}/l"')
     np.testing.assert_allclose(spawn(run_config, cfg.parallel.world_size, cfg)[0], reference_losses, rtol=LOSS_RTOL)
 

@@ -23,7 +23,7 @@ from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize
 from fivecut.train.data import BatchSampler
 from fivecut.parallel.parallelize import token_loss_sum
-from test_ddp import GRAD_TOL, LOGIT_TOL, LOSS_RTOL, TOKENS, one_step_gradients, run_config, small_config
+from test_ddp import GRAD_TOL, LOGIT_TOL, LOSS_RTOL, TOKENS, one_step_gradients, run_config, single_process_losses, small_config
 
 pytestmark = pytest.mark.multirank
 
@@ -83,7 +83,7 @@ def test_zero3_without_resharding_after_forward():
 def test_losses_over_steps_with_accumulation_and_clipping(stage, byte_cache, tmp_path):
     # grad_clip=0.5 is below the gradient norm of every step here, so clipping is active throughout
     common = ("train.grad_clip=0.5", "train.accumulate=2", "train.steps=5")
-    reference = spawn(run_config, 1, small_config(byte_cache, *common, f'log.out_dir="{tmp_path}/ref"'))[0]
+    reference = single_process_losses(byte_cache, *common)
     cfg = small_config(byte_cache, *common, "parallel.dp=2", f"parallel.zero={stage}", f'log.out_dir="{tmp_path}/z"')
     np.testing.assert_allclose(spawn(run_config, 2, cfg)[0], reference, rtol=LOSS_RTOL)
 
@@ -105,7 +105,7 @@ def test_clipping_sees_the_global_norm(byte_cache, tmp_path):
 
 def test_bf16_reduction_stays_close(byte_cache, tmp_path):
     """Gradients reduced in bf16 lose precision (8-bit mantissa): close, not identical."""
-    reference = spawn(run_config, 1, small_config(byte_cache, f'log.out_dir="{tmp_path}/r"'))[0]
+    reference = single_process_losses(byte_cache)
     cfg = small_config(byte_cache, "parallel.dp=2", "parallel.zero=2", 'train.reduce_dtype="bf16"', f'log.out_dir="{tmp_path}/b"')
     losses = spawn(run_config, 2, cfg)[0]
     np.testing.assert_allclose(losses, reference, rtol=1e-2)
