@@ -133,9 +133,9 @@ class ParallelDims:
         kv_ok = model.n_kv_heads % self.tp == 0 or self.tp % model.n_kv_heads == 0
         if not kv_ok:
             out.append(f"n_kv_heads={model.n_kv_heads} and tp={self.tp}: one must divide the other to split or replicate kv heads")
-        stages = self.pp * self.pp_virtual * (2 if self.pp_schedule == "dualpipev" else 1)
+        stages = self.pp * (2 if self.pp_schedule == "dualpipev" else self.pp_virtual)  # DualPipeV: two per rank
         if self.pp > 1 and model.n_layers < stages:
-            out.append(f"n_layers={model.n_layers} is fewer than pipeline stages pp*virtual={stages}; lower pp or pp_virtual")
+            out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
         if self.ep > 1 and not model.n_experts:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
         if self.ep > 1 and model.n_experts % self.ep:
