@@ -102,7 +102,7 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (one copy when dim > 0, none for dim 0)."""
     if group.size == 1:
         return x
-    x = x.contiguous()
+    x, dim = x.contiguous(), dim % x.dim()
     out = x.new_empty((group.size, *x.shape))  # [n, ...] rank-major
     all_gather_into(out.flatten(0, 1), x, group)
     return out.movedim(0, dim).flatten(dim, dim + 1)
@@ -112,7 +112,7 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's slice along `dim` (one copy when dim > 0)."""
     if group.size == 1:
         return x
-    n = group.size
+    n, dim = group.size, dim % x.dim()
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} does not divide by group size {n}")
     chunks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # [n, ...] rank-major
