@@ -56,6 +56,7 @@ class SavedActivations:
         self._layer: str | None = None
         self.bytes_per_layer: dict[str, int] = defaultdict(int)
         self._seen: set[int] = set()
+        self.regathers = False  # set by sequence parallelism: some region keeps only its local slice
 
     def keep_local(self, full: torch.Tensor, local: torch.Tensor, dim: int, group: Group) -> None:
         """`full` was all-gathered from `local`: if backward needs it, keep `local` and gather again."""
@@ -73,13 +74,18 @@ class SavedActivations:
         self._seen.clear()
         self._measuring = True
         try:
-            yield self.bytes_per_layer
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self.bytes_per_layer
         finally:
             self._measuring = False
 
     @contextmanager
     def forward(self):
-        """Wrap one forward pass (its backward may run later, outside)."""
+        """Wrap one forward pass (its backward may run later, outside). Without sequence parallelism
+        nothing is kept differently, and the hook (a Python call per saved tensor) is left out."""
+        if not self.regathers:
+            yield
+            return
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             try:
                 yield

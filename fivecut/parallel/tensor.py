@@ -94,6 +94,8 @@ def make_region(module: nn.Module, group: Group, sequence_parallel: bool, saved:
     def after(_module, _args, out):
         return leave_region(out, group, sequence_parallel)
 
+    if sequence_parallel:
+        saved.regathers = True
     module.register_forward_pre_hook(before)
     if reduce_output:
         module.register_forward_hook(after)
