@@ -626,8 +626,8 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
         "",
         *stage_lines,
         "",
-        *([f"`*` = split backward with W from saved gradients (`SavedGradSplit`, --patched-split); gradients after one "
-           f"step vs the unpatched schedule: " + "; ".join(
+        *(["`*` = split backward with W from saved gradients (`SavedGradSplit`, --patched-split); gradients after one "
+           "step vs the unpatched schedule: " + "; ".join(
                f"{n} {'bitwise equal' if eq else f'max rel diff {d:.2e}'}" for n, (d, eq) in checks.items()), ""]
           if checks else []),
         "Timelines of the median step: measured, simulated with mean costs, simulated with per-stage costs + comm:",

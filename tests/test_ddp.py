@@ -85,7 +85,7 @@ def unused_parameter_step():
     mesh = Mesh(ParallelDims(dp=2), "cpu")
     torch.manual_seed(0)
     model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
-    sync = DataParallel(model, mesh.group("dp_cp"), bucket_mb=1e-5)  # one bucket per parameter
+    _sync = DataParallel(model, mesh.group("dp_cp"), bucket_mb=1e-5)  # one bucket per parameter
     x = torch.full((2, 4), float(mesh.coordinate("dp") + 1))
     model["used"](x).sum().backward()
     return model["used"].weight.grad.clone(), model["unused"].weight.grad.clone()
@@ -144,7 +144,7 @@ def step_after_set_to_none():
     mesh = Mesh(ParallelDims(dp=2), "cpu")
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
-    sync = DataParallel(model, mesh.group("dp_cp"))
+    _sync = DataParallel(model, mesh.group("dp_cp"))
     torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)  # detaches .grad from the bucket
     model(torch.full((1, 4), float(mesh.coordinate("dp") + 1))).sum().backward()
     return model.weight.grad.clone()
