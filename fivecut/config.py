@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivecut.mesh import ParallelDims
+from fivecut.parallel.expert import MoEOptions
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,8 @@ class ModelConfig:
     first_dense_layers: int | None = None
     gate: str | None = None
     route_scale: float | None = None
+    expert_groups: int | None = None
+    route_group_limit: int | None = None
 
 
 @dataclass
@@ -91,6 +94,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelDims = field(default_factory=ParallelDims)
+    moe: MoEOptions = field(default_factory=MoEOptions)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:

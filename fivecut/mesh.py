@@ -26,7 +26,6 @@ CP_MODES = ("ring", "ulysses")
 # with the issue that brings it, never silently ignored.
 IMPLEMENTED = {
     "cp": ({1}, "context parallelism (the context-parallel issue)"),
-    "ep": ({1}, "expert parallelism (the expert-parallel issue)"),
 }
 
 
@@ -138,6 +137,9 @@ class ParallelDims:
             out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
         if self.ep > 1 and not model.n_experts:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
+        if model.n_experts and self.zero == 3 and (self.ep > 1 or self.tp > 1):
+            out.append(f"zero=3 with a MoE model under ep={self.ep}, tp={self.tp} is not in this version "
+                       "(experts would be sharded over a group of their own); use zero=1 or 2")
         if self.ep > 1 and model.n_experts % self.ep:
             out.append(f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}")
         return out
@@ -187,7 +189,7 @@ def divisors(n: int) -> list[int]:
 class Mesh:
     """The DeviceMesh (pp, dp, cp, tp) and the named groups every cut receives explicitly."""
 
-    def __init__(self, dims: ParallelDims, device_type: str, ledger: Ledger | None = None):
+    def __init__(self, dims: ParallelDims, device_type: str, ledger: Ledger | None = None, moe: bool = False):
         self.dims = dims
         self.ledger = ledger if ledger is not None else Ledger()
         self.device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
@@ -197,6 +199,11 @@ class Mesh:
             self.groups[name] = self._mesh_group(name)
         self.groups["dp_cp"] = self._derived_group("dp", ("dp", "cp"))
         self.groups["pp_ends"] = self._pipeline_ends()
+        if moe and (dims.ep > 1 or dims.tp > 1):
+            self._expert_groups()
+        else:  # one rank per ep group; experts replicated like everything else
+            self.groups["ep"] = Group("ep", (dist.get_rank(),), None, self.ledger)
+            self.groups["expert_dp"] = self.groups["dp_cp_tp"] = self.groups["dp_cp"]
 
     def group(self, name: str) -> Group:
         return self.groups[name]
@@ -220,6 +227,31 @@ class Mesh:
             if ranks == mine:
                 pg = created
         return Group(cut, mine, pg, self.ledger)
+
+    def _expert_groups(self) -> None:
+        """Expert parallelism folded into dp x cp. With i = dp_index * cp + cp_index, the ranks
+        i // ep = const (same pp and tp) form an `ep` group; an expert's replicas live on the ranks
+        with the same i % ep, and its gradients are summed over them and over tp (the MoE layer
+        runs on a tp rank's own slice of the tokens): `expert_dp`. The router and the shared
+        experts are data-parallel over dp x cp x tp: `dp_cp_tp`."""
+        ep = self.dims.ep
+        inner = lambda c: c["dp"] * self.dims.cp + c["cp"]  # noqa: E731  the dp x cp index
+        self.groups["ep"] = self._keyed_group("ep", lambda c: (c["pp"], c["tp"], inner(c) // ep))
+        self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep))
+        self.groups["dp_cp_tp"] = self._keyed_group("dp", lambda c: (c["pp"],))
+
+    def _keyed_group(self, cut: str, key) -> Group:
+        """Ranks whose coordinates give the same `key` form a group; every rank creates all of them."""
+        members: dict[tuple, list[int]] = {}
+        grid = self.device_mesh.mesh
+        for index in itertools.product(*(range(n) for n in grid.shape)):
+            members.setdefault(key(dict(zip(MESH_DIMS, index))), []).append(int(grid[index]))
+        me, mine = dist.get_rank(), None
+        for ranks in members.values():
+            created = dist.new_group(ranks) if len(ranks) > 1 else None
+            if me in ranks:
+                mine = Group(cut, tuple(ranks), created, self.ledger)
+        return mine
 
     def _pipeline_ends(self) -> Group:
         """First and last pipeline rank of each pipeline (they hold the tied embedding twice)."""

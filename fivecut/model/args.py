@@ -33,6 +33,11 @@ class ModelArgs:
     first_dense_layers: int = 0  # the first k layers use the dense feed-forward
     gate: str = "softmax"  # "softmax" | "sigmoid" scoring of the router
     route_scale: float = 1.0  # multiplies the normalized top-k weights
+    # group-limited routing (DeepSeek-V3's node-limited routing): the experts are cut into
+    # `expert_groups` contiguous groups (with expert parallelism, groups of ranks: nodes)
+    # and each token chooses its experts from its best `route_group_limit` groups only
+    expert_groups: int = 1
+    route_group_limit: int = 1
 
     # ----- derived sizes -------------------------------------------------
 
@@ -134,6 +139,8 @@ class ModelArgs:
                 f"first_dense_layers ({self.first_dense_layers}) exceeds n_layers ({self.n_layers}); "
                 f"set first_dense_layers <= {self.n_layers}"
             )
+        if self.is_moe:
+            self._validate_groups()
         if self.is_moe and self.top_k > self.n_experts:
             raise ValueError(
                 f"top_k ({self.top_k}) exceeds n_experts ({self.n_experts}); "
@@ -142,8 +149,21 @@ class ModelArgs:
         return self
 
 
+    def _validate_groups(self) -> None:
+        g, limit = self.expert_groups, self.route_group_limit
+        if self.n_experts % g:
+            raise ValueError(f"n_experts ({self.n_experts}) is not divisible by expert_groups ({g}); "
+                             f"choose expert_groups among {[d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]}")
+        if limit > g:
+            raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
+        if g > 1 and self.top_k > limit * (self.n_experts // g):
+            raise ValueError(f"top_k ({self.top_k}) exceeds the {limit * (self.n_experts // g)} experts in "
+                             f"route_group_limit={limit} groups of {self.n_experts // g}; raise route_group_limit")
+
+
 _POSITIVE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-             "max_seq_len", "rope_theta", "norm_eps", "init_std", "top_k", "route_scale")
+             "max_seq_len", "rope_theta", "norm_eps", "init_std", "top_k", "route_scale",
+             "expert_groups", "route_group_limit")
 _NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
 
 

@@ -143,7 +143,24 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)  # [T_sorted, dim]
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+        return swiglu_expert(x, self.w1[e], self.w3[e], self.w2[e])
+
+
+def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert: x [n, dim], w1/w3 [dim, hidden], w2 [hidden, dim] -> [n, dim]."""
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def limit_to_groups(scores: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
+    """Group-limited routing: scores [T, E] with the experts outside each token's best `limit`
+    of `groups` contiguous groups set to -inf. A group's score is the sum of its two best
+    experts' scores (DeepSeek-V3; the best one when a group has a single expert)."""
+    t, e = scores.shape
+    per_group = scores.view(t, groups, e // groups)  # [T, G, E/G]
+    group_score = per_group.topk(min(2, e // groups), dim=-1).values.sum(-1)  # [T, G]
+    chosen = group_score.topk(limit, dim=-1).indices  # [T, limit]
+    allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, chosen, True)  # [T, G]
+    return per_group.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 def permute(x_flat: torch.Tensor, topk_idx: torch.Tensor, n_experts: int):
@@ -182,6 +199,10 @@ class MoE(nn.Module):
         self.top_k = args.top_k
         self.gate = args.gate
         self.route_scale = args.route_scale
+        self.expert_groups, self.route_group_limit = args.expert_groups, args.route_group_limit
+        # Training-time behaviour (expert parallelism, capacity, balancing) is installed from
+        # outside by `fivecut.parallel.expert`; without it this is the plain dropless layer.
+        self.runtime = None
         hidden = args.expert_dim
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = GroupedExperts(args.n_experts, args.dim, hidden)
@@ -206,13 +227,18 @@ class MoE(nn.Module):
         Both: selection on scores + expert_bias, weights times route_scale."""
         logits = self.router(x_flat).float()  # [T, E]
         scores = logits.softmax(dim=-1) if self.gate == "softmax" else logits.sigmoid()
-        topk_idx = (scores + self.expert_bias.float()).topk(self.top_k, dim=-1).indices  # [T, k]
+        biased = scores + self.expert_bias.float()  # [T, E] for selection only
+        if self.expert_groups > 1:
+            biased = limit_to_groups(biased, self.expert_groups, self.route_group_limit)
+        topk_idx = biased.topk(self.top_k, dim=-1).indices  # [T, k]
         topk_weight = scores.gather(-1, topk_idx)  # [T, k]
         if self.gate == "sigmoid" or self.top_k > 1:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         return topk_idx, topk_weight * self.route_scale, scores
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runtime is not None:
+            return self.runtime(x)
         b, s, dim = x.shape
         x_flat = x.reshape(b * s, dim)  # [T, dim]
         topk_idx, topk_weight, _ = self.route(x_flat)

@@ -190,11 +190,13 @@ class GradReducer(abc.ABC):
 
 
 class DataParallel(GradReducer):
-    """Bucketed, overlapped gradient all-reduce over `group` for the parameters of `module`."""
+    """Bucketed, overlapped gradient all-reduce over `group` for the parameters of `module`
+    (or the subset `params` of them)."""
 
-    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None,
+                 params: list[nn.Parameter] | None = None):
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = params if params is not None else [p for p in module.parameters() if p.requires_grad]
         plan = plan_buckets(list(reversed(self.params)), int(bucket_mb * 2**20))
         buckets = [Bucket(ps, point_grads_into(ps, pad_to=self.pad_to(group))) for ps in plan]
         super().__init__(buckets, group, reduce_dtype)

@@ -3,14 +3,19 @@
     EP -> TP/SP -> CP -> PP split -> activation checkpointing -> DP/ZeRO
 
 The model code never changes; each cut rewrites or wraps modules from outside and
-receives the process group it uses from the `Mesh`. This version applies tensor (and
-sequence) parallelism over the tp group, then the data cut -- DDP (zero=0) or
-ZeRO-1/2/3 -- over the dp x cp group; `ParallelDims.validate` refuses the cuts that are
-not built yet.
+receives the process group it uses from the `Mesh`. This version cuts the experts over
+the ep group (and installs the MoE runtime: capacity, balancing, statistics), applies
+tensor (and sequence) parallelism over the tp group, splits the layers into pipeline
+stages, then the data cut -- DDP (zero=0) or ZeRO-1/2/3 -- sums each gradient over the
+group its parameter is replicated on: dp x cp for most, `expert_dp` for experts,
+dp x cp x tp for the router and shared experts under tp. `ParallelDims.validate`
+refuses the cuts that are not built yet.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,11 +29,12 @@ from fivecut.model import build_model
 from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
 from fivecut.parallel.pipeline.split import build_stage, stage_layers, tied_weight
 from fivecut.parallel.data import DataParallel, Piece, param_kind
+from fivecut.parallel.expert import ExpertBalancer, MoEOptions, apply_expert_parallel
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 
-GradSync = DataParallel | ZeroDataParallel | FullyShardedDataParallel
+GradSync = "DataParallel | ZeroDataParallel | FullyShardedDataParallel | SyncSet"
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -45,6 +51,7 @@ class Parallelized:
     norm_groups: list[Group]  # groups over which squared gradient norms are summed
     saved: SavedActivations  # wrap each forward in `saved.forward()`
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
+    experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -62,15 +69,32 @@ def parallelize(
     mesh: Mesh,
     bucket_mb: float = 25.0,
     reduce_dtype: torch.dtype | None = None,
+    moe: MoEOptions | None = None,
+    global_batch: int = 1,
 ) -> Parallelized:
+    """Apply every cut of `mesh.dims` to `model` (built whole from the seed); `moe` and
+    `global_batch` (sequences per optimizer step) matter for MoE models only."""
     dims = mesh.dims
     unimplemented = dims.unimplemented()
     if unimplemented:
         raise ValueError("parallelize: " + "; ".join(unimplemented))
+    experts = expert_parallel(model, model.args, mesh, moe, global_batch)
     saved = SavedActivations()
     loss_sum = tensor_parallel(model, mesh, saved)
     sync, pieces = data_parallel(model, mesh, bucket_mb, reduce_dtype)
-    return Parallelized(model, sync, pieces, loss_sum, norm_groups(mesh), saved)
+    return Parallelized(model, sync, pieces, loss_sum, norm_groups(mesh), saved, experts=experts)
+
+
+def expert_parallel(model: nn.Module, args, mesh: Mesh, moe: MoEOptions | None, global_batch: int) -> ExpertBalancer | None:
+    """EP over the ep group for MoE models (with ep=1: the runtime for capacity, balancing and statistics)."""
+    if not args.is_moe:
+        return None
+    dims = mesh.dims
+    ep = mesh.group("ep")
+    stats = mesh.group("dp_cp_tp") if dims.tp > 1 else mesh.group("dp_cp")
+    groups = [dataclasses.replace(stats, cut="ep")] + ([dataclasses.replace(mesh.group("pp"), cut="ep")] if dims.pp > 1 else [])
+    device = next(model.parameters()).device
+    return apply_expert_parallel(model, args, moe or MoEOptions(), ep, mesh.group("tp"), dims.sp, global_batch, groups, device)
 
 
 def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
@@ -86,20 +110,23 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
 
 
 def norm_groups(mesh: Mesh) -> list[Group]:
-    """Where squared gradient norms are summed: over shards (ZeRO), tensor and pipeline ranks."""
+    """Where squared gradient norms are summed: over shards (ZeRO), expert-parallel ranks (their
+    experts differ; without ZeRO), tensor and pipeline ranks."""
     dims = mesh.dims
-    return [mesh.group(name) for name, on in (("dp_cp", dims.zero > 0), ("tp", dims.tp > 1), ("pp", dims.pp > 1)) if on]
+    on = (("dp_cp", dims.zero > 0), ("ep", dims.zero == 0 and dims.ep > 1), ("tp", dims.tp > 1), ("pp", dims.pp > 1))
+    return [mesh.group(name) for name, wanted in on if wanted]
 
 
-def build_parallel(args, mesh: Mesh, device, seed: int, train) -> Parallelized:
+def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
     """Build this rank's part of the model from the seed and apply every cut of `mesh.dims`."""
     dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
     if mesh.dims.pp == 1:
-        return parallelize(build_model(args, device=device, seed=seed), mesh, train.bucket_mb, dtype)
-    return pipeline_parallelize(args, mesh, device, seed, train, dtype)
+        model = build_model(args, device=device, seed=seed)
+        return parallelize(model, mesh, train.bucket_mb, dtype, moe, train.global_batch)
+    return pipeline_parallelize(args, mesh, device, seed, train, dtype, moe)
 
 
-def pipeline_parallelize(args, mesh: Mesh, device, seed: int, train, reduce_dtype) -> Parallelized:
+def pipeline_parallelize(args, mesh: Mesh, device, seed: int, train, reduce_dtype, moe: MoEOptions | None = None) -> Parallelized:
     """PP split -> TP inside each stage -> DP over all of this rank's stages."""
     dims = mesh.dims
     schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
@@ -108,17 +135,18 @@ def pipeline_parallelize(args, mesh: Mesh, device, seed: int, train, reduce_dtyp
     mine = schedule.stages_of(mesh.coordinate("pp"))
     last = schedule.n_stages - 1
     stages = {s: build_stage(args, layers[s], s == 0, s == last, device, seed) for s in mine}
+    module = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
+    experts = expert_parallel(module, args, mesh, moe, train.global_batch)
     saved = SavedActivations()
     loss_sum = token_loss_sum
     for stage in stages.values():
         loss_sum = tensor_parallel(stage, mesh, saved)
     tie_pipeline_ends(stages, last, mesh)
-    module = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
     sync, pieces = data_parallel(module, mesh, train.bucket_mb, reduce_dtype)
     ends_apart = schedule.stage_rank[0] != schedule.stage_rank[last]
     tied = next((tied_weight(stages[s]) for s in (0, last) if s in stages), None) if ends_apart else None
     pipeline = Pipeline(schedule, stages, mesh.group("pp_ends"), tied)
-    return Parallelized(module, sync, pieces, loss_sum, norm_groups(mesh), saved, pipeline)
+    return Parallelized(module, sync, pieces, loss_sum, norm_groups(mesh), saved, pipeline, experts)
 
 
 def tie_pipeline_ends(stages: dict[int, nn.Module], last: int, mesh: Mesh) -> None:
@@ -147,12 +175,58 @@ class Pipeline:
 
 
 def data_parallel(model: nn.Module, mesh: Mesh, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:
-    dims, group = mesh.dims, mesh.group("dp_cp")
-    if dims.zero == 0:
-        sync = DataParallel(model, group, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
-        return sync, [Piece(p, *param_kind(p, dims.tp)) for p in sync.params]
+    """One gradient reduction per group that parameters are replicated on (see the module doc)."""
+    by_group: dict[str, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            by_group.setdefault(reduce_group(p), []).append(p)
+    made = [reduce_over(model, params, mesh, name, bucket_mb, reduce_dtype) for name, params in by_group.items()]
+    if len(made) == 1:
+        return made[0]
+    return SyncSet([sync for sync, _ in made]), [piece for _, pieces in made for piece in pieces]
+
+
+def reduce_group(p: nn.Parameter) -> str:
+    return getattr(p, "fivecut_reduce", "dp_cp")
+
+
+def reduce_over(model, params, mesh: Mesh, name: str, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:
+    """DDP or ZeRO of `params` over the mesh group `name`. A group that spans tp holds no
+    tensor-parallel replicas in its shards (each tp rank computed on its own tokens)."""
+    dims, group = mesh.dims, mesh.group(name)
+    tp_in_shards = dims.tp if name == "dp_cp" else 1
+    if dims.zero == 0 or group.size == 1:
+        sync = DataParallel(model, group, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, params=params)
+        ep_share = 1.0 if name == "expert_dp" or dims.zero > 0 else 1.0 / dims.ep  # replicated over ep: counted once
+        return sync, [Piece(p, d, r, share * ep_share) for p in sync.params for d, r, share in [param_kind(p, dims.tp)]]
     if dims.zero in (1, 2):
-        sync = ZeroDataParallel(model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=dims.tp)
+        sync = ZeroDataParallel(model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=tp_in_shards, params=params)
     else:
         sync = FullyShardedDataParallel(model, group, dims.reshard_after_forward, reduce_dtype=reduce_dtype, tp=dims.tp)
     return sync, sync.optimizer_pieces()
+
+
+class SyncSet:
+    """Several gradient reductions (one per group) driven as one."""
+
+    def __init__(self, syncs: list):
+        self.syncs = syncs
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for sync in self.syncs:
+                stack.enter_context(sync.no_sync())
+            yield
+
+    def zero_grad(self) -> None:
+        for sync in self.syncs:
+            sync.zero_grad()
+
+    def after_step(self) -> None:
+        for sync in self.syncs:
+            sync.after_step()
+
+    def reduce_all(self) -> None:
+        for sync in self.syncs:
+            sync.reduce_all()

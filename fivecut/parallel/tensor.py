@@ -217,16 +217,15 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations) -> None:
     """Cut a `Transformer` in place over `group` (t ranks); Megatron's layout, SP optional."""
     args = model.args
-    if args.is_moe:
-        raise ValueError("tensor parallelism of MoE layers is not in this version; use ep for the experts and tp=1")
     vocab = padded_vocab(args.vocab_size, group.size)
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, vocab, sequence_parallel)
     for block in model.layers.values():
         parallelize_attention(block.attention, args, group)
-        parallelize_mlp(block.feed_forward, group)
         make_region(block.attention, group, sequence_parallel, saved)
-        make_region(block.feed_forward, group, sequence_parallel, saved)
+        if not args.moe_layer(block.layer_id):  # a MoE layer runs on each tp rank's tokens (fivecut.parallel.expert)
+            parallelize_mlp(block.feed_forward, group)
+            make_region(block.feed_forward, group, sequence_parallel, saved)
         if sequence_parallel:
             block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group)
             block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group)

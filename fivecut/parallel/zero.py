@@ -123,12 +123,13 @@ class ZeroDataParallel(DataParallel):
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over `group`: replicated parameters, sharded
     optimizer state (and, for stage 2, sharded gradients)."""
 
-    def __init__(self, module: nn.Module, group: Group, stage: int, bucket_mb: float = 25.0, reduce_dtype=None, tp: int = 1):
+    def __init__(self, module: nn.Module, group: Group, stage: int, bucket_mb: float = 25.0, reduce_dtype=None, tp: int = 1,
+                 params: list[nn.Parameter] | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
         self.tp = tp
-        super().__init__(module, group, bucket_mb, reduce_dtype)
+        super().__init__(module, group, bucket_mb, reduce_dtype, params)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
         if stage == 2:  # gradients live in the shards only; full ones exist per bucket, in flight

@@ -42,6 +42,7 @@ class RunResult:
     memory: dict[str, int] = field(default_factory=dict)  # model-state bytes on this rank
     activations: dict[str, int] = field(default_factory=dict)  # layer -> bytes saved for backward (step 1)
     loss_plot: str | None = None
+    moe: list[dict] = field(default_factory=list)  # MoE models: per step, expert loads and balance
 
 
 @dataclass
@@ -79,13 +80,16 @@ def validate(cfg: Config, world_size: int | None = None):
         if getattr(t, key) not in DTYPES:
             raise ValueError(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
     cfg.parallel.validate(args, t.seq_len, t.global_batch, t.accumulate, world_size)
+    problems = cfg.moe.problems(args, cfg.parallel.ep)
+    if problems:
+        raise ValueError("invalid [moe] options:\n  - " + "\n  - ".join(problems))
     return args
 
 
 def setup(cfg: Config) -> Context:
     args = validate(cfg, dist.get_world_size())
     device = local_device()
-    mesh = Mesh(cfg.parallel, device.type)
+    mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe)
     splits = load_tokens(cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
     vocab = splits.vocab_size
     if vocab > args.vocab_size:
@@ -94,7 +98,7 @@ def setup(cfg: Config) -> Context:
             f"set model.vocab_size >= {vocab} or use a preset made for this tokenizer"
         )
     t = cfg.train
-    par = build_parallel(args, mesh, device, t.seed, t)
+    par = build_parallel(args, mesh, device, t.seed, t, cfg.moe)
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
     val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
@@ -161,6 +165,15 @@ def _forward_context(ctx: Context):
         yield
 
 
+def balance_experts(ctx: Context, step: int) -> dict | None:
+    """MoE models: sum the step's expert loads over the ranks, move the balancing biases,
+    re-place EPLB copies; returns the step's MoE metrics."""
+    if ctx.par.experts is None:
+        return None
+    with ctx.mesh.ledger.phase("optimizer"):
+        return ctx.par.experts.end_step(step)
+
+
 def optimizer_step(ctx: Context, step: int) -> float:
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
@@ -208,12 +221,16 @@ def train(cfg: Config, quiet: bool = False, measure_activations: bool = False) -
         started = time.perf_counter()
         ctx.par.sync.zero_grad()
         local = forward_backward(ctx, step, result.activations if measure_activations and step == 1 else None)
+        moe = balance_experts(ctx, step)
         norm = optimizer_step(ctx, step)
         loss = global_mean(ctx, local)
         elapsed = time.perf_counter() - started
         result.losses.append(loss)
         result.grad_norms.append(norm)
         record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
+        if moe is not None:
+            result.moe.append(moe)
+            record["moe"] = moe
         if step == 1:
             result.memory = model_state_bytes(*ctx.par.state_tensors(), ctx.optimizer)
             log.memory(result.memory)
@@ -280,7 +297,8 @@ class Logger:
             self.bar.update(1)
         if record["step"] % self.cfg.log.log_every == 0 or "val_loss" in record or record["step"] == t.steps:
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
-            self.print(f"step {record['step']:>5}/{t.steps}  {text}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}{val}")
+            self.print(f"step {record['step']:>5}/{t.steps}  {text}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}{val}"
+                       + moe_summary(record.get("moe")))
 
     def close(self) -> str | None:
         if not self.active:
@@ -294,3 +312,17 @@ class Logger:
         path = plot_losses(self.records, Path(self.cfg.log.out_dir) / "loss.png", f"fivecut {self.cfg.model.preset}, {self.cfg.parallel.describe()}")
         self.print(f"loss curve: {path}")
         return str(path)
+
+
+def moe_summary(moe: dict | None) -> str:
+    """The step's MoE balance in a few words for the log line (layer averages)."""
+    if moe is None:
+        return ""
+    text = f"  experts max/mean {moe['max_mean']:.2f}  ranks max/mean {moe['rank_max_mean']:.2f}"
+    if moe["rank_max_mean"] != moe["rank_max_mean_owners"]:
+        text += f" (owners only {moe['rank_max_mean_owners']:.2f})"
+    if moe["dropped"]:
+        text += f"  dropped {100 * moe['dropped']:.2f}%"
+    if moe["aux_loss"]:
+        text += f"  aux {moe['aux_loss']:.4f}"
+    return text

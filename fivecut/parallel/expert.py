@@ -1,0 +1,523 @@
+"""Expert parallelism (EP): cut the experts of each MoE layer over ranks, move the tokens.
+
+The `ep` ranks of a group are borrowed from the data-parallel ranks (dp x cp): each holds
+E/ep of the E routed experts of every MoE layer and its own slice of the batch. A MoE
+layer then runs, on every rank of the group at once:
+
+    route      router scores [T, E] -> top-k experts and weights per token   [T, k]
+    capacity   (optional) per sequence, slots beyond an expert's capacity are dropped
+    permute    the kept (token, slot) rows sorted by destination rank and slot
+    counts     all-to-all of the rows per (rank, slot): every rank learns what it receives
+    dispatch   all-to-all of the rows themselves (uneven splits)                [N, dim]
+    experts    each local slot's SwiGLU on the rows it received, from every source
+    combine    all-to-all back (the reverse splits)
+    unpermute  rows back to their (token, slot), weighted sum over the k slots; the
+               residual connection is added by the block, after the combine
+
+Both all-to-alls are differentiable (backward sends the gradients the reverse way), so
+the experts' gradients sum the contributions of every token that reached them, on any
+rank. Non-expert parameters stay data-parallel over dp x cp; an expert's copies live on
+the (dp x cp) / ep ranks with the same place in their ep group (`expert_dp`).
+
+Under tensor parallelism the MoE layer runs on the tp rank's own slice of the sequence
+(sequence parallelism gives it that slice; without SP it is cut out and gathered back),
+so the router, the shared experts and the experts are data-parallel over tp as well.
+
+Balancing: the Switch/GShard auxiliary loss (computed per sequence, so that any layout
+gives the same number) and DeepSeek-V3's auxiliary-loss-free balancing (a per-expert bias
+added to the scores for selection only, moved by +-gamma towards the mean load after each
+step). EPLB: from a window of per-expert loads, the hottest experts get copies on extra
+slots and each expert's tokens are shared among its copies so that the busiest rank
+approaches the mean; a copy's weights are sent from the expert's owner every step through
+a differentiable all-to-all, so its gradient flows back to the owner and training is the
+unreplicated model's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivecut import comm
+from fivecut.comm import Group
+from fivecut.model.transformer import MoE, swiglu_expert
+
+
+@dataclass
+class MoEOptions:
+    """The `[moe]` section: how MoE layers are trained (the architecture is in `[model]`)."""
+
+    capacity_factor: float | None = None  # slots per expert per sequence = ceil(c * s * k / E); None: dropless
+    aux_loss_coef: float = 0.0  # alpha of the auxiliary load-balancing loss; 0: off
+    bias_update_rate: float = 0.0  # gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0: off
+    eplb_slots: int = 0  # EPLB: extra expert slots per EP rank for copies of hot experts; 0: off
+    eplb_interval: int = 10  # EPLB: steps between re-placements
+    eplb_window: int = 10  # EPLB: steps of load history a placement is planned from
+
+    def is_default(self) -> bool:
+        return self == MoEOptions()
+
+    def problems(self, args, ep: int) -> list[str]:
+        """What cannot work with model `args` (ModelArgs) and `ep` expert-parallel ranks."""
+        if not args.is_moe:
+            return [] if self.is_default() else ["[moe] options are set but the model is dense (n_experts=0); remove them or pick a MoE model"]
+        out = []
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            out.append(f"moe.capacity_factor={self.capacity_factor} must be > 0 (leave it unset for dropless)")
+        for key in ("aux_loss_coef", "bias_update_rate"):
+            if getattr(self, key) < 0:
+                out.append(f"moe.{key}={getattr(self, key)} must be >= 0")
+        if self.eplb_interval < 1 or self.eplb_window < 1:
+            out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
+        if self.eplb_slots < 0:
+            out.append(f"moe.eplb_slots={self.eplb_slots} must be >= 0")
+        if self.eplb_slots > 0 and ep == 1:
+            out.append("moe.eplb_slots > 0 replicates experts over expert-parallel ranks, but ep=1; set parallel.ep >= 2 or eplb_slots=0")
+        foreign = args.n_experts - args.n_experts // max(ep, 1)
+        if ep > 1 and self.eplb_slots > foreign:
+            out.append(f"moe.eplb_slots={self.eplb_slots}: a rank can hold copies of at most the {foreign} experts it does not own")
+        return out
+
+
+# ---------------------------------------------------------------- placement (EPLB)
+
+
+class Placement:
+    """Which logical expert each physical slot of each EP rank computes, and the share of
+    that expert's tokens it takes. Rank r owns experts [r*n, (r+1)*n) in its first n slots
+    (their parameters and optimizer state live there); `extra` more slots hold copies."""
+
+    def __init__(self, n_experts: int, ep: int, extra: int):
+        self.n_experts, self.ep, self.extra = n_experts, ep, extra
+        self.n_local = n_experts // ep
+        self.slots = self.n_local + extra
+        self.expert = [[r * self.n_local + j for j in range(self.n_local)] + [-1] * extra for r in range(ep)]
+        self.share = [[1.0] * self.n_local + [0.0] * extra for _ in range(ep)]
+
+    def owner(self, e: int) -> int:
+        return e // self.n_local
+
+    def replicas(self, e: int) -> list[tuple[int, int, float]]:
+        """(rank, slot, share) of every copy of expert `e`, the owner's first."""
+        return [(r, j, self.share[r][j]) for r in range(self.ep) for j in range(self.slots) if self.expert[r][j] == e]
+
+    def rank_loads(self, load: list[float]) -> list[float]:
+        """Tokens each rank computes when expert e receives load[e] tokens."""
+        return [sum(load[e] * s for e, s in zip(self.expert[r], self.share[r]) if e >= 0) for r in range(self.ep)]
+
+    def destinations(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for routing: dest [E, R] global slot ids (rank * slots + slot) of each expert's copies,
+        cum [E, R] the cumulative share up to and including each copy (padding: +inf)."""
+        copies = [self.replicas(e) for e in range(self.n_experts)]
+        width = max(len(c) for c in copies)
+        dest = torch.zeros(self.n_experts, width, dtype=torch.long)
+        cum = torch.full((self.n_experts, width), math.inf)
+        for e, reps in enumerate(copies):
+            total = 0.0
+            for i, (r, j, share) in enumerate(reps):
+                total += share
+                dest[e, i], cum[e, i] = r * self.slots + j, total
+            cum[e, len(reps) - 1] = 2.0  # the last copy takes whatever rounding leaves
+        return dest.to(device), cum.to(device)
+
+
+def plan_placement(load: list[float], ep: int, extra: int) -> Placement:
+    """EPLB: give the hottest experts copies on the `extra` slots of each rank and share each
+    expert's tokens among its copies so that the maximum rank load approaches the mean.
+
+    1. ep * extra times, add a copy to the expert with the most tokens per copy;
+    2. place the new copies, heaviest first, on the least loaded rank with a free slot
+       that does not already hold that expert;
+    3. a few rounds of water-filling: each replicated expert's tokens are spread over
+       its copies' ranks to level them (a copy may end up with no tokens: the expert has
+       then moved to other ranks)."""
+    e_total = len(load)
+    placement = Placement(e_total, ep, extra)
+    copies = [1] * e_total
+    for _ in range(ep * extra):
+        candidates = [e for e in range(e_total) if copies[e] < ep]
+        if not candidates:
+            break
+        hottest = max(candidates, key=lambda e: (load[e] / copies[e], -e))
+        copies[hottest] += 1
+    for e in range(e_total):
+        placement.share[placement.owner(e)][e % placement.n_local] = 1.0 / copies[e]
+    rank_load = placement.rank_loads(load)
+    new = sorted((e for e in range(e_total) for _ in range(copies[e] - 1)), key=lambda e: (-load[e] / copies[e], e))
+    for e in new:
+        free = [r for r in range(ep) if -1 in placement.expert[r][placement.n_local:] and e not in placement.expert[r]]
+        r = min(free, key=lambda r: (rank_load[r], r))
+        j = placement.expert[r].index(-1, placement.n_local)
+        placement.expert[r][j], placement.share[r][j] = e, 1.0 / copies[e]
+        rank_load[r] += load[e] / copies[e]
+    for _ in range(4):
+        for e in range(e_total):
+            if copies[e] > 1:
+                _level(placement, e, load)
+    return placement
+
+
+def _level(placement: Placement, e: int, load: list[float]) -> None:
+    """Re-share expert e's tokens over its copies so that their ranks' loads are as level as possible."""
+    reps = placement.replicas(e)
+    if load[e] <= 0:
+        return
+    ranks = placement.rank_loads(load)
+    base = [ranks[r] - load[e] * s for r, _, s in reps]  # each rank's load without expert e
+    lo, hi = min(base), max(base) + load[e]
+    for _ in range(60):  # bisection for the water level L: sum(max(0, L - base)) = load[e]
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(max(0.0, mid - b) for b in base) < load[e] else (lo, mid)
+    fills = [max(0.0, hi - b) for b in base]
+    total = sum(fills)
+    for (r, j, _), fill in zip(reps, fills):
+        placement.share[r][j] = fill / total
+
+
+# ---------------------------------------------------------------- capacity and auxiliary loss
+
+
+def sequence_counts(topk_idx: torch.Tensor, rows: int, n_experts: int) -> torch.Tensor:
+    """topk_idx [b*s, k] -> slots per (sequence, expert) [b, E]."""
+    flat = topk_idx.view(rows, -1)  # [b, s*k]
+    return torch.zeros(rows, n_experts, dtype=torch.long, device=flat.device).scatter_add_(1, flat, torch.ones_like(flat))
+
+
+def capacity_keep(topk_idx: torch.Tensor, rows: int, n_experts: int, capacity: int, earlier: torch.Tensor) -> torch.Tensor:
+    """Token-order priority: within a sequence, an expert keeps its first `capacity` slots.
+    topk_idx [b*s, k]; earlier [b, E] slots the same sequence already gave each expert on
+    the ranks holding its earlier tokens. Returns keep [b*s, k] bool."""
+    t, k = topk_idx.shape
+    one_hot = F.one_hot(topk_idx.view(rows, -1), n_experts)  # [b, s*k, E]
+    before = one_hot.cumsum(1) - one_hot + earlier.unsqueeze(1)  # slots of the same expert before each slot
+    position = (before * one_hot).sum(-1)  # [b, s*k]
+    return (position < capacity).view(t, k)
+
+
+def aux_loss_part(scores: torch.Tensor, counts_full: torch.Tensor, rows: int, seq_full: int, k: int, sigmoid: bool) -> torch.Tensor:
+    """Switch/GShard load-balancing loss per sequence, summed over this rank's sequences:
+        sum_b  sum_e  f[b,e] * P[b,e],   f = E * slots[b,e] / (k * s),   P = mean_t p[t,e]
+    (1 at perfect balance). scores [b*s_local, E]; counts_full [b, E] slots of the whole
+    sequence; P sums only the local tokens (divided by the full s), so the parts of a
+    sequence cut over ranks add up to its loss, and the gradient is exact."""
+    e = scores.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True) if sigmoid else scores  # [T, E]
+    p = probs.view(rows, -1, e).sum(1) / seq_full  # [b, E]
+    f = counts_full.to(p.dtype) * e / (k * seq_full)  # [b, E]
+    return (f * p).sum()
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Return `out` unchanged; in backward, also give `loss` the gradient 1: `loss` joins the
+    training objective without being threaded to the final loss (works inside any stage)."""
+
+    @staticmethod
+    def forward(ctx, out, loss):
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- the layer's runtime
+
+
+@dataclass
+class LayerStats:
+    """One MoE layer's counts over the current optimizer step (all micro-steps)."""
+
+    selected: torch.Tensor  # [E] slots routed to each expert (before capacity)
+    kept: torch.Tensor  # [E] slots computed
+    slot_rows: torch.Tensor  # [ep, slots] rows each physical slot computed (this rank's row only)
+    aux: torch.Tensor  # [] this rank's part of the auxiliary loss (already scaled)
+
+
+class ExpertParallelMoE:
+    """Forward of one `MoE` module under expert (and tensor) parallelism, with capacity,
+    balancing and load statistics. Installed as `moe.runtime`."""
+
+    def __init__(self, moe: MoE, index: int, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float):
+        self.moe, self.index, self.options = moe, index, options
+        self.ep, self.tp, self.sp = ep, tp, sp
+        self.aux_scale = aux_scale  # 1 / sequences in the global batch: the loss is a mean over sequences
+        self.n_experts = moe.router.weight.shape[0]
+        self.set_placement(Placement(self.n_experts, ep.size, options.eplb_slots))
+        self.stats = self._zero_stats()
+
+    def set_placement(self, placement: Placement) -> None:
+        self.placement = placement
+        self.dest, self.cum = placement.destinations(self.moe.router.weight.device)
+
+    def _zero_stats(self) -> LayerStats:
+        device = self.moe.router.weight.device
+        e, p = self.n_experts, self.placement
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+        return LayerStats(zeros(e), zeros(e), zeros(p.ep, p.slots), zeros())
+
+    def take_stats(self) -> LayerStats:
+        stats, self.stats = self.stats, self._zero_stats()
+        return stats
+
+    # ------------------------------------------------------------ forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        sliced = self.tp.size > 1 and not self.sp
+        x = comm.scatter_along(x, 1, self.tp) if sliced else x  # [b, s/tp, dim]: this tp rank's tokens
+        self.recording = torch.is_grad_enabled()  # training forward: count loads (not evaluation)
+        b, s, dim = x.shape
+        x_flat = x.reshape(b * s, dim)  # [T, dim]
+        topk_idx, topk_weight, scores = moe.route(x_flat)  # [T, k], [T, k], [T, E]
+        keep, counts_full = self._capacity(topk_idx, b, s)
+        out = self._dispatch_combine(x_flat, topk_idx, topk_weight, keep)  # [T, dim]
+        if self.options.aux_loss_coef > 0 and self.recording:
+            aux = self._aux_loss(scores, counts_full, b, s)
+            out = _AttachLoss.apply(out, aux)
+        if moe.shared is not None:
+            out = out + moe.shared(x_flat)
+        if self.recording:
+            self._count(topk_idx, keep)
+        out = out.view(b, s, dim)
+        return comm.gather_along(out, 1, self.tp) if sliced else out
+
+    def _sequence_parts(self, counts: torch.Tensor) -> torch.Tensor:
+        """[b, E] this rank's slots per sequence -> [tp, b, E] every sequence chunk's (tp order)."""
+        if self.tp.size == 1:
+            return counts.unsqueeze(0)
+        return comm.all_gather(counts.unsqueeze(0).contiguous(), self.tp, dim=0)
+
+    def _capacity(self, topk_idx: torch.Tensor, b: int, s: int):
+        """keep [T, k] (None when dropless) and the slots per (sequence, expert) of whole sequences."""
+        need_counts = self.options.capacity_factor is not None or (self.options.aux_loss_coef > 0 and self.recording)
+        if not need_counts:
+            return None, None
+        parts = self._sequence_parts(sequence_counts(topk_idx, b, self.n_experts))  # [tp, b, E]
+        if self.options.capacity_factor is None:
+            return None, parts.sum(0)
+        seq_full = s * self.tp.size
+        capacity = math.ceil(self.options.capacity_factor * seq_full * self.moe.top_k / self.n_experts)
+        earlier = parts[: self.tp.rank].sum(0)  # [b, E] slots of this sequence's earlier chunks
+        return capacity_keep(topk_idx, b, self.n_experts, capacity, earlier), parts.sum(0)
+
+    def _aux_loss(self, scores, counts_full, b: int, s: int) -> torch.Tensor:
+        part = aux_loss_part(scores, counts_full, b, s * self.tp.size, self.moe.top_k, self.moe.gate == "sigmoid")
+        aux = part * (self.options.aux_loss_coef * self.aux_scale)
+        self.stats.aux += aux.detach()
+        return aux
+
+    def _count(self, topk_idx: torch.Tensor, keep: torch.Tensor | None) -> None:
+        selected = torch.bincount(topk_idx.reshape(-1), minlength=self.n_experts)
+        kept = selected if keep is None else torch.bincount(topk_idx[keep], minlength=self.n_experts)
+        self.stats.selected += selected
+        self.stats.kept += kept
+        self.moe.tokens_per_expert.copy_(kept)
+
+    def _destinations(self, experts: torch.Tensor) -> torch.Tensor:
+        """Global physical slot (rank * slots + slot) for each kept row of logical expert `experts` [N].
+        An expert with copies gives its i-th of n rows to the copy whose cumulative share
+        first exceeds (i + 1/2) / n."""
+        if self.dest.shape[1] == 1:
+            return self.dest[experts, 0]
+        n = experts.shape[0]
+        by_expert = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=self.n_experts)
+        starts = counts.cumsum(0) - counts
+        position = torch.empty_like(experts)
+        position[by_expert] = torch.arange(n, device=experts.device) - starts[experts[by_expert]]
+        fraction = (position.float() + 0.5) / counts[experts].float()
+        copy = (fraction.unsqueeze(1) >= self.cum[experts]).sum(1)  # [N]
+        return self.dest[experts, copy]
+
+    def _dispatch_combine(self, x_flat, topk_idx, topk_weight, keep) -> torch.Tensor:
+        """Permute, dispatch, compute, combine, unpermute: x_flat [T, dim] -> [T, dim]."""
+        t, k = topk_idx.shape
+        p, ep = self.placement, self.ep
+        slot_ids = torch.arange(t * k, device=x_flat.device)  # flat (token, slot) index t*k + j
+        if keep is not None:
+            slot_ids = slot_ids[keep.reshape(-1)]
+        dest = self._destinations(topk_idx.reshape(-1)[slot_ids])  # [N]
+        order = torch.argsort(dest, stable=True)
+        sent_slots = slot_ids[order]  # [N] grouped by (rank, slot)
+        x_send = x_flat[sent_slots // k]  # [N, dim]
+        send_counts = torch.bincount(dest, minlength=p.ep * p.slots).view(p.ep, p.slots)  # [ep, slots]
+        recv_counts = comm.all_to_all_single(send_counts, ep)  # [ep, slots] rows from each source per local slot
+        in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        x_recv = comm.all_to_all(x_send, ep, out_splits, in_splits)  # dispatch: [N_recv, dim] by (source, slot)
+        y_recv = self._experts(x_recv, recv_counts)
+        y_back = comm.all_to_all(y_recv, ep, in_splits, out_splits)  # combine: [N, dim] in sent order
+        y_slots = y_back.new_zeros(t * k, y_back.shape[-1]).index_copy(0, sent_slots, y_back)  # dropped slots: 0
+        weight = topk_weight if keep is None else topk_weight.masked_fill(~keep, 0.0)
+        return (y_slots.view(t, k, -1) * weight.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [T, dim]
+
+    def _experts(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """x_recv [N_recv, dim] in (source, slot) blocks -> each slot's expert applied, same order."""
+        p = self.placement
+        if self.recording:
+            self.stats.slot_rows[self.ep.rank] += recv_counts.sum(0)
+        blocks = list(torch.split(x_recv, recv_counts.flatten().tolist()))  # ep * slots blocks, source-major
+        weights = self._slot_weights()
+        for j in range(p.slots):
+            rows = [blocks[s * p.slots + j] for s in range(p.ep)]
+            if weights[j] is None:  # an empty slot receives nothing
+                continue
+            y = swiglu_expert(torch.cat(rows), *weights[j])
+            for s, piece in enumerate(torch.split(y, [r.shape[0] for r in rows])):
+                blocks[s * p.slots + j] = piece
+        return torch.cat(blocks)
+
+    def _slot_weights(self) -> list[tuple[torch.Tensor, ...] | None]:
+        """(w1, w3, w2) for each local slot: the owned experts, then the copies sent by their owners."""
+        ex = self.moe.experts
+        owned = [(ex.w1[j], ex.w3[j], ex.w2[j]) for j in range(self.placement.n_local)]
+        return owned + self._fetch_copies()
+
+    def _fetch_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
+        """EPLB copies: every owner sends the weights of its experts that other ranks' extra
+        slots hold (a differentiable all-to-all: the copies' gradients come back to the owner)."""
+        p, me = self.placement, self.ep.rank
+        if p.extra == 0:
+            return []
+        ex = self.moe.experts
+        flat = torch.cat([ex.w1.flatten(1), ex.w3.flatten(1), ex.w2.flatten(1)], 1)  # [n_local, 3*dim*hidden]
+        wanted = [[e for e in p.expert[r][p.n_local:] if e >= 0] for r in range(p.ep)]  # per rank, slot order
+        rows = [e - me * p.n_local for r in range(p.ep) for e in wanted[r] if p.owner(e) == me]
+        in_splits = [sum(p.owner(e) == me for e in wanted[r]) for r in range(p.ep)]
+        out_splits = [sum(p.owner(e) == s for e in wanted[me]) for s in range(p.ep)]
+        recv = comm.all_to_all(flat[rows], self.ep, out_splits, in_splits)  # [copies here, 3*dim*hidden] by owner
+        dim, hidden = ex.w1.shape[1], ex.w1.shape[2]
+        row_of = {e: i for i, e in enumerate(sorted(wanted[me], key=lambda e: (p.owner(e), wanted[me].index(e))))}
+        out = []
+        for e in p.expert[me][p.n_local:]:
+            if e < 0:
+                out.append(None)
+                continue
+            w1, w3, w2 = recv[row_of[e]].split([dim * hidden, dim * hidden, hidden * dim])
+            out.append((w1.view(dim, hidden), w3.view(dim, hidden), w2.view(hidden, dim)))
+        return out
+
+
+# ---------------------------------------------------------------- installing, and the step's bookkeeping
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shard_experts(moe: MoE, ep: Group) -> None:
+    """Keep this rank's E/ep experts (cut from the seeded full weights, so any layout starts equal)."""
+    ex = moe.experts
+    n_local = ex.w1.shape[0] // ep.size
+    lo = ep.rank * n_local
+    for name in ("w1", "w3", "w2"):
+        full = getattr(ex, name)
+        setattr(ex, name, nn.Parameter(full.detach()[lo : lo + n_local].clone()))
+
+
+def mark_reduce_groups(moe: MoE, ep: int, tp: int) -> None:
+    """Tell the data cut which group sums each gradient (see `fivecut.mesh.Mesh._expert_groups`);
+    unmarked parameters are summed over dp x cp."""
+    for p in moe.experts.parameters():
+        p.fivecut_expert = True
+        if ep > 1 or tp > 1:
+            p.fivecut_reduce = "expert_dp"
+    if tp > 1:
+        for module in (moe.router, moe.shared):
+            for p in (module.parameters() if module is not None else ()):
+                p.fivecut_reduce = "dp_cp_tp"
+
+
+class ExpertBalancer:
+    """All MoE layers of this rank: installs their runtime, and after each step's backward
+    sums the load statistics over the ranks, moves the balancing biases, re-plans EPLB
+    placements and returns the step's MoE metrics."""
+
+    def __init__(self, runtimes: dict[int, ExpertParallelMoE], options: MoEOptions, moe_layer_ids: list[int],
+                 stats_groups: list[Group], n_experts: int, ep: int, device):
+        self.runtimes, self.options = runtimes, options
+        self.layer_ids = moe_layer_ids  # every MoE layer of the model, on any pipeline rank
+        self.stats_groups = stats_groups  # where the statistics are summed (the same on every rank)
+        self.n_experts, self.device = n_experts, device
+        self.slot_shape = (ep, n_experts // ep + options.eplb_slots)
+        self.history = {i: deque(maxlen=options.eplb_window) for i in runtimes}
+
+    def end_step(self, step: int) -> dict:
+        """Reduce the step's statistics, update biases and placements; return the metrics."""
+        e, slot_shape = self.n_experts, self.slot_shape
+        per_layer = 2 * e + 1 + slot_shape[0] * slot_shape[1]  # a fixed layout: every rank sends the same vector
+        vec = torch.zeros(len(self.layer_ids) * per_layer, device=self.device)
+        stats = {i: rt.take_stats() for i, rt in self.runtimes.items()}
+        for i, st in stats.items():
+            at = self.layer_ids.index(i) * per_layer
+            vec[at : at + per_layer] = torch.cat([st.selected, st.kept, st.aux.view(1), st.slot_rows.flatten()])
+        for group in self.stats_groups:
+            comm.all_reduce(vec, group)
+        rows = vec.view(len(self.layer_ids), per_layer).cpu()
+        self._balance(step, rows, e)
+        return self._metrics(rows, e, slot_shape)
+
+    def _balance(self, step: int, rows: torch.Tensor, e: int) -> None:
+        for i, rt in self.runtimes.items():
+            row = rows[self.layer_ids.index(i)]
+            selected, kept = row[:e], row[e : 2 * e]
+            if self.options.bias_update_rate > 0:  # auxiliary-loss-free: overloaded experts get less bias
+                step_sign = torch.sign(selected.mean() - selected).to(rt.moe.expert_bias.device)
+                rt.moe.expert_bias += self.options.bias_update_rate * step_sign
+            if self.options.eplb_slots > 0:
+                self.history[i].append(kept)
+                if step % self.options.eplb_interval == 0:
+                    load = torch.stack(list(self.history[i])).sum(0).tolist()
+                    rt.set_placement(plan_placement(load, rt.ep.size, self.options.eplb_slots))
+
+    def _metrics(self, rows: torch.Tensor, e: int, slot_shape: tuple[int, int]) -> dict:
+        """Per layer: expert loads, max/mean expert load, max/mean rank load (and what the
+        owners alone would have had); over all: dropped fraction, auxiliary loss."""
+        out: dict = {"layers": {}}
+        selected_all = kept_all = 0.0
+        for n, layer in enumerate(self.layer_ids):
+            row = rows[n]
+            selected, kept, aux = row[:e], row[e : 2 * e], float(row[2 * e])
+            slot_rows = row[2 * e + 1 :].view(slot_shape)
+            rank_rows = slot_rows.sum(1)
+            owners = kept.view(slot_shape[0], -1).sum(1)  # ranks' loads with each expert on its owner only
+            out["layers"][layer] = {
+                "load": [int(v) for v in selected.tolist()],
+                "max_mean": float(selected.max() / selected.mean()) if selected.sum() > 0 else 1.0,
+                "rank_max_mean": float(rank_rows.max() / rank_rows.mean()) if rank_rows.sum() > 0 else 1.0,
+                "rank_max_mean_owners": float(owners.max() / owners.mean()) if owners.sum() > 0 else 1.0,
+                "aux_loss": aux,
+            }
+            selected_all += float(selected.sum())
+            kept_all += float(kept.sum())
+        layers = out["layers"].values()
+        out["max_mean"] = sum(v["max_mean"] for v in layers) / max(len(layers), 1)
+        out["rank_max_mean"] = sum(v["rank_max_mean"] for v in layers) / max(len(layers), 1)
+        out["rank_max_mean_owners"] = sum(v["rank_max_mean_owners"] for v in layers) / max(len(layers), 1)
+        out["dropped"] = 1.0 - kept_all / selected_all if selected_all else 0.0
+        out["aux_loss"] = sum(v["aux_loss"] for v in layers)
+        return out
+
+
+def apply_expert_parallel(model: nn.Module, args, options: MoEOptions, ep: Group, tp: Group, sp: bool,
+                          global_batch: int, stats_groups: list[Group], device) -> ExpertBalancer | None:
+    """Cut the experts of every MoE layer of `model` over `ep` and install their runtime."""
+    runtimes = {}
+    for layer_id, block in ((int(name), block) for name, block in (model.layers.items() if model.layers is not None else ())):
+        moe = block.feed_forward
+        if not isinstance(moe, MoE):
+            continue
+        if ep.size > 1:
+            shard_experts(moe, ep)
+        mark_reduce_groups(moe, ep.size, tp.size)
+        moe.runtime = runtimes[layer_id] = ExpertParallelMoE(moe, layer_id, options, ep, tp, sp, 1.0 / global_batch)
+    moe_layer_ids = [i for i in range(args.n_layers) if args.moe_layer(i)]
+    if not moe_layer_ids:
+        return None
+    return ExpertBalancer(runtimes, options, moe_layer_ids, stats_groups, args.n_experts, ep.size, device)
