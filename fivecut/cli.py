@@ -128,8 +128,10 @@ def layout_config(ns) -> Config:
 
 
 def reference_of(cfg: Config) -> Config:
+    """The single-process run `cfg` must reproduce (EPLB copies need ranks; they change no number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
+    ref.moe.eplb_slots = 0
     return ref
 
 
@@ -173,13 +175,15 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.plan.memory import formula, model_state_bytes
     from fivecut.train.memory import format_bytes
 
-    from fivecut.plan.volume import local_param_count
+    from fivecut.plan.volume import local_param_counts, reduce_group_sizes
 
     dims = cfg.parallel
-    n = dims.dp * dims.cp
-    psi = local_param_count(model_args(cfg.model), cfg)
-    predicted = model_state_bytes(psi, dims.zero, n)
-    print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)}, n={n}, Psi={psi:,} on this rank)")
+    counts = local_param_counts(model_args(cfg.model), cfg)  # {reduce group: Psi}
+    sizes = reduce_group_sizes(cfg)
+    parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
+    predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
+    groups = ", ".join(f"{name}: n={sizes[name]}, Psi={psi:,}" for name, psi in counts.items())
+    print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)} per gradient group; {groups} on this rank)")
     print(f"{'':<10} {'measured':>12} {'predicted':>12}")
     for key in ("params", "grads", "optimizer", "total"):
         print(f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12}")
@@ -197,6 +201,10 @@ def print_activations(measured: dict[str, int], cfg: Config) -> None:
         return
     rows = t.global_batch // (dims.dp * t.accumulate)
     last = measured[max(measured, key=int)]  # layer 0 also holds what all layers share (RoPE tables)
+    if args.is_moe:  # what a MoE layer keeps depends on the routing (rows per expert, drops)
+        print(f"\nactivations saved for backward by the last layer (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
+              f"({last:,} B); the closed form covers dense blocks only")
+        return
     predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp)
     print(f"\nactivations saved for backward per layer (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
@@ -218,7 +226,7 @@ def cmd_ledger(ns) -> int:
     print()
     print_memory(mine.memory, cfg)
     print_activations(mine.activations, cfg)
-    predicted = predict(model_args(cfg.model), cfg)
+    predicted = predict(model_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")
     for cut, (volume, formula) in predicted.items():

@@ -130,36 +130,30 @@ def plan_placement(load: list[float], ep: int, extra: int) -> Placement:
     """EPLB: give the hottest experts copies on the `extra` slots of each rank and share each
     expert's tokens among its copies so that the maximum rank load approaches the mean.
 
-    1. ep * extra times, add a copy to the expert with the most tokens per copy;
-    2. place the new copies, heaviest first, on the least loaded rank with a free slot
-       that does not already hold that expert;
-    3. a few rounds of water-filling: each replicated expert's tokens are spread over
-       its copies' ranks to level them (a copy may end up with no tokens: the expert has
-       then moved to other ranks)."""
-    e_total = len(load)
-    placement = Placement(e_total, ep, extra)
-    copies = [1] * e_total
+    1. ep * extra times: the expert with the most tokens per copy (among those that some
+       rank with a free slot does not hold yet) gets a copy on the least loaded such rank;
+    2. a few rounds of water-filling: each replicated expert's tokens are spread over its
+       copies' ranks to level them (a copy may end up with no tokens: the expert has then
+       moved to other ranks)."""
+    placement = Placement(len(load), ep, extra)
     for _ in range(ep * extra):
-        candidates = [e for e in range(e_total) if copies[e] < ep]
-        if not candidates:
+        options = [(e, r) for r in range(ep) if -1 in placement.expert[r] for e in range(len(load)) if e not in placement.expert[r]]
+        if not options:
             break
-        hottest = max(candidates, key=lambda e: (load[e] / copies[e], -e))
-        copies[hottest] += 1
-    for e in range(e_total):
-        placement.share[placement.owner(e)][e % placement.n_local] = 1.0 / copies[e]
-    rank_load = placement.rank_loads(load)
-    new = sorted((e for e in range(e_total) for _ in range(copies[e] - 1)), key=lambda e: (-load[e] / copies[e], e))
-    for e in new:
-        free = [r for r in range(ep) if -1 in placement.expert[r][placement.n_local:] and e not in placement.expert[r]]
-        r = min(free, key=lambda r: (rank_load[r], r))
-        j = placement.expert[r].index(-1, placement.n_local)
-        placement.expert[r][j], placement.share[r][j] = e, 1.0 / copies[e]
-        rank_load[r] += load[e] / copies[e]
+        copies = [len(placement.replicas(e)) for e in range(len(load))]
+        hottest = max({e for e, _ in options}, key=lambda e: (load[e] / copies[e], -e))
+        rank_load = placement.rank_loads(load)
+        r = min((r for e, r in options if e == hottest), key=lambda r: (rank_load[r], r))
+        j = placement.expert[r].index(-1)
+        placement.expert[r][j] = hottest
+        for rank, slot, _ in placement.replicas(hottest):
+            placement.share[rank][slot] = 1.0 / (copies[hottest] + 1)
     for _ in range(4):
-        for e in range(e_total):
-            if copies[e] > 1:
+        for e in range(len(load)):
+            if len(placement.replicas(e)) > 1:
                 _level(placement, e, load)
-    return placement
+    owners = Placement(len(load), ep, extra)
+    return placement if max(placement.rank_loads(load)) < max(owners.rank_loads(load)) else owners
 
 
 def _level(placement: Placement, e: int, load: list[float]) -> None:
@@ -238,6 +232,9 @@ class LayerStats:
     kept: torch.Tensor  # [E] slots computed
     slot_rows: torch.Tensor  # [ep, slots] rows each physical slot computed (this rank's row only)
     aux: torch.Tensor  # [] this rank's part of the auxiliary loss (already scaled)
+    sent: torch.Tensor  # [ep] rows this rank dispatched to each ep rank (local, not summed over ranks)
+    received: torch.Tensor  # [ep] rows this rank received from each ep rank (local)
+    copies: torch.Tensor  # [2] EPLB expert copies this rank sent to others, received from owners (per forward, summed)
 
 
 class ExpertParallelMoE:
@@ -260,7 +257,7 @@ class ExpertParallelMoE:
         device = self.moe.router.weight.device
         e, p = self.n_experts, self.placement
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
-        return LayerStats(zeros(e), zeros(e), zeros(p.ep, p.slots), zeros())
+        return LayerStats(zeros(e), zeros(e), zeros(p.ep, p.slots), zeros(), zeros(p.ep), zeros(p.ep), zeros(2))
 
     def take_stats(self) -> LayerStats:
         stats, self.stats = self.stats, self._zero_stats()
@@ -350,6 +347,9 @@ class ExpertParallelMoE:
         send_counts = torch.bincount(dest, minlength=p.ep * p.slots).view(p.ep, p.slots)  # [ep, slots]
         recv_counts = comm.all_to_all_single(send_counts, ep)  # [ep, slots] rows from each source per local slot
         in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        if self.recording:
+            self.stats.sent += send_counts.sum(1)
+            self.stats.received += recv_counts.sum(1)
         x_recv = comm.all_to_all(x_send, ep, out_splits, in_splits)  # dispatch: [N_recv, dim] by (source, slot)
         y_recv = self._experts(x_recv, recv_counts)
         y_back = comm.all_to_all(y_recv, ep, in_splits, out_splits)  # combine: [N, dim] in sent order
@@ -392,6 +392,8 @@ class ExpertParallelMoE:
         in_splits = [sum(p.owner(e) == me for e in wanted[r]) for r in range(p.ep)]
         out_splits = [sum(p.owner(e) == s for e in wanted[me]) for s in range(p.ep)]
         recv = comm.all_to_all(flat[rows], self.ep, out_splits, in_splits)  # [copies here, 3*dim*hidden] by owner
+        if self.recording:
+            self.stats.copies += torch.tensor([len(rows) - in_splits[me], sum(out_splits) - out_splits[me]], dtype=torch.float32)
         dim, hidden = ex.w1.shape[1], ex.w1.shape[2]
         row_of = {e: i for i, e in enumerate(sorted(wanted[me], key=lambda e: (p.owner(e), wanted[me].index(e))))}
         out = []
@@ -461,7 +463,10 @@ class ExpertBalancer:
             comm.all_reduce(vec, group)
         rows = vec.view(len(self.layer_ids), per_layer).cpu()
         self._balance(step, rows, e)
-        return self._metrics(rows, e, slot_shape)
+        metrics = self._metrics(rows, e, slot_shape)
+        metrics["local"] = {i: {"sent": st.sent.tolist(), "received": st.received.tolist(), "copies_sent": st.copies[0].item(),
+                                "copies_received": st.copies[1].item()} for i, st in stats.items()}
+        return metrics
 
     def _balance(self, step: int, rows: torch.Tensor, e: int) -> None:
         for i, rt in self.runtimes.items():

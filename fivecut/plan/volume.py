@@ -16,14 +16,20 @@ FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `five
 PARAM_BYTES = FP32  # parameters are kept (and gathered) in fp32
 
 
-def predict(args, cfg) -> dict[str, tuple[float, str]]:
-    """{cut: (wire bytes per rank per optimizer step, the formula in words)} for `cfg`'s layout."""
+def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, str]]:
+    """{cut: (wire bytes per rank per optimizer step, the formula in words)} for `cfg`'s layout.
+    `routing`: for MoE models, rank 0's rows sent to / received from each ep rank in each MoE
+    layer during the step (`RunResult.moe[-1]["local"]`); without it, uniform routing is assumed."""
     dims = cfg.parallel
     out = {}
     n = dims.dp * dims.cp
     if n > 1:
         out["dp"] = data_parallel_volume(args, cfg, n)
         out["metrics"] = (ring_factor("all_reduce", n) * 4, "all-reduce of the step's loss (one fp32)")
+    if args.is_moe:
+        ep = expert_parallel_volume(args, cfg, routing)
+        if ep[0] > 0:
+            out["ep"] = ep
     if dims.tp > 1:
         out["tp"] = tensor_parallel_volume(args, cfg)
     if dims.pp > 1:
@@ -67,6 +73,10 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
            norm weight's gradient (2L + 1 of h);
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced),
            replicated k/v weights' gradients when t > kv heads, and the clip norm (1 element).
+    A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
+    without SP its input is sliced (backward: all-gather of E) and its output all-gathered
+    (E); with capacity or the auxiliary loss, each chunk's slots per (sequence, expert) are
+    all-gathered (t*b*E_experts int64).
     Under pipeline parallelism the embedding and the head count only on the ranks holding them."""
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
@@ -75,15 +85,19 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     e = b * train.seq_len * h
     per_micro, calls = 0.0, []
-    for L, emb, head, passes in rank_stages(args, cfg):
+    counts = ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
+    for L, emb, head, passes, moe in rank_stages(args, cfg):
         loss = 3 * b * train.seq_len * head
         kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
+        regions = 2 * L - moe
+        per_micro += moe * counts
         if dims.sp:
-            forward = (emb + 2 * L) + (2 * L + head)  # reduce-scatters, all-gathers
-            backward = forward + (2 * L + head)  # their transposes, and the regathered inputs
+            forward = (emb + regions) + (regions + head)  # reduce-scatters, all-gathers
+            backward = forward + (regions + head)  # their transposes, and the regathered inputs
             per_micro += ag * FP32 * (forward + passes * backward) * e + ar * FP32 * (loss + passes * ((2 * L + head) * h + kv))
         else:
-            per_micro += ar * FP32 * ((emb + 2 * L) * e + loss + passes * ((2 * L + head) * e + kv))
+            per_micro += ar * FP32 * ((emb + regions) * e + loss + passes * ((regions + head) * e + kv))
+            per_micro += ag * FP32 * moe * (1 + passes) * e  # MoE output gathered; input's gradient gathered
         calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}{' x2 backward' if passes == 2 else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
     total = train.accumulate * micro * per_micro + clip
@@ -91,17 +105,18 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     return total, f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E = {b}*{train.seq_len}*{h}, t={t}"
 
 
-def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int]]:
-    """(blocks, embedding 0/1, head 0/1, backward passes) of each stage on the rank at pipeline
+def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, int]]:
+    """(blocks, embedding 0/1, head 0/1, backward passes, MoE blocks) of each stage on the rank at pipeline
     position `pp_rank`. A split backward (zero-bubble schedules) runs the stage's backward twice,
     B for the input's gradient and W for the weights' (autograd with inputs=weights), so its
     backward collectives run twice -- except on the first stage, whose input needs no gradient."""
     dims = cfg.parallel
     if dims.pp == 1:
-        return [(args.n_layers, 1, 1, 1)]
+        return [(args.n_layers, 1, 1, 1, args.n_moe_layers)]
     sched, layers = pipeline_plan(args, cfg)
     last = sched.n_stages - 1
-    return [(len(layers[s]), int(s == 0), int(s == last), 2 if sched.split_backward and s > 0 else 1) for s in sched.stages_of(pp_rank)]
+    return [(len(layers[s]), int(s == 0), int(s == last), 2 if sched.split_backward and s > 0 else 1,
+             sum(args.moe_layer(i) for i in layers[s])) for s in sched.stages_of(pp_rank)]
 
 
 def pipeline_plan(args, cfg):
@@ -113,38 +128,114 @@ def pipeline_plan(args, cfg):
     return sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
 
 
+def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]:
+    """MoE layers on rank 0, per forward (accumulation micro-step or pipeline microbatch):
+    counts   all-to-all of the rows per (rank, slot), int64: (ep-1) x slots x 8 B
+    dispatch all-to-all of the rows sent to other ranks, forward; their gradients come back
+    combine  all-to-all of the rows received from other ranks, forward; gradients back
+             -> 2 x (sent + received to/from other ranks) x dim x 4 B over the step
+    EPLB     copies of expert weights sent (forward) and their gradients returned (backward)
+    per step: all-reduce of the load statistics (2E + 1 + ep x slots per MoE layer, fp32)
+    over dp x cp (x tp) and pp, and the clip norm over ep (without ZeRO)."""
+    dims, train, moe = cfg.parallel, cfg.train, cfg.moe
+    ep, e = dims.ep, args.n_experts
+    slots = e // ep + moe.eplb_slots
+    layers = [i for i in range(args.n_layers) if args.moe_layer(i) and i in rank_layer_ids(args, cfg)]
+    forwards = train.accumulate * (dims.microbatches if dims.pp > 1 else 1)
+    volume = 0.0
+    if ep > 1:
+        expert_bytes = 3 * args.dim * args.expert_dim * FP32
+        volume += forwards * len(layers) * (ep - 1) * slots * 8
+        for i in layers:
+            sent, received, copies_out, copies_in = _routing_of(args, cfg, routing, i)
+            volume += 2 * (sent + received) * args.dim * FP32 + (copies_out + copies_in) * expert_bytes
+    stats_n = dims.dp * dims.cp * dims.tp
+    per_layer = 2 * e + 1 + ep * slots
+    volume += FP32 * args.n_moe_layers * per_layer * (ring_factor("all_reduce", stats_n) + ring_factor("all_reduce", dims.pp))
+    if dims.zero == 0 and ep > 1 and train.grad_clip > 0:
+        volume += ring_factor("all_reduce", ep) * FP32
+    source = "this step's routing counts" if routing else "uniform routing (expected rows)"
+    return volume, f"{len(layers)} MoE layers x {forwards} forwards: counts + 2x(dispatch + combine) rows from {source}, ep={ep} + load-statistics all-reduce"
+
+
+def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, float, float, float]:
+    """Rows rank 0 sent to and received from the other ep ranks in `layer` over the step, and
+    EPLB copies it sent and received: measured counts, or the uniform expectation."""
+    if routing is not None:
+        local = routing[layer] if layer in routing else routing[str(layer)]
+        me = 0  # rank 0 is ep rank 0
+        return (sum(local["sent"]) - local["sent"][me], sum(local["received"]) - local["received"][me],
+                local["copies_sent"], local["copies_received"])
+    dims, train = cfg.parallel, cfg.train
+    tokens = train.global_batch // dims.dp * train.seq_len // dims.tp  # per step, this rank's tokens
+    rows = tokens * args.top_k * (dims.ep - 1) / dims.ep
+    return rows, rows, 0.0, 0.0
+
+
+def rank_layer_ids(args, cfg, pp_rank: int = 0) -> set[int]:
+    """The transformer blocks held by the rank at pipeline position `pp_rank`."""
+    dims = cfg.parallel
+    if dims.pp == 1:
+        return set(range(args.n_layers))
+    sched, layers = pipeline_plan(args, cfg)
+    return {i for s in sched.stages_of(pp_rank) for i in layers[s]}
+
+
+def reduce_group_sizes(cfg) -> dict[str, int]:
+    """How many ranks sum each kind of gradient (see `fivecut.mesh.Mesh._expert_groups`)."""
+    dims = cfg.parallel
+    n = dims.dp * dims.cp
+    return {"dp_cp": n, "expert_dp": n // dims.ep * dims.tp, "dp_cp_tp": n * dims.tp}
+
+
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
+    """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
+    module = local_meta_module(args, cfg)
+    params_of: dict[str, list] = {}
+    for p in meta_params(module):
+        params_of.setdefault(getattr(p, "fivecut_reduce", "dp_cp"), []).append(p)
+    sizes = reduce_group_sizes(cfg)
+    parts = [group_reduction_volume(cfg, module, params, sizes[name]) for name, params in params_of.items()]
+    clip = ring_factor("all_reduce", n) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
+    volume = sum(v for v, _ in parts) + clip
+    how = parts[0][1] if len(parts) == 1 else "; ".join(f"{name} ({sizes[name]} ranks): {how}" for name, (_, how) in zip(params_of, parts))
+    return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
+
+
+def group_reduction_volume(cfg, module, params: list, n: int) -> tuple[float, str]:
+    """DDP or ZeRO-1/2/3 of `params` (of `module`) over n ranks."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    model = local_meta_module(args, cfg)
-    phi = sum(p.numel() for p in meta_params(model))  # this rank's parameters (its stages, its TP shards)
+    phi = sum(p.numel() for p in params)  # this rank's parameters (its stages, its TP and EP shards)
+    if n == 1:
+        return 0.0, f"one rank, nothing to reduce (Phi={phi:,})"
     ar, ag, rs = ring_factor("all_reduce", n), ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
-    clip = ar * 4 if train.grad_clip > 0 else 0.0  # squared shard norms, one fp32 (ZeRO only)
     if dims.zero == 0:
         return ar * g * phi, f"all-reduce of every gradient: 2(n-1)/n x {g}B x Phi, n={n}, Phi={phi:,}"
     acc = train.accumulate
     if dims.zero in (1, 2):
-        plan = plan_buckets(meta_params(model)[::-1], int(train.bucket_mb * 2**20))
+        plan = plan_buckets(params[::-1], int(train.bucket_mb * 2**20))
         flat = sum(padded(sum(p.numel() for p in b), n) for b in plan)
         sends = acc if dims.zero == 2 else 1
-        volume = sends * rs * g * flat + ag * PARAM_BYTES * flat + clip
-        how = f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}"
-        return volume, how + (" + clip-norm all-reduce" if clip else "")
-    flat = sum(padded(sum(p.numel() for p in unique_params(mods)), n) for _, mods in transformer_units(model))
+        volume = sends * rs * g * flat + ag * PARAM_BYTES * flat
+        return volume, f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}"
+    flat = sum(padded(sum(p.numel() for p in unique_params(mods)), n) for _, mods in transformer_units(module))
     gathers = 2 if dims.reshard_after_forward else 1
-    volume = acc * (gathers * ag * PARAM_BYTES * flat + rs * g * flat) + clip
-    how = f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) x (n-1)/n, n={n}"
-    return volume, how + (" + clip-norm all-reduce" if clip else "")
+    volume = acc * (gathers * ag * PARAM_BYTES * flat + rs * g * flat)
+    return volume, f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) x (n-1)/n, n={n}"
 
 
-def meta_model(args, tp: int = 1, sp: bool = False, layers: range | None = None, first: bool = True, last: bool = True):
+def meta_model(args, tp: int = 1, sp: bool = False, layers: range | None = None, first: bool = True, last: bool = True,
+               ep: int = 1):
     """The model (or one pipeline stage of it) on the meta device, cut as rank 0 of `tp`
-    tensor-parallel ranks would hold it."""
+    tensor-parallel and `ep` expert-parallel ranks would hold it."""
+    from fivecut.parallel.expert import mark_reduce_groups, moe_layers
     from fivecut.comm import Group
     from fivecut.ledger import Ledger
     from fivecut.model import build_model
     from fivecut.parallel.saved import SavedActivations
     from fivecut.parallel.tensor import apply_tensor_parallel
+    from torch import nn
 
     model = build_model(args, device="meta")
     if layers is not None:
@@ -155,6 +246,11 @@ def meta_model(args, tp: int = 1, sp: bool = False, layers: range | None = None,
         model.norm, model.output = None, None
     if tp > 1:
         apply_tensor_parallel(model, Group("tp", tuple(range(tp)), None, Ledger(), index=0), sp, SavedActivations())
+    for moe in moe_layers(model):
+        for name in ("w1", "w3", "w2"):
+            full = getattr(moe.experts, name)
+            setattr(moe.experts, name, nn.Parameter(full[: full.shape[0] // ep]))
+        mark_reduce_groups(moe, ep, tp)
     return model
 
 
@@ -169,15 +265,20 @@ def local_meta_module(args, cfg, pp_rank: int = 0):
 
     dims = cfg.parallel
     if dims.pp == 1:
-        return meta_model(args, dims.tp, dims.sp)
+        return meta_model(args, dims.tp, dims.sp, ep=dims.ep)
     sched, layers = pipeline_plan(args, cfg)
     last = sched.n_stages - 1
-    stages = {s: meta_model(args, dims.tp, dims.sp, layers[s], first=s == 0, last=s == last) for s in sched.stages_of(pp_rank)}
+    stages = {s: meta_model(args, dims.tp, dims.sp, layers[s], first=s == 0, last=s == last, ep=dims.ep)
+              for s in sched.stages_of(pp_rank)}
     if args.tie_embeddings and 0 in stages and last in stages:
         stages[last].output.weight = stages[0].tok_embeddings.weight
     return nn.ModuleDict({str(s): m for s, m in stages.items()})
 
 
-def local_param_count(args, cfg, pp_rank: int = 0) -> int:
-    """Parameters held by a rank at pipeline position `pp_rank` (its stages, its TP shards)."""
-    return sum(p.numel() for p in meta_params(local_meta_module(args, cfg, pp_rank)))
+def local_param_counts(args, cfg, pp_rank: int = 0) -> dict[str, int]:
+    """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
+    counts: dict[str, int] = {}
+    for p in meta_params(local_meta_module(args, cfg, pp_rank)):
+        name = getattr(p, "fivecut_reduce", "dp_cp")
+        counts[name] = counts.get(name, 0) + p.numel()
+    return counts
