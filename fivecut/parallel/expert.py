@@ -45,7 +45,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.model.transformer import MoE, swiglu_expert
+from fivecut.model.transformer import Block, MoE, swiglu_expert
 
 
 @dataclass
@@ -512,12 +512,11 @@ class ExpertBalancer:
 
 def apply_expert_parallel(model: nn.Module, args, options: MoEOptions, ep: Group, tp: Group, sp: bool,
                           global_batch: int, stats_groups: list[Group], device) -> ExpertBalancer | None:
-    """Cut the experts of every MoE layer of `model` over `ep` and install their runtime."""
+    """Cut the experts of every MoE layer of `model` (a model or pipeline stages) over `ep` and
+    install their runtime; `stats_groups` sum the load statistics (the same list on every rank)."""
     runtimes = {}
-    for layer_id, block in ((int(name), block) for name, block in (model.layers.items() if model.layers is not None else ())):
-        moe = block.feed_forward
-        if not isinstance(moe, MoE):
-            continue
+    for block in (m for m in model.modules() if isinstance(m, Block) and isinstance(m.feed_forward, MoE)):
+        layer_id, moe = block.layer_id, block.feed_forward
         if ep.size > 1:
             shard_experts(moe, ep)
         mark_reduce_groups(moe, ep.size, tp.size)
