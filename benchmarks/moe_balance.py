@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fivecut.config import load_config  # noqa: E402
-from fivecut.launch import spawn  # noqa: E402
-from fivecut.train.data import load_tokens  # noqa: E402
-from fivecut.train.trainer import train  # noqa: E402
+from fivecut.config import load_config
+from fivecut.launch import spawn
+from fivecut.train.data import load_tokens
+from fivecut.train.trainer import train
 
 VARIANTS = {
     "unbalanced router": [],

@@ -139,7 +139,7 @@ class ParallelDims:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
         if model.n_experts and self.zero == 3 and (self.ep > 1 or self.tp > 1):
             out.append(f"zero=3 with a MoE model under ep={self.ep}, tp={self.tp} is not in this version "
-                       "(experts would be sharded over a group of their own); use zero=1 or 2")
+                       + "(experts would be sharded over a group of their own); use zero=1 or 2")
         if self.ep > 1 and model.n_experts % self.ep:
             out.append(f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}")
         return out
@@ -235,7 +235,10 @@ class Mesh:
         runs on a tp rank's own slice of the tokens): `expert_dp`. The router and the shared
         experts are data-parallel over dp x cp x tp: `dp_cp_tp`."""
         ep = self.dims.ep
-        inner = lambda c: c["dp"] * self.dims.cp + c["cp"]  # noqa: E731  the dp x cp index
+
+        def inner(c: dict) -> int:  # the dp x cp index
+            return c["dp"] * self.dims.cp + c["cp"]
+
         self.groups["ep"] = self._keyed_group("ep", lambda c: (c["pp"], c["tp"], inner(c) // ep))
         self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep))
         self.groups["dp_cp_tp"] = self._keyed_group("dp", lambda c: (c["pp"],))

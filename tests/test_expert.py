@@ -18,6 +18,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
 from fivecut.comm import Group
@@ -27,14 +28,21 @@ from fivecut.ledger import Ledger
 from fivecut.mesh import LayoutError, Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
 from fivecut.model.transformer import MoE, limit_to_groups
-from fivecut.parallel.expert import (ExpertParallelMoE, MoEOptions, Placement, aux_loss_part, capacity_keep,
-                                     moe_layers, plan_placement, sequence_counts)
+from fivecut.parallel.expert import (
+    ExpertParallelMoE,
+    MoEOptions,
+    Placement,
+    aux_loss_part,
+    capacity_keep,
+    moe_layers,
+    plan_placement,
+    sequence_counts,
+)
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.train.trainer import train, validate
-from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
-LOGIT_TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
 ROWS, SEQ = 4, 32
 
 
@@ -197,7 +205,7 @@ def test_forward_and_gradients_match_single_device(case):
         torch.testing.assert_close(logits, ref_logits[dp_rank * rows : (dp_rank + 1) * rows], **LOGIT_TOL)
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{case} rank {rank} {n}: {m}")
+            torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}")
 
 
 MOE = ('model.preset="tiny-moe"',)

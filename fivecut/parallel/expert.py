@@ -254,9 +254,11 @@ class ExpertParallelMoE:
         self.dest, self.cum = placement.destinations(self.moe.router.weight.device)
 
     def _zero_stats(self) -> LayerStats:
-        device = self.moe.router.weight.device
         e, p = self.n_experts, self.placement
-        zeros = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)  # noqa: E731
+
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=torch.float32, device=self.moe.router.weight.device)
+
         return LayerStats(zeros(e), zeros(e), zeros(p.ep, p.slots), zeros(), zeros(p.ep), zeros(p.ep), zeros(2))
 
     def take_stats(self) -> LayerStats:

@@ -26,12 +26,16 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.mesh import Mesh
 from fivecut.model import build_model
-from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
-from fivecut.parallel.pipeline.split import build_stage, stage_layers, tied_weight
 from fivecut.parallel.data import DataParallel, Piece, param_kind
 from fivecut.parallel.expert import ExpertBalancer, MoEOptions, apply_expert_parallel
+from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
+from fivecut.parallel.pipeline.split import build_stage, stage_layers, tied_weight
 from fivecut.parallel.saved import SavedActivations
-from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, vocab_parallel_loss_sum
+from fivecut.parallel.tensor import (
+    apply_tensor_parallel,
+    check_shards,
+    vocab_parallel_loss_sum,
+)
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 
 GradSync = "DataParallel | ZeroDataParallel | FullyShardedDataParallel | SyncSet"

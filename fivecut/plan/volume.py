@@ -229,13 +229,14 @@ def meta_model(args, tp: int = 1, sp: bool = False, layers: range | None = None,
                ep: int = 1):
     """The model (or one pipeline stage of it) on the meta device, cut as rank 0 of `tp`
     tensor-parallel and `ep` expert-parallel ranks would hold it."""
-    from fivecut.parallel.expert import mark_reduce_groups, moe_layers
+    from torch import nn
+
     from fivecut.comm import Group
     from fivecut.ledger import Ledger
     from fivecut.model import build_model
+    from fivecut.parallel.expert import mark_reduce_groups, moe_layers
     from fivecut.parallel.saved import SavedActivations
     from fivecut.parallel.tensor import apply_tensor_parallel
-    from torch import nn
 
     model = build_model(args, device="meta")
     if layers is not None:

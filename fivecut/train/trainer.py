@@ -22,13 +22,12 @@ from fivecut.config import Config, model_args
 from fivecut.launch import local_device
 from fivecut.ledger import Row
 from fivecut.mesh import Mesh
-from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.parallel.parallelize import Parallelized, build_parallel
+from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
-
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
