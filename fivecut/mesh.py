@@ -83,7 +83,7 @@ class ParallelDims:
         )
         if problems:
             raise LayoutError("invalid layout " + self.describe() + ":\n  - " + "\n  - ".join(problems))
-        unimplemented = self.unimplemented()
+        unimplemented = self.unimplemented(model)
         if unimplemented:
             raise LayoutError("not implemented yet in this version of fivecut:\n  - " + "\n  - ".join(unimplemented))
 
@@ -137,9 +137,6 @@ class ParallelDims:
             out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
         if self.ep > 1 and not model.n_experts:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
-        if model.n_experts and self.zero == 3 and (self.ep > 1 or self.tp > 1):
-            out.append(f"zero=3 with a MoE model under ep={self.ep}, tp={self.tp} is not in this version "
-                       + "(experts would be sharded over a group of their own); use zero=1 or 2")
         if self.ep > 1 and model.n_experts % self.ep:
             out.append(f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}")
         return out
@@ -172,8 +169,11 @@ class ParallelDims:
             f"were started; make the product {world_size} ({fix})"
         ]
 
-    def unimplemented(self) -> list[str]:
+    def unimplemented(self, model=None) -> list[str]:
         out = []
+        if model is not None and model.n_experts and self.zero == 3 and (self.ep > 1 or self.tp > 1):
+            out.append(f"parallel.zero=3 for a MoE model with ep={self.ep}, tp={self.tp}: experts sharded over a group of "
+                       + "their own are not in this version; use zero=1 or 2")
         if self.pp > 1 and self.zero >= 2:
             out.append(f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this version; use zero=0 or 1")
         for name, (supported, where) in IMPLEMENTED.items():

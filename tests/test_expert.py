@@ -150,12 +150,12 @@ def test_moe_options_are_checked(byte_cache):
 # ---------------------------------------------------------------- parity under ep
 
 
-def moe_step(layout: str, options: dict, gate: str, eplb_load: list[float] | None = None):
+def moe_step(layout: str, options: dict, model: dict, eplb_load: list[float] | None = None):
     """One forward + backward of tiny-moe under `layout`; this rank's logits and every
     gradient, the experts' gathered over ep (full shapes)."""
     kwargs = dict(item.split("=") for item in layout.split(",")) if layout else {}
     dims = ParallelDims(**{k: (v == "true") if k == "sp" else int(v) for k, v in kwargs.items()})
-    args = moe_args(gate=gate)
+    args = moe_args(**model)
     mesh = Mesh(dims, "cpu", moe=True)
     model = build_model(args, seed=0)
     inputs, targets = batch()
@@ -181,23 +181,25 @@ def moe_step(layout: str, options: dict, gate: str, eplb_load: list[float] | Non
     return logits.detach(), grads
 
 
+SIGMOID = {"gate": "sigmoid"}
 CASES = {
-    "dp=2,ep=2 softmax": ("dp=2,ep=2", {}, "softmax", None),
-    "dp=4,ep=2 sigmoid, aux loss": ("dp=4,ep=2", {"aux_loss_coef": 0.01}, "sigmoid", None),
-    "dp=4,ep=4 EPLB copies": ("dp=4,ep=4", {"eplb_slots": 1}, "softmax", [50.0, 1, 1, 1, 30, 1, 1, 1]),
-    "dp=2,tp=2,sp,ep=2 capacity + aux": ("dp=2,tp=2,sp=true,ep=2", {"capacity_factor": 1.0, "aux_loss_coef": 0.01}, "softmax", None),
-    "tp=2 no sp, capacity": ("tp=2", {"capacity_factor": 1.0}, "sigmoid", None),
+    "dp=2,ep=2 softmax": ("dp=2,ep=2", {}, {}, None),
+    "dp=4,ep=2 sigmoid, aux loss": ("dp=4,ep=2", {"aux_loss_coef": 0.01}, SIGMOID, None),
+    "dp=4,ep=4 EPLB copies": ("dp=4,ep=4", {"eplb_slots": 1}, {}, [50.0, 1, 1, 1, 30, 1, 1, 1]),
+    "dp=4,ep=4 group-limited": ("dp=4,ep=4", {}, {"expert_groups": 4, "route_group_limit": 2, **SIGMOID}, None),
+    "dp=2,tp=2,sp,ep=2 capacity + aux": ("dp=2,tp=2,sp=true,ep=2", {"capacity_factor": 1.0, "aux_loss_coef": 0.01}, {}, None),
+    "tp=2 no sp, capacity": ("tp=2", {"capacity_factor": 1.0}, SIGMOID, None),
 }
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_gradients_match_single_device(case):
-    layout, options, gate, eplb = CASES[case]
+    layout, options, model, eplb = CASES[case]
     reference_options = {k: v for k, v in options.items() if k != "eplb_slots"}
-    ref_logits, ref_grads = spawn(moe_step, 1, "", reference_options, gate)[0]
+    ref_logits, ref_grads = spawn(moe_step, 1, "", reference_options, model)[0]
     world = math.prod(int(v) for k, v in (i.split("=") for i in layout.split(",")) if k in ("dp", "tp"))
-    results = spawn(moe_step, world, layout, options, gate, eplb)
+    results = spawn(moe_step, world, layout, options, model, eplb)
     dp = dict(i.split("=") for i in layout.split(",")).get("dp", "1")
     rows = ROWS // int(dp)
     for rank, (logits, grads) in enumerate(results):

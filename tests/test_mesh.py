@@ -179,9 +179,10 @@ def test_valid_but_not_implemented(dims, name, world):
     assert "invalid layout" not in msg
 
 
-def test_expert_parallel_not_implemented():
-    msg = refusal(ParallelDims(dp=2, ep=2), model=TINY_MOE, world_size=2)
-    assert msg.startswith("not implemented yet") and "parallel.ep=2" in msg and "expert parallelism" in msg
+def test_expert_parallel_is_accepted_but_not_with_zero3():
+    ParallelDims(dp=2, ep=2, zero=1).validate(TINY_MOE, 64, 8, 1, world_size=2)
+    msg = refusal(ParallelDims(dp=2, ep=2, zero=3), model=TINY_MOE, world_size=2)
+    assert msg.startswith("not implemented yet") and "zero=3" in msg and "zero=1 or 2" in msg
 
 
 def test_invalid_is_reported_before_unimplemented():

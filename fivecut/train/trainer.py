@@ -314,10 +314,12 @@ class Logger:
 
 
 def moe_summary(moe: dict | None) -> str:
-    """The step's MoE balance in a few words for the log line (layer averages)."""
+    """The step's MoE balance for the log line: max/mean expert load (average, then per layer),
+    max/mean rank load, dropped slots, auxiliary loss; metrics.jsonl has every expert's load."""
     if moe is None:
         return ""
-    text = f"  experts max/mean {moe['max_mean']:.2f}  ranks max/mean {moe['rank_max_mean']:.2f}"
+    per_layer = " ".join(f"L{layer}:{v['max_mean']:.2f}" for layer, v in moe["layers"].items())
+    text = f"  experts max/mean {moe['max_mean']:.2f} ({per_layer})  ranks max/mean {moe['rank_max_mean']:.2f}"
     if moe["rank_max_mean"] != moe["rank_max_mean_owners"]:
         text += f" (owners only {moe['rank_max_mean_owners']:.2f})"
     if moe["dropped"]:
