@@ -83,7 +83,7 @@ class ParallelDims:
         )
         if problems:
             raise LayoutError("invalid layout " + self.describe() + ":\n  - " + "\n  - ".join(problems))
-        unimplemented = self.unimplemented(model)
+        unimplemented = self.unimplemented()
         if unimplemented:
             raise LayoutError("not implemented yet in this version of fivecut:\n  - " + "\n  - ".join(unimplemented))
 
@@ -169,11 +169,8 @@ class ParallelDims:
             f"were started; make the product {world_size} ({fix})"
         ]
 
-    def unimplemented(self, model=None) -> list[str]:
+    def unimplemented(self) -> list[str]:
         out = []
-        if model is not None and model.n_experts and self.zero == 3 and (self.ep > 1 or self.tp > 1):
-            out.append(f"parallel.zero=3 for a MoE model with ep={self.ep}, tp={self.tp}: experts sharded over a group of "
-                       + "their own are not in this version; use zero=1 or 2")
         if self.pp > 1 and self.zero >= 2:
             out.append(f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this version; use zero=0 or 1")
         for name, (supported, where) in IMPLEMENTED.items():

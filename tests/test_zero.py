@@ -43,8 +43,7 @@ def sharded_step_gradients(stage: int, dp: int, accumulate: int, reshard: bool):
             logits = par.module(inputs)
             (token_loss_sum(logits, targets) / sampler.tokens_in_global_batch()).backward()
         first_logits = logits.detach() if first_logits is None else first_logits
-    shards = par.sync.shards if stage < 3 else [u.shard for u in par.sync.units]
-    return reassemble(shards, names, mesh.group("dp_cp")), first_logits
+    return reassemble(par.sync.shards, names, mesh.group("dp_cp")), first_logits
 
 
 def reassemble(shards, names, group) -> dict[str, torch.Tensor]:

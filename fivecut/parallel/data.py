@@ -49,6 +49,12 @@ def norm_share(p: torch.Tensor) -> float:
     return getattr(p, "fivecut_norm_share", 1.0)
 
 
+def reduce_group(p: torch.Tensor) -> str:
+    """The mesh group over which `p`'s gradient is summed: dp x cp unless the parameter says otherwise
+    (MoE experts: `expert_dp`; the router and shared experts under tp: `dp_cp_tp`)."""
+    return getattr(p, "fivecut_reduce", "dp_cp")
+
+
 def param_kind(p: torch.Tensor, tp: int) -> tuple[bool, bool, float]:
     return decays(p), tp_replicated(p, tp), norm_share(p)
 

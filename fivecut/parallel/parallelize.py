@@ -26,7 +26,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.mesh import Mesh
 from fivecut.model import build_model
-from fivecut.parallel.data import DataParallel, Piece, param_kind
+from fivecut.parallel.data import DataParallel, Piece, param_kind, reduce_group
 from fivecut.parallel.expert import ExpertBalancer, MoEOptions, apply_expert_parallel
 from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
 from fivecut.parallel.pipeline.split import build_stage, stage_layers, tied_weight
@@ -184,18 +184,18 @@ def data_parallel(model: nn.Module, mesh: Mesh, bucket_mb: float, reduce_dtype) 
     for p in model.parameters():
         if p.requires_grad:
             by_group.setdefault(reduce_group(p), []).append(p)
+    if mesh.dims.zero == 3:  # units of modules, each part sharded over its own group
+        others = {name: mesh.group(name) for name in by_group if name != "dp_cp"}
+        sync = FullyShardedDataParallel(model, mesh.group("dp_cp"), mesh.dims.reshard_after_forward, reduce_dtype, mesh.dims.tp, others)
+        return sync, sync.optimizer_pieces()
     made = [reduce_over(model, params, mesh, name, bucket_mb, reduce_dtype) for name, params in by_group.items()]
     if len(made) == 1:
         return made[0]
     return SyncSet([sync for sync, _ in made]), [piece for _, pieces in made for piece in pieces]
 
 
-def reduce_group(p: nn.Parameter) -> str:
-    return getattr(p, "fivecut_reduce", "dp_cp")
-
-
 def reduce_over(model, params, mesh: Mesh, name: str, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:
-    """DDP or ZeRO of `params` over the mesh group `name`. A group that spans tp holds no
+    """DDP or ZeRO-1/2 of `params` over the mesh group `name`. A group that spans tp holds no
     tensor-parallel replicas in its shards (each tp rank computed on its own tokens)."""
     dims, group = mesh.dims, mesh.group(name)
     tp_in_shards = dims.tp if name == "dp_cp" else 1
@@ -203,10 +203,7 @@ def reduce_over(model, params, mesh: Mesh, name: str, bucket_mb: float, reduce_d
         sync = DataParallel(model, group, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, params=params)
         ep_share = 1.0 if name == "expert_dp" or dims.zero > 0 else 1.0 / dims.ep  # replicated over ep: counted once
         return sync, [Piece(p, d, r, share * ep_share) for p in sync.params for d, r, share in [param_kind(p, dims.tp)]]
-    if dims.zero in (1, 2):
-        sync = ZeroDataParallel(model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=tp_in_shards, params=params)
-    else:
-        sync = FullyShardedDataParallel(model, group, dims.reshard_after_forward, reduce_dtype=reduce_dtype, tp=dims.tp)
+    sync = ZeroDataParallel(model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=tp_in_shards, params=params)
     return sync, sync.optimizer_pieces()
 
 

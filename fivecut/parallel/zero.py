@@ -50,7 +50,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.parallel.data import Bucket, DataParallel, Piece, flat_order, padded, param_kind
+from fivecut.parallel.data import Bucket, DataParallel, Piece, flat_order, padded, param_kind, reduce_group
 
 
 class FlatShard:
@@ -202,32 +202,50 @@ class ZeroDataParallel(DataParallel):
 
 
 @dataclass(eq=False)
+class UnitPart:
+    """The parameters of a unit that one group shards (most: dp x cp; MoE experts: expert_dp)."""
+
+    shard: FlatShard
+    full: torch.Tensor  # [padded] the parameters' storage: allocated while gathered, size 0 otherwise
+    gather_work: object | None = None
+    reduce_work: object | None = None
+    reduce_out: torch.Tensor | None = None
+
+    @property
+    def group(self) -> Group:
+        return self.shard.group
+
+
+@dataclass(eq=False)
 class Unit:
     """A group of modules whose parameters are gathered and freed together."""
 
     name: str
     modules: list[nn.Module]  # in forward order; the first gathers, the last may free
-    shard: FlatShard
-    full: torch.Tensor  # [padded] the parameters' storage: allocated while gathered, size 0 otherwise
+    parts: list[UnitPart]  # one per sharding group
     gathered: bool = True  # `full` holds the parameters (or an all-gather into it is in flight)
-    gather_work: object | None = None
     ready: int = 0  # parameters whose gradient this backward has produced
     reduced: bool = False
-    reduce_work: object | None = None
-    reduce_out: torch.Tensor | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.shard.params]
 
 
 class FullyShardedDataParallel:
-    """ZeRO-3 over `group` for a `Transformer`: every parameter sharded; units gathered on use."""
+    """ZeRO-3 over `group` for a `Transformer`: every parameter sharded; units gathered on use.
+    A parameter marked `fivecut_reduce = name` is sharded over `other_groups[name]` instead
+    (MoE experts over their expert-data-parallel group): its unit then has one part per group."""
 
-    def __init__(self, model: nn.Module, group: Group, reshard_after_forward: bool = True, reduce_dtype=None, tp: int = 1):
+    def __init__(self, model: nn.Module, group: Group, reshard_after_forward: bool = True, reduce_dtype=None, tp: int = 1,
+                 other_groups: dict[str, Group] | None = None):
         self.model = model
         self.tp = tp
-        self.group = group
+        self.groups = {"dp_cp": group, **(other_groups or {})}
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
         self.units = [self._make_unit(name, modules) for name, modules in transformer_units(model)]
-        self.unit_of = {p: u for u in self.units for p in u.shard.params}
+        self.unit_of = {p: u for u in self.units for p in u.params}
         self.forward_order = self.units  # root first (the embedding runs first), then the blocks
         self.backward_order = [self.units[0]] + self.units[1:][::-1]  # the head runs backward first
         self._callback_queued = False
@@ -238,21 +256,29 @@ class FullyShardedDataParallel:
     # ------------------------------------------------------------ construction
 
     def _make_unit(self, name: str, modules: list[nn.Module]) -> Unit:
-        params = unique_params(modules)
-        shard = FlatShard(params, self.group, self.tp)
+        by_group: dict[str, list[nn.Parameter]] = {}
+        for p in unique_params(modules):
+            by_group.setdefault(reduce_group(p), []).append(p)
+        # a group that spans tp (MoE parameters under tp) holds no tensor-parallel replicas in its shards
+        parts = [self._make_part(params, self.groups[name], self.tp if name == "dp_cp" else 1) for name, params in by_group.items()]
+        unit = Unit(name, modules, parts)
+        self._free(unit)
+        return unit
+
+    @staticmethod
+    def _make_part(params: list[nn.Parameter], group: Group, tp: int) -> UnitPart:
+        shard = FlatShard(params, group, tp)
         full = shard.flatten([p.detach() for p in shard.params], like=params[0])
         shard.local = full[shard.lo : shard.lo + shard.size].clone()
         shard.grad = torch.zeros_like(shard.local)
         shard.point_params_into(full)  # once: the parameters stay views of `full`
-        unit = Unit(name, modules, shard, full)
-        self._free(unit)
-        return unit
+        return UnitPart(shard, full)
 
     def _register_hooks(self, unit: Unit) -> None:
         for module in unit.modules:
             module.register_forward_pre_hook(lambda m, args, u=unit: self._before_forward(u, m))
         unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
-        for p in unit.shard.params:
+        for p in unit.params:
             p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
 
     # ------------------------------------------------------------ the trainer's interface
@@ -263,41 +289,51 @@ class FullyShardedDataParallel:
         yield
 
     def zero_grad(self) -> None:
-        for unit in self.units:
-            unit.shard.grad.zero_()
+        for shard in self.shards:
+            shard.grad.zero_()
 
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
 
+    def reduce_all(self) -> None:
+        """Nothing to do: every backward reduce-scatters as it goes."""
+
+    @property
+    def shards(self) -> list[FlatShard]:
+        return [part.shard for unit in self.units for part in unit.parts]
+
     def optimizer_pieces(self) -> list[Piece]:
-        return [piece for unit in self.units for piece in unit.shard.optimizer_pieces()]
+        return [piece for shard in self.shards for piece in shard.optimizer_pieces()]
 
     def shard_grads(self) -> list[torch.Tensor]:
-        return [unit.shard.grad for unit in self.units]
+        return [shard.grad for shard in self.shards]
 
     # ------------------------------------------------------------ gather / free
 
     def _prefetch(self, unit: Unit | None) -> None:
         if unit is None or unit.gathered:
             return
-        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-        # autograd saved views of `full` in forward; refilling it in place is what backward must read
-        with torch.autograd._unsafe_preserve_version_counter(unit.full):
-            unit.gather_work = comm.all_gather_into(unit.full, unit.shard.local, self.group, async_op=True)
+        for part in unit.parts:
+            part.full.untyped_storage().resize_(part.full.numel() * part.full.element_size())
+            # autograd saved views of `full` in forward; refilling it in place is what backward must read
+            with torch.autograd._unsafe_preserve_version_counter(part.full):
+                part.gather_work = comm.all_gather_into(part.full, part.shard.local, part.group, async_op=True)
         unit.gathered = True
 
     def _gather(self, unit: Unit) -> None:
         self._prefetch(unit)
-        if unit.gather_work is not None:
-            comm.wait(unit.gather_work, "all_gather", self.group)
-            unit.gather_work = None
+        for part in unit.parts:
+            if part.gather_work is not None:
+                comm.wait(part.gather_work, "all_gather", part.group)
+                part.gather_work = None
 
     def _free(self, unit: Unit) -> None:
         """Release the gathered parameters, and with them the views autograd saved of them."""
-        if unit.gather_work is not None:  # prefetched but never used: the collective still writes into it
-            comm.wait(unit.gather_work, "all_gather", self.group)
-            unit.gather_work = None
-        unit.full.untyped_storage().resize_(0)
+        for part in unit.parts:
+            if part.gather_work is not None:  # prefetched but never used: the collective still writes into it
+                comm.wait(part.gather_work, "all_gather", part.group)
+                part.gather_work = None
+            part.full.untyped_storage().resize_(0)
         unit.gathered = False
 
     @staticmethod
@@ -328,7 +364,7 @@ class FullyShardedDataParallel:
 
     def _grad_ready(self, unit: Unit) -> None:
         unit.ready += 1
-        if unit.ready == len(unit.shard.params):
+        if unit.ready == len(unit.params):
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
@@ -336,13 +372,14 @@ class FullyShardedDataParallel:
         if self._reducing is not None:  # one in flight: its work holds a full-size gradient buffer
             self._finish_reduce(self._reducing)
         self._reducing = unit
-        params = unit.shard.params
-        flat = unit.shard.flatten([p.grad for p in params], like=unit.shard.local)
-        for p in params:
-            p.grad = None
-        wire = flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)
-        unit.reduce_out = wire.new_empty(unit.shard.size)
-        unit.reduce_work = comm.reduce_scatter_into(unit.reduce_out, wire, self.group, async_op=True)
+        for part in unit.parts:
+            params = part.shard.params
+            flat = part.shard.flatten([p.grad for p in params], like=part.shard.local)
+            for p in params:
+                p.grad = None
+            wire = flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)
+            part.reduce_out = wire.new_empty(part.shard.size)
+            part.reduce_work = comm.reduce_scatter_into(part.reduce_out, wire, part.group, async_op=True)
         unit.reduced = True
         self._free(unit)
 
@@ -357,9 +394,10 @@ class FullyShardedDataParallel:
         self._callback_queued = False
 
     def _finish_reduce(self, unit: Unit) -> None:
-        comm.wait(unit.reduce_work, "reduce_scatter", self.group)
-        unit.shard.grad.add_(unit.reduce_out)
-        unit.reduce_work, unit.reduce_out = None, None
+        for part in unit.parts:
+            comm.wait(part.reduce_work, "reduce_scatter", part.group)
+            part.shard.grad.add_(part.reduce_out)
+            part.reduce_work, part.reduce_out = None, None
         self._reducing = None
 
 

@@ -219,7 +219,8 @@ def group_reduction_volume(cfg, module, params: list, n: int) -> tuple[float, st
         sends = acc if dims.zero == 2 else 1
         volume = sends * rs * g * flat + ag * PARAM_BYTES * flat
         return volume, f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}"
-    flat = sum(padded(sum(p.numel() for p in unique_params(mods)), n) for _, mods in transformer_units(module))
+    mine = {id(p) for p in params}  # this group's part of each unit
+    flat = sum(padded(sum(p.numel() for p in unique_params(mods) if id(p) in mine), n) for _, mods in transformer_units(module))
     gathers = 2 if dims.reshard_after_forward else 1
     volume = acc * (gathers * ag * PARAM_BYTES * flat + rs * g * flat)
     return volume, f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) x (n-1)/n, n={n}"
