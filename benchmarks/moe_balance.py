@@ -59,7 +59,7 @@ def main() -> None:
     base = [
         'model.preset="tiny-moe"', 'data.tokenizer="byte"', f"train.steps={ns.steps}", "train.seq_len=128",
         "train.global_batch=16", "train.eval_every=100", "log.progress=false", "log.plot=false",
-        f"parallel.dp={ns.dp}", f"parallel.ep={ns.ep}", "moe.eplb_interval=10", "moe.eplb_window=10",
+        f"parallel.dp={ns.dp}", f"parallel.ep={ns.ep}",  # EPLB variants re-plan every 10 steps from 10 (the defaults)
     ]
     cfg0 = load_config(None, base)
     load_tokens(cfg0.data.source, cfg0.data.tokenizer, Path(cfg0.data.cache_dir).expanduser(), cfg0.data.val_fraction)

@@ -139,6 +139,8 @@ def test_moe_options_are_checked(byte_cache):
     assert "dense" in refused("moe.aux_loss_coef=0.01")  # tiny is dense: the option would be ignored
     assert "ep >= 2" in refused('model.preset="tiny-moe"', "moe.eplb_slots=1")
     assert "capacity_factor" in refused('model.preset="tiny-moe"', "moe.capacity_factor=0.0")
+    assert "eplb_slots >= 1" in refused('model.preset="tiny-moe"', "moe.eplb_window=5")  # would be ignored
+    assert "expert_groups" in refused('model.preset="tiny-moe"', "model.route_group_limit=2")
     with pytest.raises(LayoutError, match="n_experts=8 not divisible by ep=3"):
         validate(small_config(byte_cache, 'model.preset="tiny-moe"', "parallel.dp=3", "parallel.ep=3", "train.global_batch=9"))
     with pytest.raises(ValueError, match="route_group_limit"):

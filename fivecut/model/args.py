@@ -154,6 +154,8 @@ class ModelArgs:
         if self.n_experts % g:
             raise ValueError(f"n_experts ({self.n_experts}) is not divisible by expert_groups ({g}); "
                              f"choose expert_groups among {[d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]}")
+        if g == 1 and limit != 1:
+            raise ValueError(f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups")
         if limit > g:
             raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
         if g > 1 and self.top_k > limit * (self.n_experts // g):

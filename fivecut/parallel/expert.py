@@ -76,6 +76,8 @@ class MoEOptions:
             out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
         if self.eplb_slots < 0:
             out.append(f"moe.eplb_slots={self.eplb_slots} must be >= 0")
+        if self.eplb_slots == 0 and (self.eplb_interval, self.eplb_window) != (MoEOptions.eplb_interval, MoEOptions.eplb_window):
+            out.append("moe.eplb_interval and moe.eplb_window apply only to EPLB copies; set moe.eplb_slots >= 1 or leave them")
         if self.eplb_slots > 0 and ep == 1:
             out.append("moe.eplb_slots > 0 replicates experts over expert-parallel ranks, but ep=1; set parallel.ep >= 2 or eplb_slots=0")
         foreign = args.n_experts - args.n_experts // max(ep, 1)
