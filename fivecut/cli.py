@@ -190,7 +190,7 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     print(f"memory_ratio={measured['total'] / predicted['total']:.3f}")
 
 
-def print_activations(measured: dict[str, int], cfg: Config) -> None:
+def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int, int] | None = None) -> None:
     """Bytes a layer keeps for backward (step 1, first micro-step), measured vs the formula."""
     from fivecut.plan.activations import activation_bytes_per_layer
     from fivecut.train.memory import format_bytes
@@ -201,11 +201,13 @@ def print_activations(measured: dict[str, int], cfg: Config) -> None:
         return
     rows = t.global_batch // (dims.dp * t.accumulate)
     last = measured[max(measured, key=int)]  # layer 0 also holds what all layers share (RoPE tables)
-    if args.is_moe:  # what a MoE layer keeps depends on the routing (rows per expert, drops)
+    if args.is_moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
         print(f"\nactivations saved for backward by the last layer (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
-              f"({last:,} B); the closed form covers dense blocks only")
+              f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss")
         return
-    predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp)
+    predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp, moe_rows=moe_rows if args.is_moe else None)
+    if args.is_moe:
+        print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
     print(f"\nactivations saved for backward per layer (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:
@@ -213,6 +215,15 @@ def print_activations(measured: dict[str, int], cfg: Config) -> None:
         print(f"at tp={dims.tp} the formula gives {format_bytes(without)} without SP, {format_bytes(single)} with SP: "
               f"SP cuts activations by {without / single:.3f}x")
     print(f"activation_ratio={last / predicted:.3f}")
+
+
+def first_forward_rows(result, args) -> tuple[int, int] | None:
+    """(sent, received) rows of the last layer's dispatch in step 1's first forward (MoE models)."""
+    if not result.moe or not args.moe_layer(args.n_layers - 1):
+        return None
+    local = result.moe[0]["local"]
+    rows = local.get(args.n_layers - 1)
+    return tuple(rows["first_forward_rows"]) if rows and rows["first_forward_rows"] else None
 
 
 def cmd_ledger(ns) -> int:
@@ -225,7 +236,7 @@ def cmd_ledger(ns) -> int:
     print(format_rows(mine.ledger_rows))
     print()
     print_memory(mine.memory, cfg)
-    print_activations(mine.activations, cfg)
+    print_activations(mine.activations, cfg, first_forward_rows(mine, model_args(cfg.model)))
     predicted = predict(model_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")

@@ -250,6 +250,7 @@ class ExpertParallelMoE:
         self.n_experts = moe.router.weight.shape[0]
         self.set_placement(Placement(self.n_experts, ep.size, options.eplb_slots))
         self.stats = self._zero_stats()
+        self.first_rows: tuple[int, int] | None = None  # (sent, received) rows of the step's first forward
 
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement
@@ -263,9 +264,11 @@ class ExpertParallelMoE:
 
         return LayerStats(zeros(e), zeros(e), zeros(p.ep, p.slots), zeros(), zeros(p.ep), zeros(p.ep), zeros(2))
 
-    def take_stats(self) -> LayerStats:
+    def take_stats(self) -> tuple[LayerStats, tuple[int, int] | None]:
+        """The step's statistics, and the rows (sent, received) of its first training forward."""
         stats, self.stats = self.stats, self._zero_stats()
-        return stats
+        first, self.first_rows = self.first_rows, None
+        return stats, first
 
     # ------------------------------------------------------------ forward
 
@@ -354,10 +357,13 @@ class ExpertParallelMoE:
         if self.recording:
             self.stats.sent += send_counts.sum(1)
             self.stats.received += recv_counts.sum(1)
+            self.first_rows = self.first_rows or (sum(in_splits), sum(out_splits))
         x_recv = comm.all_to_all(x_send, ep, out_splits, in_splits)  # dispatch: [N_recv, dim] by (source, slot)
         y_recv = self._experts(x_recv, recv_counts)
         y_back = comm.all_to_all(y_recv, ep, in_splits, out_splits)  # combine: [N, dim] in sent order
-        y_slots = y_back.new_zeros(t * k, y_back.shape[-1]).index_copy(0, sent_slots, y_back)  # dropped slots: 0
+        row = torch.full((t * k,), len(sent_slots), dtype=torch.long, device=x_flat.device)  # dropped: the zero row
+        row[sent_slots] = torch.arange(len(sent_slots), device=x_flat.device)
+        y_slots = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[-1])])[row]  # [T*k, dim] (a gather saves only `row`)
         weight = topk_weight if keep is None else topk_weight.masked_fill(~keep, 0.0)
         return (y_slots.view(t, k, -1) * weight.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [T, dim]
 
@@ -459,7 +465,8 @@ class ExpertBalancer:
         e, slot_shape = self.n_experts, self.slot_shape
         per_layer = 2 * e + 1 + slot_shape[0] * slot_shape[1]  # a fixed layout: every rank sends the same vector
         vec = torch.zeros(len(self.layer_ids) * per_layer, device=self.device)
-        stats = {i: rt.take_stats() for i, rt in self.runtimes.items()}
+        taken = {i: rt.take_stats() for i, rt in self.runtimes.items()}
+        stats = {i: st for i, (st, _) in taken.items()}
         for i, st in stats.items():
             at = self.layer_ids.index(i) * per_layer
             vec[at : at + per_layer] = torch.cat([st.selected, st.kept, st.aux.view(1), st.slot_rows.flatten()])
@@ -469,7 +476,8 @@ class ExpertBalancer:
         self._balance(step, rows, e)
         metrics = self._metrics(rows, e, slot_shape)
         metrics["local"] = {i: {"sent": st.sent.tolist(), "received": st.received.tolist(), "copies_sent": st.copies[0].item(),
-                                "copies_received": st.copies[1].item()} for i, st in stats.items()}
+                                "copies_received": st.copies[1].item(), "first_forward_rows": first}
+                            for i, (st, first) in taken.items()}
         return metrics
 
     def _balance(self, step: int, rows: torch.Tensor, e: int) -> None:

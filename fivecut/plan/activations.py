@@ -10,7 +10,9 @@ In units of b*s*h elements per layer, with t tensor-parallel ranks:
     attention  2/t + 2*kv*hd/h      q and attention output; k and v (kv = kv heads per rank)
     MLP        4F/(h t)             w1 out, silu(w1 out), w3 out, their product
 
-plus per token: 2 rstd values (norms; /t with SP) and a/t log-sum-exps. Megatron's
+plus per token: 2 rstd values (norms; /t with SP) and a/t log-sum-exps. A MoE block replaces
+the MLP term by what its router, dispatch, experts, combine and shared experts keep
+(`moe_bytes`), which depends on how many rows this rank sent and received. Megatron's
 figure for GPT (fp16, dropout, 4h GeLU MLP) is sbh(10 + 24/t + 5as/(ht)) with TP and
 sbh(34/t + 5as/(ht)) with TP+SP: the same split between what TP leaves replicated and
 what it cuts, which SP then cuts too.
@@ -19,11 +21,34 @@ what it cuts, which SP then cuts too.
 from __future__ import annotations
 
 
-def activation_bytes_per_layer(args, batch: int, seq: int, tp: int, sp: bool, itemsize: int = 4) -> float:
+def activation_bytes_per_layer(args, batch: int, seq: int, tp: int, sp: bool, itemsize: int = 4,
+                               moe_rows: tuple[int, int] | None = None) -> float:
+    """Bytes one block keeps for backward; `moe_rows` = (rows sent, rows received) by this rank's
+    dispatch makes it a MoE block (see `moe_bytes`)."""
     h, hd = args.dim, args.head_dim
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     norms = 6 / (tp if sp else 1)
+    if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
+        norms += 1 / tp - 1
     attention = 2 / tp + 2 * kv_heads_per_rank * hd / h
-    mlp = 4 * args.ffn_dim / (h * tp)
+    mlp = 4 * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
     per_token = 2 / (tp if sp else 1) + args.n_heads / tp
-    return itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
+    dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
+    return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize)
+
+
+def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4) -> float:
+    """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
+    loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
+    (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
+    rows received (they depend on the routing):
+        router     T*E scores; T*k expert indices (int64); T + T*k for the weights' renormalization
+        dispatch   N row indices (int64)
+        experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates
+        combine    T*k slot indices (int64), T*k*h results per slot, T*k weights
+        shared     4*T*H_shared (a SwiGLU on every token)"""
+    t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
+    renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
+    floats = t * e + renormalize + received * (h + 4 * args.expert_dim) + t * k * h + t * k
+    floats += 4 * t * args.expert_dim * args.n_shared_experts
+    return itemsize * floats + 8 * (t * k + sent + t * k)
