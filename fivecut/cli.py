@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import re
 import copy
+import dataclasses
+import re
 import os
 import sys
 import tempfile
@@ -13,6 +14,7 @@ from pathlib import Path
 from fivecut.config import Config, ConfigError, ModelConfig, apply_table, load_config, model_args, parse_override
 from fivecut.ledger import format_rows
 from fivecut.mesh import LayoutError, ParallelDims
+from fivecut.parallel.expert import MoEOptions
 
 LOSS_RTOL = 1e-5  # verify's tolerance on the relative loss difference (fp32); see DESIGN.md
 
@@ -131,7 +133,8 @@ def reference_of(cfg: Config) -> Config:
     """The single-process run `cfg` must reproduce (EPLB copies need ranks; they change no number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
-    ref.moe.eplb_slots = 0
+    ref.moe = dataclasses.replace(ref.moe, eplb_slots=0, eplb_move=False, eplb_interval=MoEOptions.eplb_interval,
+                                  eplb_window=MoEOptions.eplb_window)
     return ref
 
 

@@ -237,6 +237,30 @@ def run_moe(cfg):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("zero", [1, 3])
+def test_moving_experts_keeps_training_identical(byte_cache, tmp_path, zero):
+    """EPLB moves with ZeRO-sharded experts (dp=4, ep=2: expert_dp=2): weights, master shards and
+    Adam moments change ranks, and the losses stay the single process's."""
+    balance = ("moe.bias_update_rate=0.01",)
+    reference = single_process_losses(byte_cache, *MOE, *balance)
+    cfg = small_config(byte_cache, *MOE, *balance, "parallel.dp=4", "parallel.ep=2", f"parallel.zero={zero}",
+                       "moe.eplb_move=true", "moe.eplb_slots=1", "moe.eplb_interval=1", "moe.eplb_window=1",
+                       f'log.out_dir="{tmp_path}"')
+    losses, moe = spawn(run_moe, 4, cfg)[0]
+    moved = sum(layer["moved_elements"] for step in moe for layer in step["local"].values())
+    assert moved > 0  # experts did change ranks
+    np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL)
+
+
+def test_packing_moves_the_hottest_experts_apart():
+    load = [90.0, 80, 1, 1, 1, 1, 1, 1]  # experts 0 and 1 both start on rank 0
+    placed = plan_placement(load, ep=4, extra=0, current=Placement(8, 4, 0), move=True)
+    assert placed.owner(0) != placed.owner(1)
+    assert all(placed.home[e][1] == Placement(8, 4, 0).home[e][1] for e in range(8))  # slot index kept
+    assert max(placed.rank_loads(load)) == 91  # every rank holds two experts: the best possible
+
+
+@pytest.mark.multirank
 def test_capacity_drops_are_reported_and_training_converges(byte_cache, tmp_path):
     cfg = small_config(byte_cache, *MOE, "parallel.dp=2", "parallel.ep=2", "moe.capacity_factor=1.0",
                        "train.steps=10", f'log.out_dir="{tmp_path}"')

@@ -26,11 +26,12 @@ so the router, the shared experts and the experts are data-parallel over tp as w
 Balancing: the Switch/GShard auxiliary loss (computed per sequence, so that any layout
 gives the same number) and DeepSeek-V3's auxiliary-loss-free balancing (a per-expert bias
 added to the scores for selection only, moved by +-gamma towards the mean load after each
-step). EPLB: from a window of per-expert loads, the hottest experts get copies on extra
-slots and each expert's tokens are shared among its copies so that the busiest rank
+step). EPLB: from a window of per-expert loads, experts move between ranks (weights, ZeRO
+master shards and Adam moments, after an optimizer step), the hottest get copies on extra
+slots and each expert's tokens are shared among its copies, so that the busiest rank
 approaches the mean; a copy's weights are sent from the expert's owner every step through
 a differentiable all-to-all, so its gradient flows back to the owner and training is the
-unreplicated model's.
+unplaced model's.
 """
 
 from __future__ import annotations
@@ -55,12 +56,17 @@ class MoEOptions:
     capacity_factor: float | None = None  # slots per expert per sequence = ceil(c * s * k / E); None: dropless
     aux_loss_coef: float = 0.0  # alpha of the auxiliary load-balancing loss; 0: off
     bias_update_rate: float = 0.0  # gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0: off
-    eplb_slots: int = 0  # EPLB: extra expert slots per EP rank for copies of hot experts; 0: off
+    eplb_slots: int = 0  # EPLB: extra expert slots per EP rank for copies of hot experts
+    eplb_move: bool = False  # EPLB: also move experts (weights and optimizer state) between ranks
     eplb_interval: int = 10  # EPLB: steps between re-placements
     eplb_window: int = 10  # EPLB: steps of load history a placement is planned from
 
     def is_default(self) -> bool:
         return self == MoEOptions()
+
+    @property
+    def eplb(self) -> bool:
+        return self.eplb_slots > 0 or self.eplb_move
 
     def problems(self, args, ep: int) -> list[str]:
         """What cannot work with model `args` (ModelArgs) and `ep` expert-parallel ranks."""
@@ -76,10 +82,11 @@ class MoEOptions:
             out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
         if self.eplb_slots < 0:
             out.append(f"moe.eplb_slots={self.eplb_slots} must be >= 0")
-        if self.eplb_slots == 0 and (self.eplb_interval, self.eplb_window) != (MoEOptions.eplb_interval, MoEOptions.eplb_window):
-            out.append("moe.eplb_interval and moe.eplb_window apply only to EPLB copies; set moe.eplb_slots >= 1 or leave them")
-        if self.eplb_slots > 0 and ep == 1:
-            out.append("moe.eplb_slots > 0 replicates experts over expert-parallel ranks, but ep=1; set parallel.ep >= 2 or eplb_slots=0")
+        if not self.eplb and (self.eplb_interval, self.eplb_window) != (MoEOptions.eplb_interval, MoEOptions.eplb_window):
+            out.append("moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or moe.eplb_move=true, or leave them")
+        if self.eplb and ep == 1:
+            out.append("EPLB (moe.eplb_slots, moe.eplb_move) places experts over expert-parallel ranks, but ep=1; "
+                       + "set parallel.ep >= 2 or turn EPLB off")
         foreign = args.n_experts - args.n_experts // max(ep, 1)
         if ep > 1 and self.eplb_slots > foreign:
             out.append(f"moe.eplb_slots={self.eplb_slots}: a rank can hold copies of at most the {foreign} experts it does not own")
@@ -91,18 +98,25 @@ class MoEOptions:
 
 class Placement:
     """Which logical expert each physical slot of each EP rank computes, and the share of
-    that expert's tokens it takes. Rank r owns experts [r*n, (r+1)*n) in its first n slots
-    (their parameters and optimizer state live there); `extra` more slots hold copies."""
+    that expert's tokens it takes. The first n slots of a rank hold the experts it owns (their
+    parameters and optimizer state live there; at first rank r owns [r*n, (r+1)*n), and EPLB
+    may move an expert to another rank's slot of the same index); `extra` more slots hold
+    copies."""
 
-    def __init__(self, n_experts: int, ep: int, extra: int):
+    def __init__(self, n_experts: int, ep: int, extra: int, owned: list[list[int]] | None = None):
         self.n_experts, self.ep, self.extra = n_experts, ep, extra
         self.n_local = n_experts // ep
         self.slots = self.n_local + extra
-        self.expert = [[r * self.n_local + j for j in range(self.n_local)] + [-1] * extra for r in range(ep)]
+        owned = owned or [[r * self.n_local + j for j in range(self.n_local)] for r in range(ep)]
+        self.expert = [list(row) + [-1] * extra for row in owned]
         self.share = [[1.0] * self.n_local + [0.0] * extra for _ in range(ep)]
+        self.home = {row[j]: (r, j) for r, row in enumerate(owned) for j in range(self.n_local)}
+
+    def owned(self) -> list[list[int]]:
+        return [row[: self.n_local] for row in self.expert]
 
     def owner(self, e: int) -> int:
-        return e // self.n_local
+        return self.home[e][0]
 
     def replicas(self, e: int) -> list[tuple[int, int, float]]:
         """(rank, slot, share) of every copy of expert `e`, the owner's first."""
@@ -128,16 +142,44 @@ class Placement:
         return dest.to(device), cum.to(device)
 
 
-def plan_placement(load: list[float], ep: int, extra: int) -> Placement:
-    """EPLB: give the hottest experts copies on the `extra` slots of each rank and share each
-    expert's tokens among its copies so that the maximum rank load approaches the mean.
+def plan_placement(load: list[float], ep: int, extra: int, current: Placement | None = None, move: bool = False) -> Placement:
+    """EPLB: move experts between ranks (`move`), give the hottest ones copies on the `extra`
+    slots of each rank and share each expert's tokens among its copies, so that the maximum
+    rank load approaches the mean.
 
+    0. with `move`: longest-processing-time packing -- experts by decreasing load, each to the
+       least loaded rank whose slot of the expert's index is still free (an expert keeps its
+       slot index, so that its weights and optimizer state move as one block between ranks);
     1. ep * extra times: the expert with the most tokens per copy (among those that some
        rank with a free slot does not hold yet) gets a copy on the least loaded such rank;
     2. a few rounds of water-filling: each replicated expert's tokens are spread over its
-       copies' ranks to level them (a copy may end up with no tokens: the expert has then
-       moved to other ranks)."""
-    placement = Placement(len(load), ep, extra)
+       copies' ranks to level them (a copy may end up with no tokens).
+    A move is kept only if it lowers the busiest rank's load by more than 2%."""
+    owned = current.owned() if current is not None else None
+    staying = _with_copies(load, ep, extra, owned)
+    if not move:
+        return staying
+    moved = _with_copies(load, ep, extra, _pack_owners(load, ep, owned or Placement(len(load), ep, 0).owned()))
+    return moved if max(moved.rank_loads(load)) < 0.98 * max(staying.rank_loads(load)) else staying
+
+
+def _pack_owners(load: list[float], ep: int, owned: list[list[int]]) -> list[list[int]]:
+    """Experts to ranks, heaviest first onto the least loaded rank with that slot index free."""
+    n_local = len(owned[0])
+    column = {e: j for row in owned for j, e in enumerate(row)}
+    packed: list[list[int | None]] = [[None] * n_local for _ in range(ep)]
+    rank_load = [0.0] * ep
+    for e in sorted(column, key=lambda e: (-load[e], e)):
+        free = [r for r in range(ep) if packed[r][column[e]] is None]
+        r = min(free, key=lambda r: (rank_load[r], r))
+        packed[r][column[e]] = e
+        rank_load[r] += load[e]
+    return packed
+
+
+def _with_copies(load: list[float], ep: int, extra: int, owned: list[list[int]] | None) -> Placement:
+    """Steps 1-2 of `plan_placement` for fixed owners; no copies if they do not help."""
+    placement = Placement(len(load), ep, extra, owned)
     for _ in range(ep * extra):
         options = [(e, r) for r in range(ep) if -1 in placement.expert[r] for e in range(len(load)) if e not in placement.expert[r]]
         if not options:
@@ -154,7 +196,7 @@ def plan_placement(load: list[float], ep: int, extra: int) -> Placement:
         for e in range(len(load)):
             if len(placement.replicas(e)) > 1:
                 _level(placement, e, load)
-    owners = Placement(len(load), ep, extra)
+    owners = Placement(len(load), ep, extra, owned)
     return placement if max(placement.rank_loads(load)) < max(owners.rank_loads(load)) else owners
 
 
@@ -398,7 +440,7 @@ class ExpertParallelMoE:
         ex = self.moe.experts
         flat = torch.cat([ex.w1.flatten(1), ex.w3.flatten(1), ex.w2.flatten(1)], 1)  # [n_local, 3*dim*hidden]
         wanted = [[e for e in p.expert[r][p.n_local:] if e >= 0] for r in range(p.ep)]  # per rank, slot order
-        rows = [e - me * p.n_local for r in range(p.ep) for e in wanted[r] if p.owner(e) == me]
+        rows = [p.home[e][1] for r in range(p.ep) for e in wanted[r] if p.owner(e) == me]  # my slots of those experts
         in_splits = [sum(p.owner(e) == me for e in wanted[r]) for r in range(p.ep)]
         out_splits = [sum(p.owner(e) == s for e in wanted[me]) for s in range(p.ep)]
         recv = comm.all_to_all(flat[rows], self.ep, out_splits, in_splits)  # [copies here, 3*dim*hidden] by owner
@@ -414,6 +456,83 @@ class ExpertParallelMoE:
             w1, w3, w2 = recv[row_of[e]].split([dim * hidden, dim * hidden, hidden * dim])
             out.append((w1.view(dim, hidden), w3.view(dim, hidden), w2.view(hidden, dim)))
         return out
+
+
+# ---------------------------------------------------------------- moving experts between ranks (EPLB)
+
+
+def move_experts(rt: ExpertParallelMoE, new: Placement, optimizer: torch.optim.Optimizer, sync) -> int:
+    """Send each owned expert whose rank changes -- every tensor holding its slot: parameter
+    rows, ZeRO master shard, Adam moments -- to its new owner. An expert keeps its slot index,
+    so the ranks of an ep group (which share one data-parallel layout) exchange equal blocks.
+    Returns the elements this rank sent to others."""
+    old, me, ep = rt.placement.owned(), rt.ep.rank, rt.ep.size
+    dest = [next(r for r in range(ep) if new.expert[r][j] == old[me][j]) for j in range(rt.placement.n_local)]
+    src = [next(r for r in range(ep) if old[r][j] == new.expert[me][j]) for j in range(rt.placement.n_local)]
+    views = [slot_views(rt.moe, j, optimizer, sync) for j in range(rt.placement.n_local)]
+    blocks = [torch.cat([v.reshape(-1) for v in vs]) for vs in views]  # [elements of slot j]
+    order = sorted(range(len(blocks)), key=lambda j: (dest[j], j))  # by destination, then slot
+    in_splits = [sum(blocks[j].numel() for j in order if dest[j] == r) for r in range(ep)]
+    out_splits = [sum(blocks[j].numel() for j in range(len(blocks)) if src[j] == r) for r in range(ep)]
+    recv = comm.all_to_all_single(torch.cat([blocks[j] for j in order]), rt.ep, out_splits, in_splits)
+    incoming = sorted(range(len(blocks)), key=lambda j: (src[j], j))  # each source sends its blocks in slot order
+    for j, block in zip(incoming, torch.split(recv, [blocks[j].numel() for j in incoming])):
+        offset = 0
+        for v in views[j]:
+            v.copy_(block[offset : offset + v.numel()].view_as(v))
+            offset += v.numel()
+    return sum(in_splits) - in_splits[me]
+
+
+def slot_views(moe: MoE, j: int, optimizer: torch.optim.Optimizer, sync) -> list[torch.Tensor]:
+    """Every tensor on this rank that holds local expert slot `j` of `moe`: the parameters' rows
+    (unless ZeRO-3 freed them), the ZeRO master shard's part of them (unless it is a view of the
+    parameters), and the Adam moments of whatever the optimizer updates for them."""
+    params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
+    views = []
+    with torch.no_grad():
+        for p in params:
+            if p.untyped_storage().nbytes() > 0:
+                views.append(p.data[j])
+            views += _moments(optimizer, p, 0, None, lambda t: t[j])
+        for shard in (sh for s in getattr(sync, "syncs", [sync]) for sh in getattr(s, "shards", [])):
+            views += _shard_views(shard, params, j, optimizer)
+    return views
+
+
+def _shard_views(shard, params: list[nn.Parameter], j: int, optimizer) -> list[torch.Tensor]:
+    """Slot j's part of this rank's slice of a ZeRO flat buffer: master weights and moments."""
+    views, offset = [], 0
+    aliased = shard.full is not None and shard.full.untyped_storage().data_ptr() == shard.local.untyped_storage().data_ptr()
+    for q, shape in zip(shard.params, shard.shapes):
+        if any(q is p for p in params):
+            row = shape[1:].numel()
+            lo, hi = max(offset + j * row, shard.lo) - shard.lo, min(offset + (j + 1) * row, shard.lo + shard.size) - shard.lo
+            if hi > lo:
+                views += [] if aliased else [shard.local[lo:hi]]
+                for t in (t for g in optimizer.param_groups for t in g["params"]):
+                    if t.untyped_storage().data_ptr() == shard.local.untyped_storage().data_ptr():
+                        start = t.storage_offset() - shard.local.storage_offset()
+                        views += _moments(optimizer, t, start, (lo, hi), None)
+        offset += shape.numel()
+    return views
+
+
+def _moments(optimizer, t: torch.Tensor, start: int, span: tuple[int, int] | None, pick) -> list[torch.Tensor]:
+    """The optimizer's per-element state of `t` (Adam's moments): `pick(state)`, or the part of
+    it inside `span` (local coordinates; `t` starts at `start`)."""
+    state = optimizer.state.get(t, {})
+    out = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in state:
+            continue
+        if span is None:
+            out.append(pick(state[key]))
+            continue
+        lo, hi = max(span[0], start), min(span[1], start + t.numel())
+        if hi > lo:
+            out.append(state[key][lo - start : hi - start])
+    return out
 
 
 # ---------------------------------------------------------------- installing, and the step's bookkeeping
@@ -459,6 +578,7 @@ class ExpertBalancer:
         self.n_experts, self.device = n_experts, device
         self.slot_shape = (ep, n_experts // ep + options.eplb_slots)
         self.history = {i: deque(maxlen=options.eplb_window) for i in runtimes}
+        self.pending: dict[int, Placement] = {}  # placements that move experts, applied after the optimizer step
 
     def end_step(self, step: int) -> dict:
         """Reduce the step's statistics, update biases and placements; return the metrics."""
@@ -476,7 +596,8 @@ class ExpertBalancer:
         self._balance(step, rows, e)
         metrics = self._metrics(rows, e, slot_shape)
         metrics["local"] = {i: {"sent": st.sent.tolist(), "received": st.received.tolist(), "copies_sent": st.copies[0].item(),
-                                "copies_received": st.copies[1].item(), "first_forward_rows": first}
+                                "copies_received": st.copies[1].item(), "first_forward_rows": first,
+                                "moved_elements": 0}  # set by the trainer after `apply_moves`
                             for i, (st, first) in taken.items()}
         return metrics
 
@@ -487,15 +608,32 @@ class ExpertBalancer:
             if self.options.bias_update_rate > 0:  # auxiliary-loss-free: overloaded experts get less bias
                 step_sign = torch.sign(selected.mean() - selected).to(rt.moe.expert_bias.device)
                 rt.moe.expert_bias += self.options.bias_update_rate * step_sign
-            if self.options.eplb_slots > 0:
+            if self.options.eplb:
                 self.history[i].append(kept)
                 if step % self.options.eplb_interval == 0:
                     load = torch.stack(list(self.history[i])).sum(0).tolist()
-                    rt.set_placement(plan_placement(load, rt.ep.size, self.options.eplb_slots))
+                    new = plan_placement(load, rt.ep.size, self.options.eplb_slots, rt.placement, self.options.eplb_move)
+                    if new.owned() == rt.placement.owned():
+                        rt.set_placement(new)
+                    else:  # experts change ranks: after the optimizer step (`apply_moves`)
+                        self.pending[i] = new
+
+    def apply_moves(self, optimizer: torch.optim.Optimizer, sync) -> dict[int, int]:
+        """Move the experts whose owner changed -- weights, master shards and optimizer state --
+        to their new ranks (one all-to-all per layer over ep), then use the new placement.
+        Called after the optimizer step, when gradients are spent. Returns, per layer, the
+        elements this rank sent."""
+        moved = {}
+        for i, new in sorted(self.pending.items()):
+            moved[i] = move_experts(self.runtimes[i], new, optimizer, sync)
+            self.runtimes[i].set_placement(new)
+        self.pending.clear()
+        return moved
 
     def _metrics(self, rows: torch.Tensor, e: int, slot_shape: tuple[int, int]) -> dict:
-        """Per layer: expert loads, max/mean expert load, max/mean rank load (and what the
-        owners alone would have had); over all: dropped fraction, auxiliary loss."""
+        """Per layer: expert loads, max/mean expert load, max/mean rank load (and what it would
+        have been without EPLB: expert e on rank e // (E/ep), no copies); over all: dropped
+        fraction, auxiliary loss."""
         out: dict = {"layers": {}}
         selected_all = kept_all = 0.0
         for n, layer in enumerate(self.layer_ids):
@@ -503,12 +641,12 @@ class ExpertBalancer:
             selected, kept, aux = row[:e], row[e : 2 * e], float(row[2 * e])
             slot_rows = row[2 * e + 1 :].view(slot_shape)
             rank_rows = slot_rows.sum(1)
-            owners = kept.view(slot_shape[0], -1).sum(1)  # ranks' loads with each expert on its owner only
+            owners = kept.view(slot_shape[0], -1).sum(1)  # ranks' loads without EPLB (the initial placement)
             out["layers"][layer] = {
                 "load": [int(v) for v in selected.tolist()],
                 "max_mean": float(selected.max() / selected.mean()) if selected.sum() > 0 else 1.0,
                 "rank_max_mean": float(rank_rows.max() / rank_rows.mean()) if rank_rows.sum() > 0 else 1.0,
-                "rank_max_mean_owners": float(owners.max() / owners.mean()) if owners.sum() > 0 else 1.0,
+                "rank_max_mean_no_eplb": float(owners.max() / owners.mean()) if owners.sum() > 0 else 1.0,
                 "aux_loss": aux,
             }
             selected_all += float(selected.sum())
@@ -516,7 +654,7 @@ class ExpertBalancer:
         layers = out["layers"].values()
         out["max_mean"] = sum(v["max_mean"] for v in layers) / max(len(layers), 1)
         out["rank_max_mean"] = sum(v["rank_max_mean"] for v in layers) / max(len(layers), 1)
-        out["rank_max_mean_owners"] = sum(v["rank_max_mean_owners"] for v in layers) / max(len(layers), 1)
+        out["rank_max_mean_no_eplb"] = sum(v["rank_max_mean_no_eplb"] for v in layers) / max(len(layers), 1)
         out["dropped"] = 1.0 - kept_all / selected_all if selected_all else 0.0
         out["aux_loss"] = sum(v["aux_loss"] for v in layers)
         return out

@@ -134,7 +134,8 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
     dispatch all-to-all of the rows sent to other ranks, forward; their gradients come back
     combine  all-to-all of the rows received from other ranks, forward; gradients back
              -> 2 x (sent + received to/from other ranks) x dim x 4 B over the step
-    EPLB     copies of expert weights sent (forward) and their gradients returned (backward)
+    EPLB     copies of expert weights sent (forward) and their gradients returned (backward);
+             experts moved to other ranks after the optimizer step (weights and Adam moments)
     per step: all-reduce of the load statistics (2E + 1 + ep x slots per MoE layer, fp32)
     over dp x cp (x tp) and pp, and the clip norm over ep (without ZeRO)."""
     dims, train, moe = cfg.parallel, cfg.train, cfg.moe
@@ -149,6 +150,7 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
         for i in layers:
             sent, received, copies_out, copies_in = _routing_of(args, cfg, routing, i)
             volume += 2 * (sent + received) * args.dim * FP32 + (copies_out + copies_in) * expert_bytes
+            volume += _moved_elements(routing, i) * FP32
     stats_n = dims.dp * dims.cp * dims.tp
     per_layer = 2 * e + 1 + ep * slots
     volume += FP32 * args.n_moe_layers * per_layer * (ring_factor("all_reduce", stats_n) + ring_factor("all_reduce", dims.pp))
@@ -170,6 +172,14 @@ def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, flo
     tokens = train.global_batch // dims.dp * train.seq_len // dims.tp  # per step, this rank's tokens
     rows = tokens * args.top_k * (dims.ep - 1) / dims.ep
     return rows, rows, 0.0, 0.0
+
+
+def _moved_elements(routing: dict | None, layer: int) -> float:
+    """Elements rank 0 sent to move experts of `layer` (EPLB re-placement; measured, not predictable)."""
+    if routing is None:
+        return 0.0
+    local = routing[layer] if layer in routing else routing[str(layer)]
+    return local.get("moved_elements", 0)
 
 
 def rank_layer_ids(args, cfg, pp_rank: int = 0) -> set[int]:

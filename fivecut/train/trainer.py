@@ -173,13 +173,17 @@ def balance_experts(ctx: Context, step: int) -> dict | None:
         return ctx.par.experts.end_step(step)
 
 
-def optimizer_step(ctx: Context, step: int) -> float:
+def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> float:
+    """Clip, step, gather ZeRO shards; then EPLB moves experts (their elements sent go to `moe`)."""
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
         norm = clip_gradients(ctx.par.pieces, t.grad_clip, ctx.par.norm_groups, ctx.mesh.dims.tp)
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
         ctx.optimizer.step()
         ctx.par.sync.after_step()
+        if ctx.par.experts is not None:
+            for layer, elements in ctx.par.experts.apply_moves(ctx.optimizer, ctx.par.sync).items():
+                moe["local"][layer]["moved_elements"] = elements
     return norm
 
 
@@ -221,7 +225,7 @@ def train(cfg: Config, quiet: bool = False, measure_activations: bool = False) -
         ctx.par.sync.zero_grad()
         local = forward_backward(ctx, step, result.activations if measure_activations and step == 1 else None)
         moe = balance_experts(ctx, step)
-        norm = optimizer_step(ctx, step)
+        norm = optimizer_step(ctx, step, moe)
         loss = global_mean(ctx, local)
         elapsed = time.perf_counter() - started
         result.losses.append(loss)
@@ -320,8 +324,8 @@ def moe_summary(moe: dict | None) -> str:
         return ""
     per_layer = " ".join(f"L{layer}:{v['max_mean']:.2f}" for layer, v in moe["layers"].items())
     text = f"  experts max/mean {moe['max_mean']:.2f} ({per_layer})  ranks max/mean {moe['rank_max_mean']:.2f}"
-    if moe["rank_max_mean"] != moe["rank_max_mean_owners"]:
-        text += f" (owners only {moe['rank_max_mean_owners']:.2f})"
+    if moe["rank_max_mean"] != moe["rank_max_mean_no_eplb"]:
+        text += f" (without EPLB {moe['rank_max_mean_no_eplb']:.2f})"
     if moe["dropped"]:
         text += f"  dropped {100 * moe['dropped']:.2f}%"
     if moe["aux_loss"]:
