@@ -293,6 +293,7 @@ class ExpertParallelMoE:
         self.set_placement(Placement(self.n_experts, ep.size, options.eplb_slots))
         self.stats = self._zero_stats()
         self.first_rows: tuple[int, int] | None = None  # (sent, received) rows of the step's first forward
+        self.recording = False  # whether the current forward is a training one (its loads are counted)
 
     def set_placement(self, placement: Placement) -> None:
         self.placement = placement
