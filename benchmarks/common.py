@@ -13,19 +13,29 @@ taken inside each repeat before taking the median over repeats:
 Step times are measured on every rank between a barrier before the step and the end of
 the step; a step's time is the slowest rank's (one all-reduce MAX per block, outside the
 timed region). Outside `torch.distributed` (no process group) the barrier is skipped.
+
+The set-up every benchmark shares lives here too: its common options (`benchmark_parser`,
+`add_common_arguments`, `parse_options`), its launch (`run`), the AdamW settings of both sides
+(`ADAMW`), the random-token batch (`token_batch`), the gradient check (`check_gradients`), the
+two-candidate timing loop with progress lines (`interleave_pair`) and the timing table's cells
+(`timing_cells`, `ratio_cells`).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from fivecut.launch import spawn
 
 # ---------------------------------------------------------------- timing inside a rank
 
@@ -60,17 +70,45 @@ def time_steps(step: Callable[[], object], steps: int, warmup: int = 2, group=No
 
 
 def interleave(
-    candidates: dict[str, Callable[[], object]], steps: int, repeats: int, warmup: int = 2, group=None
+    candidates: dict[str, Callable[[], object]],
+    steps: int,
+    repeats: int,
+    warmup: int = 2,
+    group=None,
+    on_repeat: Callable[[int, list[str], dict[str, list[list[float]]]], object] | None = None,
 ) -> dict[str, list[list[float]]]:
-    """Time every candidate `repeats` times, rotating which one goes first each repeat.
+    """Time every candidate `repeats` times, rotating which one goes first each repeat, and call
+    `on_repeat(r, order, runs)` after repeat r if given.
     Returns {name: [per-step seconds of repeat 0, of repeat 1, ...]}."""
     names = list(candidates)
     runs: dict[str, list[list[float]]] = {name: [] for name in names}
     for r in range(repeats):
         shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in order:
             runs[name].append(time_steps(candidates[name], steps, warmup, group))
+        if on_repeat is not None:
+            on_repeat(r, order, runs)
     return runs
+
+
+def interleave_pair(candidates: dict[str, Callable[[], object]], opts: dict, prefix: str = "") -> dict[str, list[list[float]]]:
+    """`interleave` fivecut's and torch's step (in that order) over opts' repeats; rank 0 prints each repeat."""
+    ours, theirs = list(candidates)
+    started = time.perf_counter()
+
+    def progress(r: int, order: list[str], runs: dict[str, list[list[float]]]) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        a, b = median(runs[ours][-1]), median(runs[theirs][-1])
+        print(
+            f"  {prefix}repeat {r + 1}/{opts['repeats']} ({' then '.join(order)}): "
+            f"fivecut {format_seconds(a)}, torch {format_seconds(b)}, "
+            f"ratio {format_ratio(a / b)}  [{time.perf_counter() - started:.0f} s]",
+            flush=True,
+        )
+
+    return interleave(candidates, opts["steps"], opts["repeats"], opts["warmup"], on_repeat=progress)
 
 
 # ---------------------------------------------------------------- statistics
@@ -126,6 +164,29 @@ def format_rate(x: float, unit: str = "tok/s") -> str:
     return f"{x:,.0f} {unit}"
 
 
+TIMING_COLUMNS = ["median step", "fastest step", "repeat medians (min .. max)"]  # of `timing_cells`
+
+
+def timing_cells(runs: list[list[float]], tokens: int, unit: str | None = "tok/s") -> list[str]:
+    """A candidate's median and fastest step, its repeats' medians (min .. max), and tokens/s at its median."""
+    steps, medians = all_steps(runs), [median(run) for run in runs]
+    rate = tokens / median(steps)
+    return [
+        format_seconds(median(steps)),
+        format_seconds(min(steps)),
+        f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
+        format_rate(rate, unit) if unit else f"{rate:,.0f}",
+    ]
+
+
+def ratio_cells(runs: dict[str, list[list[float]]], a: str, b: str) -> list[str]:
+    """a / b: the median of per-repeat ratios, the ratio of fastest steps, and the per-repeat min .. max."""
+    cmp = compare(runs, a, b)
+    lo, hi = cmp.spread
+    fastest = min(all_steps(runs[a])) / min(all_steps(runs[b]))
+    return [format_ratio(cmp.ratio), format_ratio(fastest), f"{format_ratio(lo)} .. {format_ratio(hi)}"]
+
+
 def markdown_row(cells: Sequence[object]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -148,6 +209,71 @@ def machine() -> str:
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {platform.system()}, "
         f"torch {torch.__version__}, python {platform.python_version()}, load average {load_average()}"
     )
+
+
+# ---------------------------------------------------------------- set-up shared by the benchmarks
+
+ADAMW = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)  # both sides' AdamW, every benchmark
+MODEL_HELP = "fivecut preset: tiny (default), tiny-gpt2, small, ..."
+
+
+def benchmark_parser(doc: str, model_help: str = MODEL_HELP) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of `doc`, with --model (a fivecut preset, default tiny)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help=model_help)
+    return parser
+
+
+def add_common_arguments(
+    parser: argparse.ArgumentParser, *, steps: int, repeats: int = 5, batch_help: str = "sequences per rank"
+) -> None:
+    """Add --steps, --repeats, --warmup (how long each candidate is timed) and --batch, --seq (its batch)."""
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per candidate per repeat")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
+    parser.add_argument("--batch", type=int, default=8, help=batch_help)
+    parser.add_argument("--seq", type=int, default=128)
+
+
+def parse_options(parser: argparse.ArgumentParser, argv=None) -> dict:
+    """Add --timeout (every benchmark's last option) and parse `argv` into a dict of options."""
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
+    return vars(parser.parse_args(argv))
+
+
+def run(name: str, rank_main: Callable[[dict], object], report: Callable[..., str], opts: dict, world: int) -> None:
+    """Print the command line, run `rank_main(opts)` on `world` spawned ranks, print `report` of their results."""
+    print(f"{name} {' '.join(sys.argv[1:])}".rstrip(), flush=True)
+    before = machine()
+    started = time.perf_counter()
+    results = spawn(rank_main, world, opts, timeout_s=opts["timeout"])
+    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+
+
+def token_batch(vocab_size: int, batch: int, seq: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens drawn from `seed`: inputs [batch, seq] and their next-token targets [batch, seq]."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def max_rel_diff(xs, ys) -> float:
+    """Largest |x - y| / max|y| over pairs of tensors (0 when identical)."""
+    worst = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        scale = y.abs().max().item() or 1.0
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
+def check_gradients(params_a, params_b, rtol: float) -> tuple[float, bool]:
+    """fivecut's (a) and torch's (b) gradients: max_rel_diff and whether bitwise equal; raises above `rtol`."""
+    grad_diff = max_rel_diff([p.grad for p in params_a], [p.grad for p in params_b])
+    grad_bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(params_a, params_b))
+    if grad_diff > rtol:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise AssertionError(f"rank {rank}: fivecut and torch gradients differ by {grad_diff:.3g} (> {rtol})")
+    return grad_diff, grad_bitwise
 
 
 # ---------------------------------------------------------------- memory inside a rank (CPU)

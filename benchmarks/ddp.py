@@ -26,9 +26,7 @@ line printed is `ratio=<fivecut/torch>`.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,25 +36,29 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    all_steps,
+    ADAMW,
+    TIMING_COLUMNS,
+    add_common_arguments,
+    benchmark_parser,
+    check_gradients,
     compare,
-    format_rate,
     format_ratio,
-    format_seconds,
-    interleave,
+    interleave_pair,
     load_average,
-    machine,
     markdown_table,
-    median,
+    max_rel_diff,
+    parse_options,
+    ratio_cells,
+    run,
+    timing_cells,
+    token_batch,
 )
-from fivecut.launch import spawn  # noqa: E402
 from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import DataParallel  # noqa: E402
 from fivecut.parallel.parallelize import token_loss_sum  # noqa: E402
 
 FIVECUT, TORCH = "fivecut DataParallel", "torch DDP"
-ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 GRAD_RTOL = 1e-6  # gradients must agree to this, relative to each tensor's largest entry
 
 
@@ -104,15 +106,6 @@ def build_sides(opts: dict, world: int):
     return args, mesh, dp, ddp, fivecut, torch_side
 
 
-def max_rel_diff(xs, ys) -> float:
-    """Largest |x - y| / max|y| over pairs of tensors (0 when identical)."""
-    worst = 0.0
-    for x, y in zip(xs, ys, strict=True):
-        scale = y.abs().max().item() or 1.0
-        worst = max(worst, (x - y).abs().max().item() / scale)
-    return worst
-
-
 def torch_bucket_bytes(ddp) -> list[int]:
     """Sizes of torch's buckets as rebuilt after the first step (private API; empty if it moved)."""
     try:
@@ -125,40 +118,22 @@ def rank_main(opts: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     args, mesh, dp, ddp, fivecut, torch_side = build_sides(opts, world)
     batch, seq = opts["batch"], opts["seq"]
-    gen = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # [b, s] each
+    inputs, targets = token_batch(args.vocab_size, batch, seq, seed=1234 + rank)  # [b, s] each
     global_tokens = world * batch * seq
 
     # Same work: one backward each, then every summed gradient must agree.
     loss_a = fivecut.forward_backward(inputs, targets, global_tokens)
     loss_b = torch_side.forward_backward(inputs, targets, global_tokens) / world
     params_a, params_b = list(fivecut.model.parameters()), list(torch_side.model.parameters())
-    grad_diff = max_rel_diff([p.grad for p in params_a], [p.grad for p in params_b])
-    grad_bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(params_a, params_b))
-    if grad_diff > GRAD_RTOL:
-        raise AssertionError(f"rank {rank}: fivecut and torch gradients differ by {grad_diff:.3g} (> {GRAD_RTOL})")
+    grad_diff, grad_bitwise = check_gradients(params_a, params_b, GRAD_RTOL)
     fivecut.optimizer.step()
     torch_side.optimizer.step()
 
-    step_a = lambda: fivecut.step(inputs, targets, global_tokens)  # noqa: E731
-    step_b = lambda: torch_side.step(inputs, targets, global_tokens)  # noqa: E731
-    started = time.perf_counter()
-    runs = {FIVECUT: [], TORCH: []}
-    for r in range(opts["repeats"]):
-        # one repeat at a time so that rank 0 can report progress; interleave() alternates the order
-        order = {FIVECUT: step_a, TORCH: step_b} if r % 2 == 0 else {TORCH: step_b, FIVECUT: step_a}
-        one = interleave(order, opts["steps"], repeats=1, warmup=opts["warmup"])
-        for name in one:
-            runs[name] += one[name]
-        if rank == 0:
-            ratio = median(runs[FIVECUT][-1]) / median(runs[TORCH][-1])
-            print(
-                f"  repeat {r + 1}/{opts['repeats']} ({' then '.join(order)}): "
-                f"fivecut {format_seconds(median(runs[FIVECUT][-1]))}, torch {format_seconds(median(runs[TORCH][-1]))}, "
-                f"ratio {format_ratio(ratio)}  [{time.perf_counter() - started:.0f} s]",
-                flush=True,
-            )
+    steps = {
+        FIVECUT: lambda: fivecut.step(inputs, targets, global_tokens),
+        TORCH: lambda: torch_side.step(inputs, targets, global_tokens),
+    }
+    runs = interleave_pair(steps, opts)  # the order alternates; rank 0 reports each repeat
     param_diff = max_rel_diff(params_a, params_b)  # same trajectory after every step taken
     return dict(
         runs=runs,
@@ -178,24 +153,9 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     runs = r0["runs"]  # step times are already the slowest rank's
     cmp = compare(runs, FIVECUT, TORCH)
     tokens = opts["world"] * opts["batch"] * opts["seq"]
-    rows = []
-    for name in (FIVECUT, TORCH):
-        medians = [median(run) for run in runs[name]]
-        rows.append(
-            [
-                name,
-                format_seconds(median(all_steps(runs[name]))),
-                format_seconds(min(all_steps(runs[name]))),
-                f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
-                format_rate(tokens / median(all_steps(runs[name]))),
-            ]
-        )
-    lo, hi = cmp.spread
-    fastest = min(all_steps(runs[FIVECUT])) / min(all_steps(runs[TORCH]))
-    rows.append(
-        ["ratio fivecut / torch", format_ratio(cmp.ratio), format_ratio(fastest), f"{format_ratio(lo)} .. {format_ratio(hi)}", ""]
-    )
-    header = ["", "median step", "fastest step", "repeat medians (min .. max)", "tokens/s (global, at median)"]
+    rows = [[name, *timing_cells(runs[name], tokens)] for name in (FIVECUT, TORCH)]
+    rows.append(["ratio fivecut / torch", *ratio_cells(runs, FIVECUT, TORCH), ""])
+    header = ["", *TIMING_COLUMNS, "tokens/s (global, at median)"]
     table = markdown_table(header, rows)
     worst_grad = max(r["grad_diff"] for r in results)
     worst_param = max(r["param_diff"] for r in results)
@@ -222,30 +182,20 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
 
 
 def parse(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="fivecut preset: tiny (default), tiny-gpt2, small, ...")
+    p = benchmark_parser(__doc__)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per candidate per repeat")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=128)
+    add_common_arguments(p, steps=20)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument(
         "--torch-set-to-none", action="store_true",
         help="zero torch's gradients with set_to_none=True (its default) instead of zeroing the bucket views",
     )
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
-    return vars(p.parse_args(argv))
+    return parse_options(p, argv)
 
 
 def main(argv=None) -> None:
     opts = parse(argv)
-    print(f"benchmarks/ddp.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
-    before = machine()
-    started = time.perf_counter()
-    results = spawn(rank_main, opts["world"], opts, timeout_s=opts["timeout"])
-    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+    run("benchmarks/ddp.py", rank_main, report, opts, world=opts["world"])
 
 
 if __name__ == "__main__":

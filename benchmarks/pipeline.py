@@ -82,7 +82,6 @@ schedule's before timing.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import statistics
@@ -98,19 +97,26 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E4
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    all_steps,
+    ADAMW,
+    TIMING_COLUMNS,
+    add_common_arguments,
     barrier,
+    benchmark_parser,
+    check_gradients,
     compare,
     format_ratio,
-    format_seconds,
-    interleave,
+    interleave_pair,
     load_average,
-    machine,
     markdown_table,
+    max_rel_diff,
     median,
+    parse_options,
+    ratio_cells,
+    run,
+    timing_cells,
+    token_batch,
 )
 from fivecut.config import TrainConfig  # noqa: E402
-from fivecut.launch import spawn  # noqa: E402
 from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
@@ -122,7 +128,6 @@ from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa:
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
 FIVECUT, TORCH = "fivecut 1F1B", "torch Schedule1F1B"
-ADAMW = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 GRAD_RTOL = 1e-5  # gradients must agree to this, relative to each tensor's largest entry
 PP = 2
 
@@ -262,19 +267,8 @@ class Torch:
         self.optimizer.step()
 
 
-def max_rel_diff(xs, ys) -> float:
-    """Largest |x - y| / max|y| over pairs of tensors (0 when identical)."""
-    worst = 0.0
-    for x, y in zip(xs, ys, strict=True):
-        scale = y.abs().max().item() or 1.0
-        worst = max(worst, (x - y).abs().max().item() / scale)
-    return worst
-
-
 def batch(args, opts: dict):
-    gen = torch.Generator().manual_seed(1234)  # the same batch on both ranks
-    tokens = torch.randint(0, args.vocab_size, (opts["batch"], opts["seq"] + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # [b, s] each
+    return token_batch(args.vocab_size, opts["batch"], opts["seq"])  # [b, s] each, the same on both ranks
 
 
 # ---------------------------------------------------------------- part 1
@@ -292,10 +286,7 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
     if [n for n, _ in named_a] != [n for n, _ in named_b]:
         raise AssertionError(f"rank {rank}: the two stages hold different parameters: {named_a} vs {named_b}")
     params_a, params_b = [p for _, p in named_a], [p for _, p in named_b]
-    grad_diff = max_rel_diff([p.grad for p in params_a], [p.grad for p in params_b])
-    grad_bitwise = all(torch.equal(a.grad, b.grad) for a, b in zip(params_a, params_b))
-    if grad_diff > GRAD_RTOL:
-        raise AssertionError(f"rank {rank}: fivecut and torch gradients differ by {grad_diff:.3g} (> {GRAD_RTOL})")
+    grad_diff, grad_bitwise = check_gradients(params_a, params_b, GRAD_RTOL)
     if rank == PP - 1 and abs(loss_a - loss_b) > GRAD_RTOL * abs(loss_b):
         raise AssertionError(f"losses differ: fivecut {loss_a} vs torch {loss_b}")
     ours.optimizer.step()
@@ -310,23 +301,11 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
             cpu[name].append((time.thread_time() - thread, time.process_time() - process))
         return timed
 
-    step_a = with_cpu(FIVECUT, lambda: ours.step(micro))
-    step_b = with_cpu(TORCH, lambda: theirs.step(inputs, targets))
-    started = time.perf_counter()
-    runs = {FIVECUT: [], TORCH: []}
-    for r in range(opts["repeats"]):
-        order = {FIVECUT: step_a, TORCH: step_b} if r % 2 == 0 else {TORCH: step_b, FIVECUT: step_a}
-        one = interleave(order, opts["steps"], repeats=1, warmup=opts["warmup"])
-        for name in one:
-            runs[name] += one[name]
-        if rank == 0:
-            print(
-                f"  m={m} repeat {r + 1}/{opts['repeats']} ({' then '.join(order)}): "
-                f"fivecut {format_seconds(median(runs[FIVECUT][-1]))}, torch {format_seconds(median(runs[TORCH][-1]))}, "
-                f"ratio {format_ratio(median(runs[FIVECUT][-1]) / median(runs[TORCH][-1]))}  "
-                f"[{time.perf_counter() - started:.0f} s]",
-                flush=True,
-            )
+    steps = {
+        FIVECUT: with_cpu(FIVECUT, lambda: ours.step(micro)),
+        TORCH: with_cpu(TORCH, lambda: theirs.step(inputs, targets)),
+    }
+    runs = interleave_pair(steps, opts, prefix=f"m={m} ")
     return dict(
         m=m,
         runs=runs,
@@ -518,21 +497,9 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
     runs, m = r0["runs"], r0["m"]
     cmp = compare(runs, FIVECUT, TORCH)
     tokens = opts["batch"] * opts["seq"]
-    rows = []
-    for name in (FIVECUT, TORCH):
-        medians = [median(run) for run in runs[name]]
-        rows.append([
-            name,
-            format_seconds(median(all_steps(runs[name]))),
-            format_seconds(min(all_steps(runs[name]))),
-            f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
-            f"{tokens / median(all_steps(runs[name])):,.0f} tok/s",
-        ])
-    lo, hi = cmp.spread
-    fastest = min(all_steps(runs[FIVECUT])) / min(all_steps(runs[TORCH]))
-    rows.append(["ratio fivecut / torch", format_ratio(cmp.ratio), format_ratio(fastest),
-                 f"{format_ratio(lo)} .. {format_ratio(hi)}", ""])
-    header = ["", "median step", "fastest step", "repeat medians (min .. max)", "tokens/s (at median)"]
+    rows = [[name, *timing_cells(runs[name], tokens)] for name in (FIVECUT, TORCH)]
+    rows.append(["ratio fivecut / torch", *ratio_cells(runs, FIVECUT, TORCH), ""])
+    header = ["", *TIMING_COLUMNS, "tokens/s (at median)"]
     per_rank = [r["compare"][i] for r in results]
     bitwise = all(r["grad_bitwise"] for r in per_rank)
     worst_grad = max(r["grad_diff"] for r in per_rank)
@@ -662,14 +629,9 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
 
 
 def parse(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="fivecut preset; n_layers must divide by 4")
+    p = benchmark_parser(__doc__, model_help="fivecut preset; n_layers must divide by 4")
     p.add_argument("--microbatches", default="4,8", help="comma-separated microbatch counts for the 1F1B comparison")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per candidate per repeat")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (the same on both ranks)")
-    p.add_argument("--seq", type=int, default=128)
+    add_common_arguments(p, steps=10, repeats=7, batch_help="sequences per step (the same on both ranks)")
     p.add_argument("--schedules", default="gpipe,1f1b,zb1p,interleaved,dualpipev")
     p.add_argument("--bubble-microbatches", type=int, default=4)
     p.add_argument("--bubble-steps", type=int, default=10, help="timed steps per schedule per repeat (part 2)")
@@ -680,8 +642,7 @@ def parse(argv=None) -> dict:
     )
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip part 1 (fivecut vs torch)")
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
-    opts = vars(p.parse_args(argv))
+    opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
     opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
     if opts["patched_split"]:
@@ -699,11 +660,7 @@ def parse(argv=None) -> dict:
 
 def main(argv=None) -> None:
     opts = parse(argv)
-    print(f"benchmarks/pipeline.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
-    before = machine()
-    started = time.perf_counter()
-    results = spawn(rank_main, PP, opts, timeout_s=opts["timeout"])
-    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+    run("benchmarks/pipeline.py", rank_main, report, opts, world=PP)
 
 
 if __name__ == "__main__":

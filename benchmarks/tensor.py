@@ -51,7 +51,6 @@ ratios of median step times).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -76,19 +75,24 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 )
 
 from benchmarks.common import (  # noqa: E402
-    all_steps,
+    ADAMW,
+    TIMING_COLUMNS,
+    add_common_arguments,
+    benchmark_parser,
     compare,
-    format_rate,
     format_ratio,
     format_seconds,
     interleave,
     load_average,
-    machine,
     markdown_table,
     median,
+    parse_options,
+    ratio_cells,
+    run,
+    timing_cells,
+    token_batch,
 )
 from fivecut import comm  # noqa: E402
-from fivecut.launch import spawn  # noqa: E402
 from fivecut.ledger import ring_factor  # noqa: E402
 from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
@@ -97,7 +101,6 @@ from fivecut.parallel.parallelize import parallelize  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
 FIVECUT, DTENSOR = "fivecut", "DTensor"
-ADAMW = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 LOSS_RTOL = 1e-5  # losses before and after one and two optimizer steps must agree to this
 VARIANTS = {"tp": False, "tp_sp": True}  # name -> sequence parallel
 
@@ -368,9 +371,7 @@ def ablations(par) -> dict[str, Callable[[], object]]:
 def rank_main(opts: dict) -> dict:
     rank = dist.get_rank()
     args = get_preset(opts["model"])
-    gen = torch.Generator().manual_seed(1234)  # the same batch on every tp rank
-    tokens = torch.randint(0, args.vocab_size, (opts["batch"], opts["seq"] + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # [b, s] each
+    inputs, targets = token_batch(args.vocab_size, opts["batch"], opts["seq"])  # [b, s] each, the same on every tp rank
 
     variants = {}
     for name in opts["variants"]:
@@ -456,30 +457,13 @@ def variant_section(opts: dict, name: str, results: list[dict]) -> tuple[list[st
     worst = max(abs(a - b) / abs(b) for r in results for a, b in r[name]["losses"])
     rows = []
     for label in runs:
-        medians = [median(run) for run in runs[label]]
         fwd, bwd, opt = v["phases"][label]
-        rows.append(
-            [
-                label,
-                format_seconds(median(all_steps(runs[label]))),
-                format_seconds(min(all_steps(runs[label]))),
-                f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
-                format_rate(tokens / median(all_steps(runs[label]))),
-                f"{format_seconds(fwd)} / {format_seconds(bwd)} / {format_seconds(opt)}",
-            ]
-        )
+        rows.append([label, *timing_cells(runs[label], tokens), f"{format_seconds(fwd)} / {format_seconds(bwd)} / {format_seconds(opt)}"])
     pairs = [(label, DTENSOR) for label in runs if label != DTENSOR]
     pairs += [(label, FIVECUT) for label in list(runs)[2:]]  # ablations against fivecut as it is
     for a, b in pairs:
-        c = compare(runs, a, b)
-        lo, hi = c.spread
-        fastest = min(all_steps(runs[a])) / min(all_steps(runs[b]))
-        spread = f"{format_ratio(lo)} .. {format_ratio(hi)}"
-        rows.append([f"ratio {a} / {b}", format_ratio(c.ratio), format_ratio(fastest), spread, "", ""])
-    header = [
-        "", "median step", "fastest step", "repeat medians (min .. max)", "tokens/s (at median)",
-        "fwd+loss / bwd / optim (rank 0 medians)",
-    ]
+        rows.append([f"ratio {a} / {b}", *ratio_cells(runs, a, b), "", ""])
+    header = ["", *TIMING_COLUMNS, "tokens/s (at median)", "fwd+loss / bwd / optim (rank 0 medians)"]
     losses = ", ".join(f"{a:.6f} vs {b:.6f}" for a, b in v["losses"])
     fb = lambda label: sum(v["phases"][label][:2])  # noqa: E731
     lines = [
@@ -526,25 +510,19 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
 
 
 def parse(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="fivecut preset whose vocabulary, heads and kv heads divide by tp")
+    p = benchmark_parser(__doc__, model_help="fivecut preset whose vocabulary, heads and kv heads divide by tp")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (DTensor's plan needs tp | n_kv_heads)")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--sp", action="store_true", help="run only the sequence-parallel variant")
     only.add_argument("--no-sp", action="store_true", help="run only the variant without sequence parallelism")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per candidate per repeat")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
-    p.add_argument("--batch", type=int, default=8, help="sequences (the same on every tp rank)")
-    p.add_argument("--seq", type=int, default=128)
+    add_common_arguments(p, steps=10, batch_help="sequences (the same on every tp rank)")
     p.add_argument("--foreach", action="store_true", default=None, help="AdamW foreach=True on both sides (as on GPUs)")
     p.add_argument(
         "--ablate", action="store_true",
         help="also time fivecut SP without its backward re-gather, with one-copy comm, and with both",
     )
     p.add_argument("--profile", action="store_true", help="print the profiler's top operators of one step per side")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
-    opts = vars(p.parse_args(argv))
+    opts = parse_options(p, argv)
     opts["variants"] = ["tp_sp"] if opts["sp"] else ["tp"] if opts["no_sp"] else ["tp", "tp_sp"]
     args = get_preset(opts["model"])
     t = opts["tp"]
@@ -559,11 +537,7 @@ def parse(argv=None) -> dict:
 
 def main(argv=None) -> None:
     opts = parse(argv)
-    print(f"benchmarks/tensor.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
-    before = machine()
-    started = time.perf_counter()
-    results = spawn(rank_main, opts["tp"], opts, timeout_s=opts["timeout"])
-    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+    run("benchmarks/tensor.py", rank_main, report, opts, world=opts["tp"])
 
 
 if __name__ == "__main__":

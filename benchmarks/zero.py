@@ -60,7 +60,6 @@ activations dominate memory (`--only zero3 --steps 4 --repeats 4`: about 100 s).
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 import time
@@ -81,20 +80,25 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    all_steps,
+    ADAMW,
+    TIMING_COLUMNS,
+    add_common_arguments,
+    benchmark_parser,
     compare,
     format_bytes,
     format_ratio,
-    format_seconds,
     load_average,
-    machine,
     markdown_table,
     median,
+    parse_options,
     peak_rss_delta,
     profile_tensor_memory,
+    ratio_cells,
+    run,
     time_steps,
+    timing_cells,
+    token_batch,
 )
-from fivecut.launch import spawn  # noqa: E402
 from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import decays  # noqa: E402
@@ -112,7 +116,6 @@ COUNTERPART = {Z3: FSDP2, Z0: DDP, Z1: ZRO, Z2: ZRO}
 ORDER = [Z3, FSDP2, Z0, DDP, Z1, ZRO, Z2]  # table order
 # expected model-state bytes per rank (fp32 parameters and gradients, two fp32 Adam moments)
 FORMULA = {Z3: "16Ψ/n", FSDP2: "16Ψ/n", Z0: "16Ψ", DDP: "16Ψ", Z1: "8Ψ + 8Ψ/n", ZRO: "8Ψ + 8Ψ/n", Z2: "4Ψ + 12Ψ/n"}
-HYPER = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 LOSS_RTOL = 1e-5
 CHECK_STEPS = 3  # losses before the first update, after one step, after two steps
 
@@ -148,18 +151,18 @@ def adamw_groups(params: list[nn.Parameter]) -> list[dict]:
     """fivecut's build_optimizer split: weight decay on matrices only."""
     decay = [p for p in params if decays(p)]
     no_decay = [p for p in params if not decays(p)]
-    groups = [{"params": decay, "weight_decay": HYPER["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": ADAMW["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
-    return torch.optim.AdamW(adamw_groups(params), lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    return torch.optim.AdamW(adamw_groups(params), lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"])
 
 
 def build_fivecut(name: str, stage: int, args, world: int, bucket_mb: float) -> Candidate:
     mesh = Mesh(ParallelDims(dp=world, zero=stage, reshard_after_forward=True), "cpu")
     par = parallelize(build_model(args, seed=0), mesh, bucket_mb=bucket_mb)
-    optimizer = build_optimizer(par.pieces, **HYPER)
+    optimizer = build_optimizer(par.pieces, **ADAMW)
 
     def zero_grad():
         mesh.ledger.begin_step(0)  # keep the ledger to one step's records
@@ -204,7 +207,7 @@ def build_ddp(args, world: int, bucket_mb: float, zero_redundancy: bool) -> Cand
     params = list(model.parameters())
     if zero_redundancy:
         optimizer = ZeroRedundancyOptimizer(
-            adamw_groups(params), optimizer_class=torch.optim.AdamW, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"]
+            adamw_groups(params), optimizer_class=torch.optim.AdamW, lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"]
         )
         held = optimizer.optim  # the optimizer over the parameters this rank owns
     else:
@@ -304,9 +307,8 @@ def rank_main(opts: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     args = get_preset(opts["model"])
     candidates = build_all(args, world, opts["bucket_mb"], [n for key in opts["only"] for n in GROUPS[key]])
-    gen = torch.Generator().manual_seed(1234 + rank)
-    tokens = torch.randint(0, args.vocab_size, (opts["batch"], opts["seq"] + 1), generator=gen)
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), world * opts["batch"] * opts["seq"])  # [b, s] x2
+    inputs, targets = token_batch(args.vocab_size, opts["batch"], opts["seq"], seed=1234 + rank)  # [b, s] each
+    batch = (inputs, targets, world * opts["batch"] * opts["seq"])
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     losses = check_same_work(candidates, batch)
     runs = time_interleaved(candidates, batch, opts, rank)
@@ -341,21 +343,11 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     comparisons = {a: compare(runs, a, b) for a, b in pairs(names).items()}
     rows = []
     for name in names:
-        medians = [median(run) for run in runs[name]]
-        cmp = comparisons.get(name)
-        rows.append([
-            name,
-            format_seconds(median(all_steps(runs[name]))),
-            format_seconds(min(all_steps(runs[name]))),
-            f"{format_seconds(min(medians))} .. {format_seconds(max(medians))}",
-            f"{tokens / median(all_steps(runs[name])):,.0f}",
-            f"{format_ratio(cmp.ratio)} vs {SHORT[cmp.b]}" if cmp else "",
-            f"{format_ratio(cmp.spread[0])} .. {format_ratio(cmp.spread[1])}" if cmp else "",
-            format_ratio(min(all_steps(runs[name])) / min(all_steps(runs[cmp.b]))) if cmp else "",
-        ])
+        b = COUNTERPART[name] if name in comparisons else None
+        ratio, fastest, spread = ratio_cells(runs, name, b) if b else ("", "", "")
+        rows.append([name, *timing_cells(runs[name], tokens, unit=None), f"{ratio} vs {SHORT[b]}" if b else "", spread, fastest])
     timing = markdown_table(
-        ["", "median step", "fastest step", "repeat medians (min .. max)", "tok/s (global)",
-         "ratio (median of repeats)", "repeat ratios (min .. max)", "ratio of fastest steps"],
+        ["", *TIMING_COLUMNS, "tok/s (global)", "ratio (median of repeats)", "repeat ratios (min .. max)", "ratio of fastest steps"],
         rows,
     )
     mem_rows = []
@@ -401,14 +393,9 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
 
 
 def parse(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="fivecut preset: tiny (default), tiny-gpt2, small, ...")
+    p = benchmark_parser(__doc__)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per candidate per repeat")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=128)
+    add_common_arguments(p, steps=10)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP / ZeRO-1/2 bucket size (both sides)")
     p.add_argument(
         "--only", default=",".join(GROUPS), type=lambda s: s.split(","),
@@ -416,8 +403,7 @@ def parse(argv=None) -> dict:
     )
     p.add_argument("--profile", action="store_true", help="print rank 0's op table of one ZeRO-3 and one FSDP2 step")
     p.add_argument("--profile-rows", type=int, default=25)
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are declared stuck")
-    opts = vars(p.parse_args(argv))
+    opts = parse_options(p, argv)
     unknown = [key for key in opts["only"] if key not in GROUPS]
     if unknown:
         p.error(f"--only: unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
@@ -426,11 +412,7 @@ def parse(argv=None) -> dict:
 
 def main(argv=None) -> None:
     opts = parse(argv)
-    print(f"benchmarks/zero.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
-    before = machine()
-    started = time.perf_counter()
-    results = spawn(rank_main, opts["world"], opts, timeout_s=opts["timeout"])
-    print(report(opts, results, time.perf_counter() - started, before), flush=True)
+    run("benchmarks/zero.py", rank_main, report, opts, world=opts["world"])
 
 
 if __name__ == "__main__":
