@@ -208,7 +208,8 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     parts = [group_reduction_volume(cfg, module, params, sizes[name]) for name, params in params_of.items()]
     clip = ring_factor("all_reduce", n) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
     volume = sum(v for v, _ in parts) + clip
-    how = parts[0][1] if len(parts) == 1 else "; ".join(f"{name} ({sizes[name]} ranks): {how}" for name, (_, how) in zip(params_of, parts))
+    how = parts[0][1] if len(parts) == 1 else "; ".join(
+        f"{name} ({sizes[name]} rank{'s' if sizes[name] > 1 else ''}): {how}" for name, (_, how) in zip(params_of, parts))
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
