@@ -168,7 +168,7 @@ class Fivecut:
             self.par.loss_sum,
             hidden_shape=(opts["batch"] // m, opts["seq"], args.dim),
             positions=torch.arange(opts["seq"]),
-            forward_context=self.par.saved.forward,  # the trainer's context, less autocast (fp32)
+            forward_context=lambda microbatch: self.par.saved.forward(),  # the trainer's context, less autocast (fp32)
         )
         self.optimizer = build_optimizer(self.par.pieces, **ADAMW)
         self.m, self.denominator = m, opts["batch"] * opts["seq"]

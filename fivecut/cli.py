@@ -199,19 +199,20 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     from fivecut.train.memory import format_bytes
 
     args, dims, t = model_args(cfg.model), cfg.parallel, cfg.train
-    if not measured:
-        print("\nactivations: not measured under pipeline parallelism (stages keep microbatches in flight)")
+    rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
+    layer = max(measured, key=int)  # a stage's first layer also holds what all its layers share (RoPE tables)
+    if dims.pp > 1 and layer in first_layers_of_stages(args, cfg):
+        print(f"\nactivations: rank 0 holds only its stages' first layers ({layer}); they also keep what the stage shares")
         return
-    rows = t.global_batch // (dims.dp * t.accumulate)
-    last = measured[max(measured, key=int)]  # layer 0 also holds what all layers share (RoPE tables)
-    if args.is_moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
-        print(f"\nactivations saved for backward by the last layer (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
+    last, moe = measured[layer], args.moe_layer(int(layer))
+    if moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
+        print(f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
               f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss")
         return
-    predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp, moe_rows=moe_rows if args.is_moe else None)
-    if args.is_moe:
+    predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp, moe_rows=moe_rows if moe else None)
+    if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
-    print(f"\nactivations saved for backward per layer (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
+    print(f"\nactivations saved for backward by layer {layer} (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:
         without, single = (activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, sp) for sp in (False, True))
@@ -220,13 +221,20 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     print(f"activation_ratio={last / predicted:.3f}")
 
 
-def first_forward_rows(result, args) -> tuple[int, int] | None:
-    """(sent, received) rows of the last layer's dispatch in step 1's first forward (MoE models)."""
-    if not result.moe or not args.moe_layer(args.n_layers - 1):
+def first_forward_rows(result) -> tuple[int, int] | None:
+    """(sent, received) rows of the dispatch of the layer `print_activations` compares (the
+    highest on rank 0) in step 1's first forward (MoE models)."""
+    if not result.moe or not result.activations:
         return None
-    local = result.moe[0]["local"]
-    rows = local.get(args.n_layers - 1)
+    rows = result.moe[0]["local"].get(max(int(layer) for layer in result.activations))
     return tuple(rows["first_forward_rows"]) if rows and rows["first_forward_rows"] else None
+
+
+def first_layers_of_stages(args, cfg) -> set[str]:
+    from fivecut.plan.volume import pipeline_plan
+
+    _, layers = pipeline_plan(args, cfg)
+    return {str(stage_layers[0]) for stage_layers in layers if len(stage_layers)}
 
 
 def cmd_ledger(ns) -> int:
@@ -239,7 +247,7 @@ def cmd_ledger(ns) -> int:
     print(format_rows(mine.ledger_rows))
     print()
     print_memory(mine.memory, cfg)
-    print_activations(mine.activations, cfg, first_forward_rows(mine, model_args(cfg.model)))
+    print_activations(mine.activations, cfg, first_forward_rows(mine))
     predicted = predict(model_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")

@@ -113,6 +113,7 @@ def test_ledger_pipeline_boundaries(byte_cache):
     run = fivecut("ledger", "--layout", "pp=2,microbatches=4", "--set", f'data.cache_dir="{byte_cache}"')
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().splitlines()[-1] == "ratio=1.000"
+    assert "activation_ratio=1.000" in run.stdout  # microbatch 0's saved bytes, per layer, on rank 0
     assert "send" in run.stdout and "recv" in run.stdout
 
 

@@ -69,9 +69,12 @@ class SavedActivations:
             layer.register_forward_hook(lambda m, a, o: setattr(self, "_layer", None))
 
     @contextmanager
-    def measure(self):
-        self.bytes_per_layer.clear()
-        self._seen.clear()
+    def measure(self, reset: bool = True):
+        """Count the bytes each layer saves for backward while inside; `reset=False` adds to the
+        last count (a pipeline rank measures each of its stages' first microbatch in turn)."""
+        if reset:
+            self.bytes_per_layer.clear()
+            self._seen.clear()
         self._measuring = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):

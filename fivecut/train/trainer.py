@@ -113,7 +113,7 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
     denominator = ctx.sampler.tokens_in_global_batch()
     total = torch.zeros((), device=ctx.device)
     if ctx.par.pipeline is not None:
-        return pipeline_forward_backward(ctx, batches, denominator)
+        return pipeline_forward_backward(ctx, batches, denominator, activations)
     for i, (inputs, targets) in enumerate(batches):
         last = i == len(batches) - 1
         sync = contextlib.nullcontext() if last else ctx.par.sync.no_sync()
@@ -129,23 +129,31 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
     return total
 
 
-def pipeline_forward_backward(ctx: Context, batches, denominator: int) -> torch.Tensor:
+def pipeline_forward_backward(ctx: Context, batches, denominator: int, activations: dict | None = None) -> torch.Tensor:
     """Each accumulation micro-step's rows cut into microbatches and run through the schedule;
-    gradients reduced over dp once, after the last (tied embeddings first summed over the two ends)."""
+    gradients reduced over dp once, after the last (tied embeddings first summed over the two ends).
+    With `activations`, the bytes each layer of this rank saves for microbatch 0 go there."""
     pipe, dims = ctx.par.pipeline, ctx.mesh.dims
     total = torch.zeros((), device=ctx.device)
-    for inputs, targets in batches:
+    for i, (inputs, targets) in enumerate(batches):
         micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in zip(inputs.chunk(dims.microbatches), targets.chunk(dims.microbatches))]
+        measuring = activations is not None and i == 0
+        if measuring:
+            with ctx.par.saved.measure():  # start a fresh count
+                pass
         with ctx.par.sync.no_sync():
-            total += pipeline_step(ctx, micro[0][0].shape[0]).run(micro, denominator, ctx.mesh.ledger)
+            total += pipeline_step(ctx, micro[0][0].shape[0], measuring).run(micro, denominator, ctx.mesh.ledger)
+        if measuring:
+            activations.update(ctx.par.saved.bytes_per_layer)
     with ctx.mesh.ledger.phase("backward"):
         pipe.sum_tied_grads()
         ctx.par.sync.reduce_all()
     return total
 
 
-def pipeline_step(ctx: Context, rows: int) -> PipelineStep:
-    """An executor for this rank's stages, for microbatches of `rows` sequences."""
+def pipeline_step(ctx: Context, rows: int, measure_first: bool = False) -> PipelineStep:
+    """An executor for this rank's stages, for microbatches of `rows` sequences; `measure_first`
+    counts what microbatch 0's forwards save for backward."""
     dims, seq = ctx.mesh.dims, ctx.cfg.train.seq_len
     return PipelineStep(
         ctx.par.pipeline.schedule,
@@ -154,13 +162,14 @@ def pipeline_step(ctx: Context, rows: int) -> PipelineStep:
         ctx.par.loss_sum,
         hidden_shape=(rows, seq // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
         positions=torch.arange(seq, device=ctx.device),
-        forward_context=lambda: _forward_context(ctx),
+        forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
     )
 
 
 @contextlib.contextmanager
-def _forward_context(ctx: Context):
-    with ctx.par.saved.forward(), ctx.autocast():
+def _forward_context(ctx: Context, measuring: bool = False):
+    measure = ctx.par.saved.measure(reset=False) if measuring else contextlib.nullcontext()
+    with ctx.par.saved.forward(), measure, ctx.autocast():
         yield
 
 

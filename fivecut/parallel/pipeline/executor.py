@@ -43,7 +43,7 @@ class PipelineStep:
     loss_sum: object  # (logits, targets) -> sum of token losses
     hidden_shape: tuple[int, ...]  # [b_mb, s_local, h]
     positions: torch.Tensor  # [s] positions of the full sequence (stages after the first get hidden states)
-    forward_context: object  # () -> context manager around each forward (saved tensors, autocast)
+    forward_context: object  # (microbatch) -> context manager around each forward (saved tensors, autocast)
     dtype: torch.dtype = torch.float32
     state: dict[tuple[int, int], MicrobatchState] = field(default_factory=dict)
     sends: list = field(default_factory=list)
@@ -116,7 +116,7 @@ class PipelineStep:
         stage = self.stages[action.stage]
         if action.stage == 0:
             mb.input = inputs
-        with self.forward_context():
+        with self.forward_context(action.microbatch):
             out = stage(mb.input, positions=self.positions)
             if action.stage == self.schedule.n_stages - 1:
                 out = self.loss_sum(out, targets) / self.denominator
