@@ -200,6 +200,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
 
     args, dims, t = model_args(cfg.model), cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
+    seq = t.seq_len // dims.cp  # this rank's chunk of each sequence
     layer = max(measured, key=int)  # a stage's first layer also holds what all its layers share (RoPE tables)
     if dims.pp > 1 and layer in first_layers_of_stages(args, cfg):
         print(f"\nactivations: rank 0 holds only its stages' first layers ({layer}); they also keep what the stage shares")
@@ -209,13 +210,13 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         print(f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
               f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss")
         return
-    predicted = activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, dims.sp, moe_rows=moe_rows if moe else None)
+    predicted = activation_bytes_per_layer(args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp)
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
-    print(f"\nactivations saved for backward by layer {layer} (b={rows}, s={t.seq_len}, tp={dims.tp}, sp={dims.sp}):")
+    print(f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, cp={dims.cp}):")
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:
-        without, single = (activation_bytes_per_layer(args, rows, t.seq_len, dims.tp, sp) for sp in (False, True))
+        without, single = (activation_bytes_per_layer(args, rows, seq, dims.tp, sp, cp=dims.cp) for sp in (False, True))
         print(f"at tp={dims.tp} the formula gives {format_bytes(without)} without SP, {format_bytes(single)} with SP: "
               f"SP cuts activations by {without / single:.3f}x")
     print(f"activation_ratio={last / predicted:.3f}")

@@ -22,11 +22,6 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "dualpipev")
 CP_MODES = ("ring", "ulysses")
 
-# What this version can run. Each later cut widens its entry; anything outside is refused
-# with the issue that brings it, never silently ignored.
-IMPLEMENTED = {
-    "cp": ({1}, "context parallelism (the context-parallel issue)"),
-}
 
 
 class LayoutError(ValueError):
@@ -78,6 +73,7 @@ class ParallelDims:
         problems += (
             self._pipeline_problems(model, seq_len)
             + self._model_problems(model)
+            + self._moe_problems(model, seq_len)
             + self._batch_problems(seq_len, global_batch, accumulate)
             + self._world_problems(world_size)
         )
@@ -135,16 +131,28 @@ class ParallelDims:
         stages = self.pp * (2 if self.pp_schedule == "dualpipev" else self.pp_virtual)  # DualPipeV: two per rank
         if self.pp > 1 and model.n_layers < stages:
             out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
+        if self.cp > 1 and (model.n_heads // self.tp) % self.cp:
+            out.append(f"Ulysses cuts each tp rank's {model.n_heads // self.tp} heads over cp={self.cp}; choose cp from "
+                       + f"{divisors(model.n_heads // self.tp)}")
         if self.ep > 1 and not model.n_experts:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
         if self.ep > 1 and model.n_experts % self.ep:
             out.append(f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}")
         return out
 
+    def _moe_problems(self, model, seq_len: int) -> list[str]:
+        """Under tp a MoE layer runs on each tp rank's slice of the (cp chunk of the) sequence."""
+        local = seq_len // self.cp
+        if model.n_experts and self.tp > 1 and local % self.tp:
+            return [f"a MoE layer under tp={self.tp} cuts its {local} tokens per sequence over tp; make seq_len/cp divisible by tp"]
+        return []
+
     def _batch_problems(self, seq_len: int, global_batch: int, accumulate: int) -> list[str]:
         out = []
-        if self.cp > 1 and seq_len % (2 * self.cp):
+        if self.cp > 1 and self.cp_mode == "ring" and seq_len % (2 * self.cp):
             out.append(f"seq_len={seq_len} must divide by 2*cp={2 * self.cp} (load-balanced causal chunks)")
+        if self.cp > 1 and seq_len % (self.cp * (self.tp if self.sp else 1)):
+            out.append(f"seq_len={seq_len} must divide by cp={self.cp}" + (f" x tp={self.tp} (sequence parallelism)" if self.sp else ""))
         if self.sp and seq_len % self.tp:
             out.append(f"seq_len={seq_len} must divide by tp={self.tp} for sequence parallelism")
         per_rank = self.dp * accumulate * (self.microbatches if self.pp > 1 else 1)
@@ -171,11 +179,10 @@ class ParallelDims:
 
     def unimplemented(self) -> list[str]:
         out = []
+        if self.cp > 1 and self.cp_mode == "ring":
+            out.append(f"parallel.cp={self.cp} with cp_mode='ring': ring attention is not in this version; use cp_mode='ulysses'")
         if self.pp > 1 and self.zero >= 2:
             out.append(f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this version; use zero=0 or 1")
-        for name, (supported, where) in IMPLEMENTED.items():
-            if getattr(self, name) not in supported:
-                out.append(f"parallel.{name}={getattr(self, name)}: {where} is not in this version; supported: {sorted(supported)}")
         return out
 
 

@@ -134,6 +134,16 @@ def test_ledger_expert_parallel_from_routing_counts(byte_cache, layout, options)
         assert "activation_ratio=1.000" in lines
 
 
+@pytest.mark.multirank
+def test_ledger_ulysses_all_to_alls(byte_cache):
+    run = fivecut("ledger", "--layout", "cp=2,cp_mode=ulysses", "--set", f'data.cache_dir="{byte_cache}"')
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "ratio=1.000"
+    assert "activation_ratio=1.000" in lines and "memory_ratio=1.000" in lines
+    assert any(line.startswith("cp ") and "all-to-alls" in line for line in lines)
+
+
 def test_bad_pipeline_is_refused_before_start():
     run = fivecut("verify", "--layout", "pp=2,pp_schedule=interleaved,pp_virtual=2,microbatches=3", timeout=60)
     assert run.returncode != 0

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fivecut.launch import spawn
-from fivecut.mesh import IMPLEMENTED, LayoutError, ParallelDims, divisors
+from fivecut.mesh import LayoutError, ParallelDims, divisors
 from fivecut.model import get_preset
 
 TINY = get_preset("tiny")  # 4 layers, 4 heads, 2 kv heads, dense
@@ -165,18 +165,17 @@ def test_data_parallel_passes():
     assert ParallelDims(dp=4).unimplemented() == []
 
 
-@pytest.mark.parametrize(
-    "dims, name, world",
-    [
-        (ParallelDims(cp=2), "cp", 2),
-    ],
-)
-def test_valid_but_not_implemented(dims, name, world):
-    msg = refusal(dims, world_size=world)
+def test_ring_attention_not_implemented_names_ulysses():
+    msg = refusal(ParallelDims(cp=2), world_size=2)
     assert msg.startswith("not implemented yet"), msg
-    assert f"parallel.{name}=" in msg
-    assert IMPLEMENTED[name][1] in msg  # names the issue that brings it
+    assert "parallel.cp=2" in msg and "ring" in msg and "cp_mode='ulysses'" in msg
     assert "invalid layout" not in msg
+    ParallelDims(cp=2, cp_mode="ulysses").validate(TINY, 128, 8, 1, 2)
+
+
+def test_ulysses_needs_heads_divisible_by_cp():
+    msg = problems(ParallelDims(cp=8, cp_mode="ulysses"), world_size=8)  # tiny: 4 heads
+    assert "cp=8" in msg and "[1, 2, 4]" in msg
 
 
 def test_expert_parallel_is_accepted_with_every_zero_stage():

@@ -285,9 +285,11 @@ class ExpertParallelMoE:
     """Forward of one `MoE` module under expert (and tensor) parallelism, with capacity,
     balancing and load statistics. Installed as `moe.runtime`."""
 
-    def __init__(self, moe: MoE, index: int, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float):
+    def __init__(self, moe: MoE, index: int, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float,
+                 cp: Group | None = None):
         self.moe, self.index, self.options = moe, index, options
         self.ep, self.tp, self.sp = ep, tp, sp
+        self.cp = cp if cp is not None else Group("cp", (0,), None, ep.ledger, index=0)  # sequence chunks (context parallelism)
         self.aux_scale = aux_scale  # 1 / sequences in the global batch: the loss is a mean over sequences
         self.n_experts = moe.router.weight.shape[0]
         self.set_placement(Placement(self.n_experts, ep.size, options.eplb_slots))
@@ -336,10 +338,18 @@ class ExpertParallelMoE:
         return comm.gather_along(out, 1, self.tp) if sliced else out
 
     def _sequence_parts(self, counts: torch.Tensor) -> torch.Tensor:
-        """[b, E] this rank's slots per sequence -> [tp, b, E] every sequence chunk's (tp order)."""
-        if self.tp.size == 1:
-            return counts.unsqueeze(0)
-        return comm.all_gather(counts.unsqueeze(0).contiguous(), self.tp, dim=0)
+        """[b, E] this rank's slots per sequence -> [cp*tp, b, E] every chunk's, in sequence order
+        (cp chunks, each cut over tp)."""
+        parts = counts.unsqueeze(0).contiguous()
+        for group in (self.tp, self.cp):
+            if group.size > 1:
+                parts = comm.all_gather(parts, group, dim=0)
+        return parts
+
+    @property
+    def chunks(self) -> int:
+        """Ranks a sequence is cut over in this layer (tp slices within cp chunks)."""
+        return self.tp.size * self.cp.size
 
     def _capacity(self, topk_idx: torch.Tensor, b: int, s: int):
         """keep [T, k] (None when dropless) and the slots per (sequence, expert) of whole sequences."""
@@ -349,13 +359,13 @@ class ExpertParallelMoE:
         parts = self._sequence_parts(sequence_counts(topk_idx, b, self.n_experts))  # [tp, b, E]
         if self.options.capacity_factor is None:
             return None, parts.sum(0)
-        seq_full = s * self.tp.size
+        seq_full = s * self.chunks
         capacity = math.ceil(self.options.capacity_factor * seq_full * self.moe.top_k / self.n_experts)
-        earlier = parts[: self.tp.rank].sum(0)  # [b, E] slots of this sequence's earlier chunks
+        earlier = parts[: self.cp.rank * self.tp.size + self.tp.rank].sum(0)  # [b, E] slots of this sequence's earlier chunks
         return capacity_keep(topk_idx, b, self.n_experts, capacity, earlier), parts.sum(0)
 
     def _aux_loss(self, scores, counts_full, b: int, s: int) -> torch.Tensor:
-        part = aux_loss_part(scores, counts_full, b, s * self.tp.size, self.moe.top_k, self.moe.gate == "sigmoid")
+        part = aux_loss_part(scores, counts_full, b, s * self.chunks, self.moe.top_k, self.moe.gate == "sigmoid")
         aux = part * (self.options.aux_loss_coef * self.aux_scale)
         self.stats.aux += aux.detach()
         return aux
@@ -662,7 +672,7 @@ class ExpertBalancer:
 
 
 def apply_expert_parallel(model: nn.Module, args, options: MoEOptions, ep: Group, tp: Group, sp: bool,
-                          global_batch: int, stats_groups: list[Group], device) -> ExpertBalancer | None:
+                          global_batch: int, stats_groups: list[Group], device, cp: Group | None = None) -> ExpertBalancer | None:
     """Cut the experts of every MoE layer of `model` (a model or pipeline stages) over `ep` and
     install their runtime; `stats_groups` sum the load statistics (the same list on every rank)."""
     runtimes = {}
@@ -671,7 +681,7 @@ def apply_expert_parallel(model: nn.Module, args, options: MoEOptions, ep: Group
         if ep.size > 1:
             shard_experts(moe, ep)
         mark_reduce_groups(moe, ep.size, tp.size)
-        moe.runtime = runtimes[layer_id] = ExpertParallelMoE(moe, layer_id, options, ep, tp, sp, 1.0 / global_batch)
+        moe.runtime = runtimes[layer_id] = ExpertParallelMoE(moe, layer_id, options, ep, tp, sp, 1.0 / global_batch, cp)
     moe_layer_ids = [i for i in range(args.n_layers) if args.moe_layer(i)]
     if not moe_layer_ids:
         return None

@@ -5,7 +5,8 @@
 The model code never changes; each cut rewrites or wraps modules from outside and
 receives the process group it uses from the `Mesh`. This version cuts the experts over
 the ep group (and installs the MoE runtime: capacity, balancing, statistics), applies
-tensor (and sequence) parallelism over the tp group, splits the layers into pipeline
+tensor (and sequence) parallelism over the tp group, Ulysses attention over the cp group
+(the trainer feeds each cp rank its chunk of the sequence), splits the layers into pipeline
 stages, then the data cut -- DDP (zero=0) or ZeRO-1/2/3 -- sums each gradient over the
 group its parameter is replicated on: dp x cp for most, `expert_dp` for experts,
 dp x cp x tp for the router and shared experts under tp. `ParallelDims.validate`
@@ -26,6 +27,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.mesh import Mesh
 from fivecut.model import build_model
+from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, Piece, param_kind, reduce_group
 from fivecut.parallel.expert import ExpertBalancer, MoEOptions, apply_expert_parallel
 from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
@@ -85,6 +87,7 @@ def parallelize(
     experts = expert_parallel(model, model.args, mesh, moe, global_batch)
     saved = SavedActivations()
     loss_sum = tensor_parallel(model, mesh, saved)
+    context_parallel(model, mesh)
     sync, pieces = data_parallel(model, mesh, bucket_mb, reduce_dtype)
     return Parallelized(model, sync, pieces, loss_sum, norm_groups(mesh), saved, experts=experts)
 
@@ -98,7 +101,8 @@ def expert_parallel(model: nn.Module, args, mesh: Mesh, moe: MoEOptions | None, 
     stats = mesh.group("dp_cp_tp") if dims.tp > 1 else mesh.group("dp_cp")
     groups = [dataclasses.replace(stats, cut="ep")] + ([dataclasses.replace(mesh.group("pp"), cut="ep")] if dims.pp > 1 else [])
     device = next(model.parameters()).device
-    return apply_expert_parallel(model, args, moe or MoEOptions(), ep, mesh.group("tp"), dims.sp, global_batch, groups, device)
+    return apply_expert_parallel(model, args, moe or MoEOptions(), ep, mesh.group("tp"), dims.sp, global_batch, groups, device,
+                                 mesh.group("cp"))
 
 
 def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
@@ -111,6 +115,12 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
     check_shards(model, model.args, dims.tp)
     vocab = model.args.vocab_size
     return lambda logits, targets: vocab_parallel_loss_sum(logits, targets, tp_group, vocab)
+
+
+def context_parallel(model: nn.Module, mesh: Mesh) -> None:
+    """Ulysses attention over the cp group (when cp > 1); the trainer feeds each rank its sequence chunk."""
+    if mesh.dims.cp > 1:
+        apply_context_parallel(model, mesh.group("cp"))
 
 
 def norm_groups(mesh: Mesh) -> list[Group]:
@@ -145,6 +155,7 @@ def pipeline_parallelize(args, mesh: Mesh, device, seed: int, train, reduce_dtyp
     loss_sum = token_loss_sum
     for stage in stages.values():
         loss_sum = tensor_parallel(stage, mesh, saved)
+        context_parallel(stage, mesh)
     tie_pipeline_ends(stages, last, mesh)
     sync, pieces = data_parallel(module, mesh, train.bucket_mb, reduce_dtype)
     ends_apart = schedule.stage_rank[0] != schedule.stage_rank[last]

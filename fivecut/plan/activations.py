@@ -22,15 +22,21 @@ from __future__ import annotations
 
 
 def activation_bytes_per_layer(args, batch: int, seq: int, tp: int, sp: bool, itemsize: int = 4,
-                               moe_rows: tuple[int, int] | None = None) -> float:
-    """Bytes one block keeps for backward; `moe_rows` = (rows sent, rows received) by this rank's
-    dispatch makes it a MoE block (see `moe_bytes`)."""
+                               moe_rows: tuple[int, int] | None = None, cp: int = 1) -> float:
+    """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
+    chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
+    dispatch makes it a MoE block (see `moe_bytes`). Ulysses (cp > 1) keeps the same bytes per
+    token, except that kv heads too few to split over cp are repeated to one per query head, and
+    the attention output is kept twice: by the core ([b, H/cp, s, hd]) and, back in sequence
+    chunks, by the output projection."""
     h, hd = args.dim, args.head_dim
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
+    if cp > 1 and kv_heads_per_rank % cp:
+        kv_heads_per_rank = args.n_heads // tp
     norms = 6 / (tp if sp else 1)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += 1 / tp - 1
-    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h
+    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if cp > 1 else 0)
     mlp = 4 * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
     per_token = 2 / (tp if sp else 1) + args.n_heads / tp
     dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)

@@ -32,6 +32,8 @@ def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, st
             out["ep"] = ep
     if dims.tp > 1:
         out["tp"] = tensor_parallel_volume(args, cfg)
+    if dims.cp > 1:
+        out["cp"] = context_parallel_volume(args, cfg)
     if dims.pp > 1:
         out["pp"] = pipeline_volume(args, cfg)
         metrics = out.get("metrics", (0.0, ""))[0]
@@ -48,7 +50,7 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     owner = sched.stage_rank
     borders = sum(1 for s in range(sched.n_stages - 1) if owner[s] != owner[s + 1] and rank in (owner[s], owner[s + 1]))
     rows = train.global_batch // (dims.dp * train.accumulate * dims.microbatches)
-    s_local = train.seq_len // (dims.tp if dims.sp else 1)
+    s_local = train.seq_len // dims.cp // (dims.tp if dims.sp else 1)
     e = rows * s_local * args.dim
     volume = train.accumulate * dims.microbatches * 2 * borders * e * FP32
     how = f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = {rows}*{s_local}*{args.dim}"
@@ -83,11 +85,12 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
     micro = dims.microbatches if dims.pp > 1 else 1
     b = train.global_batch // (dims.dp * train.accumulate * micro)
-    e = b * train.seq_len * h
+    s = train.seq_len // dims.cp  # this rank's chunk of each sequence
+    e = b * s * h
     per_micro, calls = 0.0, []
     counts = ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
     for L, emb, head, passes, moe in rank_stages(args, cfg):
-        loss = 3 * b * train.seq_len * head
+        loss = 3 * b * s * head
         kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
         regions = 2 * L - moe
         per_micro += moe * counts
@@ -102,7 +105,26 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
     total = train.accumulate * micro * per_micro + clip
     how = "SP: all-gather/reduce-scatter of E" if dims.sp else "all-reduce of E"
-    return total, f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E = {b}*{train.seq_len}*{h}, t={t}"
+    return total, f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E = {b}*{s}*{h}, t={t}"
+
+
+def context_parallel_volume(args, cfg) -> tuple[float, str]:
+    """Ulysses, per microbatch and layer: all-to-alls of q, k, v and the attention output forward
+    and of their gradients backward, each (c-1)/c of [b, heads, s/c, hd] (heads: this tp rank's;
+    kv heads repeated to the query heads when they do not divide by c); MoE layers with capacity
+    or the auxiliary loss also all-gather their slots per (sequence, expert) over c."""
+    dims, train = cfg.parallel, cfg.train
+    c, hd = dims.cp, args.head_dim
+    micro = dims.microbatches if dims.pp > 1 else 1
+    b = train.global_batch // (dims.dp * train.accumulate * micro)
+    heads = args.n_heads // dims.tp
+    kv = max(args.n_kv_heads // dims.tp, 1)
+    kv = heads if kv % c else kv
+    per_layer = ring_factor("all_to_all", c) * FP32 * b * (train.seq_len // c) * hd * (2 * heads + 2 * kv)
+    counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
+    counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
+    per_micro = sum(L * per_layer * (1 + passes) + (moe * counts if counted else 0) for L, _, _, passes, moe in rank_stages(args, cfg))
+    return train.accumulate * micro * per_micro, f"{train.accumulate * micro} microbatches x layers x 4 all-to-alls (q, k, v, o) forward + 4 backward, c={c}"
 
 
 def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, int]]:
@@ -169,7 +191,7 @@ def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, flo
         return (sum(local["sent"]) - local["sent"][me], sum(local["received"]) - local["received"][me],
                 local["copies_sent"], local["copies_received"])
     dims, train = cfg.parallel, cfg.train
-    tokens = train.global_batch // dims.dp * train.seq_len // dims.tp  # per step, this rank's tokens
+    tokens = train.global_batch // dims.dp * train.seq_len // dims.cp // dims.tp  # per step, this rank's tokens
     rows = tokens * args.top_k * (dims.ep - 1) / dims.ep
     return rows, rows, 0.0, 0.0
 

@@ -23,6 +23,7 @@ from fivecut.launch import local_device
 from fivecut.ledger import Row
 from fivecut.mesh import Mesh
 from fivecut.parallel.parallelize import Parallelized, build_parallel
+from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.memory import format_bytes, model_state_bytes
@@ -120,7 +121,8 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
         with sync:
             measuring = ctx.par.saved.measure() if activations is not None and i == 0 else contextlib.nullcontext()
             with ctx.mesh.ledger.phase("forward"), ctx.par.saved.forward(), measuring, ctx.autocast():
-                loss = ctx.par.loss_sum(ctx.par.module(inputs.to(ctx.device)), targets.to(ctx.device)) / denominator
+                inputs, targets, positions = local_tokens(ctx, inputs, targets)
+                loss = ctx.par.loss_sum(ctx.par.module(inputs, positions), targets) / denominator
             if activations is not None and i == 0:
                 activations.update(ctx.par.saved.bytes_per_layer)
             with ctx.mesh.ledger.phase("backward"):
@@ -136,13 +138,14 @@ def pipeline_forward_backward(ctx: Context, batches, denominator: int, activatio
     pipe, dims = ctx.par.pipeline, ctx.mesh.dims
     total = torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(batches):
-        micro = [(x.to(ctx.device), y.to(ctx.device)) for x, y in zip(inputs.chunk(dims.microbatches), targets.chunk(dims.microbatches))]
+        inputs, targets, positions = local_tokens(ctx, inputs, targets)
+        micro = list(zip(inputs.chunk(dims.microbatches), targets.chunk(dims.microbatches)))
         measuring = activations is not None and i == 0
         if measuring:
             with ctx.par.saved.measure():  # start a fresh count
                 pass
         with ctx.par.sync.no_sync():
-            total += pipeline_step(ctx, micro[0][0].shape[0], measuring).run(micro, denominator, ctx.mesh.ledger)
+            total += pipeline_step(ctx, micro[0][0].shape[0], positions, measuring).run(micro, denominator, ctx.mesh.ledger)
         if measuring:
             activations.update(ctx.par.saved.bytes_per_layer)
     with ctx.mesh.ledger.phase("backward"):
@@ -151,17 +154,26 @@ def pipeline_forward_backward(ctx: Context, batches, denominator: int, activatio
     return total
 
 
-def pipeline_step(ctx: Context, rows: int, measure_first: bool = False) -> PipelineStep:
-    """An executor for this rank's stages, for microbatches of `rows` sequences; `measure_first`
-    counts what microbatch 0's forwards save for backward."""
+def local_tokens(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
+    """A batch on this rank's device: with context parallelism only this cp rank's chunk of each
+    sequence, and the chunk's positions (None: the whole sequence, from 0)."""
+    inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+    if ctx.mesh.dims.cp == 1:
+        return inputs, targets, None
+    return sequence_chunk(inputs, targets, ctx.mesh.group("cp"))
+
+
+def pipeline_step(ctx: Context, rows: int, positions: torch.Tensor | None = None, measure_first: bool = False) -> PipelineStep:
+    """An executor for this rank's stages, for microbatches of `rows` sequences at `positions`
+    (default: the whole sequence); `measure_first` counts what microbatch 0's forwards save."""
     dims, seq = ctx.mesh.dims, ctx.cfg.train.seq_len
     return PipelineStep(
         ctx.par.pipeline.schedule,
         ctx.par.pipeline.stages,
         ctx.mesh.group("pp"),
         ctx.par.loss_sum,
-        hidden_shape=(rows, seq // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
-        positions=torch.arange(seq, device=ctx.device),
+        hidden_shape=(rows, seq // dims.cp // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
+        positions=positions if positions is not None else torch.arange(seq, device=ctx.device),
         forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
     )
 
@@ -213,12 +225,12 @@ def evaluate(ctx: Context) -> float:
     tokens = 0
     for batch in ctx.val_batches:
         tokens += batch[1].numel()
-        inputs, targets = (t.to(ctx.device) for t in shard_batch(batch, rank, dp))
+        inputs, targets, positions = local_tokens(ctx, *shard_batch(batch, rank, dp))
         if ctx.par.pipeline is not None:
-            total += pipeline_step(ctx, inputs.shape[0]).forward_only([(inputs, targets)], 1)
+            total += pipeline_step(ctx, inputs.shape[0], positions).forward_only([(inputs, targets)], 1)
             continue
         with ctx.autocast():
-            total += ctx.par.loss_sum(ctx.par.module(inputs), targets)
+            total += ctx.par.loss_sum(ctx.par.module(inputs, positions), targets)
     return global_mean(ctx, total / tokens)
 
 
