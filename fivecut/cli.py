@@ -206,6 +206,10 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         print(f"\nactivations: rank 0 holds only its stages' first layers ({layer}); they also keep what the stage shares")
         return
     last, moe = measured[layer], args.moe_layer(int(layer))
+    if dims.cp > 1 and dims.cp_mode == "ring":  # autograd keeps every K/V block and per-block softmax
+        print(f"\nactivations saved for backward by layer {layer} (ring attention, b={rows}, s={seq}): {format_bytes(last)} "
+              f"({last:,} B); the closed form does not cover ring attention's blocks")
+        return
     if moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
         print(f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
               f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss")

@@ -131,7 +131,7 @@ class ParallelDims:
         stages = self.pp * (2 if self.pp_schedule == "dualpipev" else self.pp_virtual)  # DualPipeV: two per rank
         if self.pp > 1 and model.n_layers < stages:
             out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
-        if self.cp > 1 and (model.n_heads // self.tp) % self.cp:
+        if self.cp > 1 and self.cp_mode == "ulysses" and (model.n_heads // self.tp) % self.cp:
             out.append(f"Ulysses cuts each tp rank's {model.n_heads // self.tp} heads over cp={self.cp}; choose cp from "
                        + f"{divisors(model.n_heads // self.tp)}")
         if self.ep > 1 and not model.n_experts:
@@ -179,8 +179,6 @@ class ParallelDims:
 
     def unimplemented(self) -> list[str]:
         out = []
-        if self.cp > 1 and self.cp_mode == "ring":
-            out.append(f"parallel.cp={self.cp} with cp_mode='ring': ring attention is not in this version; use cp_mode='ulysses'")
         if self.pp > 1 and self.zero >= 2:
             out.append(f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this version; use zero=0 or 1")
         return out

@@ -1,9 +1,10 @@
-"""Context parallelism (Ulysses) parity: each cp rank runs its chunk of every sequence; the
-logits (gathered along the sequence) and every gradient equal the single-device model's,
-and losses over optimizer steps equal the single-process run's.
+"""Context parallelism parity (Ulysses and ring): each cp rank runs its chunks of every
+sequence; the logits (put back in sequence order) and every gradient equal the single-device
+model's, and losses over optimizer steps equal the single-process run's.
 
-Tolerances (fp32): attention sees exactly the same q, k, v (the all-to-alls only move
-them); gradients are summed over the cp ranks in a different order, so
+Tolerances (fp32): Ulysses attention sees exactly the same q, k, v (the all-to-alls only move
+them); ring attention sums its blocks' softmax with log-sum-exps instead of one softmax; the
+gradients are summed over the cp ranks in a different order, so
   - logits: rtol 1e-5, atol 1e-6;
   - gradients of the mean token loss: rtol 1e-5, atol 1e-7;
   - losses over optimizer steps: rtol 1e-5.
@@ -40,18 +41,20 @@ def reference():
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def context_parallel_step(cp: int, tp: int, sp: bool):
+def context_parallel_step(mode: str, cp: int, tp: int, sp: bool):
     """One forward + backward under cp (x tp) ranks: logits gathered to [b, s, V], full gradients."""
-    mesh = Mesh(ParallelDims(cp=cp, cp_mode="ulysses", tp=tp, sp=sp), "cpu")
+    mesh = Mesh(ParallelDims(cp=cp, cp_mode=mode, tp=tp, sp=sp), "cpu")
     model = build_model(get_preset("tiny"), seed=0)
     par = parallelize(model, mesh)
     inputs, targets = batch()
     total = targets.numel()
-    inputs, targets, positions = sequence_chunk(inputs, targets, mesh.group("cp"))
+    inputs, targets, positions = sequence_chunk(inputs, targets, mesh.group("cp"), mode)
     with par.saved.forward():
         logits = par.module(inputs, positions)  # [b, s/cp, V/tp]
     (par.loss_sum(logits, targets) / total).backward()  # gradients summed over cp by the data cut
-    logits = comm.all_gather(logits.detach(), mesh.group("cp"), dim=1)
+    logits = comm.all_gather(logits.detach(), mesh.group("cp"), dim=1)  # in the ranks' chunk order
+    order = comm.all_gather(positions, mesh.group("cp"))
+    logits = logits[:, torch.argsort(order)]  # [b, s, V/tp] in sequence order
     grads = {}
     for name, p in model.named_parameters():
         shard = getattr(p, "fivecut_tp", None)
@@ -62,11 +65,12 @@ def context_parallel_step(cp: int, tp: int, sp: bool):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("cp,tp,sp", [(2, 1, False), (4, 1, False), (2, 2, True)])
-def test_ulysses_forward_and_gradients_match_single_device(cp, tp, sp):
-    # tiny: 4 heads, 2 kv heads; cp=4 repeats the kv heads, cp=2 x tp=2 leaves one head per rank
+@pytest.mark.parametrize("mode,cp,tp,sp", [("ulysses", 2, 1, False), ("ulysses", 4, 1, False), ("ulysses", 2, 2, True),
+                                           ("ring", 2, 1, False), ("ring", 4, 1, False), ("ring", 2, 2, True)])
+def test_forward_and_gradients_match_single_device(mode, cp, tp, sp):
+    # tiny: 4 heads, 2 kv heads; Ulysses at cp=4 repeats the kv heads, cp=2 x tp=2 leaves one head per rank
     ref_logits, ref_grads = reference()
-    for logits, grads in spawn(context_parallel_step, cp * tp, cp, tp, sp):
+    for logits, grads in spawn(context_parallel_step, cp * tp, mode, cp, tp, sp):
         torch.testing.assert_close(logits, ref_logits, **LOGIT_TOL)
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
@@ -74,14 +78,15 @@ def test_ulysses_forward_and_gradients_match_single_device(cp, tp, sp):
 
 
 @pytest.mark.multirank
-def test_ulysses_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
+def test_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
     ulysses = ("parallel.cp=2", 'parallel.cp_mode="ulysses"')
     reference = single_process_losses(byte_cache)
     for name, extra in {
-        "dp=2,cp=2,zero=1": ("parallel.dp=2", "parallel.zero=1"),
-        "cp=2,pp=2": ("parallel.pp=2", "parallel.microbatches=2"),
+        "ulysses dp=2,cp=2,zero=1": (*ulysses, "parallel.dp=2", "parallel.zero=1"),
+        "ulysses cp=2,pp=2": (*ulysses, "parallel.pp=2", "parallel.microbatches=2"),
+        "ring dp=2,cp=2,zero=3": ("parallel.cp=2", "parallel.dp=2", "parallel.zero=3"),
     }.items():
-        cfg = small_config(byte_cache, *ulysses, *extra, f'log.out_dir="{tmp_path}/{name}"')
+        cfg = small_config(byte_cache, *extra, f'log.out_dir="{tmp_path}/{name}"')
         np.testing.assert_allclose(spawn(run_config, cfg.parallel.world_size, cfg)[0], reference, rtol=LOSS_RTOL, err_msg=name)
     # capacity and the auxiliary loss need each sequence's slots from both cp chunks; the bias rule is
     # left out: its sign(load - mean) turns a one-token routing flip (fp rounding differs under

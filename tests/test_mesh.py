@@ -165,11 +165,9 @@ def test_data_parallel_passes():
     assert ParallelDims(dp=4).unimplemented() == []
 
 
-def test_ring_attention_not_implemented_names_ulysses():
-    msg = refusal(ParallelDims(cp=2), world_size=2)
-    assert msg.startswith("not implemented yet"), msg
-    assert "parallel.cp=2" in msg and "ring" in msg and "cp_mode='ulysses'" in msg
-    assert "invalid layout" not in msg
+def test_context_parallel_modes_are_accepted():
+    ParallelDims(cp=2).validate(TINY, 128, 8, 1, 2)  # ring
+    ParallelDims(cp=8).validate(TINY, 128, 8, 1, 8)  # ring does not cut heads
     ParallelDims(cp=2, cp_mode="ulysses").validate(TINY, 128, 8, 1, 2)
 
 

@@ -17,8 +17,15 @@ sends the rest) and four backward. H must divide by cp; with grouped-query atten
 kv heads are split too when they divide by cp, and otherwise repeated up to the query heads
 first. Under tensor parallelism H is a rank's local heads.
 
-Ring attention (K/V blocks passed around a ring, load-balanced causal chunks) is not in this
-version: `ParallelDims.validate` refuses `cp_mode="ring"`.
+Ring attention keeps the sequence cut. Causal attention gives later tokens more work, so the
+sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r (load balance). Each
+rank attends its queries to its own K/V block, then passes the block to the next rank of the
+ring and receives the previous rank's, cp-1 times; the partial results are merged with their
+log-sum-exps (online softmax), the causal mask taken from the blocks' positions. Backward
+sends the K/V gradients the reverse way round the ring. Each pass moves one K/V block per
+rank: 2*(cp-1) blocks sent and received per layer, forward and backward. The blocks are
+computed with plain tensor ops (no fused kernel returns the log-sum-exp on CPU), so autograd
+keeps each block's scores for backward: O(s^2/cp) per rank rather than a flash kernel's O(s).
 """
 
 from __future__ import annotations
@@ -30,13 +37,23 @@ from fivecut import comm
 from fivecut.comm import Group
 
 
-def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group):
-    """This cp rank's chunk of a batch [b, s] -> inputs, targets [b, s/cp] and positions [s/cp]."""
+def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group, mode: str = "ulysses"):
+    """This cp rank's part of a batch [b, s] -> inputs, targets [b, s/cp] and their positions
+    [s/cp]: one contiguous chunk (Ulysses) or chunks r and 2cp-1-r of 2cp (ring)."""
     s = inputs.shape[1]
-    size = s // group.size
-    lo = group.rank * size
-    positions = torch.arange(lo, lo + size, device=inputs.device)
-    return inputs[:, lo : lo + size], targets[:, lo : lo + size], positions
+    if mode == "ring":
+        positions = zigzag_positions(group.rank, group.size, s // group.size, inputs.device)
+    else:
+        size = s // group.size
+        positions = torch.arange(group.rank * size, (group.rank + 1) * size, device=inputs.device)
+    return inputs[:, positions], targets[:, positions], positions
+
+
+def zigzag_positions(rank: int, cp: int, local: int, device=None) -> torch.Tensor:
+    """Positions held by ring rank `rank`: chunks rank and 2cp-1-rank, `local` // 2 tokens each."""
+    half = local // 2
+    first, second = rank * half, (2 * cp - 1 - rank) * half
+    return torch.cat([torch.arange(first, first + half), torch.arange(second, second + half)]).to(device)
 
 
 def heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -74,9 +91,71 @@ class UlyssesAttention(nn.Module):
         return sequence_to_heads(self.inner(q, k, v), self.group)  # [b, H, s/c, hd]
 
 
-def apply_context_parallel(model: nn.Module, group: Group) -> None:
-    """Ulysses around every attention core of `model` (a model or pipeline stages)."""
+class _RingPass(torch.autograd.Function):
+    """Send x to the next rank of the ring, return the previous rank's; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _shift(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad, ctx.group, -1), None
+
+
+def _shift(x: torch.Tensor, group: Group, step: int) -> torch.Tensor:
+    out = torch.empty_like(x)
+    to, frm = (group.rank + step) % group.size, (group.rank - step) % group.size
+    for work in comm.batch_send_recv([(x.contiguous(), to)], [(out, frm)], group):
+        comm.wait(work, "send/recv", group)
+    return out
+
+
+def block_attention(q, k, v, pos_q, pos_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q [b, H, sq, hd] to one K/V block [b, KV, sk, hd] at positions pos_q,
+    pos_k: the block's output [b, H, sq, hd] and log-sum-exp [b, H, sq]. A query that sees no
+    key of the block gets a log-sum-exp near the dtype's minimum: its output weighs nothing."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H/KV query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [b, H, sq, sk]
+    visible = pos_q.unsqueeze(1) >= pos_k.unsqueeze(0)  # [sq, sk]
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+
+def merge(o, lse, o_block, lse_block):
+    """Online softmax: combine two partial attentions over disjoint key sets."""
+    if o is None:
+        return o_block, lse_block
+    total = torch.logaddexp(lse, lse_block)  # [b, H, sq]
+    return o * (lse - total).exp().unsqueeze(-1) + o_block * (lse_block - total).exp().unsqueeze(-1), total
+
+
+class RingAttention(nn.Module):
+    """Causal attention over the whole sequence, K/V blocks passed around the cp ring."""
+
+    def __init__(self, group: Group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c, r, local = self.group.size, self.group.rank, q.shape[2]
+        pos_q = zigzag_positions(r, c, local, q.device)
+        kv = torch.stack([k, v])  # [2, b, KV, s/cp, hd]: one message per pass
+        o = lse = None
+        for step in range(c):
+            if step > 0:
+                kv = _RingPass.apply(kv, self.group)  # now the block of rank r - step
+            pos_k = zigzag_positions((r - step) % c, c, local, q.device)
+            o, lse = merge(o, lse, *block_attention(q, kv[0], kv[1], pos_q, pos_k))
+        return o  # [b, H, s/cp, hd]
+
+
+def apply_context_parallel(model: nn.Module, group: Group, mode: str = "ulysses") -> None:
+    """Ulysses around, or ring attention instead of, every attention core of `model` (a model or
+    pipeline stages)."""
     from fivecut.model.transformer import Attention
 
     for attention in (m for m in model.modules() if isinstance(m, Attention)):
-        attention.core = UlyssesAttention(attention.core, group)
+        attention.core = UlyssesAttention(attention.core, group) if mode == "ulysses" else RingAttention(group)

@@ -118,9 +118,9 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
 
 
 def context_parallel(model: nn.Module, mesh: Mesh) -> None:
-    """Ulysses attention over the cp group (when cp > 1); the trainer feeds each rank its sequence chunk."""
+    """Ulysses or ring attention over the cp group (when cp > 1); the trainer feeds each rank its chunks."""
     if mesh.dims.cp > 1:
-        apply_context_parallel(model, mesh.group("cp"))
+        apply_context_parallel(model, mesh.group("cp"), mesh.dims.cp_mode)
 
 
 def norm_groups(mesh: Mesh) -> list[Group]:

@@ -109,22 +109,31 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
 
 
 def context_parallel_volume(args, cfg) -> tuple[float, str]:
-    """Ulysses, per microbatch and layer: all-to-alls of q, k, v and the attention output forward
-    and of their gradients backward, each (c-1)/c of [b, heads, s/c, hd] (heads: this tp rank's;
-    kv heads repeated to the query heads when they do not divide by c); MoE layers with capacity
-    or the auxiliary loss also all-gather their slots per (sequence, expert) over c."""
+    """Per microbatch and layer, with [b, heads, s/c, hd] blocks (heads: this tp rank's):
+    Ulysses  all-to-alls of q, k, v and the attention output forward and of their gradients
+             backward, each (c-1)/c of its tensor (kv heads repeated to the query heads when
+             they do not divide by c);
+    ring     c-1 passes of the K/V block forward and of its gradient backward, each sent and
+             received (send and recv both count);
+    MoE layers with capacity or the auxiliary loss also all-gather their slots per (sequence,
+    expert) over c."""
     dims, train = cfg.parallel, cfg.train
     c, hd = dims.cp, args.head_dim
     micro = dims.microbatches if dims.pp > 1 else 1
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     heads = args.n_heads // dims.tp
     kv = max(args.n_kv_heads // dims.tp, 1)
-    kv = heads if kv % c else kv
-    per_layer = ring_factor("all_to_all", c) * FP32 * b * (train.seq_len // c) * hd * (2 * heads + 2 * kv)
+    block = FP32 * b * (train.seq_len // c) * hd  # bytes of one head's block
+    if dims.cp_mode == "ring":
+        per_layer = (c - 1) * 2 * (2 * kv) * block  # per direction: K and V, sent and received
+    else:
+        kv = heads if kv % c else kv
+        per_layer = ring_factor("all_to_all", c) * block * (2 * heads + 2 * kv)
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
     per_micro = sum(L * per_layer * (1 + passes) + (moe * counts if counted else 0) for L, _, _, passes, moe in rank_stages(args, cfg))
-    return train.accumulate * micro * per_micro, f"{train.accumulate * micro} microbatches x layers x 4 all-to-alls (q, k, v, o) forward + 4 backward, c={c}"
+    what = "c-1 K/V passes forward + c-1 backward" if dims.cp_mode == "ring" else "4 all-to-alls (q, k, v, o) forward + 4 backward"
+    return train.accumulate * micro * per_micro, f"{train.accumulate * micro} microbatches x layers x {what}, c={c} ({dims.cp_mode})"
 
 
 def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, int]]:
