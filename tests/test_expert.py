@@ -71,7 +71,7 @@ def test_runtime_on_one_rank_is_the_plain_layer_bitwise():
         plain = build_model(moe_args(gate=gate), seed=0)
         ours = build_model(moe_args(gate=gate), seed=0)
         for moe in moe_layers(ours):
-            moe.runtime = ExpertParallelMoE(moe, 0, MoEOptions(), single_group("ep"), single_group("tp"), False, 1.0)
+            moe.runtime = ExpertParallelMoE(moe, MoEOptions(), single_group("ep"), single_group("tp"), False, 1.0)
         inputs, targets = batch()
         out_plain, out_ours = plain(inputs), ours(inputs)
         assert torch.equal(out_plain, out_ours)

@@ -285,9 +285,9 @@ class ExpertParallelMoE:
     """Forward of one `MoE` module under expert (and tensor) parallelism, with capacity,
     balancing and load statistics. Installed as `moe.runtime`."""
 
-    def __init__(self, moe: MoE, index: int, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float,
+    def __init__(self, moe: MoE, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float,
                  cp: Group | None = None):
-        self.moe, self.index, self.options = moe, index, options
+        self.moe, self.options = moe, options
         self.ep, self.tp, self.sp = ep, tp, sp
         self.cp = cp if cp is not None else Group("cp", (0,), None, ep.ledger, index=0)  # sequence chunks (context parallelism)
         self.aux_scale = aux_scale  # 1 / sequences in the global batch: the loss is a mean over sequences
@@ -681,7 +681,7 @@ def apply_expert_parallel(model: nn.Module, args, options: MoEOptions, ep: Group
         if ep.size > 1:
             shard_experts(moe, ep)
         mark_reduce_groups(moe, ep.size, tp.size)
-        moe.runtime = runtimes[layer_id] = ExpertParallelMoE(moe, layer_id, options, ep, tp, sp, 1.0 / global_batch, cp)
+        moe.runtime = runtimes[layer_id] = ExpertParallelMoE(moe, options, ep, tp, sp, 1.0 / global_batch, cp)
     moe_layer_ids = [i for i in range(args.n_layers) if args.moe_layer(i)]
     if not moe_layer_ids:
         return None
