@@ -92,7 +92,9 @@ def interleave(
     return runs
 
 
-def interleave_pair(candidates: dict[str, Callable[[], object]], opts: dict, prefix: str = "") -> dict[str, list[list[float]]]:
+def interleave_pair(
+    candidates: dict[str, Callable[[], object]], opts: dict, prefix: str = ""
+) -> dict[str, list[list[float]]]:
     """`interleave` fivecut's and torch's step (in that order) over opts' repeats; rank 0 prints each repeat."""
     ours, theirs = list(candidates)
     started = time.perf_counter()

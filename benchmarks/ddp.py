@@ -187,7 +187,8 @@ def parse(argv=None) -> dict:
     add_common_arguments(p, steps=20)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument(
-        "--torch-set-to-none", action="store_true",
+        "--torch-set-to-none",
+        action="store_true",
         help="zero torch's gradients with set_to_none=True (its default) instead of zeroing the bucket views",
     )
     return parse_options(p, argv)

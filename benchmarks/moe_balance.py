@@ -48,7 +48,10 @@ def run(cfg):
 
 def summarize(moe: list[dict], window: int) -> dict[str, float]:
     last = moe[-window:]
-    out = {key: statistics.mean(step[key] for step in last) for key in ("max_mean", "rank_max_mean", "rank_max_mean_no_eplb", "dropped")}
+    out = {
+        key: statistics.mean(step[key] for step in last)
+        for key in ("max_mean", "rank_max_mean", "rank_max_mean_no_eplb", "dropped")
+    }
     out["moved"] = sum(layer["moved_elements"] for step in moe for layer in step["local"].values())  # rank 0, whole run
     return out
 
@@ -62,13 +65,22 @@ def main() -> None:
     parser.add_argument("--only", help="run only the variants whose name contains this text")
     ns = parser.parse_args()
     base = [
-        'model.preset="tiny-moe"', 'data.tokenizer="byte"', f"train.steps={ns.steps}", "train.seq_len=128",
-        "train.global_batch=16", "train.eval_every=100", "log.progress=false", "log.plot=false",
-        f"parallel.dp={ns.dp}", f"parallel.ep={ns.ep}",  # EPLB variants re-plan every 10 steps from 10 (the defaults)
+        'model.preset="tiny-moe"',
+        'data.tokenizer="byte"',
+        f"train.steps={ns.steps}",
+        "train.seq_len=128",
+        "train.global_batch=16",
+        "train.eval_every=100",
+        "log.progress=false",
+        "log.plot=false",
+        f"parallel.dp={ns.dp}",
+        f"parallel.ep={ns.ep}",  # EPLB variants re-plan every 10 steps from 10 (the defaults)
     ]
     cfg0 = load_config(None, base)
     load_tokens(cfg0.data.source, cfg0.data.tokenizer, Path(cfg0.data.cache_dir).expanduser(), cfg0.data.val_fraction)
-    print(f"tiny-moe on Shakespeare, dp={ns.dp}, ep={ns.ep}, {ns.steps} steps; averages over the last {ns.window} steps\n")
+    print(
+        f"tiny-moe on Shakespeare, dp={ns.dp}, ep={ns.ep}, {ns.steps} steps; averages over the last {ns.window} steps\n"
+    )
     print("| variant | experts max/mean | ranks max/mean | without EPLB | dropped | val loss | moved by rank 0 |")
     print("|---|---|---|---|---|---|---|")
     for name, extra in VARIANTS.items():
@@ -78,8 +90,11 @@ def main() -> None:
             cfg = load_config(None, base + extra + [f'log.out_dir="{out}"'])
             moe, val = spawn(run, ns.dp, cfg, timeout_s=3600)[0]
         s = summarize(moe, ns.window)
-        print(f"| {name} | {s['max_mean']:.3f} | {s['rank_max_mean']:.3f} | {s['rank_max_mean_no_eplb']:.3f} | "
-              f"{100 * s['dropped']:.2f}% | {val[max(val)]:.4f} | {4 * s['moved'] / 2**20:.1f} MiB |", flush=True)
+        print(
+            f"| {name} | {s['max_mean']:.3f} | {s['rank_max_mean']:.3f} | {s['rank_max_mean_no_eplb']:.3f} | "
+            f"{100 * s['dropped']:.2f}% | {val[max(val)]:.4f} | {4 * s['moved'] / 2**20:.1f} MiB |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -152,7 +152,9 @@ class Fivecut:
         schedule = base_name(name)
         virtual, n_stages = LAYOUTS[schedule]
         layers = [args.n_layers // n_stages] * n_stages
-        dims = dataclasses.replace(mesh.dims, pp_schedule=schedule, microbatches=m, pp_virtual=virtual, pp_layers=layers)
+        dims = dataclasses.replace(
+            mesh.dims, pp_schedule=schedule, microbatches=m, pp_virtual=virtual, pp_layers=layers
+        )
         dims.validate(args, opts["seq"], opts["batch"], 1, dist.get_world_size())
         view = copy.copy(mesh)  # same groups, another schedule
         view.dims = dims
@@ -174,7 +176,9 @@ class Fivecut:
         self.m, self.denominator = m, opts["batch"] * opts["seq"]
 
     def named_parameters(self):
-        return [(n, p) for s in sorted(self.par.pipeline.stages) for n, p in self.par.pipeline.stages[s].named_parameters()]
+        return [
+            (n, p) for s in sorted(self.par.pipeline.stages) for n, p in self.par.pipeline.stages[s].named_parameters()
+        ]
 
     def zero_grad(self) -> None:
         self.mesh.ledger.begin_step(0)  # keep the ledger from growing over hundreds of steps
@@ -299,6 +303,7 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
             thread, process = time.thread_time(), time.process_time()
             step()
             cpu[name].append((time.thread_time() - thread, time.process_time() - process))
+
         return timed
 
     steps = {
@@ -370,12 +375,17 @@ def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
                 one_step(sides[name], record=False)
             steps[name] += [one_step(sides[name], record=True) for _ in range(opts["bubble_steps"])]
         if dist.get_rank() == 0:
-            print(f"  schedules repeat {r + 1}/{opts['bubble_repeats']}  [{time.perf_counter() - started:.0f} s]", flush=True)
+            print(
+                f"  schedules repeat {r + 1}/{opts['bubble_repeats']}  [{time.perf_counter() - started:.0f} s]",
+                flush=True,
+            )
     executor.PipelineStep.execute = _execute
     return {"steps": steps, "checks": checks}
 
 
-def simulate_measured(schedule, table: dict[tuple[str, int], float], send_cost: float = 0.0, latency: float = 0.0) -> Timeline:
+def simulate_measured(
+    schedule, table: dict[tuple[str, int], float], send_cost: float = 0.0, latency: float = 0.0
+) -> Timeline:
     """`simulate` with one cost per (kind, stage) instead of one per kind; optionally a send that
     occupies its rank for `send_cost` and a message that arrives `latency` after its send starts."""
     original = simulate_module.finish
@@ -440,7 +450,10 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
 
     # the step with the median makespan, as a timeline (the simulator's picture of it)
     _, start, step = sorted(steps, key=lambda s: s[0])[len(steps) // 2]
-    rows = [[(Action(kind, stage, mb), t0 - start, t1 - start) for kind, stage, mb, t0, t1 in actions] for _, _, actions in step]
+    rows = [
+        [(Action(kind, stage, mb), t0 - start, t1 - start) for kind, stage, mb, t0, t1 in actions]
+        for _, _, actions in step
+    ]
     measured = Timeline(schedule, rows, dict(predicted.costs), max(s[1] for s in step) - start, 0.0)
     cell = min(c for k, c in predicted.costs.items() if k in compute and c > 0)
     sims = {"mean": predicted, "stage": per_stage, "comm": with_comm, "unit": unit}
@@ -461,11 +474,13 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
         sim_idle={k: [t.idle_fraction(r) for r in range(PP)] for k, t in sims.items()},
         sim_makespan={k: t.makespan for k, t in sims.items()},
         sim_bubble={k: t.bubble for k, t in sims.items()},
-        picture="\n".join([
-            labelled(text(measured, cell), "measured"),
-            labelled(text(predicted, cell), "mean"),
-            labelled(text(with_comm, cell), "+comm"),
-        ]),
+        picture="\n".join(
+            [
+                labelled(text(measured, cell), "measured"),
+                labelled(text(predicted, cell), "mean"),
+                labelled(text(with_comm, cell), "+comm"),
+            ]
+        ),
         cell=cell,
     )
 
@@ -517,10 +532,12 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
         "",
         f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
         "",
-        "CPU time per step, medians (main thread / whole process incl. gloo's threads): " + "; ".join(
+        "CPU time per step, medians (main thread / whole process incl. gloo's threads): "
+        + "; ".join(
             f"rank {r}: fivecut {ms(c[FIVECUT][0])} / {ms(c[FIVECUT][1])}, torch {ms(c[TORCH][0])} / {ms(c[TORCH][1])}"
             for r, c in enumerate(p["cpu"] for p in per_rank)
-        ) + " ms",
+        )
+        + " ms",
         "",
     ]
     return lines, cmp.ratio
@@ -535,15 +552,35 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
     costs = []
     for a in analyses:
         c, sm = a["cost"], a["sim_makespan"]
-        costs.append([
-            a["name"], a["stages"], ms(c["F"]), ms(c["B"]), ms(c["W"]) if "W" in c else "-",
-            f"{c['B'] / c['F']:.2f}" + (f" / {c['W'] / c['F']:.2f}" if "W" in c else ""),
-            f"{ms(a['send_cost'])} / {ms(a['latency'])}",
-            f"{ms(a['makespan_mean'])} / {ms(a['makespan'])}", ms(sm["mean"]), ms(sm["stage"]), ms(sm["comm"]),
-        ])
+        costs.append(
+            [
+                a["name"],
+                a["stages"],
+                ms(c["F"]),
+                ms(c["B"]),
+                ms(c["W"]) if "W" in c else "-",
+                f"{c['B'] / c['F']:.2f}" + (f" / {c['W'] / c['F']:.2f}" if "W" in c else ""),
+                f"{ms(a['send_cost'])} / {ms(a['latency'])}",
+                f"{ms(a['makespan_mean'])} / {ms(a['makespan'])}",
+                ms(sm["mean"]),
+                ms(sm["stage"]),
+                ms(sm["comm"]),
+            ]
+        )
     cost_table = markdown_table(
-        ["schedule", "stages", "F", "B", "W", "B/F (/ W/F)", "send / latency", "step measured (mean / median)",
-         "simulated: mean costs", "per-stage costs", "per-stage + comm"],
+        [
+            "schedule",
+            "stages",
+            "F",
+            "B",
+            "W",
+            "B/F (/ W/F)",
+            "send / latency",
+            "step measured (mean / median)",
+            "simulated: mean costs",
+            "per-stage costs",
+            "per-stage + comm",
+        ],
         costs,
     )
     ranks = []
@@ -551,18 +588,38 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
         for r in range(PP):
             si = a["sim_idle"]
             rest = a["idle"][r] - a["recv"][r] - a["send"][r] - a["outside"][r]
-            ranks.append([
-                a["name"] if r == 0 else "", r, percent(a["idle"][r]),
-                f"{percent(a['recv'][r])} / {percent(a['send'][r])} / {percent(a['outside'][r])} / {percent(rest)}",
-                percent(si["mean"][r]), percent(si["stage"][r]), percent(si["comm"][r]), percent(si["unit"][r]),
-            ])
-        ranks.append([
-            "", "bubble", f"**{percent(sum(a['idle']) / PP)}**", "",
-            *(f"**{percent(a['sim_bubble'][k])}**" for k in ("mean", "stage", "comm", "unit")),
-        ])
+            ranks.append(
+                [
+                    a["name"] if r == 0 else "",
+                    r,
+                    percent(a["idle"][r]),
+                    f"{percent(a['recv'][r])} / {percent(a['send'][r])} / {percent(a['outside'][r])} / {percent(rest)}",
+                    percent(si["mean"][r]),
+                    percent(si["stage"][r]),
+                    percent(si["comm"][r]),
+                    percent(si["unit"][r]),
+                ]
+            )
+        ranks.append(
+            [
+                "",
+                "bubble",
+                f"**{percent(sum(a['idle']) / PP)}**",
+                "",
+                *(f"**{percent(a['sim_bubble'][k])}**" for k in ("mean", "stage", "comm", "unit")),
+            ]
+        )
     rank_table = markdown_table(
-        ["schedule", "rank", "idle measured", "of which RECV / SEND / before-after own run / rest",
-         "simulated: mean costs", "per-stage costs", "per-stage + comm", "unit costs"],
+        [
+            "schedule",
+            "rank",
+            "idle measured",
+            "of which RECV / SEND / before-after own run / rest",
+            "simulated: mean costs",
+            "per-stage costs",
+            "per-stage + comm",
+            "unit costs",
+        ],
         ranks,
     )
     stage_lines = []
@@ -570,15 +627,18 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
         t = a["stage_cost"]
         stages = sorted({s for _, s in t})
         stage_lines.append(
-            f"- {a['name']}: " + "; ".join(
+            f"- {a['name']}: "
+            + "; ".join(
                 f"stage {s}: " + ", ".join(f"{k} {t[(k, s)] * 1e3:.1f}" for k in "FBW" if (k, s) in t) for s in stages
-            ) + f" ms; latency from {a['latencies']} waiting receives"
+            )
+            + f" ms; latency from {a['latencies']} waiting receives"
         )
     pictures = []
     for a in analyses:
         pictures += [f"{a['name']}, one cell = {a['cell'] * 1e3:.1f} ms:", "```", a["picture"], "```", ""]
     return [
-        f"### Measured idle vs the simulator: pp={PP}, {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens, "
+        f"### Measured idle vs the simulator: pp={PP}, {m} microbatches of {opts['batch'] // m} x {opts['seq']} "
+        f"tokens, "
         f"{opts['bubble_repeats']} repeats x {opts['bubble_steps']} steps (+{opts['warmup']} warm-up) per schedule",
         "",
         "Mean action times and steps (ms):",
@@ -593,10 +653,19 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
         "",
         *stage_lines,
         "",
-        *(["`*` = split backward with W from saved gradients (`SavedGradSplit`, --patched-split); gradients after one "
-           "step vs the unpatched schedule: " + "; ".join(
-               f"{n} {'bitwise equal' if eq else f'max rel diff {d:.2e}'}" for n, (d, eq) in checks.items()), ""]
-          if checks else []),
+        *(
+            [
+                "`*` = split backward with W from saved gradients (`SavedGradSplit`, --patched-split); "
+                "gradients after one "
+                "step vs the unpatched schedule: "
+                + "; ".join(
+                    f"{n} {'bitwise equal' if eq else f'max rel diff {d:.2e}'}" for n, (d, eq) in checks.items()
+                ),
+                "",
+            ]
+            if checks
+            else []
+        ),
         "Timelines of the median step: measured, simulated with mean costs, simulated with per-stage costs + comm:",
         "",
         *pictures,
@@ -608,8 +677,11 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     lines = [
         f"model {opts['model']} ({args.n_layers} layers), pp={PP} gloo ranks x 1 thread, fp32, batch {opts['batch']} x "
         f"{opts['seq']} tokens per step"
-        + (f", {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate"
-           if opts["compare"] else ""),
+        + (
+            f", {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate"
+            if opts["compare"]
+            else ""
+        ),
         f"machine: {before} before, {load_average()} after",
         "",
     ]
@@ -637,7 +709,8 @@ def parse(argv=None) -> dict:
     p.add_argument("--bubble-steps", type=int, default=10, help="timed steps per schedule per repeat (part 2)")
     p.add_argument("--bubble-repeats", type=int, default=3)
     p.add_argument(
-        "--patched-split", action="store_true",
+        "--patched-split",
+        action="store_true",
         help="also run zb1p and dualpipev with W computed from gradients saved in B (SavedGradSplit), marked *",
     )
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip part 1 (fivecut vs torch)")

@@ -397,7 +397,11 @@ def rank_main(opts: dict) -> dict:
         }
         profiles = {c.name: profile_top(c.step) for c in candidates[:2]} if opts["profile"] else {}
         variants[name] = dict(
-            candidates=candidates, sides=(ours, theirs), losses=losses, comms=comms, profiles=profiles,
+            candidates=candidates,
+            sides=(ours, theirs),
+            losses=losses,
+            comms=comms,
+            profiles=profiles,
             runs={c.name: [] for c in candidates},
         )
 
@@ -412,9 +416,7 @@ def rank_main(opts: dict) -> dict:
                 v["runs"][label] += one[label]
             if rank == 0:
                 a, b = median(v["runs"][FIVECUT][-1]), median(v["runs"][DTENSOR][-1])
-                extra = "".join(
-                    f", {c.name} {format_seconds(median(v['runs'][c.name][-1]))}" for c in cands[2:]
-                )
+                extra = "".join(f", {c.name} {format_seconds(median(v['runs'][c.name][-1]))}" for c in cands[2:])
                 print(
                     f"  repeat {r + 1}/{opts['repeats']} {name:<5} ({' then '.join(order)}): "
                     f"fivecut {format_seconds(a)}, DTensor {format_seconds(b)}{extra}, "
@@ -458,7 +460,13 @@ def variant_section(opts: dict, name: str, results: list[dict]) -> tuple[list[st
     rows = []
     for label in runs:
         fwd, bwd, opt = v["phases"][label]
-        rows.append([label, *timing_cells(runs[label], tokens), f"{format_seconds(fwd)} / {format_seconds(bwd)} / {format_seconds(opt)}"])
+        rows.append(
+            [
+                label,
+                *timing_cells(runs[label], tokens),
+                f"{format_seconds(fwd)} / {format_seconds(bwd)} / {format_seconds(opt)}",
+            ]
+        )
     pairs = [(label, DTENSOR) for label in runs if label != DTENSOR]
     pairs += [(label, FIVECUT) for label in list(runs)[2:]]  # ablations against fivecut as it is
     for a, b in pairs:
@@ -518,7 +526,8 @@ def parse(argv=None) -> dict:
     add_common_arguments(p, steps=10, batch_help="sequences (the same on every tp rank)")
     p.add_argument("--foreach", action="store_true", default=None, help="AdamW foreach=True on both sides (as on GPUs)")
     p.add_argument(
-        "--ablate", action="store_true",
+        "--ablate",
+        action="store_true",
         help="also time fivecut SP without its backward re-gather, with one-copy comm, and with both",
     )
     p.add_argument("--profile", action="store_true", help="print the profiler's top operators of one step per side")

@@ -8,7 +8,7 @@ Candidates, each built in every rank from the same seed (so with the same weight
     fivecut ZeRO-3   parallelize(parallel.zero=3, reshard_after_forward=True)   vs  torch FSDP2
     fivecut ZeRO-0   parallelize(parallel.zero=0): fivecut's DDP                vs  torch DDP
     fivecut ZeRO-1   parallelize(parallel.zero=1)                               vs  torch DDP + ZeroRedundancyOptimizer
-    fivecut ZeRO-2   parallelize(parallel.zero=2)                   (no torch equivalent; shown against the ZeRO-1-like one)
+    fivecut ZeRO-2   parallelize(parallel.zero=2)         (no torch equivalent; shown against the ZeRO-1-like one)
 
 torch FSDP2 is `fully_shard` applied to every transformer block (`model.layers[i]`) and then
 to the root model (embedding, final norm, head: the same units as fivecut's ZeRO-3), over a
@@ -110,7 +110,15 @@ Z3, FSDP2 = "fivecut ZeRO-3", "torch FSDP2"
 Z0, DDP = "fivecut ZeRO-0 (DDP)", "torch DDP"
 Z1, ZRO = "fivecut ZeRO-1", "torch DDP + ZeroRedundancyOptimizer"
 Z2 = "fivecut ZeRO-2"
-SHORT = {Z3: "ZeRO-3", FSDP2: "FSDP2", Z0: "ZeRO-0", DDP: "DDP", Z1: "ZeRO-1", ZRO: "ZeroRedundancyOptimizer", Z2: "ZeRO-2"}
+SHORT = {
+    Z3: "ZeRO-3",
+    FSDP2: "FSDP2",
+    Z0: "ZeRO-0",
+    DDP: "DDP",
+    Z1: "ZeRO-1",
+    ZRO: "ZeroRedundancyOptimizer",
+    Z2: "ZeRO-2",
+}
 GROUPS = {"zero3": [Z3, FSDP2], "zero0": [Z0, DDP], "zero12": [Z1, ZRO, Z2]}  # each timed back to back
 COUNTERPART = {Z3: FSDP2, Z0: DDP, Z1: ZRO, Z2: ZRO}
 ORDER = [Z3, FSDP2, Z0, DDP, Z1, ZRO, Z2]  # table order
@@ -207,7 +215,11 @@ def build_ddp(args, world: int, bucket_mb: float, zero_redundancy: bool) -> Cand
     params = list(model.parameters())
     if zero_redundancy:
         optimizer = ZeroRedundancyOptimizer(
-            adamw_groups(params), optimizer_class=torch.optim.AdamW, lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"]
+            adamw_groups(params),
+            optimizer_class=torch.optim.AdamW,
+            lr=ADAMW["lr"],
+            betas=ADAMW["betas"],
+            eps=ADAMW["eps"],
         )
         held = optimizer.optim  # the optimizer over the parameters this rank owns
     else:
@@ -324,9 +336,15 @@ def rank_main(opts: dict) -> dict:
 
 def collective_summary(counts: dict[str, int]) -> str:
     short = {
-        "c10d::allgather_": "AG", "c10d::_allgather_base_": "AG", "c10d::allgather_into_tensor_coalesced_": "AG",
-        "c10d::reduce_scatter_": "RS", "c10d::_reduce_scatter_base_": "RS", "c10d::reduce_scatter_tensor_coalesced_": "RS",
-        "c10d::allreduce_": "AR", "c10d::allreduce_coalesced_": "AR", "c10d::broadcast_": "BC",
+        "c10d::allgather_": "AG",
+        "c10d::_allgather_base_": "AG",
+        "c10d::allgather_into_tensor_coalesced_": "AG",
+        "c10d::reduce_scatter_": "RS",
+        "c10d::_reduce_scatter_base_": "RS",
+        "c10d::reduce_scatter_tensor_coalesced_": "RS",
+        "c10d::allreduce_": "AR",
+        "c10d::allreduce_coalesced_": "AR",
+        "c10d::broadcast_": "BC",
     }
     merged: dict[str, int] = {}
     for op, n in counts.items():
@@ -345,34 +363,63 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     for name in names:
         b = COUNTERPART[name] if name in comparisons else None
         ratio, fastest, spread = ratio_cells(runs, name, b) if b else ("", "", "")
-        rows.append([name, *timing_cells(runs[name], tokens, unit=None), f"{ratio} vs {SHORT[b]}" if b else "", spread, fastest])
+        rows.append(
+            [name, *timing_cells(runs[name], tokens, unit=None), f"{ratio} vs {SHORT[b]}" if b else "", spread, fastest]
+        )
     timing = markdown_table(
-        ["", *TIMING_COLUMNS, "tok/s (global)", "ratio (median of repeats)", "repeat ratios (min .. max)", "ratio of fastest steps"],
+        [
+            "",
+            *TIMING_COLUMNS,
+            "tok/s (global)",
+            "ratio (median of repeats)",
+            "repeat ratios (min .. max)",
+            "ratio of fastest steps",
+        ],
         rows,
     )
     mem_rows = []
     for name in names:
-        worst = lambda key: max(r["memory"][name][key] if key != "state" else r["memory"][name]["state"]["total"] for r in results)  # noqa: E731
+
+        def worst(key, name=name):
+            return max(
+                r["memory"][name][key] if key != "state" else r["memory"][name]["state"]["total"] for r in results
+            )
+
         s = r0["memory"][name]["state"]
         rss = [r["memory"][name]["rss"] for r in results]
         wire = r0["memory"][name]["wire"]
-        mem_rows.append([
-            name,
-            f"{format_bytes(worst('state'))} ({FORMULA[name]})",
-            f"{format_bytes(s['params'])} / {format_bytes(s['grads'])} / {format_bytes(s['optimizer'])}",
-            format_bytes(worst("step_peak")),
-            format_bytes(max(rss)) if all(x is not None for x in rss) else "n/a",
-            collective_summary(r0["memory"][name]["collectives"]) + (f" ({format_bytes(wire)} on the wire)" if wire else ""),
-        ])
+        mem_rows.append(
+            [
+                name,
+                f"{format_bytes(worst('state'))} ({FORMULA[name]})",
+                f"{format_bytes(s['params'])} / {format_bytes(s['grads'])} / {format_bytes(s['optimizer'])}",
+                format_bytes(worst("step_peak")),
+                format_bytes(max(rss)) if all(x is not None for x in rss) else "n/a",
+                collective_summary(r0["memory"][name]["collectives"])
+                + (f" ({format_bytes(wire)} on the wire)" if wire else ""),
+            ]
+        )
     memory = markdown_table(
-        ["", "model state / rank (expected)", "params / grads / optimizer (rank 0)", "step peak (tensors)", "step peak RSS delta", "collectives / step (rank 0)"],
+        [
+            "",
+            "model state / rank (expected)",
+            "params / grads / optimizer (rank 0)",
+            "step peak (tensors)",
+            "step peak RSS delta",
+            "collectives / step (rank 0)",
+        ],
         mem_rows,
     )
     losses = r0["losses"]
-    worst_loss = max(abs(losses[a][i] - losses[b][i]) / abs(losses[b][i]) for a, b in pairs(names).items() for i in range(CHECK_STEPS))
+    worst_loss = max(
+        abs(losses[a][i] - losses[b][i]) / abs(losses[b][i])
+        for a, b in pairs(names).items()
+        for i in range(CHECK_STEPS)
+    )
     psi = r0["params"]
     lines = [
-        f"model {opts['model']} ({psi / 1e6:.2f}M parameters = Ψ, {format_bytes(4 * psi)} in fp32), {opts['world']} gloo ranks x 1 thread, "
+        f"model {opts['model']} ({psi / 1e6:.2f}M parameters = Ψ, {format_bytes(4 * psi)} in fp32), "
+        f"{opts['world']} gloo ranks x 1 thread, "
         f"batch {opts['batch']} x {opts['seq']} tokens per rank, bucket {opts['bucket_mb']} MB, "
         f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate",
         f"machine: {before} before, {load_average()} after",
@@ -384,11 +431,16 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         "",
         memory,
         "",
-        "ratios per repeat: " + "; ".join(f"{SHORT[a]}: " + ", ".join(f"{x:.3f}" for x in c.ratios) for a, c in comparisons.items()),
+        "ratios per repeat: "
+        + "; ".join(f"{SHORT[a]}: " + ", ".join(f"{x:.3f}" for x in c.ratios) for a, c in comparisons.items()),
         f"ru_maxrss (monotonic, all candidates together): rank 0 {format_bytes(r0['maxrss'][0])} after building, "
         f"{format_bytes(r0['maxrss'][1])} at the end; wall time {elapsed:.0f} s",
     ]
-    lines += [f"ratio_{key}={comparisons[a].ratio:.3f}" for a, key in ((Z3, "zero3_vs_fsdp2"), (Z0, "zero0_vs_ddp")) if a in comparisons]
+    lines += [
+        f"ratio_{key}={comparisons[a].ratio:.3f}"
+        for a, key in ((Z3, "zero3_vs_fsdp2"), (Z0, "zero0_vs_ddp"))
+        if a in comparisons
+    ]
     return "\n".join(lines)
 
 
@@ -398,8 +450,11 @@ def parse(argv=None) -> dict:
     add_common_arguments(p, steps=10)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP / ZeRO-1/2 bucket size (both sides)")
     p.add_argument(
-        "--only", default=",".join(GROUPS), type=lambda s: s.split(","),
-        help="comma-separated groups to run: zero3 (ZeRO-3, FSDP2), zero0 (ZeRO-0, DDP), zero12 (ZeRO-1/2, ZeroRedundancyOptimizer)",
+        "--only",
+        default=",".join(GROUPS),
+        type=lambda s: s.split(","),
+        help="comma-separated groups to run: zero3 (ZeRO-3, FSDP2), zero0 (ZeRO-0, DDP), zero12 (ZeRO-1/2, "
+        "ZeroRedundancyOptimizer)",
     )
     p.add_argument("--profile", action="store_true", help="print rank 0's op table of one ZeRO-3 and one FSDP2 step")
     p.add_argument("--profile-rows", type=int, default=25)

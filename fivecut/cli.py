@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import re
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_arguments(ledger, steps=1)
     ledger.set_defaults(func=cmd_ledger)
 
-    schedule = sub.add_parser("schedule", help="a pipeline schedule: action lists, simulated timeline, bubble, Gantt PNG")
+    schedule = sub.add_parser(
+        "schedule", help="a pipeline schedule: action lists, simulated timeline, bubble, Gantt PNG"
+    )
     schedule.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved, zb1p or dualpipev")
     schedule.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     schedule.add_argument("--microbatches", type=int, required=True)
@@ -133,8 +135,13 @@ def reference_of(cfg: Config) -> Config:
     """The single-process run `cfg` must reproduce (EPLB copies need ranks; they change no number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
-    ref.moe = dataclasses.replace(ref.moe, eplb_slots=0, eplb_move=False, eplb_interval=MoEOptions.eplb_interval,
-                                  eplb_window=MoEOptions.eplb_window)
+    ref.moe = dataclasses.replace(
+        ref.moe,
+        eplb_slots=0,
+        eplb_move=False,
+        eplb_interval=MoEOptions.eplb_interval,
+        eplb_window=MoEOptions.eplb_window,
+    )
     return ref
 
 
@@ -158,7 +165,9 @@ def train_quietly(cfg: Config, measure_activations: bool = False):
 
 def cmd_verify(ns) -> int:
     cfg = layout_config(ns)
-    print(f"verify: {cfg.model.preset}, layout {cfg.parallel.describe()} vs single process, {cfg.train.steps} steps, fp32")
+    print(
+        f"verify: {cfg.model.preset}, layout {cfg.parallel.describe()} vs single process, {cfg.train.steps} steps, fp32"
+    )
     reference = run_spawned(reference_of(cfg), ns.timeout)[0].losses
     layout = run_spawned(cfg, ns.timeout)[0].losses
     print(f"{'step':>4} {'single':>12} {'layout':>12} {'rel diff':>10}")
@@ -176,9 +185,8 @@ def cmd_verify(ns) -> int:
 
 def print_memory(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.plan.memory import formula, model_state_bytes
-    from fivecut.train.memory import format_bytes
-
     from fivecut.plan.volume import local_param_counts, reduce_group_sizes
+    from fivecut.train.memory import format_bytes
 
     dims = cfg.parallel
     counts = local_param_counts(model_args(cfg.model), cfg)  # {reduce group: Psi}
@@ -186,7 +194,10 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
     groups = ", ".join(f"{name}: n={sizes[name]}, Psi={psi:,}" for name, psi in counts.items())
-    print(f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)} per gradient group; {groups} on this rank)")
+    print(
+        f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)} per gradient group; {groups} on "
+        f"this rank)"
+    )
     print(f"{'':<10} {'measured':>12} {'predicted':>12}")
     for key in ("params", "grads", "optimizer", "total"):
         print(f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12}")
@@ -203,26 +214,40 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     seq = t.seq_len // dims.cp  # this rank's chunk of each sequence
     layer = max(measured, key=int)  # a stage's first layer also holds what all its layers share (RoPE tables)
     if dims.pp > 1 and layer in first_layers_of_stages(args, cfg):
-        print(f"\nactivations: rank 0 holds only its stages' first layers ({layer}); they also keep what the stage shares")
+        print(
+            f"\nactivations: rank 0 holds only its stages' first layers ({layer}); they also keep what the stage shares"
+        )
         return
     last, moe = measured[layer], args.moe_layer(int(layer))
     if dims.cp > 1 and dims.cp_mode == "ring":  # autograd keeps every K/V block and per-block softmax
-        print(f"\nactivations saved for backward by layer {layer} (ring attention, b={rows}, s={seq}): {format_bytes(last)} "
-              f"({last:,} B); the closed form does not cover ring attention's blocks")
+        print(
+            f"\nactivations saved for backward by layer {layer} (ring attention, b={rows}, s={seq}): "
+            f"{format_bytes(last)} "
+            f"({last:,} B); the closed form does not cover ring attention's blocks"
+        )
         return
     if moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
-        print(f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
-              f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss")
+        print(
+            f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
+            f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss"
+        )
         return
-    predicted = activation_bytes_per_layer(args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp)
+    predicted = activation_bytes_per_layer(
+        args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp
+    )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
-    print(f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, cp={dims.cp}):")
+    print(
+        f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, "
+        f"cp={dims.cp}):"
+    )
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:
         without, single = (activation_bytes_per_layer(args, rows, seq, dims.tp, sp, cp=dims.cp) for sp in (False, True))
-        print(f"at tp={dims.tp} the formula gives {format_bytes(without)} without SP, {format_bytes(single)} with SP: "
-              f"SP cuts activations by {without / single:.3f}x")
+        print(
+            f"at tp={dims.tp} the formula gives {format_bytes(without)} without SP, {format_bytes(single)} with SP: "
+            f"SP cuts activations by {without / single:.3f}x"
+        )
     print(f"activation_ratio={last / predicted:.3f}")
 
 
@@ -260,7 +285,10 @@ def cmd_ledger(ns) -> int:
         measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == cut)
         measured_total += measured
         predicted_total += volume
-        print(f"{cut:<8} {measured:>16,.0f} {volume:>16,.0f} {measured / volume if volume else float('nan'):>7.3f}   {formula}")
+        print(
+            f"{cut:<8} {measured:>16,.0f} {volume:>16,.0f} "
+            f"{measured / volume if volume else float('nan'):>7.3f}   {formula}"
+        )
     unpredicted = {r.cut for r in mine.ledger_rows} - set(predicted)
     if unpredicted:
         print(f"no closed form for: {', '.join(sorted(unpredicted))}")
@@ -292,7 +320,11 @@ def cmd_schedule(ns) -> int:
     if closed:
         print(f"closed form {closed[0]} = {closed[1]:.4f}")
     if ns.out:
-        draw(tl, ns.out, f"{sch.name}, pp={sch.pp}, m={sch.microbatches}" + (f", v={ns.virtual}" if ns.virtual > 1 else ""))
+        draw(
+            tl,
+            ns.out,
+            f"{sch.name}, pp={sch.pp}, m={sch.microbatches}" + (f", v={ns.virtual}" if ns.virtual > 1 else ""),
+        )
         print(f"wrote {ns.out}")
     print(f"bubble={tl.bubble:.4f}")
     return 0

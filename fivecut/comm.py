@@ -130,8 +130,14 @@ def all_to_all_single(
     row = math.prod(x.shape[1:])  # elements per row (x may have no rows)
     rows_out = sum(out_splits) if out_splits is not None else x.shape[0]
     out = x.new_empty((rows_out, *x.shape[1:]))
-    sent_rows = (sum(in_splits) - in_splits[group.rank]) if in_splits is not None else x.shape[0] * (group.size - 1) / group.size
-    group.ledger.record("all_to_all", group.cut, group.size, x.numel(), x.element_size(), wire_bytes=sent_rows * row * x.element_size())
+    sent_rows = (
+        (sum(in_splits) - in_splits[group.rank])
+        if in_splits is not None
+        else x.shape[0] * (group.size - 1) / group.size
+    )
+    group.ledger.record(
+        "all_to_all", group.cut, group.size, x.numel(), x.element_size(), wire_bytes=sent_rows * row * x.element_size()
+    )
     _run("all_to_all", group, dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group.pg)
     return out
 
@@ -142,7 +148,9 @@ def wait(work, op: str, group: Group) -> None:
         _run(op, group, work.wait)
 
 
-def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group, tag: int = 0):
+def batch_send_recv(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group, tag: int = 0
+):
     """Post point-to-point sends and receives (peers are group ranks) together; returns the Works."""
     if group.size == 1:  # a rank talking to itself: copy, nothing on the wire
         for (sent, _), (received, _) in zip(sends, recvs):

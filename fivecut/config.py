@@ -161,7 +161,11 @@ def names_of(obj: object) -> list[str]:
 
 def unknown_key_message(dotted: str, prefix: str, names: list[str], origin: str) -> str:
     close = closest(dotted.rsplit(".", 1)[-1], names)
-    hint = f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else f"; valid keys: {', '.join(prefix + n for n in names)}"
+    hint = (
+        f"; did you mean {' or '.join(prefix + c for c in close)}?"
+        if close
+        else f"; valid keys: {', '.join(prefix + n for n in names)}"
+    )
     return f"unknown config key {dotted} ({origin}){hint}"
 
 

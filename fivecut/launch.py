@@ -65,7 +65,9 @@ def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, res
     faulthandler.register(signal.SIGUSR1, file=trace, all_threads=False)
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         # pickled here, in-band: tensors shared by file descriptor would vanish with this process
         results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
@@ -81,7 +83,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivecut-") as tmp:
         procs = [
-            ctx.Process(target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, timeout_s, fn, args, results), daemon=True)
+            ctx.Process(
+                target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, timeout_s, fn, args, results), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -78,7 +78,9 @@ class Ledger:
         self.step = step
         self.records.clear()
 
-    def record(self, op: str, cut: str, group_size: int, elements: int, itemsize: int, wire_bytes: float | None = None) -> None:
+    def record(
+        self, op: str, cut: str, group_size: int, elements: int, itemsize: int, wire_bytes: float | None = None
+    ) -> None:
         nbytes = elements * itemsize
         wire = nbytes * ring_factor(op, group_size) if wire_bytes is None else wire_bytes
         self.records.append(Record(self.step, cut, op, self.current_phase, group_size, elements, nbytes, wire))
@@ -117,5 +119,7 @@ def format_rows(rows: list[Row]) -> str:
     header = f"{'cut':<8} {'op':<15} {'phase':<10} {'calls':>6} {'elements':>14} {'wire bytes/rank':>17}"
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(f"{row.cut:<8} {row.op:<15} {row.phase:<10} {row.calls:>6} {row.elements:>14,} {row.wire_bytes:>17,.0f}")
+        lines.append(
+            f"{row.cut:<8} {row.op:<15} {row.phase:<10} {row.calls:>6} {row.elements:>14,} {row.wire_bytes:>17,.0f}"
+        )
     return "\n".join(lines)

@@ -23,7 +23,6 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "dualpipev")
 CP_MODES = ("ring", "ulysses")
 
 
-
 class LayoutError(ValueError):
     """A layout that cannot work; the message gives the numbers and a fix."""
 
@@ -124,27 +123,40 @@ class ParallelDims:
     def _model_problems(self, model) -> list[str]:
         out = []
         if model.n_heads % self.tp:
-            out.append(f"model has n_heads={model.n_heads}, not divisible by tp={self.tp}; choose tp from {divisors(model.n_heads)}")
+            out.append(
+                f"model has n_heads={model.n_heads}, not divisible by tp={self.tp}; choose tp from "
+                f"{divisors(model.n_heads)}"
+            )
         kv_ok = model.n_kv_heads % self.tp == 0 or self.tp % model.n_kv_heads == 0
         if not kv_ok:
-            out.append(f"n_kv_heads={model.n_kv_heads} and tp={self.tp}: one must divide the other to split or replicate kv heads")
+            out.append(
+                f"n_kv_heads={model.n_kv_heads} and tp={self.tp}: one must divide the other to split or "
+                f"replicate kv heads"
+            )
         stages = self.pp * (2 if self.pp_schedule == "dualpipev" else self.pp_virtual)  # DualPipeV: two per rank
         if self.pp > 1 and model.n_layers < stages:
             out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
         if self.cp > 1 and self.cp_mode == "ulysses" and (model.n_heads // self.tp) % self.cp:
-            out.append(f"Ulysses cuts each tp rank's {model.n_heads // self.tp} heads over cp={self.cp}; choose cp from "
-                       + f"{divisors(model.n_heads // self.tp)}")
+            out.append(
+                f"Ulysses cuts each tp rank's {model.n_heads // self.tp} heads over cp={self.cp}; choose cp from "
+                + f"{divisors(model.n_heads // self.tp)}"
+            )
         if self.ep > 1 and not model.n_experts:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)")
         if self.ep > 1 and model.n_experts % self.ep:
-            out.append(f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}")
+            out.append(
+                f"n_experts={model.n_experts} not divisible by ep={self.ep}; choose ep from {divisors(model.n_experts)}"
+            )
         return out
 
     def _moe_problems(self, model, seq_len: int) -> list[str]:
         """Under tp a MoE layer runs on each tp rank's slice of the (cp chunk of the) sequence."""
         local = seq_len // self.cp
         if model.n_experts and self.tp > 1 and local % self.tp:
-            return [f"a MoE layer under tp={self.tp} cuts its {local} tokens per sequence over tp; make seq_len/cp divisible by tp"]
+            return [
+                f"a MoE layer under tp={self.tp} cuts its {local} tokens per sequence over tp; make seq_len/cp "
+                f"divisible by tp"
+            ]
         return []
 
     def _batch_problems(self, seq_len: int, global_batch: int, accumulate: int) -> list[str]:
@@ -152,14 +164,18 @@ class ParallelDims:
         if self.cp > 1 and self.cp_mode == "ring" and seq_len % (2 * self.cp):
             out.append(f"seq_len={seq_len} must divide by 2*cp={2 * self.cp} (load-balanced causal chunks)")
         if self.cp > 1 and seq_len % (self.cp * (self.tp if self.sp else 1)):
-            out.append(f"seq_len={seq_len} must divide by cp={self.cp}" + (f" x tp={self.tp} (sequence parallelism)" if self.sp else ""))
+            out.append(
+                f"seq_len={seq_len} must divide by cp={self.cp}"
+                + (f" x tp={self.tp} (sequence parallelism)" if self.sp else "")
+            )
         if self.sp and seq_len % self.tp:
             out.append(f"seq_len={seq_len} must divide by tp={self.tp} for sequence parallelism")
         per_rank = self.dp * accumulate * (self.microbatches if self.pp > 1 else 1)
         if global_batch % per_rank:
             good = per_rank * max(1, round(global_batch / per_rank))
             out.append(
-                f"global_batch={global_batch} must divide by dp*accumulate*microbatches={per_rank}; try train.global_batch={good}"
+                f"global_batch={global_batch} must divide by dp*accumulate*microbatches={per_rank}; try "
+                f"train.global_batch={good}"
             )
         return out
 
@@ -180,7 +196,10 @@ class ParallelDims:
     def unimplemented(self) -> list[str]:
         out = []
         if self.pp > 1 and self.zero >= 2:
-            out.append(f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this version; use zero=0 or 1")
+            out.append(
+                f"parallel.zero={self.zero} with pp={self.pp}: ZeRO-2/3 inside a pipeline is not in this "
+                f"version; use zero=0 or 1"
+            )
         return out
 
 
@@ -286,4 +305,3 @@ class Mesh:
                 index[axis] = value
             sets.append(tuple(int(r) for r in grid[tuple(index)].flatten().tolist()))
         return sets
-

@@ -130,7 +130,12 @@ def two_rank_checks() -> dict:
     run("reduce_scatter_along", lambda x: comm.reduce_scatter_along(x, 0, g), data(r, 4, 3), (2, 3))
     run("all_to_all", lambda x: comm.all_to_all(x, g), data(r, 4, 2), (4, 2))
     rows = sum(OUT_SPLITS[r])
-    run("all_to_all_uneven_grad", lambda x: comm.all_to_all(x, g, OUT_SPLITS[r], IN_SPLITS[r]), data(r, sum(IN_SPLITS[r]), 2), (rows, 2))
+    run(
+        "all_to_all_uneven_grad",
+        lambda x: comm.all_to_all(x, g, OUT_SPLITS[r], IN_SPLITS[r]),
+        data(r, sum(IN_SPLITS[r]), 2),
+        (rows, 2),
+    )
 
     # ---- a one-rank group communicates nothing and records nothing
     solo = Group("pp", (r,), None, ledger)
@@ -328,8 +333,12 @@ def check_primitive(two, name, expected_y, expected_grad, forward_ops, backward_
         y, grad, forward, backward = res[name]
         assert_close(y, expected_y(r))
         assert_close(grad, expected_grad(r))
-        assert [(x.op, x.phase, x.elements, x.cut) for x in forward] == [(op, "forward", elements, "tp") for op in forward_ops]
-        assert [(x.op, x.phase, x.elements, x.cut) for x in backward] == [(op, "backward", elements, "tp") for op in backward_ops]
+        assert [(x.op, x.phase, x.elements, x.cut) for x in forward] == [
+            (op, "forward", elements, "tp") for op in forward_ops
+        ]
+        assert [(x.op, x.phase, x.elements, x.cut) for x in backward] == [
+            (op, "backward", elements, "tp") for op in backward_ops
+        ]
 
 
 @pytest.mark.multirank
@@ -431,7 +440,7 @@ def test_all_to_all_autograd_uneven(two):
 
 @pytest.mark.multirank
 def test_one_rank_group_records_nothing(two):
-    for r, res in enumerate(two):
+    for res in two:
         same, size, group_rank, untouched, copied, records = res["solo"]
         assert all(same), same
         assert size == 1 and group_rank == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
 from fivecut.launch import spawn
@@ -22,7 +23,6 @@ from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
-from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -65,8 +65,17 @@ def context_parallel_step(mode: str, cp: int, tp: int, sp: bool):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode,cp,tp,sp", [("ulysses", 2, 1, False), ("ulysses", 4, 1, False), ("ulysses", 2, 2, True),
-                                           ("ring", 2, 1, False), ("ring", 4, 1, False), ("ring", 2, 2, True)])
+@pytest.mark.parametrize(
+    "mode,cp,tp,sp",
+    [
+        ("ulysses", 2, 1, False),
+        ("ulysses", 4, 1, False),
+        ("ulysses", 2, 2, True),
+        ("ring", 2, 1, False),
+        ("ring", 4, 1, False),
+        ("ring", 2, 2, True),
+    ],
+)
 def test_forward_and_gradients_match_single_device(mode, cp, tp, sp):
     # tiny: 4 heads, 2 kv heads; Ulysses at cp=4 repeats the kv heads, cp=2 x tp=2 leaves one head per rank
     ref_logits, ref_grads = reference()
@@ -87,7 +96,9 @@ def test_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
         "ring dp=2,cp=2,zero=3": ("parallel.cp=2", "parallel.dp=2", "parallel.zero=3"),
     }.items():
         cfg = small_config(byte_cache, *extra, f'log.out_dir="{tmp_path}/{name}"')
-        np.testing.assert_allclose(spawn(run_config, cfg.parallel.world_size, cfg)[0], reference, rtol=LOSS_RTOL, err_msg=name)
+        np.testing.assert_allclose(
+            spawn(run_config, cfg.parallel.world_size, cfg)[0], reference, rtol=LOSS_RTOL, err_msg=name
+        )
     # capacity and the auxiliary loss need each sequence's slots from both cp chunks; the bias rule is
     # left out: its sign(load - mean) turns a one-token routing flip (fp rounding differs under
     # Ulysses) into a different bias, and the runs separate after a few steps (benchmarks/RESULTS.md)

@@ -249,7 +249,7 @@ def test_eval_batches_fixed_and_non_overlapping():
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 def test_shard_batch_matches_local_rows(dp_size):
-    (x, y), = eval_batches(arange_tokens(500), seq_len=6, batch=8, n_batches=1)
+    ((x, y),) = eval_batches(arange_tokens(500), seq_len=6, batch=8, n_batches=1)
     shards = [shard_batch((x, y), r, dp_size) for r in range(dp_size)]
     assert torch.equal(torch.cat([s[0] for s in shards]), x)
     assert torch.equal(torch.cat([s[1] for s in shards]), y)

@@ -22,8 +22,8 @@ from fivecut.launch import spawn
 from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.data import DataParallel, plan_buckets
-from fivecut.train.data import BatchSampler
 from fivecut.parallel.parallelize import token_loss_sum
+from fivecut.train.data import BatchSampler
 from fivecut.train.trainer import train
 
 LOSS_RTOL = 1e-5
@@ -104,7 +104,7 @@ def run_config(cfg: Config):
     return train(cfg, quiet=True).losses
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single_process_losses(cache_dir: str, *overrides: str) -> list[float]:
     """The reference run for `small_config(cache_dir, *overrides)`, computed once per session
     (a quiet run writes no files, so its out_dir does not matter)."""
@@ -131,13 +131,14 @@ def test_losses_over_steps_match_for_dp_and_accumulation(byte_cache, tmp_path):
     layouts = {
         "dp=2": small_config(byte_cache, "parallel.dp=2", f'log.out_dir="{tmp_path}/a"'),
         "accumulate=4": small_config(byte_cache, "train.accumulate=4", f'log.out_dir="{tmp_path}/b"'),
-        "dp=2,accumulate=2": small_config(byte_cache, "parallel.dp=2", "train.accumulate=2", f'log.out_dir="{tmp_path}/c"'),
+        "dp=2,accumulate=2": small_config(
+            byte_cache, "parallel.dp=2", "train.accumulate=2", f'log.out_dir="{tmp_path}/c"'
+        ),
     }
     for name, cfg in layouts.items():
         losses = spawn(run_config, cfg.parallel.world_size, cfg)[0]
         np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL, err_msg=name)
     assert reference[-1] < reference[0]  # it is actually training
-
 
 
 def step_after_set_to_none():

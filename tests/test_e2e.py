@@ -11,7 +11,16 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-QUICK = ["--set", "train.seq_len=32", "--set", "train.global_batch=4", "--set", "train.eval_every=2", "--set", "train.eval_batches=2"]
+QUICK = [
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.global_batch=4",
+    "--set",
+    "train.eval_every=2",
+    "--set",
+    "train.eval_batches=2",
+]
 
 
 def fivecut(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -19,7 +28,16 @@ def fivecut(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "fivecut", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "fivecut",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
@@ -50,7 +68,16 @@ def test_ledger_dp2_matches_the_closed_form(byte_cache):
 
 
 def train_args(cache: str, out: str, steps: int = 4) -> list[str]:
-    return ["train", "--set", f"train.steps={steps}", "--set", f'data.cache_dir="{cache}"', "--set", f'log.out_dir="{out}"', *QUICK]
+    return [
+        "train",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f'data.cache_dir="{cache}"',
+        "--set",
+        f'log.out_dir="{out}"',
+        *QUICK,
+    ]
 
 
 def losses(out) -> list[float]:
@@ -118,12 +145,17 @@ def test_ledger_pipeline_boundaries(byte_cache):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout,options", [
-    ("dp=2,ep=2", []),
-    ("dp=2,tp=2,sp=true,ep=2", ["--set", "moe.capacity_factor=1.5", "--set", "moe.aux_loss_coef=0.01"]),
-])
+@pytest.mark.parametrize(
+    "layout,options",
+    [
+        ("dp=2,ep=2", []),
+        ("dp=2,tp=2,sp=true,ep=2", ["--set", "moe.capacity_factor=1.5", "--set", "moe.aux_loss_coef=0.01"]),
+    ],
+)
 def test_ledger_expert_parallel_from_routing_counts(byte_cache, layout, options):
-    run = fivecut("ledger", "--model", "tiny-moe", "--layout", layout, "--set", f'data.cache_dir="{byte_cache}"', *options)
+    run = fivecut(
+        "ledger", "--model", "tiny-moe", "--layout", layout, "--set", f'data.cache_dir="{byte_cache}"', *options
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[-1] == "ratio=1.000"

@@ -142,9 +142,15 @@ def test_moe_options_are_checked(byte_cache):
     assert "eplb_slots >= 1" in refused('model.preset="tiny-moe"', "moe.eplb_window=5")  # would be ignored
     assert "expert_groups" in refused('model.preset="tiny-moe"', "model.route_group_limit=2")
     with pytest.raises(LayoutError, match="n_experts=8 not divisible by ep=3"):
-        validate(small_config(byte_cache, 'model.preset="tiny-moe"', "parallel.dp=3", "parallel.ep=3", "train.global_batch=9"))
+        validate(
+            small_config(
+                byte_cache, 'model.preset="tiny-moe"', "parallel.dp=3", "parallel.ep=3", "train.global_batch=9"
+            )
+        )
     with pytest.raises(ValueError, match="route_group_limit"):
-        validate(small_config(byte_cache, 'model.preset="tiny-moe"', "model.expert_groups=4", "model.route_group_limit=5"))
+        validate(
+            small_config(byte_cache, 'model.preset="tiny-moe"', "model.expert_groups=4", "model.route_group_limit=5")
+        )
 
 
 # ---------------------------------------------------------------- parity under ep
@@ -187,7 +193,12 @@ CASES = {
     "dp=4,ep=2 sigmoid, aux loss": ("dp=4,ep=2", {"aux_loss_coef": 0.01}, SIGMOID, None),
     "dp=4,ep=4 EPLB copies": ("dp=4,ep=4", {"eplb_slots": 1}, {}, [50.0, 1, 1, 1, 30, 1, 1, 1]),
     "dp=4,ep=4 group-limited": ("dp=4,ep=4", {}, {"expert_groups": 4, "route_group_limit": 2, **SIGMOID}, None),
-    "dp=2,tp=2,sp,ep=2 capacity + aux": ("dp=2,tp=2,sp=true,ep=2", {"capacity_factor": 1.0, "aux_loss_coef": 0.01}, {}, None),
+    "dp=2,tp=2,sp,ep=2 capacity + aux": (
+        "dp=2,tp=2,sp=true,ep=2",
+        {"capacity_factor": 1.0, "aux_loss_coef": 0.01},
+        {},
+        None,
+    ),
     "tp=2 no sp, capacity": ("tp=2", {"capacity_factor": 1.0}, SIGMOID, None),
 }
 
@@ -207,7 +218,9 @@ def test_forward_and_gradients_match_single_device(case):
         torch.testing.assert_close(logits, ref_logits[dp_rank * rows : (dp_rank + 1) * rows], **LOGIT_TOL)
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}"
+            )
 
 
 MOE = ('model.preset="tiny-moe"',)
@@ -219,8 +232,14 @@ def test_losses_over_steps_match_with_balancing_and_zero(byte_cache, tmp_path):
     reference = single_process_losses(byte_cache, *MOE, *balance)
     layouts = {
         "dp=2,ep=2,zero=1": ("parallel.dp=2", "parallel.ep=2", "parallel.zero=1"),
-        "dp=4,ep=4,eplb,accumulate=2": ("parallel.dp=4", "parallel.ep=4", "moe.eplb_slots=1", "moe.eplb_interval=2",
-                                        "moe.eplb_window=2", "train.accumulate=2"),
+        "dp=4,ep=4,eplb,accumulate=2": (
+            "parallel.dp=4",
+            "parallel.ep=4",
+            "moe.eplb_slots=1",
+            "moe.eplb_interval=2",
+            "moe.eplb_window=2",
+            "train.accumulate=2",
+        ),
         "dp=2,ep=2,pp=2": ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"),
         "dp=4,ep=2,zero=3": ("parallel.dp=4", "parallel.ep=2", "parallel.zero=3"),
     }
@@ -243,9 +262,19 @@ def test_moving_experts_keeps_training_identical(byte_cache, tmp_path, zero):
     Adam moments change ranks, and the losses stay the single process's."""
     balance = ("moe.bias_update_rate=0.01",)
     reference = single_process_losses(byte_cache, *MOE, *balance)
-    cfg = small_config(byte_cache, *MOE, *balance, "parallel.dp=4", "parallel.ep=2", f"parallel.zero={zero}",
-                       "moe.eplb_move=true", "moe.eplb_slots=1", "moe.eplb_interval=1", "moe.eplb_window=1",
-                       f'log.out_dir="{tmp_path}"')
+    cfg = small_config(
+        byte_cache,
+        *MOE,
+        *balance,
+        "parallel.dp=4",
+        "parallel.ep=2",
+        f"parallel.zero={zero}",
+        "moe.eplb_move=true",
+        "moe.eplb_slots=1",
+        "moe.eplb_interval=1",
+        "moe.eplb_window=1",
+        f'log.out_dir="{tmp_path}"',
+    )
     losses, moe = spawn(run_moe, 4, cfg)[0]
     moved = sum(layer["moved_elements"] for step in moe for layer in step["local"].values())
     assert moved > 0  # experts did change ranks
@@ -262,8 +291,15 @@ def test_packing_moves_the_hottest_experts_apart():
 
 @pytest.mark.multirank
 def test_capacity_drops_are_reported_and_training_converges(byte_cache, tmp_path):
-    cfg = small_config(byte_cache, *MOE, "parallel.dp=2", "parallel.ep=2", "moe.capacity_factor=1.0",
-                       "train.steps=10", f'log.out_dir="{tmp_path}"')
+    cfg = small_config(
+        byte_cache,
+        *MOE,
+        "parallel.dp=2",
+        "parallel.ep=2",
+        "moe.capacity_factor=1.0",
+        "train.steps=10",
+        f'log.out_dir="{tmp_path}"',
+    )
     losses, moe = spawn(run_moe, 2, cfg)[0]
     assert all(0.0 < step["dropped"] < 1.0 for step in moe)  # an unbalanced router soon drops most slots
     assert losses[-1] < 0.8 * losses[0]

@@ -96,7 +96,9 @@ def test_fewer_layers_than_stages():
 
 
 def test_dualpipev_counts_two_stages_per_rank():
-    msg = problems(ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4), model=dataclasses.replace(TINY, n_layers=3))
+    msg = problems(
+        ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4), model=dataclasses.replace(TINY, n_layers=3)
+    )
     assert "n_layers=3" in msg and "4 pipeline stages" in msg
     ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4).validate(TINY, 128, 8, 1, 2)  # 4 layers fill 4 stages
 
@@ -279,7 +281,11 @@ def test_mesh_groups_on_four_ranks():
         for name in ("dp", "tp", "dp_cp"):
             assert g[name]["size"] == 2 and g[name]["has_pg"] and g[name]["cut"] == name.split("_")[0]
         assert all(x["same_ledger"] for x in g.values()) and m["mesh_ledger"]
-        assert m["sums"] == {"tp": float(sum(tp_groups[rank])), "dp": float(sum(dp_groups[rank])), "dp_cp": float(sum(dp_groups[rank]))}
+        assert m["sums"] == {
+            "tp": float(sum(tp_groups[rank])),
+            "dp": float(sum(dp_groups[rank])),
+            "dp_cp": float(sum(dp_groups[rank])),
+        }
 
     # ---- pp=2, dp=2: pp outermost, so a pipeline group spans the two halves
     pp_groups = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
@@ -293,7 +299,11 @@ def test_mesh_groups_on_four_ranks():
         assert g["dp"]["ranks"] == dp_groups[rank] and g["dp"]["rank"] == rank % 2
         assert g["dp_cp"]["ranks"] == dp_groups[rank]
         assert g["tp"]["size"] == 1 and g["cp"]["size"] == 1
-        assert m["sums"] == {"pp": float(sum(pp_groups[rank])), "dp": float(sum(dp_groups[rank])), "dp_cp": float(sum(dp_groups[rank]))}
+        assert m["sums"] == {
+            "pp": float(sum(pp_groups[rank])),
+            "dp": float(sum(dp_groups[rank])),
+            "dp_cp": float(sum(dp_groups[rank])),
+        }
 
     # ---- dp=2, cp=2: cp inside dp, dp_cp is all four ranks
     for rank, res in enumerate(results):

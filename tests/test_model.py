@@ -227,8 +227,9 @@ def naive_moe(moe: MoE, x: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     return torch.stack(out).view_as(x)
 
 
-@pytest.mark.parametrize("gate,top_k,scale", [
-    ("softmax", 2, 1.0), ("softmax", 1, 1.0), ("sigmoid", 3, 2.5), ("sigmoid", 1, 1.0)])
+@pytest.mark.parametrize(
+    "gate,top_k,scale", [("softmax", 2, 1.0), ("softmax", 1, 1.0), ("sigmoid", 3, 2.5), ("sigmoid", 1, 1.0)]
+)
 def test_moe_matches_naive_loop(gate, top_k, scale):
     args = dataclasses.replace(get_preset("tiny-moe"), gate=gate, top_k=top_k, route_scale=scale)
     moe = build_model(args).layers["1"].feed_forward
@@ -257,16 +258,19 @@ def test_gradients_reach_every_parameter(name):
 # ----- configuration errors -------------------------------------------------
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(dim=130), r"dim \(130\) is not divisible by n_heads \(4\)"),
-    (dict(n_kv_heads=3), r"n_heads \(4\) is not divisible by n_kv_heads \(3\)"),
-    (dict(dim=120, n_heads=8), r"head_dim .* 15 is odd"),
-    (dict(n_experts=4, top_k=5), r"top_k \(5\) exceeds n_experts \(4\)"),
-    (dict(first_dense_layers=5), r"first_dense_layers \(5\) exceeds n_layers \(4\)"),
-    (dict(gate="relu"), r"gate 'relu'"),
-    (dict(vocab_size=0), r"vocab_size must be positive, got 0"),
-    (dict(n_experts=-1), r"n_experts must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(dim=130), r"dim \(130\) is not divisible by n_heads \(4\)"),
+        (dict(n_kv_heads=3), r"n_heads \(4\) is not divisible by n_kv_heads \(3\)"),
+        (dict(dim=120, n_heads=8), r"head_dim .* 15 is odd"),
+        (dict(n_experts=4, top_k=5), r"top_k \(5\) exceeds n_experts \(4\)"),
+        (dict(first_dense_layers=5), r"first_dense_layers \(5\) exceeds n_layers \(4\)"),
+        (dict(gate="relu"), r"gate 'relu'"),
+        (dict(vocab_size=0), r"vocab_size must be positive, got 0"),
+        (dict(n_experts=-1), r"n_experts must be >= 0"),
+    ],
+)
 def test_validate_refuses(change, match):
     with pytest.raises(ValueError, match=match):
         ModelArgs(**change).validate()

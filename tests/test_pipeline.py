@@ -12,10 +12,10 @@ import functools
 import numpy as np
 import pytest
 import torch
+from test_ddp import GRAD_TOL, LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut.launch import spawn
 from fivecut.train.trainer import forward_backward, setup
-from test_ddp import GRAD_TOL, LOSS_RTOL, run_config, single_process_losses, small_config
 
 pytestmark = pytest.mark.multirank
 
@@ -40,7 +40,7 @@ def gradients(cfg, world: int) -> dict[str, torch.Tensor]:
     return merged
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single_process_gradients(cache_dir: str) -> dict[str, torch.Tensor]:
     return gradients(small_config(cache_dir), 1)
 
@@ -48,16 +48,18 @@ def single_process_gradients(cache_dir: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "schedule",
     [
-        ("pp_schedule=\"gpipe\"", "microbatches=4"),
-        ("pp_schedule=\"1f1b\"", "microbatches=4"),
-        ("pp_schedule=\"interleaved\"", "pp_virtual=2", "microbatches=4"),
-        ("pp_schedule=\"zb1p\"", "microbatches=4"),
-        ("pp_schedule=\"dualpipev\"", "microbatches=4"),
+        ('pp_schedule="gpipe"', "microbatches=4"),
+        ('pp_schedule="1f1b"', "microbatches=4"),
+        ('pp_schedule="interleaved"', "pp_virtual=2", "microbatches=4"),
+        ('pp_schedule="zb1p"', "microbatches=4"),
+        ('pp_schedule="dualpipev"', "microbatches=4"),
     ],
 )
 def test_every_schedule_reproduces_single_process_gradients(schedule, byte_cache, tmp_path):
     reference = single_process_gradients(byte_cache)
-    cfg = small_config(byte_cache, "parallel.pp=2", *(f"parallel.{item}" for item in schedule), f'log.out_dir="{tmp_path}/p"')
+    cfg = small_config(
+        byte_cache, "parallel.pp=2", *(f"parallel.{item}" for item in schedule), f'log.out_dir="{tmp_path}/p"'
+    )
     pipelined = gradients(cfg, 2)
     assert pipelined.keys() == reference.keys()
     for name, g in reference.items():
@@ -84,7 +86,20 @@ def test_losses_over_steps(layout, byte_cache, tmp_path):
 def test_tied_embeddings_across_or_on_one_rank(schedule, tmp_path, byte_cache):
     """GPT-2 vocabulary, tied embedding: 1F1B keeps a copy on each end (gradients summed over the
     two ranks, counted once in the clip norm); DualPipeV puts both ends on rank 0 (one Parameter)."""
-    gpt2 = ('model.preset="tiny-gpt2"', "model.n_layers=4", 'data.tokenizer="gpt2"', "train.steps=3", "train.grad_clip=0.5")
+    gpt2 = (
+        'model.preset="tiny-gpt2"',
+        "model.n_layers=4",
+        'data.tokenizer="gpt2"',
+        "train.steps=3",
+        "train.grad_clip=0.5",
+    )
     reference = single_process_losses(byte_cache, *gpt2)
-    cfg = small_config(byte_cache, *gpt2, "parallel.pp=2", f"parallel.pp_schedule={schedule}", "parallel.microbatches=4", f'log.out_dir="{tmp_path}/p"')
+    cfg = small_config(
+        byte_cache,
+        *gpt2,
+        "parallel.pp=2",
+        f"parallel.pp_schedule={schedule}",
+        "parallel.microbatches=4",
+        f'log.out_dir="{tmp_path}/p"',
+    )
     np.testing.assert_allclose(spawn(run_config, 2, cfg)[0], reference, rtol=LOSS_RTOL)

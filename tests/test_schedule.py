@@ -25,7 +25,11 @@ from fivecut.parallel.pipeline.simulate import simulate, text
 REL = 0.005  # closed forms must hold within 0.5%
 
 LAYOUTS = [  # (name, pp, m, virtual)
-    *[(name, pp, m, 1) for name in ("gpipe", "1f1b", "zb1p") for pp, m in [(1, 3), (2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (8, 16)]],
+    *[
+        (name, pp, m, 1)
+        for name in ("gpipe", "1f1b", "zb1p")
+        for pp, m in [(1, 3), (2, 1), (2, 4), (3, 5), (4, 8), (4, 2), (8, 16)]
+    ],
     *[("interleaved", pp, m, v) for pp, m, v in [(2, 4, 2), (4, 8, 2), (4, 8, 3), (3, 6, 4), (8, 16, 2)]],
     *[("dualpipev", pp, m, v) for pp, m, v in [(1, 2, 1), (2, 4, 1), (2, 4, 2), (3, 7, 1), (4, 8, 1), (8, 16, 1)]],
 ]
@@ -71,7 +75,9 @@ def test_zb1p_beats_1f1b_with_no_more_memory(pp, m):
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (3, 6), (8, 16), (4, 20)])
 def test_dualpipev_beats_zb1p(pp, m):
     assert bubble("dualpipev", pp, m) < bubble("zb1p", pp, m)
-    assert bubble("dualpipev", pp, m) == pytest.approx((pp - 1) / (6 * m + pp - 1), rel=REL)  # the last rank's first wait
+    assert bubble("dualpipev", pp, m) == pytest.approx(
+        (pp - 1) / (6 * m + pp - 1), rel=REL
+    )  # the last rank's first wait
 
 
 def test_dualpipev_places_stages_in_a_v():
@@ -123,7 +129,9 @@ def test_receives_follow_the_peers_send_order():
     assert rank1.index(Action("RECV_F", 1, 2)) < rank1.index(Action("RECV_B", 2, 0)) < rank1.index(Action("F", 1, 2))
     recv = rank1.pop(rank1.index(Action("RECV_F", 1, 2)))
     rank1.insert(rank1.index(Action("F", 1, 2)), recv)  # back to just before F1.2: crosses rank 0's send order
-    with pytest.raises(ScheduleError, match=r"rank 1: receive #2 from rank 0 is rB2\.0 but rank 0's send #2 to it is sF0\.2"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 1: receive #2 from rank 0 is rB2\.0 but rank 0's send #2 to it is sF0\.2"
+    ):
         check(sch)
 
 
@@ -158,15 +166,18 @@ def test_stage_on_the_wrong_rank_is_caught():
         check(sch)
 
 
-@pytest.mark.parametrize("args,words", [
-    (("interleaved", 4, 6, 2), ["microbatches=6", "pp=4", "microbatches=8"]),
-    (("interleaved", 4, 8, 1), ["virtual=1"]),
-    (("dualpipev", 4, 6, 1), ["microbatches=6", "2*pp=8"]),
-    (("1f1b", 4, 8, 2), ["virtual=2"]),
-    (("zb2p", 4, 8, 1), ["zb2p", "zb1p"]),
-    (("gpipe", 0, 8, 1), ["pp=0"]),
-    (("gpipe", 2, 0, 1), ["microbatches=0"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("interleaved", 4, 6, 2), ["microbatches=6", "pp=4", "microbatches=8"]),
+        (("interleaved", 4, 8, 1), ["virtual=1"]),
+        (("dualpipev", 4, 6, 1), ["microbatches=6", "2*pp=8"]),
+        (("1f1b", 4, 8, 2), ["virtual=2"]),
+        (("zb2p", 4, 8, 1), ["zb2p", "zb1p"]),
+        (("gpipe", 0, 8, 1), ["pp=0"]),
+        (("gpipe", 2, 0, 1), ["microbatches=0"]),
+    ],
+)
 def test_bad_numbers_are_refused_with_a_fix(args, words):
     with pytest.raises(ValueError) as err:
         build_schedule(*args)

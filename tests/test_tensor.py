@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
 from fivecut.comm import Group
@@ -24,7 +25,6 @@ from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, padded_vocab
-from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -65,7 +65,14 @@ def tensor_parallel_step(preset: str, tp: int, sp: bool):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "preset,tp,sp",
-    [("tiny", 2, False), ("tiny", 4, False), ("tiny", 2, True), ("tiny", 4, True), ("tiny-gpt2", 2, True), ("tiny-gpt2", 4, False)],
+    [
+        ("tiny", 2, False),
+        ("tiny", 4, False),
+        ("tiny", 2, True),
+        ("tiny", 4, True),
+        ("tiny-gpt2", 2, True),
+        ("tiny-gpt2", 4, False),
+    ],
 )
 def test_forward_and_every_gradient_match_single_device(preset, tp, sp):
     # tiny: 4 heads, 2 kv heads -> tp=4 replicates kv heads; tiny-gpt2: vocab 50257 padded to 50258 / 50260
@@ -78,7 +85,14 @@ def test_forward_and_every_gradient_match_single_device(preset, tp, sp):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.tp=2", "parallel.sp=true", "parallel.dp=2"), ("parallel.tp=2", "parallel.dp=2", "parallel.zero=3")])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.tp=2",),
+        ("parallel.tp=2", "parallel.sp=true", "parallel.dp=2"),
+        ("parallel.tp=2", "parallel.dp=2", "parallel.zero=3"),
+    ],
+)
 def test_losses_over_steps(layout, byte_cache, tmp_path):
     reference_losses = single_process_losses(byte_cache)
     cfg = small_config(byte_cache, *layout, f'log.out_dir="{tmp_path}/l"')

@@ -15,15 +15,23 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from test_ddp import (
+    GRAD_TOL,
+    LOGIT_TOL,
+    LOSS_RTOL,
+    TOKENS,
+    one_step_gradients,
+    run_config,
+    single_process_losses,
+    small_config,
+)
 
 from fivecut import comm
 from fivecut.launch import spawn
 from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
-from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.train.data import BatchSampler
-from fivecut.parallel.parallelize import token_loss_sum
-from test_ddp import GRAD_TOL, LOGIT_TOL, LOSS_RTOL, TOKENS, one_step_gradients, run_config, single_process_losses, small_config
 
 pytestmark = pytest.mark.multirank
 
@@ -96,7 +104,11 @@ def grad_norms(cfg):
 def test_clipping_sees_the_global_norm(byte_cache, tmp_path):
     """The norm computed from shards (one all-reduce of squared norms) equals the full one."""
     reference = spawn(grad_norms, 1, small_config(byte_cache, "train.steps=3", f'log.out_dir="{tmp_path}/r"'))[0]
-    sharded = spawn(grad_norms, 4, small_config(byte_cache, "train.steps=3", "parallel.dp=4", "parallel.zero=3", f'log.out_dir="{tmp_path}/s"'))
+    sharded = spawn(
+        grad_norms,
+        4,
+        small_config(byte_cache, "train.steps=3", "parallel.dp=4", "parallel.zero=3", f'log.out_dir="{tmp_path}/s"'),
+    )
     assert min(reference) > 0.5  # the default clip (1.0) or the test above is active at these norms
     for norms in sharded:
         np.testing.assert_allclose(norms, reference, rtol=1e-5)
@@ -105,7 +117,9 @@ def test_clipping_sees_the_global_norm(byte_cache, tmp_path):
 def test_bf16_reduction_stays_close(byte_cache, tmp_path):
     """Gradients reduced in bf16 lose precision (8-bit mantissa): close, not identical."""
     reference = single_process_losses(byte_cache)
-    cfg = small_config(byte_cache, "parallel.dp=2", "parallel.zero=2", 'train.reduce_dtype="bf16"', f'log.out_dir="{tmp_path}/b"')
+    cfg = small_config(
+        byte_cache, "parallel.dp=2", "parallel.zero=2", 'train.reduce_dtype="bf16"', f'log.out_dir="{tmp_path}/b"'
+    )
     losses = spawn(run_config, 2, cfg)[0]
     np.testing.assert_allclose(losses, reference, rtol=1e-2)
     assert losses != reference  # the reduction really was in bf16

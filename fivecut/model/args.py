@@ -114,7 +114,7 @@ class ModelArgs:
 
     # ----- validation ----------------------------------------------------
 
-    def validate(self) -> "ModelArgs":
+    def validate(self) -> ModelArgs:
         """Raise ValueError naming the numbers and a fix; return self if fine."""
         _check_positive(self)
         if self.dim % self.n_heads:
@@ -148,24 +148,42 @@ class ModelArgs:
             )
         return self
 
-
     def _validate_groups(self) -> None:
         g, limit = self.expert_groups, self.route_group_limit
         if self.n_experts % g:
-            raise ValueError(f"n_experts ({self.n_experts}) is not divisible by expert_groups ({g}); "
-                             f"choose expert_groups among {[d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]}")
+            raise ValueError(
+                f"n_experts ({self.n_experts}) is not divisible by expert_groups ({g}); "
+                f"choose expert_groups among {[d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]}"
+            )
         if g == 1 and limit != 1:
-            raise ValueError(f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups")
+            raise ValueError(
+                f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups"
+            )
         if limit > g:
             raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
         if g > 1 and self.top_k > limit * (self.n_experts // g):
-            raise ValueError(f"top_k ({self.top_k}) exceeds the {limit * (self.n_experts // g)} experts in "
-                             f"route_group_limit={limit} groups of {self.n_experts // g}; raise route_group_limit")
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the {limit * (self.n_experts // g)} experts in "
+                f"route_group_limit={limit} groups of {self.n_experts // g}; raise route_group_limit"
+            )
 
 
-_POSITIVE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-             "max_seq_len", "rope_theta", "norm_eps", "init_std", "top_k", "route_scale",
-             "expert_groups", "route_group_limit")
+_POSITIVE = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "init_std",
+    "top_k",
+    "route_scale",
+    "expert_groups",
+    "route_group_limit",
+)
 _NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
 
 

@@ -211,8 +211,7 @@ class MoE(nn.Module):
         # balancing, DeepSeek-V3); the combine weights use the raw scores.
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=False)
         # Tokens each expert received in the last forward (load metrics).
-        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.long),
-                             persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.long), persistent=False)
 
     def reset_buffers(self) -> None:
         device = self.expert_bias.device
@@ -334,7 +333,7 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = (self.rope_cos[positions], self.rope_sin[positions])  # [s, hd] each
-        for layer in (self.layers.values() if self.layers is not None else ()):
+        for layer in self.layers.values() if self.layers is not None else ():
             h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
@@ -361,8 +360,9 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "cpu", seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(
+    args: ModelArgs, device: str | torch.device = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Transformer:
     """Validate, construct on the meta device, materialize on ``device`` and
     initialize from ``seed``. ``device="meta"`` gives a shape-only model."""
     args.validate()

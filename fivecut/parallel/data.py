@@ -199,8 +199,14 @@ class DataParallel(GradReducer):
     """Bucketed, overlapped gradient all-reduce over `group` for the parameters of `module`
     (or the subset `params` of them)."""
 
-    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None,
-                 params: list[nn.Parameter] | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        bucket_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+        params: list[nn.Parameter] | None = None,
+    ):
         self.module = module
         self.params = params if params is not None else [p for p in module.parameters() if p.requires_grad]
         plan = plan_buckets(list(reversed(self.params)), int(bucket_mb * 2**20))

@@ -71,7 +71,11 @@ class MoEOptions:
     def problems(self, args, ep: int) -> list[str]:
         """What cannot work with model `args` (ModelArgs) and `ep` expert-parallel ranks."""
         if not args.is_moe:
-            return [] if self.is_default() else ["[moe] options are set but the model is dense (n_experts=0); remove them or pick a MoE model"]
+            return (
+                []
+                if self.is_default()
+                else ["[moe] options are set but the model is dense (n_experts=0); remove them or pick a MoE model"]
+            )
         out = []
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             out.append(f"moe.capacity_factor={self.capacity_factor} must be > 0 (leave it unset for dropless)")
@@ -82,14 +86,25 @@ class MoEOptions:
             out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
         if self.eplb_slots < 0:
             out.append(f"moe.eplb_slots={self.eplb_slots} must be >= 0")
-        if not self.eplb and (self.eplb_interval, self.eplb_window) != (MoEOptions.eplb_interval, MoEOptions.eplb_window):
-            out.append("moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or moe.eplb_move=true, or leave them")
+        if not self.eplb and (self.eplb_interval, self.eplb_window) != (
+            MoEOptions.eplb_interval,
+            MoEOptions.eplb_window,
+        ):
+            out.append(
+                "moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or "
+                "moe.eplb_move=true, or leave them"
+            )
         if self.eplb and ep == 1:
-            out.append("EPLB (moe.eplb_slots, moe.eplb_move) places experts over expert-parallel ranks, but ep=1; "
-                       + "set parallel.ep >= 2 or turn EPLB off")
+            out.append(
+                "EPLB (moe.eplb_slots, moe.eplb_move) places experts over expert-parallel ranks, but ep=1; "
+                + "set parallel.ep >= 2 or turn EPLB off"
+            )
         foreign = args.n_experts - args.n_experts // max(ep, 1)
         if ep > 1 and self.eplb_slots > foreign:
-            out.append(f"moe.eplb_slots={self.eplb_slots}: a rank can hold copies of at most the {foreign} experts it does not own")
+            out.append(
+                f"moe.eplb_slots={self.eplb_slots}: a rank can hold copies of at most the {foreign} experts it "
+                f"does not own"
+            )
         return out
 
 
@@ -142,7 +157,9 @@ class Placement:
         return dest.to(device), cum.to(device)
 
 
-def plan_placement(load: list[float], ep: int, extra: int, current: Placement | None = None, move: bool = False) -> Placement:
+def plan_placement(
+    load: list[float], ep: int, extra: int, current: Placement | None = None, move: bool = False
+) -> Placement:
     """EPLB: move experts between ranks (`move`), give the hottest ones copies on the `extra`
     slots of each rank and share each expert's tokens among its copies, so that the maximum
     rank load approaches the mean.
@@ -181,7 +198,13 @@ def _with_copies(load: list[float], ep: int, extra: int, owned: list[list[int]] 
     """Steps 1-2 of `plan_placement` for fixed owners; no copies if they do not help."""
     placement = Placement(len(load), ep, extra, owned)
     for _ in range(ep * extra):
-        options = [(e, r) for r in range(ep) if -1 in placement.expert[r] for e in range(len(load)) if e not in placement.expert[r]]
+        options = [
+            (e, r)
+            for r in range(ep)
+            if -1 in placement.expert[r]
+            for e in range(len(load))
+            if e not in placement.expert[r]
+        ]
         if not options:
             break
         copies = [len(placement.replicas(e)) for e in range(len(load))]
@@ -223,10 +246,14 @@ def _level(placement: Placement, e: int, load: list[float]) -> None:
 def sequence_counts(topk_idx: torch.Tensor, rows: int, n_experts: int) -> torch.Tensor:
     """topk_idx [b*s, k] -> slots per (sequence, expert) [b, E]."""
     flat = topk_idx.view(rows, -1)  # [b, s*k]
-    return torch.zeros(rows, n_experts, dtype=torch.long, device=flat.device).scatter_add_(1, flat, torch.ones_like(flat))
+    return torch.zeros(rows, n_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        1, flat, torch.ones_like(flat)
+    )
 
 
-def capacity_keep(topk_idx: torch.Tensor, rows: int, n_experts: int, capacity: int, earlier: torch.Tensor) -> torch.Tensor:
+def capacity_keep(
+    topk_idx: torch.Tensor, rows: int, n_experts: int, capacity: int, earlier: torch.Tensor
+) -> torch.Tensor:
     """Token-order priority: within a sequence, an expert keeps its first `capacity` slots.
     topk_idx [b*s, k]; earlier [b, E] slots the same sequence already gave each expert on
     the ranks holding its earlier tokens. Returns keep [b*s, k] bool."""
@@ -237,7 +264,9 @@ def capacity_keep(topk_idx: torch.Tensor, rows: int, n_experts: int, capacity: i
     return (position < capacity).view(t, k)
 
 
-def aux_loss_part(scores: torch.Tensor, counts_full: torch.Tensor, rows: int, seq_full: int, k: int, sigmoid: bool) -> torch.Tensor:
+def aux_loss_part(
+    scores: torch.Tensor, counts_full: torch.Tensor, rows: int, seq_full: int, k: int, sigmoid: bool
+) -> torch.Tensor:
     """Switch/GShard load-balancing loss per sequence, summed over this rank's sequences:
         sum_b  sum_e  f[b,e] * P[b,e],   f = E * slots[b,e] / (k * s),   P = mean_t p[t,e]
     (1 at perfect balance). scores [b*s_local, E]; counts_full [b, E] slots of the whole
@@ -285,11 +314,14 @@ class ExpertParallelMoE:
     """Forward of one `MoE` module under expert (and tensor) parallelism, with capacity,
     balancing and load statistics. Installed as `moe.runtime`."""
 
-    def __init__(self, moe: MoE, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float,
-                 cp: Group | None = None):
+    def __init__(
+        self, moe: MoE, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float, cp: Group | None = None
+    ):
         self.moe, self.options = moe, options
         self.ep, self.tp, self.sp = ep, tp, sp
-        self.cp = cp if cp is not None else Group("cp", (0,), None, ep.ledger, index=0)  # sequence chunks (context parallelism)
+        self.cp = (
+            cp if cp is not None else Group("cp", (0,), None, ep.ledger, index=0)
+        )  # sequence chunks (context parallelism)
         self.aux_scale = aux_scale  # 1 / sequences in the global batch: the loss is a mean over sequences
         self.n_experts = moe.router.weight.shape[0]
         self.set_placement(Placement(self.n_experts, ep.size, options.eplb_slots))
@@ -361,7 +393,9 @@ class ExpertParallelMoE:
             return None, parts.sum(0)
         seq_full = s * self.chunks
         capacity = math.ceil(self.options.capacity_factor * seq_full * self.moe.top_k / self.n_experts)
-        earlier = parts[: self.cp.rank * self.tp.size + self.tp.rank].sum(0)  # [b, E] slots of this sequence's earlier chunks
+        earlier = parts[: self.cp.rank * self.tp.size + self.tp.rank].sum(
+            0
+        )  # [b, E] slots of this sequence's earlier chunks
         return capacity_keep(topk_idx, b, self.n_experts, capacity, earlier), parts.sum(0)
 
     def _aux_loss(self, scores, counts_full, b: int, s: int) -> torch.Tensor:
@@ -416,7 +450,9 @@ class ExpertParallelMoE:
         y_back = comm.all_to_all(y_recv, ep, in_splits, out_splits)  # combine: [N, dim] in sent order
         row = torch.full((t * k,), len(sent_slots), dtype=torch.long, device=x_flat.device)  # dropped: the zero row
         row[sent_slots] = torch.arange(len(sent_slots), device=x_flat.device)
-        y_slots = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[-1])])[row]  # [T*k, dim] (a gather saves only `row`)
+        y_slots = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[-1])])[
+            row
+        ]  # [T*k, dim] (a gather saves only `row`)
         weight = topk_weight if keep is None else topk_weight.masked_fill(~keep, 0.0)
         return (y_slots.view(t, k, -1) * weight.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [T, dim]
 
@@ -450,17 +486,19 @@ class ExpertParallelMoE:
             return []
         ex = self.moe.experts
         flat = torch.cat([ex.w1.flatten(1), ex.w3.flatten(1), ex.w2.flatten(1)], 1)  # [n_local, 3*dim*hidden]
-        wanted = [[e for e in p.expert[r][p.n_local:] if e >= 0] for r in range(p.ep)]  # per rank, slot order
+        wanted = [[e for e in p.expert[r][p.n_local :] if e >= 0] for r in range(p.ep)]  # per rank, slot order
         rows = [p.home[e][1] for r in range(p.ep) for e in wanted[r] if p.owner(e) == me]  # my slots of those experts
         in_splits = [sum(p.owner(e) == me for e in wanted[r]) for r in range(p.ep)]
         out_splits = [sum(p.owner(e) == s for e in wanted[me]) for s in range(p.ep)]
         recv = comm.all_to_all(flat[rows], self.ep, out_splits, in_splits)  # [copies here, 3*dim*hidden] by owner
         if self.recording:
-            self.stats.copies += torch.tensor([len(rows) - in_splits[me], sum(out_splits) - out_splits[me]], dtype=torch.float32)
+            self.stats.copies += torch.tensor(
+                [len(rows) - in_splits[me], sum(out_splits) - out_splits[me]], dtype=torch.float32
+            )
         dim, hidden = ex.w1.shape[1], ex.w1.shape[2]
         row_of = {e: i for i, e in enumerate(sorted(wanted[me], key=lambda e: (p.owner(e), wanted[me].index(e))))}
         out = []
-        for e in p.expert[me][p.n_local:]:
+        for e in p.expert[me][p.n_local :]:
             if e < 0:
                 out.append(None)
                 continue
@@ -514,11 +552,16 @@ def slot_views(moe: MoE, j: int, optimizer: torch.optim.Optimizer, sync) -> list
 def _shard_views(shard, params: list[nn.Parameter], j: int, optimizer) -> list[torch.Tensor]:
     """Slot j's part of this rank's slice of a ZeRO flat buffer: master weights and moments."""
     views, offset = [], 0
-    aliased = shard.full is not None and shard.full.untyped_storage().data_ptr() == shard.local.untyped_storage().data_ptr()
+    aliased = (
+        shard.full is not None and shard.full.untyped_storage().data_ptr() == shard.local.untyped_storage().data_ptr()
+    )
     for q, shape in zip(shard.params, shard.shapes):
         if any(q is p for p in params):
             row = shape[1:].numel()
-            lo, hi = max(offset + j * row, shard.lo) - shard.lo, min(offset + (j + 1) * row, shard.lo + shard.size) - shard.lo
+            lo, hi = (
+                max(offset + j * row, shard.lo) - shard.lo,
+                min(offset + (j + 1) * row, shard.lo + shard.size) - shard.lo,
+            )
             if hi > lo:
                 views += [] if aliased else [shard.local[lo:hi]]
                 for t in (t for g in optimizer.param_groups for t in g["params"]):
@@ -572,7 +615,7 @@ def mark_reduce_groups(moe: MoE, ep: int, tp: int) -> None:
             p.fivecut_reduce = "expert_dp"
     if tp > 1:
         for module in (moe.router, moe.shared):
-            for p in (module.parameters() if module is not None else ()):
+            for p in module.parameters() if module is not None else ():
                 p.fivecut_reduce = "dp_cp_tp"
 
 
@@ -581,8 +624,16 @@ class ExpertBalancer:
     sums the load statistics over the ranks, moves the balancing biases, re-plans EPLB
     placements and returns the step's MoE metrics."""
 
-    def __init__(self, runtimes: dict[int, ExpertParallelMoE], options: MoEOptions, moe_layer_ids: list[int],
-                 stats_groups: list[Group], n_experts: int, ep: int, device):
+    def __init__(
+        self,
+        runtimes: dict[int, ExpertParallelMoE],
+        options: MoEOptions,
+        moe_layer_ids: list[int],
+        stats_groups: list[Group],
+        n_experts: int,
+        ep: int,
+        device,
+    ):
         self.runtimes, self.options = runtimes, options
         self.layer_ids = moe_layer_ids  # every MoE layer of the model, on any pipeline rank
         self.stats_groups = stats_groups  # where the statistics are summed (the same on every rank)
@@ -606,10 +657,17 @@ class ExpertBalancer:
         rows = vec.view(len(self.layer_ids), per_layer).cpu()
         self._balance(step, rows, e)
         metrics = self._metrics(rows, e, slot_shape)
-        metrics["local"] = {i: {"sent": st.sent.tolist(), "received": st.received.tolist(), "copies_sent": st.copies[0].item(),
-                                "copies_received": st.copies[1].item(), "first_forward_rows": first,
-                                "moved_elements": 0}  # set by the trainer after `apply_moves`
-                            for i, (st, first) in taken.items()}
+        metrics["local"] = {
+            i: {
+                "sent": st.sent.tolist(),
+                "received": st.received.tolist(),
+                "copies_sent": st.copies[0].item(),
+                "copies_received": st.copies[1].item(),
+                "first_forward_rows": first,
+                "moved_elements": 0,
+            }  # set by the trainer after `apply_moves`
+            for i, (st, first) in taken.items()
+        }
         return metrics
 
     def _balance(self, step: int, rows: torch.Tensor, e: int) -> None:
@@ -623,7 +681,9 @@ class ExpertBalancer:
                 self.history[i].append(kept)
                 if step % self.options.eplb_interval == 0:
                     load = torch.stack(list(self.history[i])).sum(0).tolist()
-                    new = plan_placement(load, rt.ep.size, self.options.eplb_slots, rt.placement, self.options.eplb_move)
+                    new = plan_placement(
+                        load, rt.ep.size, self.options.eplb_slots, rt.placement, self.options.eplb_move
+                    )
                     if new.owned() == rt.placement.owned():
                         rt.set_placement(new)
                     else:  # experts change ranks: after the optimizer step (`apply_moves`)
@@ -671,8 +731,18 @@ class ExpertBalancer:
         return out
 
 
-def apply_expert_parallel(model: nn.Module, args, options: MoEOptions, ep: Group, tp: Group, sp: bool,
-                          global_batch: int, stats_groups: list[Group], device, cp: Group | None = None) -> ExpertBalancer | None:
+def apply_expert_parallel(
+    model: nn.Module,
+    args,
+    options: MoEOptions,
+    ep: Group,
+    tp: Group,
+    sp: bool,
+    global_batch: int,
+    stats_groups: list[Group],
+    device,
+    cp: Group | None = None,
+) -> ExpertBalancer | None:
     """Cut the experts of every MoE layer of `model` (a model or pipeline stages) over `ep` and
     install their runtime; `stats_groups` sum the load statistics (the same list on every rank)."""
     runtimes = {}

@@ -92,17 +92,22 @@ def parallelize(
     return Parallelized(model, sync, pieces, loss_sum, norm_groups(mesh), saved, experts=experts)
 
 
-def expert_parallel(model: nn.Module, args, mesh: Mesh, moe: MoEOptions | None, global_batch: int) -> ExpertBalancer | None:
+def expert_parallel(
+    model: nn.Module, args, mesh: Mesh, moe: MoEOptions | None, global_batch: int
+) -> ExpertBalancer | None:
     """EP over the ep group for MoE models (with ep=1: the runtime for capacity, balancing and statistics)."""
     if not args.is_moe:
         return None
     dims = mesh.dims
     ep = mesh.group("ep")
     stats = mesh.group("dp_cp_tp") if dims.tp > 1 else mesh.group("dp_cp")
-    groups = [dataclasses.replace(stats, cut="ep")] + ([dataclasses.replace(mesh.group("pp"), cut="ep")] if dims.pp > 1 else [])
+    groups = [dataclasses.replace(stats, cut="ep")] + (
+        [dataclasses.replace(mesh.group("pp"), cut="ep")] if dims.pp > 1 else []
+    )
     device = next(model.parameters()).device
-    return apply_expert_parallel(model, args, moe or MoEOptions(), ep, mesh.group("tp"), dims.sp, global_batch, groups, device,
-                                 mesh.group("cp"))
+    return apply_expert_parallel(
+        model, args, moe or MoEOptions(), ep, mesh.group("tp"), dims.sp, global_batch, groups, device, mesh.group("cp")
+    )
 
 
 def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
@@ -140,7 +145,9 @@ def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions |
     return pipeline_parallelize(args, mesh, device, seed, train, dtype, moe)
 
 
-def pipeline_parallelize(args, mesh: Mesh, device, seed: int, train, reduce_dtype, moe: MoEOptions | None = None) -> Parallelized:
+def pipeline_parallelize(
+    args, mesh: Mesh, device, seed: int, train, reduce_dtype, moe: MoEOptions | None = None
+) -> Parallelized:
     """PP split -> TP inside each stage -> DP over all of this rank's stages."""
     dims = mesh.dims
     schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
@@ -197,7 +204,9 @@ def data_parallel(model: nn.Module, mesh: Mesh, bucket_mb: float, reduce_dtype) 
             by_group.setdefault(reduce_group(p), []).append(p)
     if mesh.dims.zero == 3:  # units of modules, each part sharded over its own group
         others = {name: mesh.group(name) for name in by_group if name != "dp_cp"}
-        sync = FullyShardedDataParallel(model, mesh.group("dp_cp"), mesh.dims.reshard_after_forward, reduce_dtype, mesh.dims.tp, others)
+        sync = FullyShardedDataParallel(
+            model, mesh.group("dp_cp"), mesh.dims.reshard_after_forward, reduce_dtype, mesh.dims.tp, others
+        )
         return sync, sync.optimizer_pieces()
     made = [reduce_over(model, params, mesh, name, bucket_mb, reduce_dtype) for name, params in by_group.items()]
     if len(made) == 1:
@@ -214,7 +223,9 @@ def reduce_over(model, params, mesh: Mesh, name: str, bucket_mb: float, reduce_d
         sync = DataParallel(model, group, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, params=params)
         ep_share = 1.0 if name == "expert_dp" or dims.zero > 0 else 1.0 / dims.ep  # replicated over ep: counted once
         return sync, [Piece(p, d, r, share * ep_share) for p in sync.params for d, r, share in [param_kind(p, dims.tp)]]
-    sync = ZeroDataParallel(model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=tp_in_shards, params=params)
+    sync = ZeroDataParallel(
+        model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=tp_in_shards, params=params
+    )
     return sync, sync.optimizer_pieces()
 
 

@@ -81,7 +81,9 @@ def leave_region(y: torch.Tensor, group: Group, sequence_parallel: bool) -> torc
     return comm.reduce_from(y, group)
 
 
-def make_region(module: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations, reduce_output=True) -> None:
+def make_region(
+    module: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations, reduce_output=True
+) -> None:
     """Put f before `module`'s first input and (unless `reduce_output` is false) g after its output.
     With SP, backward keeps only the local slice of the gathered input and gathers it again."""
 
@@ -274,8 +276,12 @@ def check_shards(model: nn.Module, args, tp: int) -> None:
     for name, p in model.named_parameters():
         suffix = next((s for s in expected if name.endswith(s)), None)
         if suffix is not None and (tuple(p.shape) != expected[suffix] or not is_tp_sharded(p)):
-            raise RuntimeError(f"tensor parallelism left {name} with shape {tuple(p.shape)}; expected {expected[suffix]}")
+            raise RuntimeError(
+                f"tensor parallelism left {name} with shape {tuple(p.shape)}; expected {expected[suffix]}"
+            )
         if is_tp_sharded(p):
             shard = p.fivecut_tp
             if p.shape[shard.dim] * shard.parts != shard.full[shard.dim]:
-                raise RuntimeError(f"{name}: local {tuple(p.shape)} x {shard.parts} along dim {shard.dim} != full {shard.full}")
+                raise RuntimeError(
+                    f"{name}: local {tuple(p.shape)} x {shard.parts} along dim {shard.dim} != full {shard.full}"
+                )

@@ -103,7 +103,7 @@ class FlatShard:
                 pieces.append(_Span(start, stop, kind))
         return [self._piece(span) for span in pieces]
 
-    def _piece(self, span: "_Span") -> Piece:
+    def _piece(self, span: _Span) -> Piece:
         view = self.local[span.start : span.stop]
         view.grad = self.grad[span.start : span.stop]
         return Piece(view, *span.kind)
@@ -123,8 +123,16 @@ class ZeroDataParallel(DataParallel):
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over `group`: replicated parameters, sharded
     optimizer state (and, for stage 2, sharded gradients)."""
 
-    def __init__(self, module: nn.Module, group: Group, stage: int, bucket_mb: float = 25.0, reduce_dtype=None, tp: int = 1,
-                 params: list[nn.Parameter] | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Group,
+        stage: int,
+        bucket_mb: float = 25.0,
+        reduce_dtype=None,
+        tp: int = 1,
+        params: list[nn.Parameter] | None = None,
+    ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
@@ -237,8 +245,15 @@ class FullyShardedDataParallel:
     A parameter marked `fivecut_reduce = name` is sharded over `other_groups[name]` instead
     (MoE experts over their expert-data-parallel group): its unit then has one part per group."""
 
-    def __init__(self, model: nn.Module, group: Group, reshard_after_forward: bool = True, reduce_dtype=None, tp: int = 1,
-                 other_groups: dict[str, Group] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Group,
+        reshard_after_forward: bool = True,
+        reduce_dtype=None,
+        tp: int = 1,
+        other_groups: dict[str, Group] | None = None,
+    ):
         self.model = model
         self.tp = tp
         self.groups = {"dp_cp": group, **(other_groups or {})}
@@ -260,7 +275,10 @@ class FullyShardedDataParallel:
         for p in unique_params(modules):
             by_group.setdefault(reduce_group(p), []).append(p)
         # a group that spans tp (MoE parameters under tp) holds no tensor-parallel replicas in its shards
-        parts = [self._make_part(params, self.groups[name], self.tp if name == "dp_cp" else 1) for name, params in by_group.items()]
+        parts = [
+            self._make_part(params, self.groups[name], self.tp if name == "dp_cp" else 1)
+            for name, params in by_group.items()
+        ]
         unit = Unit(name, modules, parts)
         self._free(unit)
         return unit

@@ -21,8 +21,16 @@ what it cuts, which SP then cuts too.
 from __future__ import annotations
 
 
-def activation_bytes_per_layer(args, batch: int, seq: int, tp: int, sp: bool, itemsize: int = 4,
-                               moe_rows: tuple[int, int] | None = None, cp: int = 1) -> float:
+def activation_bytes_per_layer(
+    args,
+    batch: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    itemsize: int = 4,
+    moe_rows: tuple[int, int] | None = None,
+    cp: int = 1,
+) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
     dispatch makes it a MoE block (see `moe_bytes`). Ulysses (cp > 1) keeps the same bytes per

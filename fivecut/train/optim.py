@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from fivecut import comm
 from fivecut.comm import Group
 
@@ -35,7 +36,9 @@ def grad_norm(pieces, groups: list[Group], tp: int = 1) -> torch.Tensor:
     `groups` (ZeRO's dp group when gradients are sharded, the tp group under tensor
     parallelism, the pp group under pipeline parallelism); a piece with k copies on those
     ranks (replicated over tp, tied on two pipeline stages) is weighted 1/k: it counts once."""
-    grads = [(p.tensor.grad, p.norm_share / (tp if p.tp_replicated else 1)) for p in pieces if p.tensor.grad is not None]
+    grads = [
+        (p.tensor.grad, p.norm_share / (tp if p.tp_replicated else 1)) for p in pieces if p.tensor.grad is not None
+    ]
     squares = torch.zeros((), device=grads[0][0].device if grads else "cpu")
     for g, share in grads:
         squares += g.detach().float().pow(2).sum() * share

@@ -22,9 +22,7 @@ from typing import Protocol, runtime_checkable
 TOKENIZERS = ("gpt2", "byte")
 
 # GPT-2's pre-tokenization regex, as released by OpenAI.
-GPT2_SPLIT_PATTERN = (
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
+GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOT = "<|endoftext|>"
 GPT2_EOT_ID = 50256
 GPT2_VOCAB_SIZE = 50257
@@ -87,7 +85,7 @@ def get_tokenizer(name: str) -> Tokenizer:
     return _build(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(name: str) -> Tokenizer:
     return GPT2Tokenizer() if name == "gpt2" else ByteTokenizer()
 
@@ -108,9 +106,7 @@ def gpt2_files() -> tuple[Path, Path]:
     files = (data / "vocab.bpe", data / "encoder.json")
     for path in files:
         if not path.is_file():
-            raise FileNotFoundError(
-                f"GPT-2 tokenizer file {path} is missing; reinstall with: {GPT2_INSTALL_HINT}"
-            )
+            raise FileNotFoundError(f"GPT-2 tokenizer file {path} is missing; reinstall with: {GPT2_INSTALL_HINT}")
     return files
 
 

@@ -22,8 +22,8 @@ from fivecut.config import Config, model_args
 from fivecut.launch import local_device
 from fivecut.ledger import Row
 from fivecut.mesh import Mesh
-from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.context import sequence_chunk
+from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.memory import format_bytes, model_state_bytes
@@ -75,15 +75,19 @@ def validate(cfg: Config, world_size: int | None = None):
     args.validate()
     t = cfg.train
     if t.seq_len > args.max_seq_len:
-        raise ValueError(f"train.seq_len={t.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set model.max_seq_len")
+        raise ValueError(
+            f"train.seq_len={t.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set model.max_seq_len"
+        )
     for key in ("dtype", "reduce_dtype"):
         if getattr(t, key) not in DTYPES:
             raise ValueError(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
     cfg.parallel.validate(args, t.seq_len, t.global_batch, t.accumulate, world_size)
     problems = cfg.moe.problems(args, cfg.parallel.ep)
     if cfg.moe.capacity_factor is not None and cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ring":
-        problems.append("moe.capacity_factor with cp_mode='ring' is not in this version (ring ranks hold two chunks of a "
-                        + "sequence out of order); use cp_mode='ulysses' or leave the capacity unset")
+        problems.append(
+            "moe.capacity_factor with cp_mode='ring' is not in this version (ring ranks hold two chunks of a "
+            + "sequence out of order); use cp_mode='ulysses' or leave the capacity unset"
+        )
     if problems:
         raise ValueError("invalid [moe] options:\n  - " + "\n  - ".join(problems))
     return args
@@ -93,7 +97,9 @@ def setup(cfg: Config) -> Context:
     args = validate(cfg, dist.get_world_size())
     device = local_device()
     mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe)
-    splits = load_tokens(cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
+    splits = load_tokens(
+        cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction
+    )
     vocab = splits.vocab_size
     if vocab > args.vocab_size:
         raise ValueError(
@@ -148,7 +154,9 @@ def pipeline_forward_backward(ctx: Context, batches, denominator: int, activatio
             with ctx.par.saved.measure():  # start a fresh count
                 pass
         with ctx.par.sync.no_sync():
-            total += pipeline_step(ctx, micro[0][0].shape[0], positions, measuring).run(micro, denominator, ctx.mesh.ledger)
+            total += pipeline_step(ctx, micro[0][0].shape[0], positions, measuring).run(
+                micro, denominator, ctx.mesh.ledger
+            )
         if measuring:
             activations.update(ctx.par.saved.bytes_per_layer)
     with ctx.mesh.ledger.phase("backward"):
@@ -166,7 +174,9 @@ def local_tokens(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
     return sequence_chunk(inputs, targets, ctx.mesh.group("cp"), ctx.mesh.dims.cp_mode)
 
 
-def pipeline_step(ctx: Context, rows: int, positions: torch.Tensor | None = None, measure_first: bool = False) -> PipelineStep:
+def pipeline_step(
+    ctx: Context, rows: int, positions: torch.Tensor | None = None, measure_first: bool = False
+) -> PipelineStep:
     """An executor for this rank's stages, for microbatches of `rows` sequences at `positions`
     (default: the whole sequence); `measure_first` counts what microbatch 0's forwards save."""
     dims, seq = ctx.mesh.dims, ctx.cfg.train.seq_len
@@ -287,7 +297,8 @@ class Logger:
         self.print(
             f"fivecut: {self.cfg.model.preset} model, {n_params / 1e6:.2f}M parameters, layout "
             f"{self.cfg.parallel.describe()} ({dist.get_world_size()} ranks, {ctx.device.type}), "
-            f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} TFLOP/s ({self.peak_source})"
+            f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} "
+            f"TFLOP/s ({self.peak_source})"
         )
         if self.cfg.log.progress:
             from tqdm import tqdm
@@ -324,8 +335,10 @@ class Logger:
             self.bar.update(1)
         if record["step"] % self.cfg.log.log_every == 0 or "val_loss" in record or record["step"] == t.steps:
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
-            self.print(f"step {record['step']:>5}/{t.steps}  {text}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}{val}"
-                       + moe_summary(record.get("moe")))
+            self.print(
+                f"step {record['step']:>5}/{t.steps}  {text}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}{val}"
+                + moe_summary(record.get("moe"))
+            )
 
     def close(self) -> str | None:
         if not self.active:
@@ -336,7 +349,11 @@ class Logger:
         self.print(f"metrics: {self.sink.path}")
         if not self.cfg.log.plot or not self.records:
             return None
-        path = plot_losses(self.records, Path(self.cfg.log.out_dir) / "loss.png", f"fivecut {self.cfg.model.preset}, {self.cfg.parallel.describe()}")
+        path = plot_losses(
+            self.records,
+            Path(self.cfg.log.out_dir) / "loss.png",
+            f"fivecut {self.cfg.model.preset}, {self.cfg.parallel.describe()}",
+        )
         self.print(f"loss curve: {path}")
         return str(path)
 

@@ -1,8 +1,8 @@
 """Pipeline parallelism: the layers cut into stages, the batch into microbatches.
 
-    schedule.py   schedules as data: per-rank action lists (F, B, W, sends, receives)
-    simulate.py   the same lists timed with per-action costs: timelines, bubble, in-flight counts
-    draw.py       Gantt charts of simulated timelines
-    split.py      balancing layers into stages, building a rank's stage modules
-    executor.py   running a rank's action list with torch.distributed point-to-point
+schedule.py   schedules as data: per-rank action lists (F, B, W, sends, receives)
+simulate.py   the same lists timed with per-action costs: timelines, bubble, in-flight counts
+draw.py       Gantt charts of simulated timelines
+split.py      balancing layers into stages, building a rank's stage modules
+executor.py   running a rank's action list with torch.distributed point-to-point
 """

@@ -67,8 +67,17 @@ def axis_label(timeline: Timeline) -> str:
 def bar(ax, rank: int, a, start: float, end: float, text: str, m: int, px_per_time: float) -> None:
     style = STYLE[a.kind]
     color = shade(microbatch_color(a.microbatch, m), style["shade"])
-    ax.barh(rank, end - start, left=start, height=0.8, color=color, hatch=style["hatch"],
-            edgecolor="black", linewidth=0.6, linestyle=style["linestyle"])
+    ax.barh(
+        rank,
+        end - start,
+        left=start,
+        height=0.8,
+        color=color,
+        hatch=style["hatch"],
+        edgecolor="black",
+        linewidth=0.6,
+        linestyle=style["linestyle"],
+    )
     if (end - start) * px_per_time >= 7 * len(text) + 4:  # the label (7 pt, ~7 px a character) fits
         ink = "white" if a.kind == "B" else "black"
         ax.text((start + end) / 2, rank, text, ha="center", va="center", fontsize=7, color=ink)
@@ -78,5 +87,13 @@ def legend_handles(split: bool) -> list[Patch]:
     gray = (0.6, 0.6, 0.6)
     names = {"F": "F forward", "B": "B input-grad" if split else "B backward", "W": "W weight-grad"}
     kinds = ("F", "B", "W") if split else ("F", "B")
-    return [Patch(facecolor=shade(gray, STYLE[k]["shade"]), hatch=STYLE[k]["hatch"], edgecolor="black",
-                  linestyle=STYLE[k]["linestyle"], label=names[k]) for k in kinds]
+    return [
+        Patch(
+            facecolor=shade(gray, STYLE[k]["shade"]),
+            hatch=STYLE[k]["hatch"],
+            edgecolor="black",
+            linestyle=STYLE[k]["linestyle"],
+            label=names[k],
+        )
+        for k in kinds
+    ]

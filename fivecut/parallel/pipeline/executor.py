@@ -124,7 +124,9 @@ class PipelineStep:
         if action.stage == self.schedule.n_stages - 1:
             return out.detach()
         if self.here(action.stage + 1):  # the next stage is on this rank too: hand over, no message
-            self.state.setdefault((action.stage + 1, action.microbatch), MicrobatchState()).input = out.detach().requires_grad_()
+            self.state.setdefault(
+                (action.stage + 1, action.microbatch), MicrobatchState()
+            ).input = out.detach().requires_grad_()
         return None
 
     def here(self, stage: int) -> bool:

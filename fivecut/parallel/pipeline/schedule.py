@@ -123,8 +123,11 @@ def in_send_order(rank: int, actions: list[list[Action]], stage_rank: list[int])
     (NCCL has no tags), and an activation and a gradient have the same shape [b, s, h], so a
     crossed pair would pass silently with the wrong data. A receive hoisted to just before a
     later-sent one adds no waiting: its send was issued earlier on the same peer."""
-    sends = {peer: [partner(a) for a in acts if a.kind.startswith("SEND") and stage_rank[partner(a).stage] == rank]
-             for peer, acts in enumerate(actions) if peer != rank}
+    sends = {
+        peer: [partner(a) for a in acts if a.kind.startswith("SEND") and stage_rank[partner(a).stage] == rank]
+        for peer, acts in enumerate(actions)
+        if peer != rank
+    }
     taken = {peer: 0 for peer in sends}  # how many of each peer's messages are received so far
     hoisted, out = set(), []
     for a in actions[rank]:
@@ -195,7 +198,9 @@ def interleaved(pp: int, m: int, virtual: int) -> Schedule:
     if m % pp:
         lower, upper = m - m % pp, m + pp - m % pp
         fix = f"use microbatches={upper}" + (f" or {lower}" if lower else "")
-        raise ValueError(f"interleaved: microbatches={m} is not a multiple of pp={pp} (microbatches go in groups of pp); {fix}")
+        raise ValueError(
+            f"interleaved: microbatches={m} is not a multiple of pp={pp} (microbatches go in groups of pp); {fix}"
+        )
     stage_rank = [s % pp for s in range(pp * virtual)]
     orders = [interleaved_order(r, pp, m, virtual) for r in range(pp)]
     return make("interleaved", pp, m, stage_rank, orders, split=False)
@@ -259,8 +264,10 @@ def dualpipev(pp: int, m: int) -> Schedule:
     the first forward."""
     require(pp, m, "dualpipev")
     if m < 2 * pp:
-        raise ValueError(f"dualpipev: microbatches={m} < 2*pp={2 * pp}: the V needs 2*pp microbatches to fill; "
-                         f"use microbatches >= {2 * pp}")
+        raise ValueError(
+            f"dualpipev: microbatches={m} < 2*pp={2 * pp}: the V needs 2*pp microbatches to fill; "
+            f"use microbatches >= {2 * pp}"
+        )
     stage_rank = [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
     # admission cap found by simulation: 2pp+1 reaches the (P-1)/(6M+P-1) bubble for every
     # pp <= 8, 2pp <= m <= 32 (2pp does not at pp=8); the peak then is 3pp-1 half-size
@@ -288,7 +295,11 @@ def list_schedule(stage_rank: list[int], m: int, cap: list[int]) -> list[list[Ac
         for r in range(pp):
             if busy[r] > t:
                 continue
-            now = [a for a, at in ready[r].items() if at <= t and (a.kind != "F" or a.stage != first[r] or held[r] < cap[r])]
+            now = [
+                a
+                for a, at in ready[r].items()
+                if at <= t and (a.kind != "F" or a.stage != first[r] or held[r] < cap[r])
+            ]
             if now:
                 a = min(now, key=lambda a: ("BFW".index(a.kind), a.microbatch, -a.stage))
                 del ready[r][a]
@@ -326,7 +337,9 @@ def build_schedule(name: str, pp: int, m: int, virtual: int = 1) -> Schedule:
     if name not in builders:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(NAMES)}")
     if virtual != 1:
-        raise ValueError(f"{name} holds one stage per rank; got virtual={virtual} (use interleaved or dualpipev for more)")
+        raise ValueError(
+            f"{name} holds one stage per rank; got virtual={virtual} (use interleaved or dualpipev for more)"
+        )
     return builders[name](pp, m)
 
 
@@ -346,7 +359,9 @@ def check_placement(sch: Schedule) -> None:
     if len(sch.actions) != sch.pp:
         raise ScheduleError(f"{sch.name}: {len(sch.actions)} action lists for pp={sch.pp} ranks")
     if len(sch.stage_rank) != sch.n_stages or not all(0 <= r < sch.pp for r in sch.stage_rank):
-        raise ScheduleError(f"{sch.name}: stage_rank={sch.stage_rank} does not map {sch.n_stages} stages to {sch.pp} ranks")
+        raise ScheduleError(
+            f"{sch.name}: stage_rank={sch.stage_rank} does not map {sch.n_stages} stages to {sch.pp} ranks"
+        )
     for rank, actions in enumerate(sch.actions):
         for a in actions:
             if not (0 <= a.stage < sch.n_stages and 0 <= a.microbatch < sch.microbatches):
@@ -366,7 +381,9 @@ def check_counts(sch: Schedule) -> None:
             for i in range(sch.microbatches):
                 for k in kinds:
                     if seen[Action(k, s, i)] != 1:
-                        raise ScheduleError(f"rank {rank}: {Action(k, s, i)} appears {seen[Action(k, s, i)]} times, expected once")
+                        raise ScheduleError(
+                            f"rank {rank}: {Action(k, s, i)} appears {seen[Action(k, s, i)]} times, expected once"
+                        )
 
 
 def check_order(sch: Schedule) -> None:
@@ -377,8 +394,10 @@ def check_order(sch: Schedule) -> None:
             if a.is_compute:
                 for before in predecessors(a, sch):
                     if before not in pos or pos[before][1] >= pos[a][1]:
-                        raise ScheduleError(f"rank {rank}: {a} (position {pos[a][1]}) must come after {before}"
-                                            + (f" (position {pos[before][1]})" if before in pos else " (missing)"))
+                        raise ScheduleError(
+                            f"rank {rank}: {a} (position {pos[a][1]}) must come after {before}"
+                            + (f" (position {pos[before][1]})" if before in pos else " (missing)")
+                        )
 
 
 def predecessors(a: Action, sch: Schedule) -> list[Action]:
@@ -433,12 +452,16 @@ def check_send_order(sch: Schedule) -> None:
     """Between two ranks, the k-th receive must match the k-th send (messages are matched in order)."""
     for rank, actions in enumerate(sch.actions):
         for peer in range(sch.pp):
-            sent = [a for a in sch.actions[peer] if a.kind.startswith("SEND") and sch.stage_rank[partner(a).stage] == rank]
+            sent = [
+                a for a in sch.actions[peer] if a.kind.startswith("SEND") and sch.stage_rank[partner(a).stage] == rank
+            ]
             got = [a for a in actions if a.kind.startswith("RECV") and sch.stage_rank[partner(a).stage] == peer]
             for k, (s, g) in enumerate(zip(sent, got)):
                 if partner(g) != s:
-                    raise ScheduleError(f"rank {rank}: receive #{k} from rank {peer} is {g} but rank {peer}'s send #{k} "
-                                        f"to it is {s} (messages between two ranks are matched in order)")
+                    raise ScheduleError(
+                        f"rank {rank}: receive #{k} from rank {peer} is {g} but rank {peer}'s send #{k} "
+                        f"to it is {s} (messages between two ranks are matched in order)"
+                    )
 
 
 def partner(a: Action) -> Action:
@@ -453,7 +476,12 @@ def needed_comms(sch: Schedule) -> list[Action]:
     for s in range(sch.n_stages - 1):
         if not same_rank(sch, s, s + 1):
             for i in range(sch.microbatches):
-                out += [Action("SEND_F", s, i), Action("RECV_F", s + 1, i), Action("SEND_B", s + 1, i), Action("RECV_B", s, i)]
+                out += [
+                    Action("SEND_F", s, i),
+                    Action("RECV_F", s + 1, i),
+                    Action("SEND_B", s + 1, i),
+                    Action("RECV_B", s, i),
+                ]
     return out
 
 

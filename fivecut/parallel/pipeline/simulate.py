@@ -33,8 +33,13 @@ class Timeline:
         return 1.0 - self.busy(rank) / self.makespan if self.makespan else 0.0
 
 
-def simulate(schedule: Schedule, cost_f: float = 1.0, cost_b: float | None = None, cost_w: float | None = None,
-             cost_comm: float = 0.0) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    cost_f: float = 1.0,
+    cost_b: float | None = None,
+    cost_w: float | None = None,
+    cost_comm: float = 0.0,
+) -> Timeline:
     """Run the schedule on a clock. Defaults: B = 2 when the backward is whole, B = 1 and W = 1 when split."""
     if cost_b is None:
         cost_b = 1.0 if schedule.split_backward else 2.0

@@ -68,7 +68,8 @@ def stage_layers(args, n_stages: int, seq_len: int, override: list[int] | None =
     if override:
         if len(override) != n_stages or sum(override) != args.n_layers or min(override) < 1:
             raise ValueError(
-                f"parallel.pp_layers={override} must give {n_stages} stages of >= 1 layer summing to n_layers={args.n_layers}"
+                f"parallel.pp_layers={override} must give {n_stages} stages of >= 1 layer summing to "
+                f"n_layers={args.n_layers}"
             )
         counts = list(override)
     else:
