@@ -56,8 +56,10 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     s_local = train.seq_len // dims.cp // (dims.tp if dims.sp else 1)
     e = rows * s_local * args.dim
     volume = train.accumulate * dims.microbatches * 2 * borders * e * FP32
-    how = f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = "
-    f"{rows}*{s_local}*{args.dim}"
+    how = (
+        f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = "
+        f"{rows}*{s_local}*{args.dim}"
+    )
     ends = {owner[0], owner[-1]}
     if args.tie_embeddings and len(ends) == 2 and rank in ends:
         shard = -(-args.vocab_size // dims.tp) * args.dim
