@@ -146,7 +146,7 @@ def base_name(name: str) -> str:
 
 
 class Fivecut:
-    """fivecut's pipeline as the trainer runs it: build_parallel, PipelineStep, reduce_all, AdamW."""
+    """fivecut's pipeline as the trainer runs it: build_parallel, PipelineStep, reduce, AdamW."""
 
     def __init__(self, args, mesh: Mesh, opts: dict, name: str, m: int):
         schedule = base_name(name)
@@ -191,7 +191,7 @@ class Fivecut:
             loss = self.runner.run(micro, self.denominator, ledger)
         with ledger.phase("backward"):
             self.par.pipeline.sum_tied_grads()
-            self.par.sync.reduce_all()
+            self.par.sync.reduce()
         return loss
 
     def forward_backward(self, micro) -> float:
@@ -248,7 +248,7 @@ class Torch:
         self.schedule = Schedule1F1B(
             self.stage, m, loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / tokens, scale_grads=False
         )
-        self.optimizer = build_optimizer([Piece(p, decays(p), False) for p in model.parameters()], **ADAMW)
+        self.optimizer = build_optimizer([Piece(p, decays(p)) for p in model.parameters()], **ADAMW)
 
     def named_parameters(self):
         return list(self.model.named_parameters())

@@ -199,7 +199,7 @@ def build_sides(opts: dict, sp: bool, inputs, targets):
         parallelize_module(layer, tp_mesh, block)
     parallelize_module(theirs, tp_mesh, root)
     check_local_projections(theirs, args, tp, inputs)
-    their_opt = build_optimizer([Piece(p, decays(p), False) for p in theirs.parameters()], **ADAMW)
+    their_opt = build_optimizer([Piece(p, decays(p)) for p in theirs.parameters()], **ADAMW)
     for opt in (ours_opt, their_opt):
         for group in opt.param_groups:
             group["foreach"] = opts["foreach"]  # None: torch's default (single-tensor on CPU, foreach on GPU)

@@ -31,7 +31,7 @@ from fivecut.model.transformer import MoE, limit_to_groups
 from fivecut.parallel.expert import (
     ExpertParallelMoE,
     MoEOptions,
-    Placement,
+    SlotMap,
     aux_loss_part,
     capacity_keep,
     moe_layers,
@@ -83,7 +83,7 @@ def test_runtime_on_one_rank_is_the_plain_layer_bitwise():
 
 def test_placement_spreads_the_hottest_experts():
     load = [900.0, 100, 100, 100, 100, 100, 100, 100]  # expert 0 (rank 0) is hot
-    owners = Placement(8, 4, 1)
+    owners = SlotMap(8, 4, 1)
     assert max(owners.rank_loads(load)) / (sum(load) / 4) == pytest.approx(1000 / 400)
     placed = plan_placement(load, ep=4, extra=1)
     loads = placed.rank_loads(load)
@@ -283,9 +283,9 @@ def test_moving_experts_keeps_training_identical(byte_cache, tmp_path, zero):
 
 def test_packing_moves_the_hottest_experts_apart():
     load = [90.0, 80, 1, 1, 1, 1, 1, 1]  # experts 0 and 1 both start on rank 0
-    placed = plan_placement(load, ep=4, extra=0, current=Placement(8, 4, 0), move=True)
+    placed = plan_placement(load, ep=4, extra=0, current=SlotMap(8, 4, 0), move=True)
     assert placed.owner(0) != placed.owner(1)
-    assert all(placed.home[e][1] == Placement(8, 4, 0).home[e][1] for e in range(8))  # slot index kept
+    assert all(placed.home[e][1] == SlotMap(8, 4, 0).home[e][1] for e in range(8))  # slot index kept
     assert max(placed.rank_loads(load)) == 91  # every rank holds two experts: the best possible
 
 

@@ -152,10 +152,14 @@ class RingAttention(nn.Module):
         return o  # [b, H, s/cp, hd]
 
 
-def apply_context_parallel(model: nn.Module, group: Group, mode: str = "ulysses") -> None:
+def apply_context_parallel(model: nn.Module, group: Group, mode: str = "ulysses") -> list[str]:
     """Ulysses around, or ring attention instead of, every attention core of `model` (a model or
-    pipeline stages)."""
+    a pipeline stage). Returns the paths of the attention modules changed."""
     from fivecut.model.transformer import Attention
 
-    for attention in (m for m in model.modules() if isinstance(m, Attention)):
-        attention.core = UlyssesAttention(attention.core, group) if mode == "ulysses" else RingAttention(group)
+    changed = []
+    for path, attention in model.named_modules():
+        if isinstance(attention, Attention):
+            attention.core = UlyssesAttention(attention.core, group) if mode == "ulysses" else RingAttention(group)
+            changed.append(path)
+    return changed

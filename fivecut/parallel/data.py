@@ -23,14 +23,17 @@ on the wire per rank in fp32 (Phi = number of parameters).
 from __future__ import annotations
 
 import abc
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
+from fivecut.parallel.placement import FlatSlot, ParamKind
 
 
 def decays(p: torch.Tensor) -> bool:
@@ -38,31 +41,18 @@ def decays(p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
-def tp_replicated(p: torch.Tensor, tp: int) -> bool:
-    """Whether `p` holds the same values on every tensor-parallel rank (not cut by tensor parallelism)."""
-    return tp > 1 and getattr(p, "fivecut_tp", None) is None
+Kinds = Mapping[nn.Parameter, ParamKind]  # what the data cut knows of each parameter (from its placement)
 
 
-def norm_share(p: torch.Tensor) -> float:
-    """The part of `p`'s squared norm this copy contributes: 1, or 1/k for one of k copies kept on
-    different pipeline ranks (tied embeddings on the first and the last stage)."""
-    return getattr(p, "fivecut_norm_share", 1.0)
+def plain_kinds(params: list[nn.Parameter]) -> dict[nn.Parameter, ParamKind]:
+    """Parameters of an uncut model: summed over dp x cp, no copies elsewhere."""
+    return {p: ParamKind(decays(p)) for p in params}
 
 
-def reduce_group(p: torch.Tensor) -> str:
-    """The mesh group over which `p`'s gradient is summed: dp x cp unless the parameter says otherwise
-    (MoE experts: `expert_dp`; the router and shared experts under tp: `dp_cp_tp`)."""
-    return getattr(p, "fivecut_reduce", "dp_cp")
-
-
-def param_kind(p: torch.Tensor, tp: int) -> tuple[bool, bool, float]:
-    return decays(p), tp_replicated(p, tp), norm_share(p)
-
-
-def flat_order(p: torch.Tensor) -> tuple[bool, bool]:
+def flat_order(kind: ParamKind) -> tuple[bool, bool]:
     """Sort key inside flat buffers: decayed first, then tensor-parallel shards before replicas,
     so that a ZeRO shard splits into few homogeneous optimizer pieces."""
-    return (not decays(p), getattr(p, "fivecut_tp", None) is None)
+    return (not kind.decays, not kind.sliced)
 
 
 @dataclass(eq=False)
@@ -71,8 +61,31 @@ class Piece:
 
     tensor: torch.Tensor
     decays: bool
-    tp_replicated: bool  # identical on every tensor-parallel rank: counted once in the global norm
-    norm_share: float = 1.0  # see `norm_share`
+    norm_weight: float = 1.0  # its squared gradient norm counts this much (1 / copies across the norm's ranks)
+
+
+@dataclass
+class Held:
+    """Where a run of a parameter's elements lives on this rank (`GradSync.held`): the tensors
+    holding their values, and (optimizer tensor, lo, hi) ranges whose optimizer state covers them."""
+
+    values: list[torch.Tensor] = field(default_factory=list)
+    optimized: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+
+    def __add__(self, other: Held) -> Held:
+        return Held(self.values + other.values, self.optimized + other.optimized)
+
+
+class GradSync(Protocol):
+    """The interface of every data cut (DDP, ZeRO-1/2/3, several of them over different groups)."""
+
+    def no_sync(self) -> AbstractContextManager: ...  # accumulate locally: no communication
+    def zero_grad(self) -> None: ...
+    def reduce(self) -> None: ...  # reduce every gradient now (after a pipeline schedule's backwards)
+    def after_step(self) -> None: ...  # after the optimizer step (ZeRO gathers parameters)
+    def pieces(self) -> list[Piece]: ...  # what this rank's optimizer updates
+    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held: ...  # flat elements [lo, hi) of `param`
+    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]: ...  # ZeRO: each parameter's place in a flat shard
 
 
 @dataclass(eq=False)
@@ -85,7 +98,7 @@ class Bucket:
     out: torch.Tensor | None = None  # the reduction's result when it is not written in place
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, kinds: Kinds) -> list[list[nn.Parameter]]:
     """Group parameters (in the given order) into runs of about `bucket_bytes`, one dtype per run,
     each run sorted by `flat_order`."""
     buckets: list[list[nn.Parameter]] = []
@@ -97,7 +110,7 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
             size = 0
         buckets[-1].append(p)
         size += p.numel() * p.element_size()
-    return [sorted(b, key=flat_order) for b in buckets]
+    return [sorted(b, key=lambda p: flat_order(kinds[p])) for b in buckets]
 
 
 def padded(numel: int, parts: int) -> int:
@@ -145,7 +158,7 @@ class GradReducer(abc.ABC):
     def after_step(self) -> None:
         """Called after the optimizer step (ZeRO gathers the updated parameters here)."""
 
-    def reduce_all(self) -> None:
+    def reduce(self) -> None:
         """Reduce every bucket now (after a pipeline schedule ran its backwards under `no_sync`)."""
         if self.group.size > 1:
             self._next = 0
@@ -206,10 +219,12 @@ class DataParallel(GradReducer):
         bucket_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         params: list[nn.Parameter] | None = None,
+        kinds: Kinds | None = None,
     ):
         self.module = module
         self.params = params if params is not None else [p for p in module.parameters() if p.requires_grad]
-        plan = plan_buckets(list(reversed(self.params)), int(bucket_mb * 2**20))
+        self.kinds = kinds if kinds is not None else plain_kinds(self.params)
+        plan = plan_buckets(list(reversed(self.params)), int(bucket_mb * 2**20), self.kinds)
         buckets = [Bucket(ps, point_grads_into(ps, pad_to=self.pad_to(group))) for ps in plan]
         super().__init__(buckets, group, reduce_dtype)
         self.view_of = {p: p.grad for p in self.params}  # each .grad's place in its bucket
@@ -229,6 +244,17 @@ class DataParallel(GradReducer):
         if param.grad is not view:
             view.copy_(param.grad)
             param.grad = view
+
+    def pieces(self) -> list[Piece]:
+        return [Piece(p, self.kinds[p].decays, self.kinds[p].norm_weight) for p in self.params]
+
+    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
+        if param not in self.bucket_of:
+            return Held()
+        return Held([param.data.view(-1)[lo:hi]], [(param, lo, hi)])
+
+    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
+        return {}  # DDP keeps whole parameters; its buckets hold gradients only
 
     def launch(self, bucket: Bucket) -> object:
         bucket.wire = self.to_wire(bucket.flat)

@@ -46,7 +46,8 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.model.transformer import Block, MoE, swiglu_expert
+from fivecut.model.transformer import MoE, swiglu_expert
+from fivecut.parallel.placement import Change, Slice
 
 
 @dataclass
@@ -111,7 +112,7 @@ class MoEOptions:
 # ---------------------------------------------------------------- placement (EPLB)
 
 
-class Placement:
+class SlotMap:
     """Which logical expert each physical slot of each EP rank computes, and the share of
     that expert's tokens it takes. The first n slots of a rank hold the experts it owns (their
     parameters and optimizer state live there; at first rank r owns [r*n, (r+1)*n), and EPLB
@@ -158,8 +159,8 @@ class Placement:
 
 
 def plan_placement(
-    load: list[float], ep: int, extra: int, current: Placement | None = None, move: bool = False
-) -> Placement:
+    load: list[float], ep: int, extra: int, current: SlotMap | None = None, move: bool = False
+) -> SlotMap:
     """EPLB: move experts between ranks (`move`), give the hottest ones copies on the `extra`
     slots of each rank and share each expert's tokens among its copies, so that the maximum
     rank load approaches the mean.
@@ -176,7 +177,7 @@ def plan_placement(
     staying = _with_copies(load, ep, extra, owned)
     if not move:
         return staying
-    moved = _with_copies(load, ep, extra, _pack_owners(load, ep, owned or Placement(len(load), ep, 0).owned()))
+    moved = _with_copies(load, ep, extra, _pack_owners(load, ep, owned or SlotMap(len(load), ep, 0).owned()))
     return moved if max(moved.rank_loads(load)) < 0.98 * max(staying.rank_loads(load)) else staying
 
 
@@ -194,9 +195,9 @@ def _pack_owners(load: list[float], ep: int, owned: list[list[int]]) -> list[lis
     return packed
 
 
-def _with_copies(load: list[float], ep: int, extra: int, owned: list[list[int]] | None) -> Placement:
+def _with_copies(load: list[float], ep: int, extra: int, owned: list[list[int]] | None) -> SlotMap:
     """Steps 1-2 of `plan_placement` for fixed owners; no copies if they do not help."""
-    placement = Placement(len(load), ep, extra, owned)
+    placement = SlotMap(len(load), ep, extra, owned)
     for _ in range(ep * extra):
         options = [
             (e, r)
@@ -219,11 +220,11 @@ def _with_copies(load: list[float], ep: int, extra: int, owned: list[list[int]] 
         for e in range(len(load)):
             if len(placement.replicas(e)) > 1:
                 _level(placement, e, load)
-    owners = Placement(len(load), ep, extra, owned)
+    owners = SlotMap(len(load), ep, extra, owned)
     return placement if max(placement.rank_loads(load)) < max(owners.rank_loads(load)) else owners
 
 
-def _level(placement: Placement, e: int, load: list[float]) -> None:
+def _level(placement: SlotMap, e: int, load: list[float]) -> None:
     """Re-share expert e's tokens over its copies so that their ranks' loads are as level as possible."""
     reps = placement.replicas(e)
     if load[e] <= 0:
@@ -324,12 +325,12 @@ class ExpertParallelMoE:
         )  # sequence chunks (context parallelism)
         self.aux_scale = aux_scale  # 1 / sequences in the global batch: the loss is a mean over sequences
         self.n_experts = moe.router.weight.shape[0]
-        self.set_placement(Placement(self.n_experts, ep.size, options.eplb_slots))
+        self.set_placement(SlotMap(self.n_experts, ep.size, options.eplb_slots))
         self.stats = self._zero_stats()
         self.first_rows: tuple[int, int] | None = None  # (sent, received) rows of the step's first forward
         self.recording = False  # whether the current forward is a training one (its loads are counted)
 
-    def set_placement(self, placement: Placement) -> None:
+    def set_placement(self, placement: SlotMap) -> None:
         self.placement = placement
         self.dest, self.cum = placement.destinations(self.moe.router.weight.device)
 
@@ -510,7 +511,7 @@ class ExpertParallelMoE:
 # ---------------------------------------------------------------- moving experts between ranks (EPLB)
 
 
-def move_experts(rt: ExpertParallelMoE, new: Placement, optimizer: torch.optim.Optimizer, sync) -> int:
+def move_experts(rt: ExpertParallelMoE, new: SlotMap, optimizer: torch.optim.Optimizer, sync) -> int:
     """Send each owned expert whose rank changes -- every tensor holding its slot: parameter
     rows, ZeRO master shard, Adam moments -- to its new owner. An expert keeps its slot index,
     so the ranks of an ep group (which share one data-parallel layout) exchange equal blocks.
@@ -534,59 +535,22 @@ def move_experts(rt: ExpertParallelMoE, new: Placement, optimizer: torch.optim.O
 
 
 def slot_views(moe: MoE, j: int, optimizer: torch.optim.Optimizer, sync) -> list[torch.Tensor]:
-    """Every tensor on this rank that holds local expert slot `j` of `moe`: the parameters' rows
-    (unless ZeRO-3 freed them), the ZeRO master shard's part of them (unless it is a view of the
-    parameters), and the Adam moments of whatever the optimizer updates for them."""
-    params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
+    """Every tensor on this rank that holds local expert slot `j` of `moe`, as the data cut
+    reports them (`GradSync.held`): the parameters' rows or the ZeRO master shard's part of
+    them, and the optimizer's per-element state (Adam's moments) of what it updates for them."""
     views = []
     with torch.no_grad():
-        for p in params:
-            if p.untyped_storage().nbytes() > 0:
-                views.append(p.data[j])
-            views += _moments(optimizer, p, 0, None, lambda t: t[j])
-        for shard in (sh for s in getattr(sync, "syncs", [sync]) for sh in getattr(s, "shards", [])):
-            views += _shard_views(shard, params, j, optimizer)
+        for p in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
+            row = p.shape[1:].numel()
+            held = sync.held(p, j * row, (j + 1) * row)
+            views += held.values + [m for t, lo, hi in held.optimized for m in _moments(optimizer, t, lo, hi)]
     return views
 
 
-def _shard_views(shard, params: list[nn.Parameter], j: int, optimizer) -> list[torch.Tensor]:
-    """Slot j's part of this rank's slice of a ZeRO flat buffer: master weights and moments."""
-    views, offset = [], 0
-    aliased = (
-        shard.full is not None and shard.full.untyped_storage().data_ptr() == shard.local.untyped_storage().data_ptr()
-    )
-    for q, shape in zip(shard.params, shard.shapes):
-        if any(q is p for p in params):
-            row = shape[1:].numel()
-            lo, hi = (
-                max(offset + j * row, shard.lo) - shard.lo,
-                min(offset + (j + 1) * row, shard.lo + shard.size) - shard.lo,
-            )
-            if hi > lo:
-                views += [] if aliased else [shard.local[lo:hi]]
-                for t in (t for g in optimizer.param_groups for t in g["params"]):
-                    if t.untyped_storage().data_ptr() == shard.local.untyped_storage().data_ptr():
-                        start = t.storage_offset() - shard.local.storage_offset()
-                        views += _moments(optimizer, t, start, (lo, hi), None)
-        offset += shape.numel()
-    return views
-
-
-def _moments(optimizer, t: torch.Tensor, start: int, span: tuple[int, int] | None, pick) -> list[torch.Tensor]:
-    """The optimizer's per-element state of `t` (Adam's moments): `pick(state)`, or the part of
-    it inside `span` (local coordinates; `t` starts at `start`)."""
+def _moments(optimizer, t: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+    """The optimizer's per-element state of elements [lo, hi) of the flattened `t` (Adam's moments)."""
     state = optimizer.state.get(t, {})
-    out = []
-    for key in ("exp_avg", "exp_avg_sq"):
-        if key not in state:
-            continue
-        if span is None:
-            out.append(pick(state[key]))
-            continue
-        lo, hi = max(span[0], start), min(span[1], start + t.numel())
-        if hi > lo:
-            out.append(state[key][lo - start : hi - start])
-    return out
+    return [state[key].view(-1)[lo:hi] for key in ("exp_avg", "exp_avg_sq") if key in state]
 
 
 # ---------------------------------------------------------------- installing, and the step's bookkeeping
@@ -596,27 +560,39 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def shard_experts(moe: MoE, ep: Group) -> None:
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def expert_slice(n_experts: int, ep: int, experts: list[int]) -> Slice:
+    """Where a rank's expert weights sit in the logical [E, ...] tensor: the experts it owns, by slot."""
+    return Slice("ep", 0, experts[0], n_experts // ep, n_experts, experts=tuple(experts))
+
+
+def shard_experts(moe: MoE, ep: Group) -> Slice:
     """Keep this rank's E/ep experts (cut from the seeded full weights, so any layout starts equal)."""
     ex = moe.experts
-    n_local = ex.w1.shape[0] // ep.size
+    n_experts = ex.w1.shape[0]
+    n_local = n_experts // ep.size
     lo = ep.rank * n_local
-    for name in ("w1", "w3", "w2"):
+    for name in EXPERT_WEIGHTS:
         full = getattr(ex, name)
         setattr(ex, name, nn.Parameter(full.detach()[lo : lo + n_local].clone()))
+    return expert_slice(n_experts, ep.size, list(range(lo, lo + n_local)))
 
 
-def mark_reduce_groups(moe: MoE, ep: int, tp: int) -> None:
-    """Tell the data cut which group sums each gradient (see `fivecut.mesh.Mesh._expert_groups`);
-    unmarked parameters are summed over dp x cp."""
-    for p in moe.experts.parameters():
-        p.fivecut_expert = True
-        if ep > 1 or tp > 1:
-            p.fivecut_reduce = "expert_dp"
+def reduce_groups(moe: MoE, ep: int, tp: int, cut: Slice | None) -> dict[str, Change]:
+    """Which group sums each gradient of `moe` (see `fivecut.mesh.Mesh._expert_groups`), by path
+    inside the MoE module: experts over `expert_dp`, the router and shared experts over
+    dp x cp x tp under tp (each tp rank routes its own tokens)."""
+    out = {}
+    expert_group = "expert_dp" if ep > 1 or tp > 1 else None
+    for name in EXPERT_WEIGHTS:
+        out[f"experts.{name}"] = Change(slice=cut, reduce=expert_group)
     if tp > 1:
-        for module in (moe.router, moe.shared):
-            for p in module.parameters() if module is not None else ():
-                p.fivecut_reduce = "dp_cp_tp"
+        for prefix, module in (("router", moe.router), ("shared", moe.shared)):
+            for path, _ in module.named_parameters() if module is not None else ():
+                out[f"{prefix}.{path}"] = Change(reduce="dp_cp_tp")
+    return out
 
 
 class ExpertBalancer:
@@ -640,7 +616,7 @@ class ExpertBalancer:
         self.n_experts, self.device = n_experts, device
         self.slot_shape = (ep, n_experts // ep + options.eplb_slots)
         self.history = {i: deque(maxlen=options.eplb_window) for i in runtimes}
-        self.pending: dict[int, Placement] = {}  # placements that move experts, applied after the optimizer step
+        self.pending: dict[int, SlotMap] = {}  # placements that move experts, applied after the optimizer step
 
     def end_step(self, step: int) -> dict:
         """Reduce the step's statistics, update biases and placements; return the metrics."""
@@ -732,27 +708,18 @@ class ExpertBalancer:
 
 
 def apply_expert_parallel(
-    model: nn.Module,
-    args,
-    options: MoEOptions,
-    ep: Group,
-    tp: Group,
-    sp: bool,
-    global_batch: int,
-    stats_groups: list[Group],
-    device,
-    cp: Group | None = None,
-) -> ExpertBalancer | None:
-    """Cut the experts of every MoE layer of `model` (a model or pipeline stages) over `ep` and
-    install their runtime; `stats_groups` sum the load statistics (the same list on every rank)."""
-    runtimes = {}
-    for block in (m for m in model.modules() if isinstance(m, Block) and isinstance(m.feed_forward, MoE)):
-        layer_id, moe = block.layer_id, block.feed_forward
-        if ep.size > 1:
-            shard_experts(moe, ep)
-        mark_reduce_groups(moe, ep.size, tp.size)
-        moe.runtime = runtimes[layer_id] = ExpertParallelMoE(moe, options, ep, tp, sp, 1.0 / global_batch, cp)
-    moe_layer_ids = [i for i in range(args.n_layers) if args.moe_layer(i)]
-    if not moe_layer_ids:
-        return None
-    return ExpertBalancer(runtimes, options, moe_layer_ids, stats_groups, args.n_experts, ep.size, device)
+    model: nn.Module, options: MoEOptions, ep: Group, tp: Group, sp: bool, global_batch: int, cp: Group | None = None
+) -> tuple[dict[int, ExpertParallelMoE], dict[str, Change]]:
+    """Cut the experts of every MoE layer of `model` (a model or a pipeline stage) over `ep` and
+    install their runtime. Returns the runtimes by layer id, and what was done to each
+    parameter, by path in `model`."""
+    runtimes, changes = {}, {}
+    for path, block in model.layers.items():
+        if not isinstance(block.feed_forward, MoE):
+            continue
+        moe = block.feed_forward
+        cut = shard_experts(moe, ep) if ep.size > 1 else None
+        for name, change in reduce_groups(moe, ep.size, tp.size, cut).items():
+            changes[f"layers.{path}.feed_forward.{name}"] = change
+        moe.runtime = runtimes[block.layer_id] = ExpertParallelMoE(moe, options, ep, tp, sp, 1.0 / global_batch, cp)
+    return runtimes, changes

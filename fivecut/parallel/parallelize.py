@@ -1,16 +1,21 @@
-"""`parallelize`: apply the cuts to a single-device model, in a fixed order.
+"""`parallelize`: apply the cuts to a single-device model, in one fixed order.
 
-    EP -> TP/SP -> CP -> PP split -> activation checkpointing -> DP/ZeRO
+    1. pipeline split      this rank's stages of the model (without a pipeline: one stage, the model)
+    then on each stage, in this order:
+    2. EP                  experts over the ep group, and the MoE runtime (capacity, balancing, statistics)
+    3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms)
+    4. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
+    5. recomputation       activation recomputation: the slot is here, the step comes in a later version
+    then over all of this rank's stages:
+    6. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
+                           for most, `expert_dp` for experts, dp x cp x tp for the router and shared
+                           experts under tp; DDP (zero=0) or ZeRO-1/2/3
 
-The model code never changes; each cut rewrites or wraps modules from outside and
-receives the process group it uses from the `Mesh`. This version cuts the experts over
-the ep group (and installs the MoE runtime: capacity, balancing, statistics), applies
-tensor (and sequence) parallelism over the tp group, Ulysses attention over the cp group
-(the trainer feeds each cp rank its chunk of the sequence), splits the layers into pipeline
-stages, then the data cut -- DDP (zero=0) or ZeRO-1/2/3 -- sums each gradient over the
-group its parameter is replicated on: dp x cp for most, `expert_dp` for experts,
-dp x cp x tp for the router and shared experts under tp. `ParallelDims.validate`
-refuses the cuts that are not built yet.
+The model code never changes; each step rewrites or wraps modules from outside, receives the
+process group it uses from the `Mesh`, and returns what it changed. A step that was asked for
+and matched nothing it should have is an error. The changes are folded into one `Placement`
+per parameter (`fivecut.parallel.placement`), and after the last step every parameter's local
+shape is checked against its record.
 """
 
 from __future__ import annotations
@@ -26,162 +31,47 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.mesh import Mesh
-from fivecut.model import build_model
 from fivecut.parallel.context import apply_context_parallel
-from fivecut.parallel.data import DataParallel, Piece, param_kind, reduce_group
-from fivecut.parallel.expert import ExpertBalancer, MoEOptions, apply_expert_parallel
-from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
-from fivecut.parallel.pipeline.split import build_stage, stage_layers, tied_weight
-from fivecut.parallel.saved import SavedActivations
-from fivecut.parallel.tensor import (
-    apply_tensor_parallel,
-    check_shards,
-    vocab_parallel_loss_sum,
+from fivecut.parallel.data import DataParallel, GradSync, Held, Kinds, Piece
+from fivecut.parallel.expert import (
+    EXPERT_WEIGHTS,
+    ExpertBalancer,
+    ExpertParallelMoE,
+    MoEOptions,
+    apply_expert_parallel,
+    expert_slice,
 )
+from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
+from fivecut.parallel.pipeline.split import cut_stage, stage_layers
+from fivecut.parallel.placement import (
+    Change,
+    FlatSlot,
+    Placement,
+    check_local_shapes,
+    initial_placements,
+    logical_name,
+    params_by_name,
+)
+from fivecut.parallel.saved import SavedActivations
+from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 
-GradSync = "DataParallel | ZeroDataParallel | FullyShardedDataParallel | SyncSet"
+STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "data")  # the order, as applied below
+
+# parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
+# only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
+TP_CUT = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+          "feed_forward.w3.weight", "tok_embeddings.weight")  # fmt: skip
+TP_CUT_KV = ("attention.wk.weight", "attention.wv.weight")
+
+
+class ParallelizeError(RuntimeError):
+    """A cut that was asked for did not apply where it should have."""
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy, in fp32.  logits [b, s, V], targets [b, s]."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
-@dataclass
-class Parallelized:
-    module: nn.Module  # what the trainer calls forward on
-    sync: GradSync  # no_sync() for accumulation micro-steps, zero_grad(), after_step()
-    pieces: list[Piece]  # what this rank's optimizer updates
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> sum of token losses
-    norm_groups: list[Group]  # groups over which squared gradient norms are summed
-    saved: SavedActivations  # wrap each forward in `saved.forward()`
-    pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
-    experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
-
-    @property
-    def grads(self) -> list[torch.Tensor]:
-        """The gradients this rank's optimizer reads (shards under ZeRO)."""
-        return [piece.tensor.grad for piece in self.pieces]
-
-    def state_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Parameters and gradients this rank holds, for memory accounting (storages may repeat)."""
-        params = list(self.module.parameters()) + [piece.tensor for piece in self.pieces]
-        return params, [p.grad for p in params]
-
-
-def parallelize(
-    model: nn.Module,
-    mesh: Mesh,
-    bucket_mb: float = 25.0,
-    reduce_dtype: torch.dtype | None = None,
-    moe: MoEOptions | None = None,
-    global_batch: int = 1,
-) -> Parallelized:
-    """Apply every cut of `mesh.dims` to `model` (built whole from the seed); `moe` and
-    `global_batch` (sequences per optimizer step) matter for MoE models only."""
-    dims = mesh.dims
-    unimplemented = dims.unimplemented()
-    if unimplemented:
-        raise ValueError("parallelize: " + "; ".join(unimplemented))
-    experts = expert_parallel(model, model.args, mesh, moe, global_batch)
-    saved = SavedActivations()
-    loss_sum = tensor_parallel(model, mesh, saved)
-    context_parallel(model, mesh)
-    sync, pieces = data_parallel(model, mesh, bucket_mb, reduce_dtype)
-    return Parallelized(model, sync, pieces, loss_sum, norm_groups(mesh), saved, experts=experts)
-
-
-def expert_parallel(
-    model: nn.Module, args, mesh: Mesh, moe: MoEOptions | None, global_batch: int
-) -> ExpertBalancer | None:
-    """EP over the ep group for MoE models (with ep=1: the runtime for capacity, balancing and statistics)."""
-    if not args.is_moe:
-        return None
-    dims = mesh.dims
-    ep = mesh.group("ep")
-    stats = mesh.group("dp_cp_tp") if dims.tp > 1 else mesh.group("dp_cp")
-    groups = [dataclasses.replace(stats, cut="ep")] + (
-        [dataclasses.replace(mesh.group("pp"), cut="ep")] if dims.pp > 1 else []
-    )
-    device = next(model.parameters()).device
-    return apply_expert_parallel(
-        model, args, moe or MoEOptions(), ep, mesh.group("tp"), dims.sp, global_batch, groups, device, mesh.group("cp")
-    )
-
-
-def tensor_parallel(model: nn.Module, mesh: Mesh, saved: SavedActivations):
-    """TP/SP over the tp group (when tp > 1); returns the loss function that fits the model's logits."""
-    dims, tp_group = mesh.dims, mesh.group("tp")
-    saved.track_layers(model.layers)
-    if dims.tp == 1:
-        return token_loss_sum
-    apply_tensor_parallel(model, tp_group, dims.sp, saved)
-    check_shards(model, model.args, dims.tp)
-    vocab = model.args.vocab_size
-    return lambda logits, targets: vocab_parallel_loss_sum(logits, targets, tp_group, vocab)
-
-
-def context_parallel(model: nn.Module, mesh: Mesh) -> None:
-    """Ulysses or ring attention over the cp group (when cp > 1); the trainer feeds each rank its chunks."""
-    if mesh.dims.cp > 1:
-        apply_context_parallel(model, mesh.group("cp"), mesh.dims.cp_mode)
-
-
-def norm_groups(mesh: Mesh) -> list[Group]:
-    """Where squared gradient norms are summed: over shards (ZeRO), expert-parallel ranks (their
-    experts differ; without ZeRO), tensor and pipeline ranks."""
-    dims = mesh.dims
-    on = (("dp_cp", dims.zero > 0), ("ep", dims.zero == 0 and dims.ep > 1), ("tp", dims.tp > 1), ("pp", dims.pp > 1))
-    return [mesh.group(name) for name, wanted in on if wanted]
-
-
-def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
-    """Build this rank's part of the model from the seed and apply every cut of `mesh.dims`."""
-    dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
-    if mesh.dims.pp == 1:
-        model = build_model(args, device=device, seed=seed)
-        return parallelize(model, mesh, train.bucket_mb, dtype, moe, train.global_batch)
-    return pipeline_parallelize(args, mesh, device, seed, train, dtype, moe)
-
-
-def pipeline_parallelize(
-    args, mesh: Mesh, device, seed: int, train, reduce_dtype, moe: MoEOptions | None = None
-) -> Parallelized:
-    """PP split -> TP inside each stage -> DP over all of this rank's stages."""
-    dims = mesh.dims
-    schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
-    check(schedule)
-    layers = stage_layers(args, schedule.n_stages, train.seq_len, dims.pp_layers)
-    mine = schedule.stages_of(mesh.coordinate("pp"))
-    last = schedule.n_stages - 1
-    stages = {s: build_stage(args, layers[s], s == 0, s == last, device, seed) for s in mine}
-    module = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
-    experts = expert_parallel(module, args, mesh, moe, train.global_batch)
-    saved = SavedActivations()
-    loss_sum = token_loss_sum
-    for stage in stages.values():
-        loss_sum = tensor_parallel(stage, mesh, saved)
-        context_parallel(stage, mesh)
-    tie_pipeline_ends(stages, last, mesh)
-    sync, pieces = data_parallel(module, mesh, train.bucket_mb, reduce_dtype)
-    ends_apart = schedule.stage_rank[0] != schedule.stage_rank[last]
-    tied = next((tied_weight(stages[s]) for s in (0, last) if s in stages), None) if ends_apart else None
-    pipeline = Pipeline(schedule, stages, mesh.group("pp_ends"), tied)
-    return Parallelized(module, sync, pieces, loss_sum, norm_groups(mesh), saved, pipeline, experts)
-
-
-def tie_pipeline_ends(stages: dict[int, nn.Module], last: int, mesh: Mesh) -> None:
-    """Tied embeddings: one Parameter when the first and last stage share a rank; otherwise each
-    end keeps a copy (gradients summed over `pp_ends`) that counts half in the global norm."""
-    if 0 in stages and last in stages:
-        weight = stages[0].tok_embeddings.weight
-        if stages[last].args.tie_embeddings:
-            stages[last].output.weight = weight
-        return
-    for s in (0, last):
-        if s in stages and stages[s].args.tie_embeddings and mesh.dims.pp > 1:
-            tied_weight(stages[s]).fivecut_norm_share = 0.5
 
 
 @dataclass
@@ -196,43 +86,239 @@ class Pipeline:
             comm.all_reduce(self.tied.grad, self.ends)
 
 
-def data_parallel(model: nn.Module, mesh: Mesh, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:
+@dataclass
+class Parallelized:
+    module: nn.Module  # what the trainer calls forward on (the model, or a ModuleDict of stages)
+    sync: GradSync  # the data cut: no_sync() for accumulation micro-steps, zero_grad(), reduce(), after_step()
+    pieces: list[Piece]  # what this rank's optimizer updates
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> sum of token losses
+    norm_groups: list[Group]  # groups over which squared gradient norms are summed
+    saved: SavedActivations  # wrap each forward in `saved.forward()`
+    placements: dict[str, Placement]  # logical name -> where this rank's part of it lives
+    params: dict[str, nn.Parameter]  # logical name -> this rank's tensor
+    pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
+    experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's optimizer reads (shards under ZeRO)."""
+        return [piece.tensor.grad for piece in self.pieces]
+
+    def state_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Parameters and gradients this rank holds, for memory accounting (storages may repeat)."""
+        params = list(self.module.parameters()) + [piece.tensor for piece in self.pieces]
+        return params, [p.grad for p in params]
+
+    def move_experts(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+        """EPLB: move the experts whose owner changed (see `ExpertBalancer.apply_moves`) and
+        record their new slices; returns the elements this rank sent, per layer."""
+        moved = self.experts.apply_moves(optimizer, self.sync)
+        for layer in moved:
+            runtime = self.experts.runtimes[layer]
+            mine = runtime.placement.owned()[runtime.ep.rank]
+            cut = expert_slice(runtime.n_experts, runtime.ep.size, mine)
+            for name in (f"layers.{layer}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS):
+                pl = self.placements[name]
+                self.placements[name] = dataclasses.replace(pl, slices=tuple(cut if s.group == "ep" else s for s in pl.slices))
+        return moved
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    bucket_mb: float = 25.0,
+    reduce_dtype: torch.dtype | None = None,
+    moe: MoEOptions | None = None,
+    global_batch: int = 1,
+    seq_len: int | None = None,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> Parallelized:
+    """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
+    device (then this rank's part is materialized on `device` and initialized from `seed`).
+    `moe` and `global_batch` (sequences per optimizer step) matter for MoE models only;
+    `seq_len` balances the pipeline stages."""
+    dims, args = mesh.dims, model.args
+    schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
+    placements = initial_records(stages, schedule)
+    saved, runtimes = SavedActivations(), {}
+    for stage in stages.values():
+        saved.track_layers(stage.layers)
+        for name, step in stage_steps(mesh, saved, moe or MoEOptions(), global_batch, runtimes):
+            fold(placements, stage, step(stage))
+    module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
+    params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
+    pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params)
+    kinds = {params[name]: pl.kind(dims.tp, dims.ep, dims.zero) for name, pl in placements.items()}
+    sync = data_parallel(module, mesh, kinds, bucket_mb, reduce_dtype)
+    record_flat_slots(placements, params, sync.flat_slots())
+    check_local_shapes(placements, params)
+    experts = expert_balancer(args, mesh, moe or MoEOptions(), runtimes, module)
+    loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
+    return Parallelized(module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts)
+
+
+# ---------------------------------------------------------------- 1. the pipeline split
+
+
+def split_pipeline(model, mesh: Mesh, seq_len: int, seed: int, device) -> tuple[Schedule | None, dict[int, nn.Module]]:
+    """This rank's stages of `model`, materialized; without a pipeline, the model as one stage."""
+    dims = mesh.dims
+    if dims.pp == 1:
+        return None, {0: materialized(model, seed, device)}
+    schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+    check(schedule)
+    layers = stage_layers(model.args, schedule.n_stages, seq_len, dims.pp_layers)
+    last = schedule.n_stages - 1
+    mine = schedule.stages_of(mesh.coordinate("pp"))
+    return schedule, {s: materialized(cut_stage(model, layers[s], s == 0, s == last), seed, device) for s in mine}
+
+
+def materialized(stage: nn.Module, seed: int, device) -> nn.Module:
+    """A stage on the meta device gets real storage and the seed's weights (keyed by name)."""
+    if any(p.is_meta for p in stage.parameters()):
+        stage.to_empty(device=device)
+        stage.init_weights(seed)
+    return stage
+
+
+def initial_records(stages: dict[int, nn.Module], schedule: Schedule | None) -> dict[str, Placement]:
+    """One record per logical parameter, before any cut; a tied embedding belongs to its first stage."""
+    out: dict[str, Placement] = {}
+    for s in sorted(stages):
+        for name, pl in initial_placements(stages[s], s if schedule is not None else None).items():
+            out.setdefault(name, pl)
+    return out
+
+
+# ---------------------------------------------------------------- 2-5. the cuts of each stage
+
+StepResult = dict[str, Change]  # parameter path in the stage -> what the step did to it
+Step = Callable[[nn.Module], StepResult]
+
+
+def stage_steps(mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict) -> list:
+    """The ordered cuts applied to each stage (see the module doc)."""
+    return [
+        ("expert", lambda stage: expert_parallel(stage, mesh, moe, global_batch, runtimes)),
+        ("tensor", lambda stage: tensor_parallel(stage, mesh, saved)),
+        ("context", lambda stage: context_parallel(stage, mesh)),
+        ("recompute", recompute),
+    ]
+
+
+def fold(placements: dict[str, Placement], stage: nn.Module, changes: StepResult) -> None:
+    for path, change in changes.items():
+        name = logical_name(path, stage.args.tie_embeddings)
+        placements[name] = placements[name].apply(change)
+
+
+def expert_parallel(stage: nn.Module, mesh: Mesh, moe: MoEOptions, global_batch: int, runtimes: dict) -> StepResult:
+    """EP over the ep group for the MoE layers of `stage` (with ep=1: the MoE runtime alone)."""
+    args = stage.args
+    expected = sorted(block.layer_id for block in stage.layers.values() if args.moe_layer(block.layer_id))
+    if not expected:
+        return {}
+    made, changes = apply_expert_parallel(
+        stage, moe, mesh.group("ep"), mesh.group("tp"), mesh.dims.sp, global_batch, mesh.group("cp")
+    )
+    require("expert", sorted(made), expected)
+    runtimes.update(made)
+    return changes
+
+
+def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> StepResult:
+    """TP/SP over the tp group (when tp > 1)."""
+    dims, args = mesh.dims, stage.args
+    if dims.tp == 1:
+        return {}
+    changes = apply_tensor_parallel(stage, mesh.group("tp"), dims.sp, saved)
+    suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ())
+    expected = [path for path, _ in stage.named_parameters() if path.endswith(suffixes) and ".experts." not in path]
+    if stage.output is not None and not (args.tie_embeddings and stage.tok_embeddings is not None):
+        expected.append("output.weight")
+    require("tensor", sorted(p for p, c in changes.items() if c.slice is not None), sorted(expected))
+    return changes
+
+
+def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
+    """Ulysses or ring attention over the cp group (when cp > 1); no parameter changes."""
+    if mesh.dims.cp == 1:
+        return {}
+    from fivecut.model.transformer import Attention
+
+    expected = [path for path, m in stage.named_modules() if isinstance(m, Attention)]
+    require("context", apply_context_parallel(stage, mesh.group("cp"), mesh.dims.cp_mode), expected)
+    return {}
+
+
+def recompute(stage: nn.Module) -> StepResult:
+    """Activation recomputation's place in the order; no layout asks for it in this version."""
+    return {}
+
+
+def require(step: str, applied: list, expected: list) -> None:
+    if applied != expected or not expected:
+        raise ParallelizeError(f"parallelize: the {step} cut applied to {applied}, expected {expected}")
+
+
+# ---------------------------------------------------------------- tying and the data cut
+
+
+def tie_pipeline_ends(schedule, stages, mesh: Mesh, placements, params) -> Pipeline | None:
+    """Tied embeddings: one Parameter when the first and the last stage share a rank; otherwise each
+    end keeps a copy, gradients summed over `pp_ends` (its record says `ends`: it counts half in the norm)."""
+    if schedule is None:
+        return None
+    last = schedule.n_stages - 1
+    if 0 in stages and last in stages and stages[last].args.tie_embeddings:
+        stages[last].output.weight = stages[0].tok_embeddings.weight
+        params["tok_embeddings.weight"] = stages[0].tok_embeddings.weight
+    apart = schedule.stage_rank[0] != schedule.stage_rank[last]
+    tied = None
+    if apart and "tok_embeddings.weight" in params and placements["tok_embeddings.weight"].aliases:
+        placements["tok_embeddings.weight"] = dataclasses.replace(placements["tok_embeddings.weight"], ends=True)
+        tied = params["tok_embeddings.weight"]
+    return Pipeline(schedule, stages, mesh.group("pp_ends"), tied)
+
+
+def data_parallel(module: nn.Module, mesh: Mesh, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:
     """One gradient reduction per group that parameters are replicated on (see the module doc)."""
     by_group: dict[str, list[nn.Parameter]] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            by_group.setdefault(reduce_group(p), []).append(p)
-    if mesh.dims.zero == 3:  # units of modules, each part sharded over its own group
+    for p in unique_params(module):
+        by_group.setdefault(kinds[p].reduce, []).append(p)
+    dims = mesh.dims
+    if dims.zero == 3:  # units of modules, each part sharded over its own group
         others = {name: mesh.group(name) for name in by_group if name != "dp_cp"}
-        sync = FullyShardedDataParallel(
-            model, mesh.group("dp_cp"), mesh.dims.reshard_after_forward, reduce_dtype, mesh.dims.tp, others
+        return FullyShardedDataParallel(
+            module, mesh.group("dp_cp"), dims.reshard_after_forward, reduce_dtype, kinds, others
         )
-        return sync, sync.optimizer_pieces()
-    made = [reduce_over(model, params, mesh, name, bucket_mb, reduce_dtype) for name, params in by_group.items()]
-    if len(made) == 1:
-        return made[0]
-    return SyncSet([sync for sync, _ in made]), [piece for _, pieces in made for piece in pieces]
+    syncs = [reduce_over(module, params, mesh, name, kinds, bucket_mb, reduce_dtype) for name, params in by_group.items()]
+    return syncs[0] if len(syncs) == 1 else SyncSet(syncs)
 
 
-def reduce_over(model, params, mesh: Mesh, name: str, bucket_mb: float, reduce_dtype) -> tuple[GradSync, list[Piece]]:
-    """DDP or ZeRO-1/2 of `params` over the mesh group `name`. A group that spans tp holds no
-    tensor-parallel replicas in its shards (each tp rank computed on its own tokens)."""
-    dims, group = mesh.dims, mesh.group(name)
-    tp_in_shards = dims.tp if name == "dp_cp" else 1
-    if dims.zero == 0 or group.size == 1:
-        sync = DataParallel(model, group, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, params=params)
-        ep_share = 1.0 if name == "expert_dp" or dims.zero > 0 else 1.0 / dims.ep  # replicated over ep: counted once
-        return sync, [Piece(p, d, r, share * ep_share) for p in sync.params for d, r, share in [param_kind(p, dims.tp)]]
-    sync = ZeroDataParallel(
-        model, group, dims.zero, bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, tp=tp_in_shards, params=params
-    )
-    return sync, sync.optimizer_pieces()
+def unique_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def reduce_over(module, params, mesh: Mesh, name: str, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:
+    """DDP or ZeRO-1/2 of `params` over the mesh group `name`."""
+    group = mesh.group(name)
+    if mesh.dims.zero == 0 or group.size == 1:
+        return DataParallel(module, group, bucket_mb, reduce_dtype, params, kinds)
+    return ZeroDataParallel(module, group, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds)
+
+
+def record_flat_slots(placements: dict[str, Placement], params, slots: dict[nn.Parameter, FlatSlot]) -> None:
+    for name, pl in placements.items():
+        if params[name] in slots:
+            placements[name] = dataclasses.replace(pl, flat=slots[params[name]])
 
 
 class SyncSet:
     """Several gradient reductions (one per group) driven as one."""
 
-    def __init__(self, syncs: list):
+    def __init__(self, syncs: list[GradSync]):
         self.syncs = syncs
 
     @contextlib.contextmanager
@@ -246,10 +332,62 @@ class SyncSet:
         for sync in self.syncs:
             sync.zero_grad()
 
+    def reduce(self) -> None:
+        for sync in self.syncs:
+            sync.reduce()
+
     def after_step(self) -> None:
         for sync in self.syncs:
             sync.after_step()
 
-    def reduce_all(self) -> None:
-        for sync in self.syncs:
-            sync.reduce_all()
+    def pieces(self) -> list[Piece]:
+        return [piece for sync in self.syncs for piece in sync.pieces()]
+
+    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
+        return sum((sync.held(param, lo, hi) for sync in self.syncs), Held())
+
+    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
+        return {p: slot for sync in self.syncs for p, slot in sync.flat_slots().items()}
+
+
+# ---------------------------------------------------------------- the rest of what a rank needs
+
+
+def vocab_loss(tp_group: Group, vocab: int):
+    def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_loss_sum(logits, targets, tp_group, vocab)
+
+    return loss_sum
+
+
+def expert_balancer(args, mesh: Mesh, moe: MoEOptions, runtimes: dict[int, ExpertParallelMoE], module):
+    """MoE models: the load statistics are summed over dp x cp (x tp) and, with a pipeline, over pp."""
+    layer_ids = [i for i in range(args.n_layers) if args.moe_layer(i)]
+    if not layer_ids:
+        return None
+    dims = mesh.dims
+    stats = mesh.group("dp_cp_tp") if dims.tp > 1 else mesh.group("dp_cp")
+    groups = [dataclasses.replace(stats, cut="ep")]
+    if dims.pp > 1:
+        groups.append(dataclasses.replace(mesh.group("pp"), cut="ep"))
+    device = next(module.parameters()).device
+    return ExpertBalancer(runtimes, moe, layer_ids, groups, args.n_experts, dims.ep, device)
+
+
+def norm_groups(mesh: Mesh) -> list[Group]:
+    """Where squared gradient norms are summed: over shards (ZeRO), expert-parallel ranks (their
+    experts differ; without ZeRO), tensor and pipeline ranks."""
+    dims = mesh.dims
+    on = (("dp_cp", dims.zero > 0), ("ep", dims.zero == 0 and dims.ep > 1), ("tp", dims.tp > 1), ("pp", dims.pp > 1))
+    return [mesh.group(name) for name, wanted in on if wanted]
+
+
+def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
+    """This rank's part of the model `args`, built from the seed, every cut of `mesh.dims` applied."""
+    from fivecut.model import build_model
+
+    dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
+    model = build_model(args, device="meta")
+    return parallelize(
+        model, mesh, train.bucket_mb, dtype, moe, train.global_batch, train.seq_len, seed=seed, device=device
+    )

@@ -23,13 +23,13 @@ Grouped-query attention: kv heads are split when t divides them; when t is a mul
 of the kv heads instead, each rank computes the one kv head its query heads use from the
 full (replicated) wk and wv, whose gradients are summed over t.
 
-Every parameter this cut shards carries `fivecut_tp = TPShard(dim, parts)`; `parallelize`
-checks each one's local shape against the full shape divided along that dim.
+`apply_tensor_parallel` returns a `Change` per parameter it touched (the slice it keeps, or
+the tp sum autograd does for a replicated weight); `parallelize` folds them into the
+parameters' placement records and checks every local shape against them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,30 +38,21 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.model.transformer import RMSNorm
+from fivecut.parallel.placement import Change, Slice
 from fivecut.parallel.saved import SavedActivations
 
-
-@dataclass(frozen=True)
-class TPShard:
-    """How a parameter is cut: along `dim` into `parts`; `full` is the unpadded full shape."""
-
-    dim: int
-    parts: int
-    full: tuple[int, ...]
+Changes = dict[str, Change]  # parameter path in the module -> what the cut did to it
 
 
-def is_tp_sharded(p: torch.Tensor) -> bool:
-    return getattr(p, "fivecut_tp", None) is not None
-
-
-def shard_param(full: torch.Tensor, dim: int, group: Group, padded_size: int | None = None) -> nn.Parameter:
-    """This rank's slice of `full` along `dim` (zero-padded to `padded_size` first), as a marked Parameter."""
-    if padded_size is not None and padded_size > full.shape[dim]:
+def shard_param(full: torch.Tensor, dim: int, group: Group, padded_size: int | None = None) -> tuple[nn.Parameter, Slice]:
+    """This rank's slice of `full` along `dim` (zero-padded to `padded_size` first), and where it sits."""
+    padded_size = max(padded_size or 0, full.shape[dim])
+    if padded_size > full.shape[dim]:
         pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded_size - full.shape[dim]]
         full = F.pad(full, pad)
     param = nn.Parameter(comm.my_slice(full.detach(), dim, group).clone())  # its own storage: the full weight is freed
-    param.fivecut_tp = TPShard(dim, group.size, tuple(full.shape))
-    return param
+    length = param.shape[dim]
+    return param, Slice("tp", dim, group.rank * length, length, padded_size)
 
 
 # ---------------------------------------------------------------- region boundaries
@@ -106,16 +97,18 @@ def make_region(
 # ---------------------------------------------------------------- layers
 
 
-def column_parallel(linear: nn.Linear, group: Group, padded_out: int | None = None) -> None:
+def column_parallel(linear: nn.Linear, group: Group, padded_out: int | None = None) -> Change:
     """Keep rows of the weight [out/t, in]: this rank computes out/t output features."""
-    linear.weight = shard_param(linear.weight, 0, group, padded_out)
+    linear.weight, where = shard_param(linear.weight, 0, group, padded_out)
     linear.out_features = linear.weight.shape[0]
+    return Change(slice=where)
 
 
-def row_parallel(linear: nn.Linear, group: Group) -> None:
+def row_parallel(linear: nn.Linear, group: Group) -> Change:
     """Keep columns of the weight [out, in/t]: this rank's partial sum over in/t input features."""
-    linear.weight = shard_param(linear.weight, 1, group)
+    linear.weight, where = shard_param(linear.weight, 1, group)
     linear.in_features = linear.weight.shape[1]
+    return Change(slice=where)
 
 
 class ReplicatedKV(nn.Module):
@@ -139,8 +132,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, group: Group, padded_vocab: int, sequence_parallel: bool):
         super().__init__()
-        self.weight = shard_param(embedding.weight, 0, group, padded_vocab)  # [V/t, h]
-        self.start = group.rank * self.weight.shape[0]
+        self.weight, self.slice = shard_param(embedding.weight, 0, group, padded_vocab)  # [V/t, h]
+        self.start = self.slice.start
         self.group = group
         self.sequence_parallel = sequence_parallel
 
@@ -216,72 +209,71 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations) -> None:
-    """Cut a `Transformer` in place over `group` (t ranks); Megatron's layout, SP optional."""
-    args = model.args
+def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool, saved: SavedActivations) -> Changes:
+    """Cut a `Transformer` (or a pipeline stage of one) in place over `group` (t ranks); Megatron's
+    layout, SP optional. Returns what it did to each parameter, by path."""
+    args, changes = model.args, {}
     vocab = padded_vocab(args.vocab_size, group.size)
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, vocab, sequence_parallel)
-    for block in model.layers.values():
-        parallelize_attention(block.attention, args, group)
-        make_region(block.attention, group, sequence_parallel, saved)
-        if not args.moe_layer(block.layer_id):  # a MoE layer runs on each tp rank's tokens (fivecut.parallel.expert)
-            parallelize_mlp(block.feed_forward, group)
-            make_region(block.feed_forward, group, sequence_parallel, saved)
-        if sequence_parallel:
-            block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group)
-            block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group)
+        changes["tok_embeddings.weight"] = Change(slice=model.tok_embeddings.slice)
+    for name, block in model.layers.items():
+        changes |= prefixed(f"layers.{name}.", parallelize_block(block, args, group, sequence_parallel, saved))
     if model.norm is not None and sequence_parallel:
         model.norm = SequenceParallelRMSNorm(model.norm, group)
+        changes["norm.weight"] = Change(summed_over="tp")
     if model.output is not None:
-        if args.tie_embeddings and model.tok_embeddings is not None:
-            model.output.weight = model.tok_embeddings.weight  # the same vocabulary shard
-            model.output.out_features = model.output.weight.shape[0]
-        else:
-            column_parallel(model.output, group, padded_out=vocab)
-        make_region(model.output, group, sequence_parallel, saved, reduce_output=False)  # logits stay cut by vocabulary
+        changes |= parallelize_head(model, group, vocab, sequence_parallel, saved)
+    return changes
 
 
-def parallelize_attention(attention: nn.Module, args, group: Group) -> None:
+def prefixed(prefix: str, changes: Changes) -> Changes:
+    return {prefix + path: change for path, change in changes.items()}
+
+
+def parallelize_block(block: nn.Module, args, group: Group, sequence_parallel: bool, saved: SavedActivations) -> Changes:
+    changes = prefixed("attention.", parallelize_attention(block.attention, args, group))
+    make_region(block.attention, group, sequence_parallel, saved)
+    if not args.moe_layer(block.layer_id):  # a MoE layer runs on each tp rank's tokens (fivecut.parallel.expert)
+        changes |= prefixed("feed_forward.", parallelize_mlp(block.feed_forward, group))
+        make_region(block.feed_forward, group, sequence_parallel, saved)
+    if sequence_parallel:
+        block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group)
+        block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group)
+        changes |= {"attention_norm.weight": Change(summed_over="tp"), "ffn_norm.weight": Change(summed_over="tp")}
+    return changes
+
+
+def parallelize_head(model: nn.Module, group: Group, vocab: int, sequence_parallel: bool, saved) -> Changes:
+    """The output projection cut by vocabulary (the embedding's shard when tied); logits stay cut."""
+    changes = {}
+    if model.args.tie_embeddings and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # the same vocabulary shard
+        model.output.out_features = model.output.weight.shape[0]
+    else:
+        changes["output.weight"] = column_parallel(model.output, group, padded_out=vocab)
+    make_region(model.output, group, sequence_parallel, saved, reduce_output=False)
+    return changes
+
+
+def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
     t, hd = group.size, args.head_dim
-    column_parallel(attention.wq, group)
+    changes = {"wq.weight": column_parallel(attention.wq, group)}
     if args.n_kv_heads % t == 0:
-        column_parallel(attention.wk, group)
-        column_parallel(attention.wv, group)
+        changes["wk.weight"] = column_parallel(attention.wk, group)
+        changes["wv.weight"] = column_parallel(attention.wv, group)
     else:  # t is a multiple of n_kv_heads: one kv head per rank, replicated weights
         head = (group.rank * args.n_heads // t) // (args.n_heads // args.n_kv_heads)
         attention.wk = ReplicatedKV(attention.wk, head, hd, group)
         attention.wv = ReplicatedKV(attention.wv, head, hd, group)
-    row_parallel(attention.wo, group)
+        changes |= {"wk.weight": Change(summed_over="tp"), "wv.weight": Change(summed_over="tp")}
+    changes["wo.weight"] = row_parallel(attention.wo, group)
+    return changes
 
 
-def parallelize_mlp(mlp: nn.Module, group: Group) -> None:
-    column_parallel(mlp.w1, group)
-    column_parallel(mlp.w3, group)
-    row_parallel(mlp.w2, group)
-
-
-def check_shards(model: nn.Module, args, tp: int) -> None:
-    """After the cut, every parameter marked as sharded must have the full shape divided by t."""
-    expected = {
-        "attention.wq.weight": (args.n_heads * args.head_dim // tp, args.dim),
-        "attention.wo.weight": (args.dim, args.n_heads * args.head_dim // tp),
-        "feed_forward.w1.weight": (args.ffn_dim // tp, args.dim),
-        "feed_forward.w3.weight": (args.ffn_dim // tp, args.dim),
-        "feed_forward.w2.weight": (args.dim, args.ffn_dim // tp),
+def parallelize_mlp(mlp: nn.Module, group: Group) -> Changes:
+    return {
+        "w1.weight": column_parallel(mlp.w1, group),
+        "w3.weight": column_parallel(mlp.w3, group),
+        "w2.weight": row_parallel(mlp.w2, group),
     }
-    if args.n_kv_heads % tp == 0:
-        kv = (args.n_kv_heads * args.head_dim // tp, args.dim)
-        expected |= {"attention.wk.weight": kv, "attention.wv.weight": kv}
-    for name, p in model.named_parameters():
-        suffix = next((s for s in expected if name.endswith(s)), None)
-        if suffix is not None and (tuple(p.shape) != expected[suffix] or not is_tp_sharded(p)):
-            raise RuntimeError(
-                f"tensor parallelism left {name} with shape {tuple(p.shape)}; expected {expected[suffix]}"
-            )
-        if is_tp_sharded(p):
-            shard = p.fivecut_tp
-            if p.shape[shard.dim] * shard.parts != shard.full[shard.dim]:
-                raise RuntimeError(
-                    f"{name}: local {tuple(p.shape)} x {shard.parts} along dim {shard.dim} != full {shard.full}"
-                )

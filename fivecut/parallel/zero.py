@@ -50,18 +50,20 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.parallel.data import Bucket, DataParallel, Piece, flat_order, padded, param_kind, reduce_group
+from fivecut.parallel.data import Bucket, DataParallel, Held, Kinds, Piece, flat_order, padded, plain_kinds
+from fivecut.parallel.placement import FlatSlot
 
 
 class FlatShard:
     """`params` laid end to end (decayed ones first) in a buffer of `padded` elements, cut into
     n equal slices; this rank owns slice `group.rank`, of `size` elements starting at `lo`."""
 
-    def __init__(self, params: list[nn.Parameter], group: Group, tp: int = 1):
-        self.params = sorted(params, key=flat_order)  # stable: decayed first, then TP shards first
-        # recorded now: ZeRO-3 frees the parameters (size 0), which hides their shapes and kinds
+    def __init__(self, params: list[nn.Parameter], group: Group, kinds: Kinds):
+        self.params = sorted(params, key=lambda p: flat_order(kinds[p]))  # stable: decayed first, then TP shards
+        # recorded now: ZeRO-3 frees the parameters (size 0), which hides their shapes
         self.shapes = [p.shape for p in self.params]
-        self.kinds = [param_kind(p, tp) for p in self.params]
+        self.offsets = [sum(s.numel() for s in self.shapes[:i]) for i in range(len(self.shapes))]
+        self.kinds = [(kinds[p].decays, kinds[p].norm_weight) for p in self.params]
         self.group = group
         self.numel = sum(p.numel() for p in params)
         self.padded = padded(self.numel, group.size)
@@ -70,6 +72,7 @@ class FlatShard:
         self.full: torch.Tensor | None = None  # [padded] ZeRO-1/2: the parameters' storage
         self.local: torch.Tensor | None = None  # [size] this rank's parameters (what the optimizer updates)
         self.grad: torch.Tensor | None = None  # [size] this rank's reduced gradient
+        self._pieces: list[tuple[_Span, Piece]] | None = None  # the optimizer's views, made once
 
     def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
         """[padded] the tensors (parameters or gradients, in `params` order; None = zeros) end to end."""
@@ -89,31 +92,55 @@ class FlatShard:
             offset += shape.numel()
 
     def optimizer_pieces(self) -> list[Piece]:
-        """This rank's shard cut wherever the parameters' kind (decay, TP replica) changes."""
-        pieces: list[Piece] = []
-        offset = 0
-        for shape, kind in zip(self.shapes, self.kinds):
+        """This rank's shard cut wherever the parameters' kind (decay, norm weight) changes; made once."""
+        if self._pieces is None:
+            self._pieces = [(span, self._piece(span)) for span in self._spans()]
+        return [piece for _, piece in self._pieces]
+
+    def _spans(self) -> list[_Span]:
+        spans: list[_Span] = []
+        for offset, shape, kind in zip(self.offsets, self.shapes, self.kinds):
             start, stop = max(offset, self.lo) - self.lo, min(offset + shape.numel(), self.lo + self.size) - self.lo
-            offset += shape.numel()
             if stop <= start:
                 continue
-            if pieces and pieces[-1].kind == kind and pieces[-1].stop == start:
-                pieces[-1].stop = stop
+            if spans and spans[-1].kind == kind and spans[-1].stop == start:
+                spans[-1].stop = stop
             else:
-                pieces.append(_Span(start, stop, kind))
-        return [self._piece(span) for span in pieces]
+                spans.append(_Span(start, stop, kind))
+        return spans
 
     def _piece(self, span: _Span) -> Piece:
         view = self.local[span.start : span.stop]
         view.grad = self.grad[span.start : span.stop]
         return Piece(view, *span.kind)
 
+    def slots(self, buffer: int) -> dict[nn.Parameter, FlatSlot]:
+        """Each parameter's place in this flat buffer (number `buffer` of its data cut)."""
+        return {
+            p: FlatSlot(buffer, offset, shape.numel(), self.padded, self.lo, self.size)
+            for p, offset, shape in zip(self.params, self.offsets, self.shapes)
+        }
+
+    def held(self, param: nn.Parameter, lo: int, hi: int, in_param: bool) -> Held:
+        """Elements [lo, hi) of `param` that this rank's shard holds: their master values (the
+        parameter's own storage when `in_param`, as in ZeRO-1/2) and their optimizer pieces."""
+        i = next((i for i, q in enumerate(self.params) if q is param), None)
+        if i is None:
+            return Held()
+        a, b = max(self.offsets[i] + lo, self.lo) - self.lo, min(self.offsets[i] + hi, self.lo + self.size) - self.lo
+        if b <= a:
+            return Held([param.data.view(-1)[lo:hi]] if in_param else [])
+        self.optimizer_pieces()
+        pieces = [(p.tensor, max(a, sp.start) - sp.start, min(b, sp.stop) - sp.start) for sp, p in self._pieces]
+        optimized = [(t, x, y) for t, x, y in pieces if y > x]
+        return Held([param.data.view(-1)[lo:hi]] if in_param else [self.local[a:b]], optimized)
+
 
 @dataclass
 class _Span:
     start: int
     stop: int
-    kind: tuple[bool, bool, float]  # (decays, tp_replicated, norm_share)
+    kind: tuple[bool, float]  # (decays, norm_weight)
 
 
 # ---------------------------------------------------------------- ZeRO-1 and ZeRO-2
@@ -130,14 +157,13 @@ class ZeroDataParallel(DataParallel):
         stage: int,
         bucket_mb: float = 25.0,
         reduce_dtype=None,
-        tp: int = 1,
         params: list[nn.Parameter] | None = None,
+        kinds: Kinds | None = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
-        self.tp = tp
-        super().__init__(module, group, bucket_mb, reduce_dtype, params)
+        super().__init__(module, group, bucket_mb, reduce_dtype, params, kinds)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
         if stage == 2:  # gradients live in the shards only; full ones exist per bucket, in flight
@@ -151,7 +177,7 @@ class ZeroDataParallel(DataParallel):
         return group.size
 
     def _shard_bucket(self, bucket: Bucket) -> FlatShard:
-        shard = FlatShard(bucket.params, self.group, self.tp)
+        shard = FlatShard(bucket.params, self.group, self.kinds)
         full = shard.flatten([p.detach() for p in shard.params], like=bucket.params[0])  # [padded]
         shard.point_params_into(full)
         shard.full = full
@@ -160,8 +186,14 @@ class ZeroDataParallel(DataParallel):
         shard.grad = bucket.flat[shard.lo : shard.lo + shard.size] if self.stage == 1 else full.new_zeros(shard.size)
         return shard
 
-    def optimizer_pieces(self) -> list[Piece]:
+    def pieces(self) -> list[Piece]:
         return [piece for shard in self.shards for piece in shard.optimizer_pieces()]
+
+    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
+        return sum((shard.held(param, lo, hi, in_param=True) for shard in self.shards), Held())
+
+    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
+        return {p: slot for i, shard in enumerate(self.shards) for p, slot in shard.slots(i).items()}
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [shard.grad for shard in self.shards]
@@ -242,8 +274,8 @@ class Unit:
 
 class FullyShardedDataParallel:
     """ZeRO-3 over `group` for a `Transformer`: every parameter sharded; units gathered on use.
-    A parameter marked `fivecut_reduce = name` is sharded over `other_groups[name]` instead
-    (MoE experts over their expert-data-parallel group): its unit then has one part per group."""
+    A parameter whose kind names another reduce group is sharded over `other_groups[name]`
+    instead (MoE experts over their expert-data-parallel group): its unit then has one part per group."""
 
     def __init__(
         self,
@@ -251,11 +283,11 @@ class FullyShardedDataParallel:
         group: Group,
         reshard_after_forward: bool = True,
         reduce_dtype=None,
-        tp: int = 1,
+        kinds: Kinds | None = None,
         other_groups: dict[str, Group] | None = None,
     ):
         self.model = model
-        self.tp = tp
+        self.kinds = kinds if kinds is not None else plain_kinds(list(model.parameters()))
         self.groups = {"dp_cp": group, **(other_groups or {})}
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
@@ -273,19 +305,15 @@ class FullyShardedDataParallel:
     def _make_unit(self, name: str, modules: list[nn.Module]) -> Unit:
         by_group: dict[str, list[nn.Parameter]] = {}
         for p in unique_params(modules):
-            by_group.setdefault(reduce_group(p), []).append(p)
-        # a group that spans tp (MoE parameters under tp) holds no tensor-parallel replicas in its shards
-        parts = [
-            self._make_part(params, self.groups[name], self.tp if name == "dp_cp" else 1)
-            for name, params in by_group.items()
-        ]
+            by_group.setdefault(self.kinds[p].reduce, []).append(p)
+        parts = [self._make_part(params, self.groups[name], self.kinds) for name, params in by_group.items()]
         unit = Unit(name, modules, parts)
         self._free(unit)
         return unit
 
     @staticmethod
-    def _make_part(params: list[nn.Parameter], group: Group, tp: int) -> UnitPart:
-        shard = FlatShard(params, group, tp)
+    def _make_part(params: list[nn.Parameter], group: Group, kinds: Kinds) -> UnitPart:
+        shard = FlatShard(params, group, kinds)
         full = shard.flatten([p.detach() for p in shard.params], like=params[0])
         shard.local = full[shard.lo : shard.lo + shard.size].clone()
         shard.grad = torch.zeros_like(shard.local)
@@ -313,15 +341,22 @@ class FullyShardedDataParallel:
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
 
-    def reduce_all(self) -> None:
+    def reduce(self) -> None:
         """Nothing to do: every backward reduce-scatters as it goes."""
 
     @property
     def shards(self) -> list[FlatShard]:
         return [part.shard for unit in self.units for part in unit.parts]
 
-    def optimizer_pieces(self) -> list[Piece]:
+    def pieces(self) -> list[Piece]:
         return [piece for shard in self.shards for piece in shard.optimizer_pieces()]
+
+    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
+        """The master values live in the shard only (the gathered parameters are freed)."""
+        return sum((shard.held(param, lo, hi, in_param=False) for shard in self.shards), Held())
+
+    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
+        return {p: slot for i, shard in enumerate(self.shards) for p, slot in shard.slots(i).items()}
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [shard.grad for shard in self.shards]

@@ -31,25 +31,23 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def grad_norm(pieces, groups: list[Group], tp: int = 1) -> torch.Tensor:
+def grad_norm(pieces, groups: list[Group]) -> torch.Tensor:
     """Global L2 norm of the gradients of this rank's `Piece`s. Squared norms are summed over
     `groups` (ZeRO's dp group when gradients are sharded, the tp group under tensor
     parallelism, the pp group under pipeline parallelism); a piece with k copies on those
-    ranks (replicated over tp, tied on two pipeline stages) is weighted 1/k: it counts once."""
-    grads = [
-        (p.tensor.grad, p.norm_share / (tp if p.tp_replicated else 1)) for p in pieces if p.tensor.grad is not None
-    ]
+    ranks (replicated over tp, tied on two pipeline stages) has `norm_weight` 1/k: it counts once."""
+    grads = [(p.tensor.grad, p.norm_weight) for p in pieces if p.tensor.grad is not None]
     squares = torch.zeros((), device=grads[0][0].device if grads else "cpu")
-    for g, share in grads:
-        squares += g.detach().float().pow(2).sum() * share
+    for g, weight in grads:
+        squares += g.detach().float().pow(2).sum() * weight
     for group in groups:
         comm.all_reduce(squares, group)
     return squares.sqrt()
 
 
-def clip_gradients(pieces, max_norm: float, groups: list[Group], tp: int = 1) -> float:
+def clip_gradients(pieces, max_norm: float, groups: list[Group]) -> float:
     """Scale gradients in place so that their global norm is at most `max_norm`; return the norm before."""
-    norm = grad_norm(pieces, groups, tp)
+    norm = grad_norm(pieces, groups)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for piece in pieces:

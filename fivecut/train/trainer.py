@@ -161,7 +161,7 @@ def pipeline_forward_backward(ctx: Context, batches, denominator: int, activatio
             activations.update(ctx.par.saved.bytes_per_layer)
     with ctx.mesh.ledger.phase("backward"):
         pipe.sum_tied_grads()
-        ctx.par.sync.reduce_all()
+        ctx.par.sync.reduce()
     return total
 
 
@@ -211,12 +211,12 @@ def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> float:
     """Clip, step, gather ZeRO shards; then EPLB moves experts (their elements sent go to `moe`)."""
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
-        norm = clip_gradients(ctx.par.pieces, t.grad_clip, ctx.par.norm_groups, ctx.mesh.dims.tp)
+        norm = clip_gradients(ctx.par.pieces, t.grad_clip, ctx.par.norm_groups)
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
         ctx.optimizer.step()
         ctx.par.sync.after_step()
         if ctx.par.experts is not None:
-            for layer, elements in ctx.par.experts.apply_moves(ctx.optimizer, ctx.par.sync).items():
+            for layer, elements in ctx.par.move_experts(ctx.optimizer).items():
                 moe["local"][layer]["moved_elements"] = elements
     return norm
 

@@ -7,17 +7,17 @@ leave the last stage the slowest. Any layer count is accepted; every stage gets 
 least one layer; an explicit split (layers per stage) overrides the balance.
 
 A rank builds only its own stages: the model is constructed on the meta device, cut
-down to the stage (other layers deleted, embedding / final norm / head kept only where
-they belong), then materialized and initialized from the seed. Initialization is keyed
-by parameter name, so every stage holds exactly the weights the single-device model has.
+down to the stage (its layers, and the embedding / final norm / head only where they
+belong), then materialized and initialized from the seed (`fivecut.parallel.parallelize`).
+Initialization is keyed by parameter name, so every stage holds exactly the weights the
+single-device model has.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import copy
 
-from fivecut.model import build_model
+from torch import nn
 
 
 def block_cost(args, seq_len: int) -> float:
@@ -78,24 +78,14 @@ def stage_layers(args, n_stages: int, seq_len: int, override: list[int] | None =
     return [range(start, start + count) for start, count in zip(starts, counts)]
 
 
-def build_stage(args, layers: range, first: bool, last: bool, device, seed: int) -> nn.Module:
-    """This stage of the model: its layers, plus the embedding when first, norm and head when last."""
-    model = build_model(args, device="meta")
-    for name in [n for n in model.layers if int(n) not in layers]:
-        del model.layers[name]
+def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """This stage of `model`: its layers, plus the embedding when first, norm and head when last.
+    The stage shares its modules (and Parameters) with `model`, which is left whole."""
+    stage = copy.copy(model)
+    stage._modules, stage._parameters, stage._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
+    stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
     if not first:
-        model.tok_embeddings = None
+        stage.tok_embeddings = None
     if not last:
-        model.norm, model.output = None, None
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model
-
-
-def tied_weight(stage: nn.Module) -> torch.nn.Parameter | None:
-    """The embedding matrix a first and a last stage both hold when embeddings are tied."""
-    if not stage.args.tie_embeddings:
-        return None
-    if stage.tok_embeddings is not None:
-        return stage.tok_embeddings.weight
-    return stage.output.weight if stage.output is not None else None
+        stage.norm, stage.output = None, None
+    return stage
