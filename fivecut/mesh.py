@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -208,13 +209,28 @@ def divisors(n: int) -> list[int]:
 
 
 class Mesh:
-    """The DeviceMesh (pp, dp, cp, tp) and the named groups every cut receives explicitly."""
+    """The DeviceMesh (pp, dp, cp, tp) and the named groups every cut receives explicitly.
 
-    def __init__(self, dims: ParallelDims, device_type: str, ledger: Ledger | None = None, moe: bool = False):
+    `Mesh.virtual(dims, rank)` is the same mesh as one rank sees it, with no process group
+    behind it: the planner applies the real cuts on the meta device to learn what a rank holds."""
+
+    def __init__(
+        self,
+        dims: ParallelDims,
+        device_type: str,
+        ledger: Ledger | None = None,
+        moe: bool = False,
+        virtual_rank: int | None = None,
+    ):
         self.dims = dims
         self.ledger = ledger if ledger is not None else Ledger()
-        self.device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-        self.coords = dict(zip(MESH_DIMS, self.device_mesh.get_coordinate()))
+        self.virtual = virtual_rank is not None
+        self.rank = virtual_rank if self.virtual else dist.get_rank()
+        self.grid = torch.arange(dims.world_size).view(dims.shape)  # [pp, dp, cp, tp] global ranks, as DeviceMesh
+        if not self.virtual:
+            self.device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+        index = (self.grid == self.rank).nonzero()[0].tolist()
+        self.coords = dict(zip(MESH_DIMS, index))
         self.groups: dict[str, Group] = {}
         for name in MESH_DIMS:
             self.groups[name] = self._mesh_group(name)
@@ -223,8 +239,12 @@ class Mesh:
         if moe and (dims.ep > 1 or dims.tp > 1):
             self._expert_groups()
         else:  # one rank per ep group; experts replicated like everything else
-            self.groups["ep"] = Group("ep", (dist.get_rank(),), None, self.ledger)
+            self.groups["ep"] = self._group("ep", (self.rank,), None)
             self.groups["expert_dp"] = self.groups["dp_cp_tp"] = self.groups["dp_cp"]
+
+    @classmethod
+    def virtual(cls, dims: ParallelDims, rank: int = 0, moe: bool = False) -> Mesh:
+        return cls(dims, "meta", moe=moe, virtual_rank=rank)
 
     def group(self, name: str) -> Group:
         return self.groups[name]
@@ -234,20 +254,27 @@ class Mesh:
 
     def _mesh_group(self, name: str) -> Group:
         ranks = self._ranks_along((name,))
-        pg = self.device_mesh.get_group(name) if len(ranks) > 1 else None
-        return Group(name, ranks, pg, self.ledger)
+        pg = self.device_mesh.get_group(name) if len(ranks) > 1 and not self.virtual else None
+        return self._group(name, ranks, pg)
+
+    def _group(self, cut: str, ranks: tuple[int, ...], pg) -> Group:
+        """A virtual mesh's groups know their members and this rank's place, and have no process group."""
+        return Group(cut, ranks, pg, self.ledger, index=ranks.index(self.rank) if self.virtual else None)
+
+    def _new_group(self, ranks: list[int]):
+        return None if self.virtual else dist.new_group(ranks)
 
     def _derived_group(self, cut: str, dims: tuple[str, ...]) -> Group:
         """A group over several mesh dims; every rank creates every such group, in the same order."""
         mine = self._ranks_along(dims)
         if len(mine) == 1:
-            return Group(cut, mine, None, self.ledger)
+            return self._group(cut, mine, None)
         pg = None
         for ranks in self._all_rank_sets(dims):
-            created = dist.new_group(list(ranks))
+            created = self._new_group(list(ranks))
             if ranks == mine:
                 pg = created
-        return Group(cut, mine, pg, self.ledger)
+        return self._group(cut, mine, pg)
 
     def _expert_groups(self) -> None:
         """Expert parallelism folded into dp x cp. With i = dp_index * cp + cp_index, the ranks
@@ -267,35 +294,34 @@ class Mesh:
     def _keyed_group(self, cut: str, key) -> Group:
         """Ranks whose coordinates give the same `key` form a group; every rank creates all of them."""
         members: dict[tuple, list[int]] = {}
-        grid = self.device_mesh.mesh
+        grid = self.grid
         for index in itertools.product(*(range(n) for n in grid.shape)):
             members.setdefault(key(dict(zip(MESH_DIMS, index))), []).append(int(grid[index]))
-        me, mine = dist.get_rank(), None
+        mine = None
         for ranks in members.values():
-            created = dist.new_group(ranks) if len(ranks) > 1 else None
-            if me in ranks:
-                mine = Group(cut, tuple(ranks), created, self.ledger)
+            created = self._new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                mine = self._group(cut, tuple(ranks), created)
         return mine
 
     def _pipeline_ends(self) -> Group:
         """First and last pipeline rank of each pipeline (they hold the tied embedding twice)."""
-        grid = self.device_mesh.mesh  # [pp, dp, cp, tp]
-        me = dist.get_rank()
-        mine = Group("pp", (me,), None, self.ledger)
+        grid = self.grid  # [pp, dp, cp, tp]
+        mine = self._group("pp", (self.rank,), None)
         if self.dims.pp == 1:
             return mine
         for pair in zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist()):
-            created = dist.new_group(list(pair))
-            if me in pair:
-                mine = Group("pp", tuple(pair), created, self.ledger)
+            created = self._new_group(list(pair))
+            if self.rank in pair:
+                mine = self._group("pp", tuple(pair), created)
         return mine
 
     def _ranks_along(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         """Global ranks that share this rank's coordinates on every dim not in `dims`."""
-        return next(r for r in self._all_rank_sets(dims) if dist.get_rank() in r)
+        return next(r for r in self._all_rank_sets(dims) if self.rank in r)
 
     def _all_rank_sets(self, dims: tuple[str, ...]) -> list[tuple[int, ...]]:
-        grid = self.device_mesh.mesh  # [pp, dp, cp, tp] tensor of global ranks
+        grid = self.grid  # [pp, dp, cp, tp] tensor of global ranks
         keep = [MESH_DIMS.index(d) for d in dims]
         fixed = [i for i in range(len(MESH_DIMS)) if i not in keep]
         sets = []

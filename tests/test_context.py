@@ -23,6 +23,7 @@ from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
+from fivecut.parallel.placement import gather_full
 
 LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -55,10 +56,7 @@ def context_parallel_step(mode: str, cp: int, tp: int, sp: bool):
     logits = comm.all_gather(logits.detach(), mesh.group("cp"), dim=1)  # in the ranks' chunk order
     order = comm.all_gather(positions, mesh.group("cp"))
     logits = logits[:, torch.argsort(order)]  # [b, s, V/tp] in sequence order
-    grads = {}
-    for name, p in model.named_parameters():
-        shard = getattr(p, "fivecut_tp", None)
-        grads[name] = (p.grad if shard is None else comm.all_gather(p.grad, mesh.group("tp"), shard.dim)).clone()
+    grads = {name: gather_full(pl, par.params[name].grad, mesh.groups).clone() for name, pl in par.placements.items()}
     if tp > 1:
         logits = comm.all_gather(logits, mesh.group("tp"), dim=-1)
     return logits, grads

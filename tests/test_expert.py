@@ -39,6 +39,7 @@ from fivecut.parallel.expert import (
     sequence_counts,
 )
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
+from fivecut.parallel.placement import gather_full
 from fivecut.train.trainer import train, validate
 
 LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -176,14 +177,7 @@ def moe_step(layout: str, options: dict, model: dict, eplb_load: list[float] | N
     (par.loss_sum(logits, targets[mine]) / targets.numel()).backward()
     if dims.tp > 1:
         logits = comm.all_gather(logits.detach(), mesh.group("tp"), dim=-1)[..., : args.vocab_size]
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        if getattr(p, "fivecut_tp", None) is not None:  # byte vocabulary: no padding at tp=2
-            g = comm.all_gather(g, mesh.group("tp"), p.fivecut_tp.dim)
-        if getattr(p, "fivecut_expert", False) and dims.ep > 1:
-            g = comm.all_gather(g.contiguous(), mesh.group("ep"), dim=0)
-        grads[name] = g.detach().clone()
+    grads = {name: gather_full(pl, par.params[name].grad, mesh.groups).clone() for name, pl in par.placements.items()}
     return logits.detach(), grads
 
 
@@ -313,9 +307,10 @@ def test_aux_free_bias_moves_towards_balance():
     opts = MoEOptions(bias_update_rate=0.1)
     model = build_model(get_preset("tiny-moe"), seed=0)
     one = single_group("ep")
-    from fivecut.parallel.expert import apply_expert_parallel
+    from fivecut.parallel.expert import ExpertBalancer, apply_expert_parallel
 
-    balancer = apply_expert_parallel(model, model.args, opts, one, single_group("tp"), False, ROWS, [], "cpu")
+    runtimes, _ = apply_expert_parallel(model, opts, one, single_group("tp"), False, ROWS)
+    balancer = ExpertBalancer(runtimes, opts, [1], [], model.args.n_experts, 1, "cpu")
     inputs, _ = batch()
     model(inputs).sum().backward()
     moe = moe_layers(model)[0]

@@ -17,14 +17,11 @@ import torch
 from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
-from fivecut.comm import Group
 from fivecut.launch import spawn
-from fivecut.ledger import Ledger
 from fivecut.mesh import Mesh, ParallelDims
 from fivecut.model import build_model, get_preset
-from fivecut.parallel.parallelize import parallelize, token_loss_sum
-from fivecut.parallel.saved import SavedActivations
-from fivecut.parallel.tensor import apply_tensor_parallel, check_shards, padded_vocab
+from fivecut.parallel.parallelize import ParallelizeError, parallelize, token_loss_sum
+from fivecut.parallel.placement import gather_full
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -54,11 +51,7 @@ def tensor_parallel_step(preset: str, tp: int, sp: bool):
         logits = par.module(inputs)  # [b, s, V_pad / t]
     (par.loss_sum(logits, targets) / targets.numel()).backward()
     full_logits = comm.all_gather(logits.detach(), group, dim=-1)[..., :vocab]
-    grads = {}
-    for name, p in model.named_parameters():
-        shard = getattr(p, "fivecut_tp", None)
-        g = p.grad if shard is None else comm.all_gather(p.grad, group, shard.dim)
-        grads[name] = g.narrow(0, 0, vocab) if g.shape[0] == padded_vocab(vocab, tp) != vocab else g
+    grads = {name: gather_full(pl, par.params[name].grad, mesh.groups) for name, pl in par.placements.items()}
     return full_logits, grads
 
 
@@ -126,12 +119,16 @@ def test_vocab_parallel_cross_entropy_matches_and_ignores_padding():
     assert torch.all(grads[..., 11] == 0)  # the padding column gets no gradient
 
 
-def test_check_shards_refuses_an_unsharded_layer():
-    args = get_preset("tiny")
-    model = build_model(args, device="meta")
-    group = Group("tp", (0, 1), None, Ledger(), index=0)
-    apply_tensor_parallel(model, group, False, SavedActivations())
-    check_shards(model, args, 2)  # the cut model passes
-    model.layers["1"].feed_forward.w1.weight = torch.nn.Parameter(torch.empty(args.ffn_dim, args.dim, device="meta"))
-    with pytest.raises(RuntimeError, match="layers.1.feed_forward.w1.weight"):
-        check_shards(model, args, 2)
+def test_parallelize_refuses_a_layer_tensor_parallelism_missed(monkeypatch):
+    """A silent fallback to an unsharded layer is an error: here the MLP of layer 1 is left whole."""
+    import fivecut.parallel.tensor as tensor
+
+    real = tensor.parallelize_mlp
+
+    def skip_layer_1(mlp, group):
+        return {} if mlp is model.layers["1"].feed_forward else real(mlp, group)
+
+    monkeypatch.setattr(tensor, "parallelize_mlp", skip_layer_1)
+    model = build_model(get_preset("tiny"), device="meta")
+    with pytest.raises(ParallelizeError, match="layers.1.feed_forward.w1.weight"):
+        parallelize(model, Mesh.virtual(ParallelDims(tp=2)), device="meta")

@@ -119,7 +119,9 @@ class Parallelized:
             cut = expert_slice(runtime.n_experts, runtime.ep.size, mine)
             for name in (f"layers.{layer}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS):
                 pl = self.placements[name]
-                self.placements[name] = dataclasses.replace(pl, slices=tuple(cut if s.group == "ep" else s for s in pl.slices))
+                self.placements[name] = dataclasses.replace(
+                    pl, slices=tuple(cut if s.group == "ep" else s for s in pl.slices)
+                )
         return moved
 
 
@@ -144,7 +146,7 @@ def parallelize(
     saved, runtimes = SavedActivations(), {}
     for stage in stages.values():
         saved.track_layers(stage.layers)
-        for name, step in stage_steps(mesh, saved, moe or MoEOptions(), global_batch, runtimes):
+        for _step_name, step in stage_steps(mesh, saved, moe or MoEOptions(), global_batch, runtimes):
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
@@ -155,7 +157,9 @@ def parallelize(
     check_local_shapes(placements, params)
     experts = expert_balancer(args, mesh, moe or MoEOptions(), runtimes, module)
     loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
-    return Parallelized(module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts)
+    return Parallelized(
+        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts
+    )
 
 
 # ---------------------------------------------------------------- 1. the pipeline split
@@ -176,7 +180,7 @@ def split_pipeline(model, mesh: Mesh, seq_len: int, seed: int, device) -> tuple[
 
 def materialized(stage: nn.Module, seed: int, device) -> nn.Module:
     """A stage on the meta device gets real storage and the seed's weights (keyed by name)."""
-    if any(p.is_meta for p in stage.parameters()):
+    if torch.device(device).type != "meta" and any(p.is_meta for p in stage.parameters()):
         stage.to_empty(device=device)
         stage.init_weights(seed)
     return stage
@@ -293,7 +297,9 @@ def data_parallel(module: nn.Module, mesh: Mesh, kinds: Kinds, bucket_mb: float,
         return FullyShardedDataParallel(
             module, mesh.group("dp_cp"), dims.reshard_after_forward, reduce_dtype, kinds, others
         )
-    syncs = [reduce_over(module, params, mesh, name, kinds, bucket_mb, reduce_dtype) for name, params in by_group.items()]
+    syncs = [
+        reduce_over(module, params, mesh, name, kinds, bucket_mb, reduce_dtype) for name, params in by_group.items()
+    ]
     return syncs[0] if len(syncs) == 1 else SyncSet(syncs)
 
 

@@ -133,6 +133,18 @@ class Placement:
             copies *= ep  # replicated over ep, and the norm sums over ep (experts differ)
         return ParamKind(len(self.shape) >= 2, self.reduce, self.slice_over("tp") is not None, 1.0 / copies)
 
+    def global_index(self) -> torch.Tensor:
+        """[local shape] the flat index in the global tensor of each local element; -1 for padding."""
+        index = torch.arange(torch.Size(self.shape).numel()).view(self.shape)
+        for s in self.slices:
+            rows = torch.tensor(s.indices())
+            padding = rows >= self.shape[s.dim]
+            index = index.index_select(s.dim, rows.clamp(max=self.shape[s.dim] - 1))
+            mask_shape = [1] * index.dim()
+            mask_shape[s.dim] = -1
+            index = index.masked_fill(padding.view(mask_shape), -1)
+        return index
+
     def held_indices(self) -> list[list[int]]:
         """For each dimension, the global indices this rank's tensor holds (padding excluded)."""
         out = [list(range(n)) for n in self.shape]
@@ -180,10 +192,29 @@ def check_local_shapes(placements: dict[str, Placement], params: dict[str, nn.Pa
     to an unsharded layer would show here)."""
     if placements.keys() != params.keys():
         missing, extra = placements.keys() - params.keys(), params.keys() - placements.keys()
-        raise RuntimeError(f"parallelize: parameters without a record {sorted(extra)}, records without one {sorted(missing)}")
+        raise RuntimeError(
+            f"parallelize: parameters without a record {sorted(extra)}, records without one {sorted(missing)}"
+        )
     for name, pl in placements.items():
         if tuple(params[name].shape) != pl.local_shape():
             raise RuntimeError(
                 f"parallelize left {name} with local shape {tuple(params[name].shape)}; its placement says "
                 f"{pl.local_shape()} (global {pl.shape}, slices {pl.slices})"
             )
+
+
+def gather_full(pl: Placement, local: torch.Tensor, groups: dict[str, object]) -> torch.Tensor:
+    """The global tensor of `pl` from every rank's `local` part (a collective over each cut's group
+    in `groups`, e.g. `Mesh.groups`): slices gathered, put at their global indices, padding dropped."""
+    from fivecut import comm
+
+    full = local
+    for s in reversed(pl.slices):
+        group = groups[s.group]
+        index = torch.tensor(s.indices(), dtype=torch.long, device=local.device)
+        every = comm.all_gather(full.contiguous(), group, dim=s.dim)
+        where = comm.all_gather(index, group)  # [sum of lengths] global index of each gathered row
+        shape = list(every.shape)
+        shape[s.dim] = s.padded
+        full = every.new_zeros(shape).index_copy(s.dim, where, every).narrow(s.dim, 0, pl.shape[s.dim])
+    return full

@@ -30,7 +30,6 @@ parameters' placement records and checks every local shape against them.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +43,9 @@ from fivecut.parallel.saved import SavedActivations
 Changes = dict[str, Change]  # parameter path in the module -> what the cut did to it
 
 
-def shard_param(full: torch.Tensor, dim: int, group: Group, padded_size: int | None = None) -> tuple[nn.Parameter, Slice]:
+def shard_param(
+    full: torch.Tensor, dim: int, group: Group, padded_size: int | None = None
+) -> tuple[nn.Parameter, Slice]:
     """This rank's slice of `full` along `dim` (zero-padded to `padded_size` first), and where it sits."""
     padded_size = max(padded_size or 0, full.shape[dim])
     if padded_size > full.shape[dim]:
@@ -231,7 +232,9 @@ def prefixed(prefix: str, changes: Changes) -> Changes:
     return {prefix + path: change for path, change in changes.items()}
 
 
-def parallelize_block(block: nn.Module, args, group: Group, sequence_parallel: bool, saved: SavedActivations) -> Changes:
+def parallelize_block(
+    block: nn.Module, args, group: Group, sequence_parallel: bool, saved: SavedActivations
+) -> Changes:
     changes = prefixed("attention.", parallelize_attention(block.attention, args, group))
     make_region(block.attention, group, sequence_parallel, saved)
     if not args.moe_layer(block.layer_id):  # a MoE layer runs on each tp rank's tokens (fivecut.parallel.expert)

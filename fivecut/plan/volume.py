@@ -8,8 +8,7 @@ come from the model built on the meta device: no memory, exact shapes.
 from __future__ import annotations
 
 from fivecut.ledger import ring_factor
-from fivecut.parallel.data import padded, plan_buckets
-from fivecut.parallel.zero import transformer_units, unique_params
+from fivecut.parallel.placement import Placement
 
 BYTES = {"fp32": 4, "bf16": 2}
 FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `fivecut ledger` runs
@@ -273,12 +272,11 @@ def reduce_group_sizes(cfg) -> dict[str, int]:
 
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
-    module = local_meta_module(args, cfg)
-    params_of: dict[str, list] = {}
-    for p in meta_params(module):
-        params_of.setdefault(getattr(p, "fivecut_reduce", "dp_cp"), []).append(p)
+    by_group: dict[str, list[Placement]] = {}
+    for pl in local_placements(args, cfg).values():
+        by_group.setdefault(pl.reduce, []).append(pl)
     sizes = reduce_group_sizes(cfg)
-    parts = [group_reduction_volume(cfg, module, params, sizes[name]) for name, params in params_of.items()]
+    parts = [group_reduction_volume(cfg, records, sizes[name]) for name, records in by_group.items()]
     clip = ring_factor("all_reduce", n) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
     volume = sum(v for v, _ in parts) + clip
     how = (
@@ -286,103 +284,58 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
         if len(parts) == 1
         else "; ".join(
             f"{name} ({sizes[name]} rank{'s' if sizes[name] > 1 else ''}): {how}"
-            for name, (_, how) in zip(params_of, parts)
+            for name, (_, how) in zip(by_group, parts)
         )
     )
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
-def group_reduction_volume(cfg, module, params: list, n: int) -> tuple[float, str]:
-    """DDP or ZeRO-1/2/3 of `params` (of `module`) over n ranks."""
+def group_reduction_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
+    """DDP or ZeRO-1/2/3 of the parameters of `records` over n ranks; ZeRO's flat buffers (padded
+    to a multiple of n) are read from the records' flat slots."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    phi = sum(p.numel() for p in params)  # this rank's parameters (its stages, its TP and EP shards)
+    phi = sum(pl.local_numel() for pl in records)  # this rank's parameters (its stages, its TP and EP shards)
     if n == 1:
         return 0.0, f"one rank, nothing to reduce (Phi={phi:,})"
     ar, ag, rs = ring_factor("all_reduce", n), ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
     if dims.zero == 0:
         return ar * g * phi, f"all-reduce of every gradient: 2(n-1)/n x {g}B x Phi, n={n}, Phi={phi:,}"
     acc = train.accumulate
+    flat = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records})
     if dims.zero in (1, 2):
-        plan = plan_buckets(params[::-1], int(train.bucket_mb * 2**20))
-        flat = sum(padded(sum(p.numel() for p in b), n) for b in plan)
         sends = acc if dims.zero == 2 else 1
         volume = sends * rs * g * flat + ag * PARAM_BYTES * flat
         return (
             volume,
             f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}",
         )
-    mine = {id(p) for p in params}  # this group's part of each unit
-    flat = sum(
-        padded(sum(p.numel() for p in unique_params(mods) if id(p) in mine), n) for _, mods in transformer_units(module)
-    )
     gathers = 2 if dims.reshard_after_forward else 1
     volume = acc * (gathers * ag * PARAM_BYTES * flat + rs * g * flat)
     return (
         volume,
-        f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) x "
-        f"(n-1)/n, n={n}",
+        f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) "
+        f"x (n-1)/n, n={n}",
     )
 
 
-def meta_model(
-    args, tp: int = 1, sp: bool = False, layers: range | None = None, first: bool = True, last: bool = True, ep: int = 1
-):
-    """The model (or one pipeline stage of it) on the meta device, cut as rank 0 of `tp`
-    tensor-parallel and `ep` expert-parallel ranks would hold it."""
-    from torch import nn
-
-    from fivecut.comm import Group
-    from fivecut.ledger import Ledger
+def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
+    """The placement records of the rank at pipeline position `pp_rank` (index 0 on dp, cp, tp):
+    the real cuts applied to the model on the meta device, under a mesh with no process groups."""
+    from fivecut.mesh import Mesh
     from fivecut.model import build_model
-    from fivecut.parallel.expert import mark_reduce_groups, moe_layers
-    from fivecut.parallel.saved import SavedActivations
-    from fivecut.parallel.tensor import apply_tensor_parallel
+    from fivecut.parallel.parallelize import parallelize
 
+    dims, t = cfg.parallel, cfg.train
+    mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
     model = build_model(args, device="meta")
-    if layers is not None:
-        for name in [n for n in model.layers if int(n) not in layers]:
-            del model.layers[name]
-    model.tok_embeddings = model.tok_embeddings if first else None
-    if not last:
-        model.norm, model.output = None, None
-    if tp > 1:
-        apply_tensor_parallel(model, Group("tp", tuple(range(tp)), None, Ledger(), index=0), sp, SavedActivations())
-    for moe in moe_layers(model):
-        for name in ("w1", "w3", "w2"):
-            full = getattr(moe.experts, name)
-            setattr(moe.experts, name, nn.Parameter(full[: full.shape[0] // ep]))
-        mark_reduce_groups(moe, ep, tp)
-    return model
-
-
-def meta_params(model) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def local_meta_module(args, cfg, pp_rank: int = 0):
-    """What the rank at pipeline position `pp_rank` holds, on the meta device: the model, or its
-    stages in a ModuleDict (one tied matrix when the first and last stage share the rank)."""
-    from torch import nn
-
-    dims = cfg.parallel
-    if dims.pp == 1:
-        return meta_model(args, dims.tp, dims.sp, ep=dims.ep)
-    sched, layers = pipeline_plan(args, cfg)
-    last = sched.n_stages - 1
-    stages = {
-        s: meta_model(args, dims.tp, dims.sp, layers[s], first=s == 0, last=s == last, ep=dims.ep)
-        for s in sched.stages_of(pp_rank)
-    }
-    if args.tie_embeddings and 0 in stages and last in stages:
-        stages[last].output.weight = stages[0].tok_embeddings.weight
-    return nn.ModuleDict({str(s): m for s, m in stages.items()})
+    par = parallelize(model, mesh, t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    return par.placements
 
 
 def local_param_counts(args, cfg, pp_rank: int = 0) -> dict[str, int]:
     """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
     counts: dict[str, int] = {}
-    for p in meta_params(local_meta_module(args, cfg, pp_rank)):
-        name = getattr(p, "fivecut_reduce", "dp_cp")
-        counts[name] = counts.get(name, 0) + p.numel()
+    for pl in local_placements(args, cfg, pp_rank).values():
+        counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
     return counts

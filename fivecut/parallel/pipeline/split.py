@@ -82,7 +82,11 @@ def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Mo
     """This stage of `model`: its layers, plus the embedding when first, norm and head when last.
     The stage shares its modules (and Parameters) with `model`, which is left whole."""
     stage = copy.copy(model)
-    stage._modules, stage._parameters, stage._buffers = dict(model._modules), dict(model._parameters), dict(model._buffers)
+    stage._modules, stage._parameters, stage._buffers = (
+        dict(model._modules),
+        dict(model._parameters),
+        dict(model._buffers),
+    )
     stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
     if not first:
         stage.tok_embeddings = None
