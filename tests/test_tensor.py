@@ -19,8 +19,9 @@ from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.launch import spawn
+from fivecut.layout import ParallelDims
 from fivecut.ledger import Ledger
-from fivecut.mesh import Mesh, ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.parallel.saved import SavedActivations
