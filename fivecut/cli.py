@@ -135,7 +135,7 @@ def layout_config(ns) -> Config:
         f"train.steps={ns.steps}",
         "train.seq_len=64",
         "train.global_batch=8",
-        "train.warmup=2",
+        f"train.warmup={min(2, ns.steps)}",  # warmup may not outlast the run
         "train.eval_every=0",
         "log.progress=false",
         "log.plot=false",

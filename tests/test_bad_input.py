@@ -102,6 +102,19 @@ def test_unknown_preset_names_the_valid_ones(capsys, tmp_path):
     assert all(name in err for name in runnable_presets())
 
 
+def test_good_train_passes_the_checks(tmp_path):
+    with pytest.raises(AssertionError, match="process was started"):
+        main(train_argv(tmp_path, "train.steps=5", "train.warmup=5"))
+    assert list((tmp_path / "run").iterdir()) == []  # the write probe leaves nothing behind
+
+
+@pytest.mark.parametrize("command", ["verify", "ledger"])
+def test_good_layout_passes_the_checks(tmp_path, corpus, command):
+    """Default --steps included (ledger runs one step, shorter than verify's usual warm-up)."""
+    with pytest.raises(AssertionError, match="process was started"):
+        main(layout_argv(command, tmp_path, "--layout", "dp=2", "--set", f'data.source="{corpus}"'))
+
+
 # ---------------------------------------------------------------- folders
 
 
