@@ -320,8 +320,8 @@ def cmd_schedule(ns) -> int:
     from fivecut.parallel.pipeline.schedule import peak_in_flight
     from fivecut.parallel.pipeline.simulate import simulate, text
 
-    costs = {"f": ns.cost_f, "b": ns.cost_b, "w": ns.cost_w, "comm": ns.cost_comm}
-    sch = checks.check_schedule_command(ns.schedule, ns.pp, ns.microbatches, ns.virtual, costs)
+    given = {"f": ns.cost_f, "b": ns.cost_b, "w": ns.cost_w, "comm": ns.cost_comm}
+    sch = checks.check_schedule_command(ns.schedule, ns.pp, ns.microbatches, ns.virtual, given)
     tl = simulate(sch, ns.cost_f, ns.cost_b, ns.cost_w, ns.cost_comm)
     costs = ", ".join(f"{k}={v:g}" for k, v in tl.costs.items() if k != "W" or sch.split_backward)
     print(f"schedule: {sch.name}, pp={sch.pp}, {sch.n_stages} stages, {sch.microbatches} microbatches, {costs}")
