@@ -116,8 +116,10 @@ from benchmarks.common import (  # noqa: E402
     timing_cells,
     token_batch,
 )
+from fivecut.checks import validate_layout  # noqa: E402
 from fivecut.config import TrainConfig  # noqa: E402
-from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
+from fivecut.layout import ParallelDims  # noqa: E402
+from fivecut.mesh import Mesh  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import build_parallel, token_loss_sum  # noqa: E402
@@ -132,7 +134,7 @@ GRAD_RTOL = 1e-5  # gradients must agree to this, relative to each tensor's larg
 PP = 2
 
 # name -> (pp_virtual, stages): the layouts of part 2. dualpipev always holds 2 stages per rank;
-# build_schedule accepts virtual 1 or 2 for it, but ParallelDims.validate counts pp_virtual=2
+# build_schedule accepts virtual 1 or 2 for it, but checks.validate_layout counts pp_virtual=2
 # twice (pp * virtual * 2 = 8 stages) and refuses 4 layers, so it is given pp_virtual=1 here.
 LAYOUTS = {"gpipe": (1, 2), "1f1b": (1, 2), "zb1p": (1, 2), "interleaved": (2, 4), "dualpipev": (1, 4)}
 PATCHED = "*"  # suffix of a split-backward schedule run with `SavedGradSplit` (--patched-split)
@@ -155,7 +157,7 @@ class Fivecut:
         dims = dataclasses.replace(
             mesh.dims, pp_schedule=schedule, microbatches=m, pp_virtual=virtual, pp_layers=layers
         )
-        dims.validate(args, opts["seq"], opts["batch"], 1, dist.get_world_size())
+        validate_layout(dims, args, opts["seq"], opts["batch"], 1, dist.get_world_size())
         view = copy.copy(mesh)  # same groups, another schedule
         view.dims = dims
         self.mesh = view

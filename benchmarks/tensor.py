@@ -93,8 +93,9 @@ from benchmarks.common import (  # noqa: E402
     token_batch,
 )
 from fivecut import comm  # noqa: E402
+from fivecut.layout import ParallelDims  # noqa: E402
 from fivecut.ledger import ring_factor  # noqa: E402
-from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
+from fivecut.mesh import Mesh  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import parallelize  # noqa: E402

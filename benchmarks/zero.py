@@ -99,7 +99,8 @@ from benchmarks.common import (  # noqa: E402
     timing_cells,
     token_batch,
 )
-from fivecut.mesh import Mesh, ParallelDims  # noqa: E402
+from fivecut.layout import ParallelDims  # noqa: E402
+from fivecut.mesh import Mesh  # noqa: E402
 from fivecut.model import build_model, get_preset  # noqa: E402
 from fivecut.parallel.data import decays  # noqa: E402
 from fivecut.parallel.parallelize import parallelize, token_loss_sum  # noqa: E402

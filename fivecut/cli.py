@@ -6,15 +6,15 @@ import argparse
 import copy
 import dataclasses
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
 
+from fivecut import checks
+from fivecut.checks import PP_SCHEDULES, LayoutError
 from fivecut.config import Config, ConfigError, ModelConfig, apply_table, load_config, model_args, parse_override
+from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
-from fivecut.mesh import LayoutError, ParallelDims
-from fivecut.parallel.expert import MoEOptions
 
 LOSS_RTOL = 1e-5  # verify's tolerance on the relative loss difference (fp32); see DESIGN.md
 
@@ -50,13 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     schedule = sub.add_parser(
         "schedule", help="a pipeline schedule: action lists, simulated timeline, bubble, Gantt PNG"
     )
-    schedule.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved, zb1p or dualpipev")
+    schedule.add_argument("--schedule", required=True, choices=PP_SCHEDULES)
     schedule.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     schedule.add_argument("--microbatches", type=int, required=True)
     schedule.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
     schedule.add_argument("--cost-f", type=float, default=1.0, help="forward time per stage")
     schedule.add_argument("--cost-b", type=float, default=None, help="backward time (default 2, or 1 when B/W split)")
-    schedule.add_argument("--cost-w", type=float, default=None, help="weight-gradient time when split (default 1)")
+    schedule.add_argument(
+        "--cost-w", type=float, default=None, help="weight-gradient time (zb1p, dualpipev: B/W split; default 1)"
+    )
     schedule.add_argument("--cost-comm", type=float, default=0.0, help="send-to-receive latency")
     schedule.add_argument("--out", help="write the Gantt chart to this PNG")
     schedule.set_defaults(func=cmd_schedule)
@@ -64,12 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_overrides(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    sections = ", ".join(f.name for f in dataclasses.fields(Config))
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help=f"override one config key (repeatable); sections: {sections}",
+    )
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--layout", required=True, help="e.g. dp=2 or dp=2,zero=1; keys are parallel.* fields")
-    parser.add_argument("--model", default="tiny", help="model preset (tiny, tiny-moe, tiny-gpt2, small)")
+    from fivecut.model.presets import SHAPE_ONLY, runnable_presets
+
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help=f"model preset: {', '.join(runnable_presets())} (the shape-only {', '.join(sorted(SHAPE_ONLY))} "
+        "are for planning)",
+    )
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is reported")
     add_overrides(parser)
@@ -80,10 +97,11 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
-    from fivecut.train.trainer import train, validate
+    from fivecut.train.trainer import train
 
     cfg = load_config(ns.config, ns.overrides)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    checks.check_folders(cfg, out_dir=True)  # a new run never overwrites an earlier one
     init_from_environment()
     import torch.distributed as dist
 
@@ -99,10 +117,7 @@ def cmd_train(ns) -> int:
 
 def parse_layout(text: str) -> ParallelDims:
     """`dp=2,zero=1,sp=true` -> ParallelDims, each key checked like a config key."""
-    table = {}
-    for item in filter(None, (part.strip() for part in re.split(r",(?![^\[]*\])", text))):  # commas outside [...]
-        key, value = parse_override(item)
-        table[key] = value
+    table = dict(parse_override(item) for item in checks.layout_items(text))
     holder = Config()
     apply_table(holder, {"parallel": table}, origin=f"--layout {text}")
     return holder.parallel
@@ -110,6 +125,8 @@ def parse_layout(text: str) -> ParallelDims:
 
 def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout`."""
+    checks.check_run_arguments(ns.steps, ns.timeout, getattr(ns, "rtol", None))
+    checks.check_preset(ns.model, key="--model")
     args = model_args(ModelConfig(preset=ns.model))
     tokenizer = "byte" if args.vocab_size <= 256 else "gpt2"
     base = [
@@ -118,16 +135,15 @@ def layout_config(ns) -> Config:
         f"train.steps={ns.steps}",
         "train.seq_len=64",
         "train.global_batch=8",
-        "train.warmup=2",
+        f"train.warmup={min(2, ns.steps)}",  # warmup may not outlast the run
         "train.eval_every=0",
         "log.progress=false",
         "log.plot=false",
     ]
     cfg = load_config(None, [o.replace("'", '"') for o in base] + ns.overrides)
     cfg.parallel = parse_layout(ns.layout)
-    from fivecut.train.trainer import validate
-
-    validate(cfg, cfg.parallel.world_size)
+    checks.validate(cfg, cfg.parallel.world_size)
+    checks.check_folders(cfg, out_dir=False)  # the runs write to a fresh temporary folder
     return cfg
 
 
@@ -301,11 +317,11 @@ def cmd_ledger(ns) -> int:
 
 def cmd_schedule(ns) -> int:
     from fivecut.parallel.pipeline.draw import draw
-    from fivecut.parallel.pipeline.schedule import build_schedule, check, peak_in_flight
+    from fivecut.parallel.pipeline.schedule import peak_in_flight
     from fivecut.parallel.pipeline.simulate import simulate, text
 
-    sch = build_schedule(ns.schedule, ns.pp, ns.microbatches, ns.virtual)
-    check(sch)
+    given = {"f": ns.cost_f, "b": ns.cost_b, "w": ns.cost_w, "comm": ns.cost_comm}
+    sch = checks.check_schedule_command(ns.schedule, ns.pp, ns.microbatches, ns.virtual, given)
     tl = simulate(sch, ns.cost_f, ns.cost_b, ns.cost_w, ns.cost_comm)
     costs = ", ".join(f"{k}={v:g}" for k, v in tl.costs.items() if k != "W" or sch.split_backward)
     print(f"schedule: {sch.name}, pp={sch.pp}, {sch.n_stages} stages, {sch.microbatches} microbatches, {costs}")

@@ -14,8 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fivecut.mesh import ParallelDims
-from fivecut.parallel.expert import MoEOptions
+from fivecut.layout import MoEOptions, ParallelDims
 
 
 class ConfigError(ValueError):
@@ -105,18 +104,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     """Build a `Config` from defaults, then a TOML file, then `section.key=value` overrides."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            table = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path} is not valid TOML: {err}") from None
-        apply_table(cfg, table, origin=str(path))
+        apply_table(cfg, read_toml(Path(path)), origin=str(path))
     for item in overrides:
         key, value = parse_override(item)
         apply_table(cfg, nest(key, value), origin=f"--set {item}")
     return cfg
+
+
+def read_toml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a TOML file")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({err}); save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror or err})") from None
 
 
 def parse_override(item: str) -> tuple[str, object]:

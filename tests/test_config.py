@@ -3,7 +3,7 @@
 import pytest
 
 from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_args, parse_override
-from fivecut.mesh import ParallelDims
+from fivecut.layout import ParallelDims
 from fivecut.model import get_preset
 
 

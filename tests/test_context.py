@@ -19,7 +19,8 @@ from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
 from fivecut.launch import spawn
-from fivecut.mesh import Mesh, ParallelDims
+from fivecut.layout import ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import parallelize, token_loss_sum

@@ -19,7 +19,8 @@ from torch import nn
 
 from fivecut.config import Config, load_config
 from fivecut.launch import spawn
-from fivecut.mesh import Mesh, ParallelDims
+from fivecut.layout import ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.data import DataParallel, plan_buckets
 from fivecut.parallel.parallelize import token_loss_sum

@@ -20,6 +20,8 @@ QUICK = [
     "train.eval_every=2",
     "--set",
     "train.eval_batches=2",
+    "--set",
+    "train.warmup=1",  # a warmup longer than the run is refused
 ]
 
 

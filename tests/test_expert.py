@@ -21,16 +21,17 @@ import torch
 from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
+from fivecut.checks import LayoutError, validate
 from fivecut.comm import Group
 from fivecut.config import load_config
 from fivecut.launch import spawn
+from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import Ledger
-from fivecut.mesh import LayoutError, Mesh, ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.model.transformer import MoE, limit_to_groups
 from fivecut.parallel.expert import (
     ExpertParallelMoE,
-    MoEOptions,
     SlotMap,
     aux_loss_part,
     capacity_keep,
@@ -40,7 +41,7 @@ from fivecut.parallel.expert import (
 )
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.parallel.placement import gather_full
-from fivecut.train.trainer import train, validate
+from fivecut.train.trainer import train
 
 LOGIT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}

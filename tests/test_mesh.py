@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
+from fivecut.checks import LayoutError, divisors, unimplemented, validate_layout
 from fivecut.launch import spawn
-from fivecut.mesh import LayoutError, ParallelDims, divisors
+from fivecut.layout import ParallelDims
 from fivecut.model import get_preset
 
 TINY = get_preset("tiny")  # 4 layers, 4 heads, 2 kv heads, dense
@@ -14,7 +15,7 @@ TINY_MOE = get_preset("tiny-moe")  # 8 experts
 
 def refusal(dims: ParallelDims, model=TINY, seq_len=128, global_batch=8, accumulate=1, world_size=None) -> str:
     with pytest.raises(LayoutError) as info:
-        dims.validate(model, seq_len, global_batch, accumulate, world_size)
+        validate_layout(dims, model, seq_len, global_batch, accumulate, world_size)
     return str(info.value)
 
 
@@ -37,7 +38,7 @@ def test_tp_not_dividing_heads():
 
 def test_kv_heads_replicated_when_tp_exceeds_them():
     # tp=4 > n_kv_heads=2 but divisible: kv heads are replicated, so the layout is accepted
-    ParallelDims(tp=4).validate(TINY, 128, 8, 1, 4)
+    validate_layout(ParallelDims(tp=4), TINY, 128, 8, 1, 4)
 
 
 def test_product_differs_from_world_size():
@@ -66,7 +67,7 @@ def test_global_batch_counts_microbatches_only_with_pp():
     msg = problems(ParallelDims(pp=2, microbatches=4), global_batch=6, world_size=2)
     assert "dp*accumulate*microbatches=4" in msg
     # without pp the microbatch count does not divide the batch: dp=2 with 6 sequences is fine
-    ParallelDims(dp=2, microbatches=4).validate(TINY, 128, 6, 1, 2)
+    validate_layout(ParallelDims(dp=2, microbatches=4), TINY, 128, 6, 1, 2)
 
 
 def test_ep_without_experts():
@@ -100,14 +101,16 @@ def test_dualpipev_counts_two_stages_per_rank():
         ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4), model=dataclasses.replace(TINY, n_layers=3)
     )
     assert "n_layers=3" in msg and "4 pipeline stages" in msg
-    ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4).validate(TINY, 128, 8, 1, 2)  # 4 layers fill 4 stages
+    validate_layout(
+        ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4), TINY, 128, 8, 1, 2
+    )  # 4 layers fill 4 stages
 
 
 def test_microbatches_fewer_than_stages():
     msg = problems(ParallelDims(pp=2, microbatches=1), world_size=2)
     assert "1f1b with pp=2 needs microbatches >= pp; got 1" in msg
     # gpipe has no such rule
-    ParallelDims(pp=2, microbatches=1, pp_schedule="gpipe").validate(TINY, 128, 8, 1, 2)
+    validate_layout(ParallelDims(pp=2, microbatches=1, pp_schedule="gpipe"), TINY, 128, 8, 1, 2)
 
 
 def test_virtual_stages_need_an_interleaved_schedule():
@@ -160,17 +163,17 @@ def test_all_problems_listed_at_once():
 
 
 def test_data_parallel_passes():
-    ParallelDims(dp=4).validate(TINY, 128, 8, 1, 4)
-    ParallelDims(dp=2).validate(TINY, 128, 8, 2, 2)
-    ParallelDims().validate(TINY, 128, 8, 1, 1)
-    ParallelDims().validate(TINY, 128, 8, 1)  # world size not known yet
-    assert ParallelDims(dp=4).unimplemented() == []
+    validate_layout(ParallelDims(dp=4), TINY, 128, 8, 1, 4)
+    validate_layout(ParallelDims(dp=2), TINY, 128, 8, 2, 2)
+    validate_layout(ParallelDims(), TINY, 128, 8, 1, 1)
+    validate_layout(ParallelDims(), TINY, 128, 8, 1)  # world size not known yet
+    assert unimplemented(ParallelDims(dp=4)) == []
 
 
 def test_context_parallel_modes_are_accepted():
-    ParallelDims(cp=2).validate(TINY, 128, 8, 1, 2)  # ring
-    ParallelDims(cp=8).validate(TINY, 128, 8, 1, 8)  # ring does not cut heads
-    ParallelDims(cp=2, cp_mode="ulysses").validate(TINY, 128, 8, 1, 2)
+    validate_layout(ParallelDims(cp=2), TINY, 128, 8, 1, 2)  # ring
+    validate_layout(ParallelDims(cp=8), TINY, 128, 8, 1, 8)  # ring does not cut heads
+    validate_layout(ParallelDims(cp=2, cp_mode="ulysses"), TINY, 128, 8, 1, 2)
 
 
 def test_ulysses_needs_heads_divisible_by_cp():
@@ -180,7 +183,7 @@ def test_ulysses_needs_heads_divisible_by_cp():
 
 def test_expert_parallel_is_accepted_with_every_zero_stage():
     for zero in (0, 1, 2, 3):
-        ParallelDims(dp=2, ep=2, zero=zero).validate(TINY_MOE, 64, 8, 1, world_size=2)
+        validate_layout(ParallelDims(dp=2, ep=2, zero=zero), TINY_MOE, 64, 8, 1, world_size=2)
 
 
 def test_invalid_is_reported_before_unimplemented():
@@ -320,7 +323,7 @@ def test_mesh_groups_on_four_ranks():
 @pytest.mark.parametrize("dims,accumulate", [(ParallelDims(tp=0), 1), (ParallelDims(dp=0), 1), (ParallelDims(), 0)])
 def test_zero_sizes_are_refused_not_divided_by(dims, accumulate):
     with pytest.raises(LayoutError, match="must be >= 1"):
-        dims.validate(TINY, 128, 8, accumulate)
+        validate_layout(dims, TINY, 128, 8, accumulate)
 
 
 def test_world_size_fix_is_only_offered_when_it_exists():

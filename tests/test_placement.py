@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fivecut.launch import spawn
-from fivecut.mesh import Mesh, ParallelDims
+from fivecut.layout import MoEOptions, ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
-from fivecut.parallel.expert import MoEOptions
 from fivecut.parallel.parallelize import parallelize
 
 

@@ -18,7 +18,8 @@ from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
 
 from fivecut import comm
 from fivecut.launch import spawn
-from fivecut.mesh import Mesh, ParallelDims
+from fivecut.layout import ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import ParallelizeError, parallelize, token_loss_sum
 from fivecut.parallel.placement import gather_full

@@ -28,7 +28,8 @@ from test_ddp import (
 
 from fivecut import comm
 from fivecut.launch import spawn
-from fivecut.mesh import Mesh, ParallelDims
+from fivecut.layout import ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize, token_loss_sum
 from fivecut.train.data import BatchSampler

@@ -365,7 +365,9 @@ def build_model(
 ) -> Transformer:
     """Validate, construct on the meta device, materialize on ``device`` and
     initialize from ``seed``. ``device="meta"`` gives a shape-only model."""
-    args.validate()
+    from fivecut.checks import check_model  # the checks live above the model; imported when building
+
+    check_model(args)
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)

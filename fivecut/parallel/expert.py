@@ -46,68 +46,9 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
+from fivecut.layout import MoEOptions
 from fivecut.model.transformer import MoE, swiglu_expert
 from fivecut.parallel.placement import Change, Slice
-
-
-@dataclass
-class MoEOptions:
-    """The `[moe]` section: how MoE layers are trained (the architecture is in `[model]`)."""
-
-    capacity_factor: float | None = None  # slots per expert per sequence = ceil(c * s * k / E); None: dropless
-    aux_loss_coef: float = 0.0  # alpha of the auxiliary load-balancing loss; 0: off
-    bias_update_rate: float = 0.0  # gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0: off
-    eplb_slots: int = 0  # EPLB: extra expert slots per EP rank for copies of hot experts
-    eplb_move: bool = False  # EPLB: also move experts (weights and optimizer state) between ranks
-    eplb_interval: int = 10  # EPLB: steps between re-placements
-    eplb_window: int = 10  # EPLB: steps of load history a placement is planned from
-
-    def is_default(self) -> bool:
-        return self == MoEOptions()
-
-    @property
-    def eplb(self) -> bool:
-        return self.eplb_slots > 0 or self.eplb_move
-
-    def problems(self, args, ep: int) -> list[str]:
-        """What cannot work with model `args` (ModelArgs) and `ep` expert-parallel ranks."""
-        if not args.is_moe:
-            return (
-                []
-                if self.is_default()
-                else ["[moe] options are set but the model is dense (n_experts=0); remove them or pick a MoE model"]
-            )
-        out = []
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            out.append(f"moe.capacity_factor={self.capacity_factor} must be > 0 (leave it unset for dropless)")
-        for key in ("aux_loss_coef", "bias_update_rate"):
-            if getattr(self, key) < 0:
-                out.append(f"moe.{key}={getattr(self, key)} must be >= 0")
-        if self.eplb_interval < 1 or self.eplb_window < 1:
-            out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
-        if self.eplb_slots < 0:
-            out.append(f"moe.eplb_slots={self.eplb_slots} must be >= 0")
-        if not self.eplb and (self.eplb_interval, self.eplb_window) != (
-            MoEOptions.eplb_interval,
-            MoEOptions.eplb_window,
-        ):
-            out.append(
-                "moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or "
-                "moe.eplb_move=true, or leave them"
-            )
-        if self.eplb and ep == 1:
-            out.append(
-                "EPLB (moe.eplb_slots, moe.eplb_move) places experts over expert-parallel ranks, but ep=1; "
-                + "set parallel.ep >= 2 or turn EPLB off"
-            )
-        foreign = args.n_experts - args.n_experts // max(ep, 1)
-        if ep > 1 and self.eplb_slots > foreign:
-            out.append(
-                f"moe.eplb_slots={self.eplb_slots}: a rank can hold copies of at most the {foreign} experts it "
-                f"does not own"
-            )
-        return out
-
 
 # ---------------------------------------------------------------- placement (EPLB)
 

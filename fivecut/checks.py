@@ -1,0 +1,568 @@
+"""Every check of a run, made before any process starts: options, model, layout, batch, MoE, folders.
+
+It sits above `parallel/` (it builds pipeline schedules and stage splits to see that they
+work) and below the CLI, which calls it before `init_process_group` or a spawn. Each
+refusal names the key and a fix: `ConfigError` for options and inputs, `LayoutError`
+for a layout that cannot work (with the numbers).
+
+    args = validate(cfg, world_size)       # options, model, layout, MoE; returns the ModelArgs
+    check_folders(cfg, out_dir=True)       # cache_dir and out_dir writable, out_dir holds no earlier run
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fivecut.config import Config, ConfigError, model_args
+from fivecut.layout import CP_MODES, MESH_DIMS, MoEOptions, ParallelDims
+from fivecut.parallel.pipeline.schedule import NAMES as PP_SCHEDULES
+from fivecut.parallel.pipeline.schedule import build_schedule, check
+
+if TYPE_CHECKING:
+    from fivecut.model.args import ModelArgs
+
+DTYPES = ("fp32", "bf16")
+RUN_FILES = ("metrics.jsonl", "config.json", "loss.png")  # what a training run leaves in log.out_dir
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message gives the numbers and a fix."""
+
+
+def refuse(title: str, problems: list[str], kind: type[ValueError] = ConfigError) -> None:
+    if problems:
+        raise kind(title + ":\n  - " + "\n  - ".join(problems))
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
+    """Everything that can be refused before a process group exists; returns the ModelArgs."""
+    check_preset(cfg.model.preset)
+    refuse("invalid options", option_problems(cfg))
+    args = checked_model_args(cfg)
+    t = cfg.train
+    validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, world_size)
+    refuse("invalid [moe] options", moe_problems(cfg.moe, args, cfg.parallel))
+    return args
+
+
+def checked_model_args(cfg: Config) -> ModelArgs:
+    args = model_args(cfg.model)
+    try:
+        check_model(args)
+    except ValueError as err:
+        raise ConfigError(f"model {cfg.model.preset!r} with the model.* overrides: {err}") from None
+    if cfg.train.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set "
+            "model.max_seq_len"
+        )
+    return args
+
+
+def check_preset(name: str, key: str = "model.preset") -> None:
+    """A preset that exists and can be trained here (the shape-only ones are for planning)."""
+    from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
+
+    runnable = ", ".join(runnable_presets())
+    if name not in PRESETS:
+        raise ConfigError(f"{key}={name!r} is not a model preset; runnable presets: {runnable}")
+    if name in SHAPE_ONLY:
+        raise ConfigError(
+            f"{key}={name!r} is a shape-only preset (for shapes and planning, never allocated); "
+            f"train, verify and ledger run one of: {runnable}"
+        )
+
+
+# ---------------------------------------------------------------- options
+
+
+def option_problems(cfg: Config) -> list[str]:
+    return train_problems(cfg.train) + data_problems(cfg) + log_problems(cfg.log)
+
+
+def at_least(section: str, obj, names: tuple[str, ...], low: float) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(obj, name)
+        if not value >= low:
+            out.append(f"{section}.{name}={value} must be >= {low:g}; set {section}.{name} >= {low:g}")
+    return out
+
+
+def not_finite(section: str, obj, names: tuple[str, ...]) -> list[str]:
+    bad = [n for n in names if not math.isfinite(getattr(obj, n))]
+    return [f"{section}.{n}={getattr(obj, n)} must be a finite number" for n in bad]
+
+
+def train_problems(t) -> list[str]:
+    floats = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "bucket_mb")
+    out = not_finite("train", t, floats)
+    if out:
+        return out
+    out += at_least("train", t, ("steps", "global_batch", "seq_len", "accumulate"), 1)
+    out += at_least("train", t, ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "eval_every"), 0)
+    out += schedule_of_lr_problems(t) + adam_problems(t)
+    if t.eval_every > 0 and t.eval_batches < 1:
+        out.append(
+            f"train.eval_batches={t.eval_batches} with evaluation on (train.eval_every={t.eval_every}); set "
+            "train.eval_batches >= 1, or train.eval_every=0 to turn evaluation off"
+        )
+    if not t.bucket_mb > 0:
+        out.append(f"train.bucket_mb={t.bucket_mb} must be > 0 (the DDP gradient bucket size in MB)")
+    for key in ("dtype", "reduce_dtype"):
+        if getattr(t, key) not in DTYPES:
+            out.append(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
+    return out
+
+
+def schedule_of_lr_problems(t) -> list[str]:
+    out = []
+    if t.min_lr > t.lr:
+        out.append(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}; set train.min_lr <= train.lr")
+    if t.warmup > t.steps >= 1:
+        out.append(f"train.warmup={t.warmup} exceeds train.steps={t.steps}; set train.warmup <= {t.steps}")
+    return out
+
+
+def adam_problems(t) -> list[str]:
+    out = [f"train.{k}={getattr(t, k)} must be in [0, 1)" for k in ("beta1", "beta2") if not 0 <= getattr(t, k) < 1]
+    if not t.eps > 0:
+        out.append(f"train.eps={t.eps} must be > 0 (it keeps Adam's division finite), e.g. 1e-8")
+    return out
+
+
+def data_problems(cfg: Config) -> list[str]:
+    from fivecut.train.data import SHAKESPEARE
+    from fivecut.train.tokenizer import TOKENIZERS
+
+    d, out = cfg.data, []
+    if d.tokenizer not in TOKENIZERS:
+        out.append(f"data.tokenizer={d.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    if not (math.isfinite(d.val_fraction) and 0 < d.val_fraction < 1):
+        out.append(f"data.val_fraction={d.val_fraction} must be in (0, 1), e.g. 0.05")
+    if d.source != SHAKESPEARE and not Path(d.source).expanduser().exists():
+        out.append(f"data.source={d.source!r} does not exist; give '{SHAKESPEARE}', a text file or a folder of *.txt")
+    return out
+
+
+def log_problems(log) -> list[str]:
+    out = at_least("log", log, ("log_every",), 1)
+    if not (math.isfinite(log.peak_tflops) and log.peak_tflops >= 0):
+        out.append(f"log.peak_tflops={log.peak_tflops} must be >= 0 (0 = look it up or measure it)")
+    return out
+
+
+# ---------------------------------------------------------------- folders
+
+
+def check_folders(cfg: Config, out_dir: bool) -> None:
+    """data.cache_dir (and, for a training run, log.out_dir) can be written; out_dir holds no earlier run."""
+    check_writable("data.cache_dir", cfg.data.cache_dir)
+    if out_dir:
+        check_fresh_out_dir(cfg.log.out_dir)
+        check_writable("log.out_dir", cfg.log.out_dir)
+
+
+def check_writable(key: str, folder: str) -> None:
+    """Create `folder` if needed and write a probe file into it; refuse naming `key` if that fails."""
+    path = Path(folder).expanduser()
+    fix = f"give {key} a folder you can write"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={folder!r} is a file, not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".fivecut-probe-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}={folder!r} cannot be created or written ({err.strerror or err}); {fix}") from None
+
+
+def check_fresh_out_dir(folder: str) -> None:
+    """A new run does not overwrite an earlier one's metrics, config and loss curve."""
+    path = Path(folder).expanduser()
+    found = [name for name in RUN_FILES if (path / name).exists()]
+    if found:
+        raise ConfigError(
+            f"log.out_dir={folder!r} holds an earlier run ({', '.join(found)}); give another folder "
+            f"(--set log.out_dir=...) or remove {path} first"
+        )
+
+
+# ---------------------------------------------------------------- model
+
+
+def check_model(args: ModelArgs) -> ModelArgs:
+    """Raise ValueError naming the numbers and a fix; return `args` if they describe a model."""
+    _check_positive(args)
+    if args.dim % args.n_heads:
+        raise ValueError(
+            f"dim ({args.dim}) is not divisible by n_heads ({args.n_heads}); "
+            f"choose n_heads among the divisors of dim, e.g. {_nearest_divisor(args.dim, args.n_heads)}"
+        )
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(
+            f"n_heads ({args.n_heads}) is not divisible by n_kv_heads ({args.n_kv_heads}); "
+            f"choose n_kv_heads dividing n_heads, e.g. {_nearest_divisor(args.n_heads, args.n_kv_heads)}"
+        )
+    if args.head_dim % 2:
+        raise ValueError(
+            f"head_dim = dim // n_heads = {args.dim} // {args.n_heads} = {args.head_dim} is odd, "
+            "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
+        )
+    _check_gate_and_layers(args)
+    if args.is_moe:
+        _check_groups(args)
+    if args.is_moe and args.top_k > args.n_experts:
+        raise ValueError(
+            f"top_k ({args.top_k}) exceeds n_experts ({args.n_experts}); set top_k <= {args.n_experts} or add experts"
+        )
+    return args
+
+
+def _check_gate_and_layers(args: ModelArgs) -> None:
+    from fivecut.model.args import GATES
+
+    if args.gate not in GATES:
+        raise ValueError(f"gate {args.gate!r} is not one of {GATES}")
+    if args.first_dense_layers > args.n_layers:
+        raise ValueError(
+            f"first_dense_layers ({args.first_dense_layers}) exceeds n_layers ({args.n_layers}); "
+            f"set first_dense_layers <= {args.n_layers}"
+        )
+
+
+def _check_groups(args: ModelArgs) -> None:
+    g, limit = args.expert_groups, args.route_group_limit
+    if args.n_experts % g:
+        raise ValueError(
+            f"n_experts ({args.n_experts}) is not divisible by expert_groups ({g}); "
+            f"choose expert_groups among {divisors(args.n_experts)}"
+        )
+    if g == 1 and limit != 1:
+        raise ValueError(
+            f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups"
+        )
+    if limit > g:
+        raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
+    if g > 1 and args.top_k > limit * (args.n_experts // g):
+        raise ValueError(
+            f"top_k ({args.top_k}) exceeds the {limit * (args.n_experts // g)} experts in "
+            f"route_group_limit={limit} groups of {args.n_experts // g}; raise route_group_limit"
+        )
+
+
+_POSITIVE = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "init_std",
+    "top_k",
+    "route_scale",
+    "expert_groups",
+    "route_group_limit",
+)
+_NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
+
+
+def _check_positive(args: ModelArgs) -> None:
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}; set {name} > 0")
+    for name in _NON_NEGATIVE:
+        value = getattr(args, name)
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}; set {name} >= 0 (0 disables it)")
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    """The divisor of n closest to ``near`` (for suggestions in errors)."""
+    return min(divisors(n), key=lambda d: (abs(d - near), d))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------- layout
+
+
+def validate_layout(
+    dims: ParallelDims, model, seq_len: int, global_batch: int, accumulate: int, world_size: int | None = None
+) -> None:
+    """Refuse a layout that cannot work for `model` (a ModelArgs), naming the numbers and a fix."""
+    problems = structural_problems(dims)
+    if accumulate < 1:
+        problems.append(f"train.accumulate={accumulate} must be >= 1")
+    sizes = [getattr(dims, n) for n in MESH_DIMS + ("ep", "pp_virtual", "microbatches")] + [accumulate]
+    if min(sizes) < 1:  # the checks below divide by these numbers
+        refuse("invalid layout " + dims.describe(), problems, LayoutError)
+    problems += (
+        pipeline_problems(dims, model, seq_len)
+        + model_layout_problems(dims, model)
+        + moe_layout_problems(dims, model, seq_len)
+        + batch_problems(dims, seq_len, global_batch, accumulate)
+        + world_problems(dims, world_size)
+    )
+    refuse("invalid layout " + dims.describe(), problems, LayoutError)
+    refuse("not implemented yet in this version of fivecut", unimplemented(dims), LayoutError)
+
+
+def structural_problems(dims: ParallelDims) -> list[str]:
+    out = []
+    for name in MESH_DIMS + ("ep", "pp_virtual", "microbatches"):
+        if getattr(dims, name) < 1:
+            out.append(f"parallel.{name}={getattr(dims, name)} must be >= 1")
+    if dims.zero not in (0, 1, 2, 3):
+        out.append(f"parallel.zero={dims.zero}; ZeRO stages are 0, 1, 2, 3")
+    if dims.cp_mode not in CP_MODES:
+        out.append(f"parallel.cp_mode={dims.cp_mode!r}; choose one of {', '.join(CP_MODES)}")
+    if dims.sp and dims.tp == 1:
+        out.append("parallel.sp=true needs tensor parallelism; set parallel.tp >= 2 or sp=false")
+    if dims.zero and dims.dp == 1:
+        out.append(f"parallel.zero={dims.zero} shards over data-parallel ranks but dp=1; set parallel.dp >= 2")
+    if dims.pp_layers is not None and dims.pp == 1:
+        out.append(
+            f"parallel.pp_layers={dims.pp_layers} splits layers over pipeline stages but pp=1; set parallel.pp >= 2 "
+            "or remove pp_layers"
+        )
+    if dims.ep > 1 and (dims.dp * dims.cp) % dims.ep:
+        out.append(f"ep={dims.ep} must divide dp*cp={dims.dp * dims.cp} (expert ranks are borrowed from dp x cp)")
+    return out + schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+
+
+def schedule_rule_problems(name: str, pp: int, microbatches: int, virtual: int) -> list[str]:
+    """The pipeline rules every caller shares: `train` (parallel.*) and `fivecut schedule`."""
+    out = []
+    if name not in PP_SCHEDULES:
+        out.append(f"parallel.pp_schedule={name!r}; choose one of {', '.join(PP_SCHEDULES)}")
+    if pp > 1 and microbatches < pp and name != "gpipe":
+        out.append(f"{name} with pp={pp} needs microbatches >= pp; got {microbatches}")
+    if virtual > 1 and name not in ("interleaved", "dualpipev"):
+        out.append(f"pp_virtual={virtual} only applies to interleaved or dualpipev, not {name}")
+    return out
+
+
+def built_schedule(name: str, pp: int, microbatches: int, virtual: int):
+    """The schedule, built and checked for deadlock; ValueError if it cannot run."""
+    schedule = build_schedule(name, pp, microbatches, virtual)
+    check(schedule)
+    return schedule
+
+
+def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
+    """Build the schedule and the stage split now, so that a bad pipeline never starts."""
+    if dims.pp == 1:
+        return []
+    from fivecut.parallel.pipeline.split import stage_layers
+
+    try:
+        schedule = built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+        stage_layers(model, schedule.n_stages, seq_len, dims.pp_layers)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
+def model_layout_problems(dims: ParallelDims, model) -> list[str]:
+    out = []
+    if model.n_heads % dims.tp:
+        out.append(
+            f"model has n_heads={model.n_heads}, not divisible by tp={dims.tp}; choose tp from "
+            f"{divisors(model.n_heads)}"
+        )
+    if not (model.n_kv_heads % dims.tp == 0 or dims.tp % model.n_kv_heads == 0):
+        out.append(
+            f"n_kv_heads={model.n_kv_heads} and tp={dims.tp}: one must divide the other to split or replicate kv heads"
+        )
+    stages = dims.pp * (2 if dims.pp_schedule == "dualpipev" else dims.pp_virtual)  # DualPipeV: two per rank
+    if dims.pp > 1 and model.n_layers < stages:
+        out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
+    if dims.cp > 1 and dims.cp_mode == "ulysses" and (model.n_heads // dims.tp) % dims.cp:
+        out.append(
+            f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
+            + f"{divisors(model.n_heads // dims.tp)}"
+        )
+    return out + expert_layout_problems(dims, model)
+
+
+def expert_layout_problems(dims: ParallelDims, model) -> list[str]:
+    if dims.ep > 1 and not model.n_experts:
+        return [f"ep={dims.ep} needs a mixture-of-experts model; this one is dense (n_experts=0)"]
+    if dims.ep > 1 and model.n_experts % dims.ep:
+        return [
+            f"n_experts={model.n_experts} not divisible by ep={dims.ep}; choose ep from {divisors(model.n_experts)}"
+        ]
+    return []
+
+
+def moe_layout_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
+    """Under tp a MoE layer runs on each tp rank's slice of the (cp chunk of the) sequence."""
+    local = seq_len // dims.cp
+    if model.n_experts and dims.tp > 1 and local % dims.tp:
+        return [
+            f"a MoE layer under tp={dims.tp} cuts its {local} tokens per sequence over tp; make seq_len/cp "
+            f"divisible by tp"
+        ]
+    return []
+
+
+def batch_problems(dims: ParallelDims, seq_len: int, global_batch: int, accumulate: int) -> list[str]:
+    out = []
+    if dims.cp > 1 and dims.cp_mode == "ring" and seq_len % (2 * dims.cp):
+        out.append(f"seq_len={seq_len} must divide by 2*cp={2 * dims.cp} (load-balanced causal chunks)")
+    if dims.cp > 1 and seq_len % (dims.cp * (dims.tp if dims.sp else 1)):
+        out.append(
+            f"seq_len={seq_len} must divide by cp={dims.cp}"
+            + (f" x tp={dims.tp} (sequence parallelism)" if dims.sp else "")
+        )
+    if dims.sp and seq_len % dims.tp:
+        out.append(f"seq_len={seq_len} must divide by tp={dims.tp} for sequence parallelism")
+    per_rank = dims.dp * accumulate * (dims.microbatches if dims.pp > 1 else 1)
+    if global_batch % per_rank:
+        good = per_rank * max(1, round(global_batch / per_rank))
+        out.append(
+            f"global_batch={global_batch} must divide by dp*accumulate*microbatches={per_rank}; try "
+            f"train.global_batch={good}"
+        )
+    return out
+
+
+def world_problems(dims: ParallelDims, world_size: int | None) -> list[str]:
+    if world_size is None or world_size == dims.world_size:
+        return []
+    rest = dims.world_size // dims.dp  # pp*cp*tp
+    fix = (
+        f"e.g. parallel.dp={world_size // rest}"
+        if world_size % rest == 0
+        else f"pp*cp*tp = {rest} must divide {world_size}"
+    )
+    return [
+        f"pp*dp*cp*tp = {dims.pp}*{dims.dp}*{dims.cp}*{dims.tp} = {dims.world_size} but {world_size} processes "
+        f"were started; make the product {world_size} ({fix})"
+    ]
+
+
+def unimplemented(dims: ParallelDims) -> list[str]:
+    if dims.pp > 1 and dims.zero >= 2:
+        return [
+            f"parallel.zero={dims.zero} with pp={dims.pp}: ZeRO-2/3 inside a pipeline is not in this "
+            f"version; use zero=0 or 1"
+        ]
+    return []
+
+
+# ---------------------------------------------------------------- MoE options
+
+
+def moe_problems(opts: MoEOptions, args: ModelArgs, dims: ParallelDims) -> list[str]:
+    """What cannot work with model `args` under the layout `dims`."""
+    if not args.is_moe:
+        if opts.is_default():
+            return []
+        return ["[moe] options are set but the model is dense (n_experts=0); remove them or pick a MoE model"]
+    out = moe_value_problems(opts) + eplb_problems(opts, args, dims.ep)
+    if opts.capacity_factor is not None and dims.cp > 1 and dims.cp_mode == "ring":
+        out.append(
+            "moe.capacity_factor with cp_mode='ring' is not in this version (ring ranks hold two chunks of a "
+            + "sequence out of order); use cp_mode='ulysses' or leave the capacity unset"
+        )
+    return out
+
+
+def moe_value_problems(opts: MoEOptions) -> list[str]:
+    out = []
+    if opts.capacity_factor is not None and not opts.capacity_factor > 0:
+        out.append(f"moe.capacity_factor={opts.capacity_factor} must be > 0 (leave it unset for dropless)")
+    for key in ("aux_loss_coef", "bias_update_rate"):
+        if not getattr(opts, key) >= 0:
+            out.append(f"moe.{key}={getattr(opts, key)} must be >= 0")
+    return out
+
+
+def eplb_problems(opts: MoEOptions, args: ModelArgs, ep: int) -> list[str]:
+    out = []
+    if opts.eplb_interval < 1 or opts.eplb_window < 1:
+        out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
+    if opts.eplb_slots < 0:
+        out.append(f"moe.eplb_slots={opts.eplb_slots} must be >= 0")
+    if not opts.eplb and (opts.eplb_interval, opts.eplb_window) != (MoEOptions.eplb_interval, MoEOptions.eplb_window):
+        out.append(
+            "moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or "
+            "moe.eplb_move=true, or leave them"
+        )
+    if opts.eplb and ep == 1:
+        out.append(
+            "EPLB (moe.eplb_slots, moe.eplb_move) places experts over expert-parallel ranks, but ep=1; "
+            + "set parallel.ep >= 2 or turn EPLB off"
+        )
+    foreign = args.n_experts - args.n_experts // max(ep, 1)
+    if ep > 1 and opts.eplb_slots > foreign:
+        out.append(
+            f"moe.eplb_slots={opts.eplb_slots}: a rank can hold copies of at most the {foreign} experts it does not own"
+        )
+    return out
+
+
+# ---------------------------------------------------------------- command-line arguments
+
+
+def check_run_arguments(steps: int, timeout: float, rtol: float | None = None) -> None:
+    """`verify` / `ledger`: a run that compares something, a timeout, a tolerance."""
+    problems = []
+    if steps < 1:
+        problems.append(f"--steps={steps} compares nothing; give --steps >= 1")
+    if not (math.isfinite(timeout) and timeout > 0):
+        problems.append(f"--timeout={timeout} must be a positive number of seconds")
+    if rtol is not None and not (math.isfinite(rtol) and rtol > 0):
+        problems.append(f"--rtol={rtol} must be > 0 (the largest relative loss difference accepted), e.g. 1e-5")
+    refuse("invalid arguments", problems)
+
+
+def layout_items(text: str) -> list[str]:
+    """The `key=value` items of `--layout` (commas inside [...] kept), refusing empty, malformed, repeated."""
+    import re
+
+    hint = "keys are parallel.* fields, e.g. --layout dp=2,zero=1"
+    if not text.strip():
+        raise ConfigError(f"--layout is empty; give key=value pairs ({hint})")
+    items = [part.strip() for part in re.split(r",(?![^\[]*\])", text)]
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ConfigError(f"--layout {text!r}: item {item!r} is not key=value; write e.g. dp=2 ({hint})")
+    keys = [item.split("=", 1)[0].strip() for item in items]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ConfigError(f"--layout {text!r} sets {', '.join(repeated)} more than once; give each key once")
+    return items
+
+
+def check_schedule_command(name: str, pp: int, microbatches: int, virtual: int, costs: dict):
+    """`fivecut schedule`: the rules `train` applies to parallel.*, then the built schedule; returns it."""
+    counts = {"pp": pp, "microbatches": microbatches, "virtual": virtual}
+    problems = [f"--{k}={v} must be >= 1" for k, v in counts.items() if v < 1]
+    problems += [f"--cost-{k}={v} must be >= 0" for k, v in costs.items() if v is not None and not v >= 0]
+    title = f"schedule {name}, pp={pp}, {microbatches} microbatches"
+    refuse(title + " cannot run", problems + schedule_rule_problems(name, pp, microbatches, virtual), LayoutError)
+    try:
+        schedule = built_schedule(name, pp, microbatches, virtual)
+    except ValueError as err:
+        raise LayoutError(str(err)) from None  # the schedule's own message names the numbers
+    if costs.get("w") is not None and not schedule.split_backward:
+        raise LayoutError(
+            f"--cost-w applies only to schedules that split the backward into B and W (zb1p, dualpipev); {name} "
+            "does not: drop --cost-w or choose one of those"
+        )
+    return schedule
