@@ -98,9 +98,10 @@ class Bucket:
     out: torch.Tensor | None = None  # the reduction's result when it is not written in place
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, kinds: Kinds) -> list[list[nn.Parameter]]:
+def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, kinds: Kinds | None = None) -> list[list[nn.Parameter]]:
     """Group parameters (in the given order) into runs of about `bucket_bytes`, one dtype per run,
-    each run sorted by `flat_order`."""
+    each run sorted by `flat_order` (of an uncut model's parameters, without `kinds`)."""
+    kinds = kinds if kinds is not None else plain_kinds(params)
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
