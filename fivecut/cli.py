@@ -148,8 +148,9 @@ def reference_of(cfg: Config) -> Config:
     return ref
 
 
-def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False):
-    """Tokenize once here, then run `cfg` on its own ranks; returns every rank's RunResult."""
+def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False, device: str = "auto"):
+    """Tokenize once here, then run `cfg` on its own ranks (`device`: see launch.choose_backend);
+    returns every rank's RunResult."""
     from fivecut.launch import spawn
     from fivecut.train.data import load_tokens
 
@@ -157,7 +158,7 @@ def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False):
     with tempfile.TemporaryDirectory(prefix="fivecut-run-") as out:
         cfg = copy.deepcopy(cfg)
         cfg.log.out_dir = out
-        return spawn(train_quietly, cfg.parallel.world_size, cfg, measure_activations, timeout_s=timeout)
+        return spawn(train_quietly, cfg.parallel.world_size, cfg, measure_activations, timeout_s=timeout, device=device)
 
 
 def train_quietly(cfg: Config, measure_activations: bool = False):
@@ -168,12 +169,14 @@ def train_quietly(cfg: Config, measure_activations: bool = False):
 
 def cmd_verify(ns) -> int:
     cfg = verify_config(ns)
+    backend, device = verify_device(cfg)
     print(
         f"verify: {cfg.model.preset}, layout {cfg.parallel.describe()} vs single process, {cfg.train.steps} steps, "
-        f"fp32; loss, gradient norm before clipping, validation loss at step {cfg.train.eval_every}"
+        f"fp32 on {device} ({backend}); loss, gradient norm before clipping, validation loss at step "
+        f"{cfg.train.eval_every}"
     )
-    reference = run_spawned(reference_of(cfg), ns.timeout)[0]
-    layout = run_spawned(cfg, ns.timeout)[0]
+    reference = run_spawned(reference_of(cfg), ns.timeout, device=device)[0]
+    layout = run_spawned(cfg, ns.timeout, device=device)[0]
     worst = print_comparison(verify_series(reference), verify_series(layout))
     return verdict(worst, {"loss": ns.rtol, "grad_norm": GRAD_NORM_RTOL, "val_loss": VAL_LOSS_RTOL})
 
@@ -185,6 +188,17 @@ def verify_config(ns) -> Config:
         cfg.train.eval_every = cfg.train.steps
         cfg.train.eval_batches = 2
     return cfg
+
+
+def verify_device(cfg: Config) -> tuple[str, str]:
+    """Both runs on one kind of device, the one the layout's ranks get (a GPU each, else the cpu):
+    a CUDA reference against a CPU layout would differ by more than the order of sums."""
+    import torch
+
+    from fivecut.launch import choose_backend
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return choose_backend("auto", cfg.parallel.world_size, gpus)
 
 
 def verify_series(result) -> dict[str, dict[int, float]]:
