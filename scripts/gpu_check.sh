@@ -88,8 +88,8 @@ throughput() {
     printf 'train\t%s\t-\tERROR\t-\t-\n' "$name" >> "$SUMMARY"
     return
   fi
-  grep -E '^(fivecut:|step )' "$out.txt" | tail -4
-  [ -f "$out/loss.png" ] && cp "$out/loss.png" "$RESULTS/loss-$name.png"
+  grep -E '^(fivecut:|step )' "$out.txt" | tail -4 || true
+  if [ -f "$out/loss.png" ]; then cp "$out/loss.png" "$RESULTS/loss-$name.png"; fi
   "$PY" - "$out/metrics.jsonl" "$name" "$SUMMARY" <<'EOF'
 import json, statistics, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
