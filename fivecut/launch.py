@@ -1,6 +1,7 @@
 """Starting ranks: under torchrun, alone, or spawned here for `verify`, `ledger` and the tests.
 
-`spawn(fn, world_size, *args)` starts one process per rank with torch.multiprocessing,
+`spawn(fn, world_size, *args, device=...)` starts one process per rank with torch.multiprocessing
+(gloo on CPU; NCCL with a GPU per rank on CUDA, see `choose_backend`),
 rendezvous through a FileStore in a private temporary folder (no ports, no retries), one
 thread per rank. It returns every rank's result, or raises `RankFailure` carrying each
 rank's traceback: a rank that raised, and, on timeout, where each stuck rank was
@@ -29,6 +30,9 @@ class RankFailure(RuntimeError):
     """One or more spawned ranks failed or hung; the message holds each rank's traceback."""
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
 def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
@@ -37,12 +41,35 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def choose_backend(device: str, world_size: int, device_count: int) -> tuple[str, str]:
+    """(backend, device type) for `world_size` ranks on one machine with `device_count` GPUs.
+
+    "cpu": gloo. "cuda": NCCL, one GPU per rank; NCCL refuses two ranks of one communicator on
+    the same GPU, so more ranks than GPUs is an error (gloo could not serve the cuts either: it
+    lacks CUDA send/recv, all-gather, reduce-scatter and all-to-all). "auto": cuda when every rank
+    gets a GPU of its own, else cpu."""
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "cuda" if 0 < world_size <= device_count else "cpu"
+    if device == "cuda" and world_size > device_count:
+        raise ValueError(
+            f"{world_size} ranks on {device_count} GPU(s): NCCL needs a GPU per rank; use fewer ranks, "
+            + "a machine with more GPUs, or device='cpu' (gloo)"
+        )
+    return backend_for(device), device
+
+
+def rank_device(device: str, rank: int, device_count: int) -> torch.device:
+    """The device of spawned rank `rank`: its own GPU (rank % device_count), or the cpu."""
+    return torch.device("cuda", rank % device_count) if device == "cuda" else torch.device("cpu")
+
+
 def local_device() -> torch.device:
-    """cuda:LOCAL_RANK on a GPU machine (never the global rank: multi-node), else cpu."""
-    if device_type() == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+    """This rank's device, as its launcher set it: under NCCL the GPU made current before the
+    process group was formed (spawn: the rank's own; torchrun: LOCAL_RANK's), else the cpu."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -53,20 +80,24 @@ def init_from_environment(timeout_s: float = 600.0) -> None:
     backend = backend_for(device_type())
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        local_device()
+        if backend == "nccl":  # torchrun's LOCAL_RANK, never the global rank (multi-node)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, results):
+def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, placement, fn, args, results):
     torch.set_num_threads(1)
     trace = open(Path(trace_dir) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=trace, all_threads=False)
     try:
+        backend, device = placement
+        if device == "cuda":  # before the group forms: NCCL binds this rank to the current GPU
+            torch.cuda.set_device(rank_device(device, rank, torch.cuda.device_count()))
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
         # pickled here, in-band: tensors shared by file descriptor would vanish with this process
         results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -77,17 +108,16 @@ def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, res
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
-    """Run `fn(*args)` on `world_size` gloo ranks on this machine; return the results by rank."""
+def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, device: str = "auto") -> list:
+    """Run `fn(*args)` on `world_size` ranks on this machine; return the results by rank.
+    `device` picks the backend and each rank's device (`choose_backend`); `local_device()` in
+    each rank then names that device."""
+    placement = choose_backend(device, world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivecut-") as tmp:
-        procs = [
-            ctx.Process(
-                target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, timeout_s, fn, args, results), daemon=True
-            )
-            for r in range(world_size)
-        ]
+        common = (world_size, f"{tmp}/store", tmp, timeout_s, placement, fn, args, results)
+        procs = [ctx.Process(target=_rank_main, args=(r, *common), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         outcome = _collect(results, procs, timeout_s)

@@ -12,10 +12,9 @@ gradients are summed over the cp ranks in a different order, so
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
+from test_ddp import assert_same_run, single_process_run, small_config
 
 from fivecut import comm
 from fivecut.launch import spawn
@@ -88,20 +87,28 @@ def test_forward_and_gradients_match_single_device(mode, cp, tp, sp):
 @pytest.mark.multirank
 def test_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
     ulysses = ("parallel.cp=2", 'parallel.cp_mode="ulysses"')
-    reference = single_process_losses(byte_cache)
+    reference = single_process_run(byte_cache)
     for name, extra in {
         "ulysses dp=2,cp=2,zero=1": (*ulysses, "parallel.dp=2", "parallel.zero=1"),
         "ulysses cp=2,pp=2": (*ulysses, "parallel.pp=2", "parallel.microbatches=2"),
         "ring dp=2,cp=2,zero=3": ("parallel.cp=2", "parallel.dp=2", "parallel.zero=3"),
     }.items():
         cfg = small_config(byte_cache, *extra, f'log.out_dir="{tmp_path}/{name}"')
-        np.testing.assert_allclose(
-            spawn(run_config, cfg.parallel.world_size, cfg)[0], reference, rtol=LOSS_RTOL, err_msg=name
-        )
+        assert_same_run(cfg, reference, name)
     # capacity and the auxiliary loss need each sequence's slots from both cp chunks; the bias rule is
     # left out: its sign(load - mean) turns a one-token routing flip (fp rounding differs under
     # Ulysses) into a different bias, and the runs separate after a few steps (benchmarks/RESULTS.md)
     moe = ('model.preset="tiny-moe"', "moe.capacity_factor=1.0", "moe.aux_loss_coef=0.01")
-    reference = single_process_losses(byte_cache, *moe)
+    reference = single_process_run(byte_cache, *moe)
     cfg = small_config(byte_cache, *moe, *ulysses, "parallel.ep=2", f'log.out_dir="{tmp_path}/moe"')
-    np.testing.assert_allclose(spawn(run_config, 2, cfg)[0], reference, rtol=LOSS_RTOL, err_msg="tiny-moe cp=2,ep=2")
+    assert_same_run(cfg, reference, "tiny-moe cp=2,ep=2")
+
+
+@pytest.mark.multirank
+def test_moe_capacity_with_ulysses_tensor_and_expert_parallel(byte_cache, tmp_path):
+    """Capacity counts each sequence's slots over both cp chunks, while tp splits attention and the
+    dense layers and ep the experts: world 4 (cp=2 x tp=2, ep=2 over the cp ranks)."""
+    moe = ('model.preset="tiny-moe"', "moe.capacity_factor=1.0", "moe.aux_loss_coef=0.01")
+    layout = ("parallel.cp=2", 'parallel.cp_mode="ulysses"', "parallel.tp=2", "parallel.ep=2")
+    cfg = small_config(byte_cache, *moe, *layout, f'log.out_dir="{tmp_path}"')
+    assert_same_run(cfg, single_process_run(byte_cache, *moe), "tiny-moe cp=2,tp=2,ep=2 capacity")

@@ -4,7 +4,9 @@ Tolerances (fp32): the only difference from the reference is the order in which
 floating-point sums are taken (per-rank partial sums, then the all-reduce), so
   - logits: rtol 1e-5, atol 1e-6 (a matmul over fewer rows may block differently);
   - gradients: rtol 1e-5, atol 1e-7 (gradient entries are ~1e-4..1e-2);
-  - losses over optimizer steps: rtol 1e-5 (the project's bar for every cut).
+  - losses over optimizer steps: rtol 1e-5 (the project's bar for every cut);
+  - the gradient norm before clipping at every step: rtol 1e-5 (AdamW's update barely depends
+    on the gradient's scale, so the loss alone would miss a gradient off by a constant factor).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fivecut.train.data import BatchSampler
 from fivecut.train.trainer import train
 
 LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-5
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -101,15 +104,24 @@ def test_unused_parameters_do_not_hang():
     assert torch.all(unused == 0)
 
 
-def run_config(cfg: Config):
-    return train(cfg, quiet=True).losses
+def run_config(cfg: Config) -> tuple[list[float], list[float]]:
+    """Losses and gradient norms (before clipping) per step."""
+    result = train(cfg, quiet=True)
+    return result.losses, result.grad_norms
 
 
 @functools.cache
-def single_process_losses(cache_dir: str, *overrides: str) -> list[float]:
+def single_process_run(cache_dir: str, *overrides: str) -> tuple[list[float], list[float]]:
     """The reference run for `small_config(cache_dir, *overrides)`, computed once per session
     (a quiet run writes no files, so its out_dir does not matter)."""
     return spawn(run_config, 1, small_config(cache_dir, *overrides))[0]
+
+
+def assert_same_run(cfg: Config, reference: tuple[list[float], list[float]], name: str = "") -> None:
+    """`cfg` on its ranks gives the reference's losses and gradient norms at every step."""
+    losses, norms = spawn(run_config, cfg.parallel.world_size, cfg)[0]
+    np.testing.assert_allclose(losses, reference[0], rtol=LOSS_RTOL, err_msg=f"{name}: losses")
+    np.testing.assert_allclose(norms, reference[1], rtol=GRAD_NORM_RTOL, err_msg=f"{name}: gradient norms")
 
 
 def small_config(cache_dir: str, *overrides: str) -> Config:
@@ -128,18 +140,32 @@ def small_config(cache_dir: str, *overrides: str) -> Config:
 
 @pytest.mark.multirank
 def test_losses_over_steps_match_for_dp_and_accumulation(byte_cache, tmp_path):
-    reference = single_process_losses(byte_cache)
+    reference = single_process_run(byte_cache)
     layouts = {
-        "dp=2": small_config(byte_cache, "parallel.dp=2", f'log.out_dir="{tmp_path}/a"'),
-        "accumulate=4": small_config(byte_cache, "train.accumulate=4", f'log.out_dir="{tmp_path}/b"'),
-        "dp=2,accumulate=2": small_config(
-            byte_cache, "parallel.dp=2", "train.accumulate=2", f'log.out_dir="{tmp_path}/c"'
-        ),
+        "dp=2": ("parallel.dp=2",),
+        "accumulate=4": ("train.accumulate=4",),
+        "dp=2,accumulate=2": ("parallel.dp=2", "train.accumulate=2"),
+        # 0.01 MB is 2,621 fp32 elements: each of the 39 parameters of `tiny` gets a bucket of its own
+        "dp=2,many buckets": ("parallel.dp=2", "train.bucket_mb=0.01"),
     }
-    for name, cfg in layouts.items():
-        losses = spawn(run_config, cfg.parallel.world_size, cfg)[0]
-        np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL, err_msg=name)
-    assert reference[-1] < reference[0]  # it is actually training
+    for i, (name, extra) in enumerate(layouts.items()):
+        assert_same_run(small_config(byte_cache, *extra, f'log.out_dir="{tmp_path}/{i}"'), reference, name)
+    assert reference[0][-1] < reference[0][0]  # it is actually training
+
+
+def evaluate_run(cfg: Config) -> dict[int, float]:
+    return train(cfg, quiet=True).val_losses
+
+
+@pytest.mark.multirank
+def test_validation_losses_match_under_dp(byte_cache, tmp_path):
+    """Evaluation shards the validation batches over dp ranks; the mean is the single process's."""
+    evals = ("train.steps=3", "train.eval_every=2", "train.eval_batches=2")
+    reference = spawn(evaluate_run, 1, small_config(byte_cache, *evals))[0]
+    cfg = small_config(byte_cache, *evals, "parallel.dp=2", f'log.out_dir="{tmp_path}"')
+    got = spawn(evaluate_run, 2, cfg)[0]
+    assert sorted(reference) == sorted(got) == [2, 3]
+    np.testing.assert_allclose([got[s] for s in (2, 3)], [reference[s] for s in (2, 3)], rtol=LOSS_RTOL)
 
 
 def step_after_set_to_none():

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
+from test_ddp import GRAD_NORM_RTOL, LOSS_RTOL, assert_same_run, single_process_run, small_config
 
 from fivecut import comm
 from fivecut.checks import LayoutError, validate
@@ -224,7 +224,7 @@ MOE = ('model.preset="tiny-moe"',)
 @pytest.mark.multirank
 def test_losses_over_steps_match_with_balancing_and_zero(byte_cache, tmp_path):
     balance = ("moe.bias_update_rate=0.01", "moe.aux_loss_coef=0.01")
-    reference = single_process_losses(byte_cache, *MOE, *balance)
+    reference = single_process_run(byte_cache, *MOE, *balance)
     layouts = {
         "dp=2,ep=2,zero=1": ("parallel.dp=2", "parallel.ep=2", "parallel.zero=1"),
         "dp=4,ep=4,eplb,accumulate=2": (
@@ -240,14 +240,13 @@ def test_losses_over_steps_match_with_balancing_and_zero(byte_cache, tmp_path):
     }
     for name, extra in layouts.items():
         cfg = small_config(byte_cache, *MOE, *balance, *extra, f'log.out_dir="{tmp_path}/{name}"')
-        losses = spawn(run_config, cfg.parallel.world_size, cfg)[0]
-        np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL, err_msg=name)
-    assert reference[-1] < reference[0]
+        assert_same_run(cfg, reference, name)
+    assert reference[0][-1] < reference[0][0]
 
 
 def run_moe(cfg):
     result = train(cfg, quiet=True)
-    return result.losses, result.moe
+    return result.losses, result.moe, result.grad_norms
 
 
 @pytest.mark.multirank
@@ -256,7 +255,7 @@ def test_moving_experts_keeps_training_identical(byte_cache, tmp_path, zero):
     """EPLB moves with ZeRO-sharded experts (dp=4, ep=2: expert_dp=2): weights, master shards and
     Adam moments change ranks, and the losses stay the single process's."""
     balance = ("moe.bias_update_rate=0.01",)
-    reference = single_process_losses(byte_cache, *MOE, *balance)
+    reference = single_process_run(byte_cache, *MOE, *balance)
     cfg = small_config(
         byte_cache,
         *MOE,
@@ -270,10 +269,11 @@ def test_moving_experts_keeps_training_identical(byte_cache, tmp_path, zero):
         "moe.eplb_window=1",
         f'log.out_dir="{tmp_path}"',
     )
-    losses, moe = spawn(run_moe, 4, cfg)[0]
+    losses, moe, norms = spawn(run_moe, 4, cfg)[0]
     moved = sum(layer["moved_elements"] for step in moe for layer in step["local"].values())
     assert moved > 0  # experts did change ranks
-    np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(losses, reference[0], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(norms, reference[1], rtol=GRAD_NORM_RTOL)
 
 
 def test_packing_moves_the_hottest_experts_apart():
@@ -295,7 +295,7 @@ def test_capacity_drops_are_reported_and_training_converges(byte_cache, tmp_path
         "train.steps=10",
         f'log.out_dir="{tmp_path}"',
     )
-    losses, moe = spawn(run_moe, 2, cfg)[0]
+    losses, moe, _ = spawn(run_moe, 2, cfg)[0]
     assert all(0.0 < step["dropped"] < 1.0 for step in moe)  # an unbalanced router soon drops most slots
     assert losses[-1] < 0.8 * losses[0]
     layer = moe[-1]["layers"][1]

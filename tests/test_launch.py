@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from fivecut.launch import RankFailure, backend_for, device_type, spawn
+from fivecut.launch import RankFailure, backend_for, choose_backend, device_type, rank_device, spawn
 
 
 def whoami(tag, payload):
@@ -121,6 +121,47 @@ def test_backend_and_device_type():
     assert backend_for("cuda") == "nccl"
     assert backend_for("cpu") == "gloo"
     assert device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(
+    "device,world,gpus,expected",
+    [
+        ("auto", 4, 0, ("gloo", "cpu")),  # no GPU
+        ("auto", 2, 8, ("nccl", "cuda")),  # a GPU per rank
+        ("auto", 8, 8, ("nccl", "cuda")),
+        ("auto", 2, 1, ("gloo", "cpu")),  # more ranks than GPUs: NCCL cannot, so the cpu
+        ("cpu", 2, 8, ("gloo", "cpu")),  # asked for the cpu on a GPU machine
+        ("cuda", 1, 1, ("nccl", "cuda")),
+    ],
+)
+def test_choose_backend(device, world, gpus, expected):
+    assert choose_backend(device, world, gpus) == expected
+
+
+def test_choose_backend_refuses_what_nccl_cannot_serve():
+    with pytest.raises(ValueError, match="2 ranks on 1 GPU.*NCCL needs a GPU per rank.*device='cpu'"):
+        choose_backend("cuda", 2, 1)
+    with pytest.raises(ValueError, match="2 ranks on 0 GPU"):
+        choose_backend("cuda", 2, 0)
+    with pytest.raises(ValueError, match="device='tpu'; choose one of auto, cpu, cuda"):
+        choose_backend("tpu", 1, 0)
+
+
+def test_rank_device_is_the_rank_s_own_gpu():
+    assert [rank_device("cuda", r, 4) for r in range(4)] == [torch.device("cuda", r) for r in range(4)]
+    assert rank_device("cuda", 5, 4) == torch.device("cuda", 1)
+    assert rank_device("cpu", 3, 4) == torch.device("cpu")
+
+
+def report_device():
+    from fivecut.launch import local_device
+
+    return str(local_device())
+
+
+@pytest.mark.multirank
+def test_spawned_ranks_train_on_the_device_spawn_chose():
+    assert spawn(report_device, 2, device="cpu", timeout_s=60) == ["cpu", "cpu"]
 
 
 def test_rank_failure_is_a_runtime_error():

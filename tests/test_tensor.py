@@ -11,10 +11,9 @@ different order than one matmul does, so
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from test_ddp import LOSS_RTOL, run_config, single_process_losses, small_config
+from test_ddp import assert_same_run, single_process_run, small_config
 
 from fivecut import comm
 from fivecut.launch import spawn
@@ -88,9 +87,19 @@ def test_forward_and_every_gradient_match_single_device(preset, tp, sp):
     ],
 )
 def test_losses_over_steps(layout, byte_cache, tmp_path):
-    reference_losses = single_process_losses(byte_cache)
     cfg = small_config(byte_cache, *layout, f'log.out_dir="{tmp_path}/l"')
-    np.testing.assert_allclose(spawn(run_config, cfg.parallel.world_size, cfg)[0], reference_losses, rtol=LOSS_RTOL)
+    assert_same_run(cfg, single_process_run(byte_cache), ",".join(layout))
+
+
+@pytest.mark.multirank
+def test_replicated_norm_weights_count_once_in_the_clip_norm(byte_cache, tmp_path):
+    """Under tp=2 with SP the norm weights are replicated on both ranks (their gradients summed over
+    tp); the global norm counts them once, and with clipping active (default clip 1.0 below every
+    step's norm) a wrong norm would scale every gradient wrongly."""
+    reference = single_process_run(byte_cache)
+    assert min(reference[1]) > small_config(byte_cache).train.grad_clip  # the clip scales every step
+    cfg = small_config(byte_cache, "parallel.tp=2", "parallel.sp=true", f'log.out_dir="{tmp_path}"')
+    assert_same_run(cfg, reference, "tp=2,sp")
 
 
 LOGITS = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(0))  # 11 real columns + 1 of padding

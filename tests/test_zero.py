@@ -18,11 +18,11 @@ import torch
 from test_ddp import (
     GRAD_TOL,
     LOGIT_TOL,
-    LOSS_RTOL,
     TOKENS,
+    assert_same_run,
     one_step_gradients,
     run_config,
-    single_process_losses,
+    single_process_run,
     small_config,
 )
 
@@ -91,9 +91,9 @@ def test_zero3_without_resharding_after_forward():
 def test_losses_over_steps_with_accumulation_and_clipping(stage, byte_cache, tmp_path):
     # grad_clip=0.5 is below the gradient norm of every step here, so clipping is active throughout
     common = ("train.grad_clip=0.5", "train.accumulate=2", "train.steps=5")
-    reference = single_process_losses(byte_cache, *common)
+    reference = single_process_run(byte_cache, *common)
     cfg = small_config(byte_cache, *common, "parallel.dp=2", f"parallel.zero={stage}", f'log.out_dir="{tmp_path}/z"')
-    np.testing.assert_allclose(spawn(run_config, 2, cfg)[0], reference, rtol=LOSS_RTOL)
+    assert_same_run(cfg, reference, f"zero={stage}")
 
 
 def grad_norms(cfg):
@@ -117,10 +117,10 @@ def test_clipping_sees_the_global_norm(byte_cache, tmp_path):
 
 def test_bf16_reduction_stays_close(byte_cache, tmp_path):
     """Gradients reduced in bf16 lose precision (8-bit mantissa): close, not identical."""
-    reference = single_process_losses(byte_cache)
+    reference = single_process_run(byte_cache)[0]
     cfg = small_config(
         byte_cache, "parallel.dp=2", "parallel.zero=2", 'train.reduce_dtype="bf16"', f'log.out_dir="{tmp_path}/b"'
     )
-    losses = spawn(run_config, 2, cfg)[0]
+    losses = spawn(run_config, 2, cfg)[0][0]
     np.testing.assert_allclose(losses, reference, rtol=1e-2)
     assert losses != reference  # the reduction really was in bf16

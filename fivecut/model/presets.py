@@ -34,6 +34,19 @@ PRESETS: dict[str, ModelArgs] = {
         tie_embeddings=True,
         max_seq_len=512,
     ),
+    # Llama 3.2 1B's shape (~1.24B parameters, 263M of them the tied embedding); trained by
+    # scripts/gpu_check.sh for throughput and MFU on one GPU
+    "llama-1b": ModelArgs(
+        vocab_size=LLAMA3_VOCAB,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        tie_embeddings=True,
+        max_seq_len=2048,
+        rope_theta=500000.0,
+    ),
     "llama3-8b": ModelArgs(
         vocab_size=LLAMA3_VOCAB,
         dim=4096,
