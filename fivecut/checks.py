@@ -83,7 +83,14 @@ def check_preset(name: str, key: str = "model.preset") -> None:
 
 
 def option_problems(cfg: Config) -> list[str]:
-    return train_problems(cfg.train) + data_problems(cfg) + log_problems(cfg.log)
+    return train_problems(cfg.train) + data_problems(cfg) + log_problems(cfg.log) + checkpoint_problems(cfg.checkpoint)
+
+
+def checkpoint_problems(c) -> list[str]:
+    out = at_least("checkpoint", c, ("every",), 0) + at_least("checkpoint", c, ("keep",), 1)
+    if c.every and c.dir is None:
+        out.append(f"checkpoint.every={c.every} saves nowhere: set checkpoint.dir, or checkpoint.every=0")
+    return out
 
 
 def at_least(section: str, obj, names: tuple[str, ...], low: float) -> list[str]:
@@ -161,11 +168,15 @@ def log_problems(log) -> list[str]:
 # ---------------------------------------------------------------- folders
 
 
-def check_folders(cfg: Config, out_dir: bool) -> None:
-    """data.cache_dir (and, for a training run, log.out_dir) can be written; out_dir holds no earlier run."""
+def check_folders(cfg: Config, out_dir: bool, resuming: bool = False) -> None:
+    """data.cache_dir (and, for a training run, log.out_dir) can be written; out_dir holds no earlier
+    run unless this one resumes it (its metrics are appended to)."""
     check_writable("data.cache_dir", cfg.data.cache_dir)
+    if cfg.checkpoint.dir is not None:
+        check_writable("checkpoint.dir", cfg.checkpoint.dir)
     if out_dir:
-        check_fresh_out_dir(cfg.log.out_dir)
+        if not resuming:
+            check_fresh_out_dir(cfg.log.out_dir)
         check_writable("log.out_dir", cfg.log.out_dir)
 
 

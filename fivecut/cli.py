@@ -38,8 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model (one process, or under torchrun)")
     train.add_argument("--config", help="TOML file; defaults apply to missing keys")
+    train.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (default: the newest complete checkpoint in checkpoint.dir, if any), never, or a checkpoint path",
+    )
     add_overrides(train)
     train.set_defaults(func=cmd_train)
+
+    ckpt = sub.add_parser("checkpoint", help="inspect checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
+    info = ckpt_sub.add_parser("info", help="step, tokens, layout, model, size, and whether it is complete and intact")
+    info.add_argument("dir", help="a checkpoint, or a checkpoint.dir (its newest complete checkpoint)")
+    info.set_defaults(func=cmd_checkpoint_info)
 
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
@@ -100,19 +111,29 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
+    from fivecut.train import checkpoint
     from fivecut.train.trainer import train
 
     cfg = load_config(ns.config, ns.overrides)
     checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    checks.check_folders(cfg, out_dir=True)  # a new run never overwrites an earlier one
+    resuming = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume) is not None
+    checks.check_folders(cfg, out_dir=True, resuming=resuming)  # a new run never overwrites an earlier one
     init_from_environment()
     import torch.distributed as dist
 
     try:
-        train(cfg)
+        train(cfg, resume=ns.resume)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def cmd_checkpoint_info(ns) -> int:
+    from fivecut.train import checkpoint
+
+    lines = checkpoint.info(ns.dir)
+    print("\n".join(lines))
+    return 0 if lines[-1] == "complete and intact" else 2
 
 
 # ---------------------------------------------------------------- verify / ledger

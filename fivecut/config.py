@@ -88,6 +88,15 @@ class LogConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Where and how often the training state is saved; a run resumes from the newest complete one."""
+
+    dir: str | None = None  # None: no checkpoints
+    every: int = 0  # save every N steps (0: only at the end of the run)
+    keep: int = 2  # complete checkpoints kept (the newest; never fewer than 1)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -95,6 +104,7 @@ class Config:
     parallel: ParallelDims = field(default_factory=ParallelDims)
     moe: MoEOptions = field(default_factory=MoEOptions)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

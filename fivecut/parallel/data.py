@@ -66,11 +66,13 @@ class Piece:
 
 @dataclass
 class Held:
-    """Where a run of a parameter's elements lives on this rank (`GradSync.held`): the tensors
-    holding their values, and (optimizer tensor, lo, hi) ranges whose optimizer state covers them."""
+    """Where a run of a parameter's flat elements lives on this rank (`GradSync.held`):
+    values     (flat tensor, at): the tensor holds the parameter's elements [at, at + its numel)
+    optimized  (optimizer tensor, lo, hi, at): the tensor's elements [lo, hi), whose optimizer
+               state (Adam's moments) is the parameter's elements [at, at + hi - lo)."""
 
-    values: list[torch.Tensor] = field(default_factory=list)
-    optimized: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    values: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    optimized: list[tuple[torch.Tensor, int, int, int]] = field(default_factory=list)
 
     def __add__(self, other: Held) -> Held:
         return Held(self.values + other.values, self.optimized + other.optimized)
@@ -252,7 +254,7 @@ class DataParallel(GradReducer):
     def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
         if param not in self.bucket_of:
             return Held()
-        return Held([param.data.view(-1)[lo:hi]], [(param, lo, hi)])
+        return Held([(param.data.view(-1)[lo:hi], lo)], [(param, lo, hi, lo)])
 
     def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
         return {}  # DDP keeps whole parameters; its buckets hold gradients only

@@ -484,7 +484,9 @@ def slot_views(moe: MoE, j: int, optimizer: torch.optim.Optimizer, sync) -> list
         for p in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
             row = p.shape[1:].numel()
             held = sync.held(p, j * row, (j + 1) * row)
-            views += held.values + [m for t, lo, hi in held.optimized for m in _moments(optimizer, t, lo, hi)]
+            views += [v for v, _ in held.values] + [
+                m for t, lo, hi, _ in held.optimized for m in _moments(optimizer, t, lo, hi)
+            ]
     return views
 
 

@@ -38,6 +38,7 @@ from fivecut.parallel.expert import (
     EXPERT_WEIGHTS,
     ExpertBalancer,
     ExpertParallelMoE,
+    SlotMap,
     apply_expert_parallel,
     expert_slice,
 )
@@ -114,15 +115,31 @@ class Parallelized:
         record their new slices; returns the elements this rank sent, per layer."""
         moved = self.experts.apply_moves(optimizer, self.sync)
         for layer in moved:
-            runtime = self.experts.runtimes[layer]
-            mine = runtime.placement.owned()[runtime.ep.rank]
-            cut = expert_slice(runtime.n_experts, runtime.ep.size, mine)
-            for name in (f"layers.{layer}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS):
-                pl = self.placements[name]
-                self.placements[name] = dataclasses.replace(
-                    pl, slices=tuple(cut if s.group == "ep" else s for s in pl.slices)
-                )
+            self._record_experts(layer)
         return moved
+
+    def restore_slots(self, layer: int, expert: list[list[int]], share: list[list[float]]) -> None:
+        """Put a saved EPLB placement back (before the weights are loaded into it)."""
+        runtime = self.experts.runtimes[layer]
+        slots = SlotMap(
+            runtime.n_experts,
+            runtime.ep.size,
+            runtime.placement.extra,
+            [r[: runtime.placement.n_local] for r in expert],
+        )
+        slots.expert, slots.share = [list(r) for r in expert], [list(r) for r in share]
+        runtime.set_placement(slots)
+        self._record_experts(layer)
+
+    def _record_experts(self, layer: int) -> None:
+        """The experts' records follow the layer's placement: the logical experts this rank owns."""
+        runtime = self.experts.runtimes[layer]
+        cut = expert_slice(runtime.n_experts, runtime.ep.size, runtime.placement.owned()[runtime.ep.rank])
+        for name in (f"layers.{layer}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS):
+            pl = self.placements[name]
+            self.placements[name] = dataclasses.replace(
+                pl, slices=tuple(cut if s.group == "ep" else s for s in pl.slices)
+            )
 
 
 def parallelize(

@@ -127,13 +127,15 @@ class FlatShard:
         i = next((i for i, q in enumerate(self.params) if q is param), None)
         if i is None:
             return Held()
+        whole = [(param.data.view(-1)[lo:hi], lo)] if in_param else []
         a, b = max(self.offsets[i] + lo, self.lo) - self.lo, min(self.offsets[i] + hi, self.lo + self.size) - self.lo
         if b <= a:
-            return Held([param.data.view(-1)[lo:hi]] if in_param else [])
+            return Held(whole)
+        to_param = self.lo - self.offsets[i]  # shard-local position + to_param = the parameter's element
         self.optimizer_pieces()
-        pieces = [(p.tensor, max(a, sp.start) - sp.start, min(b, sp.stop) - sp.start) for sp, p in self._pieces]
-        optimized = [(t, x, y) for t, x, y in pieces if y > x]
-        return Held([param.data.view(-1)[lo:hi]] if in_param else [self.local[a:b]], optimized)
+        pieces = [(p.tensor, max(a, sp.start), min(b, sp.stop), sp.start) for sp, p in self._pieces]
+        optimized = [(t, x - start, y - start, x + to_param) for t, x, y, start in pieces if y > x]
+        return Held(whole or [(self.local[a:b], a + to_param)], optimized)
 
 
 @dataclass

@@ -47,10 +47,10 @@ def measured_matmul_tflops(dtype: str, n: int = 1024, repeats: int = 10) -> floa
 class MetricsSink:
     """Rank 0's metric records: one JSON object per line, mirrored to TensorBoard if available."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, append: bool = False):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
-        self.file = self.path.open("w")
+        self.file = self.path.open("a" if append else "w")
         self.tb = self._tensorboard(out_dir)
 
     @staticmethod

@@ -25,6 +25,7 @@ from fivecut.mesh import Mesh
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
+from fivecut.train import checkpoint
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
@@ -223,42 +224,91 @@ def evaluate(ctx: Context) -> float:
     return global_mean(ctx, total / tokens)
 
 
-def train(cfg: Config, quiet: bool = False, measure_activations: bool = False) -> RunResult:
+def train(cfg: Config, quiet: bool = False, measure_activations: bool = False, resume: str = "auto") -> RunResult:
     """Train under the layout of `cfg.parallel`; the process group must already exist.
-    `measure_activations` records the bytes each layer saves for backward in step 1."""
+    `measure_activations` records the bytes each layer saves for backward in step 1. `resume`:
+    "auto" (the newest complete checkpoint in checkpoint.dir, if any), "never", or a checkpoint path."""
     ctx = setup(cfg)
-    log = Logger(ctx, quiet)
+    start = resume_from(ctx, resume)
+    log = Logger(ctx, quiet, resumed=start > 0)
     result = RunResult()
-    for step in range(1, cfg.train.steps + 1):
-        ctx.mesh.ledger.begin_step(step)
-        started = time.perf_counter()
-        ctx.par.sync.zero_grad()
-        local = forward_backward(ctx, step, result.activations if measure_activations and step == 1 else None)
-        moe = balance_experts(ctx, step)
-        norm = optimizer_step(ctx, step, moe)
-        loss = global_mean(ctx, local)
-        elapsed = time.perf_counter() - started
-        result.losses.append(loss)
-        result.grad_norms.append(norm)
-        record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
-        if moe is not None:
-            result.moe.append(moe)
-            record["moe"] = moe
-        if step == 1:
-            result.memory = model_state_bytes(*ctx.par.state_tensors(), ctx.optimizer)
-            log.memory(result.memory)
-        if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            record["val_loss"] = result.val_losses[step] = evaluate(ctx)
-        log.step(record, elapsed)
+    for step in range(start + 1, cfg.train.steps + 1):
+        run_step(ctx, step, result, log, measure_activations)
+        if checkpoint_due(cfg, step):
+            save_checkpoint(ctx, step)
     result.ledger_rows = ctx.mesh.ledger.rows()
     result.loss_plot = log.close()
     return result
 
 
+def resume_from(ctx: Context, resume: str) -> int:
+    """Load the checkpoint `resume` names into this layout; returns its step (0: a fresh start)."""
+    root = ctx.cfg.checkpoint.dir
+    if root is not None and ctx.is_logger:
+        checkpoint.clean_partial(Path(root).expanduser())  # what a killed save left behind
+    path = checkpoint.to_resume(root, resume)
+    if path is None:
+        return 0
+    meta = checkpoint.load(path, ctx.par, ctx.optimizer, dataclasses.asdict(model_args(ctx.cfg.model)))
+    if ctx.is_logger:
+        print(
+            f"fivecut: resumed at step {meta['step']} from {path} (saved under layout {meta['layout']}, "
+            f"loaded into {ctx.mesh.dims.describe()})",
+            flush=True,
+        )
+    return meta["step"]
+
+
+def checkpoint_due(cfg: Config, step: int) -> bool:
+    c = cfg.checkpoint
+    return c.dir is not None and (step == cfg.train.steps or (c.every > 0 and step % c.every == 0))
+
+
+def save_checkpoint(ctx: Context, step: int) -> Path:
+    """Every rank writes its part of the state at `step` (see `fivecut.train.checkpoint`)."""
+    cfg = ctx.cfg
+    meta = {
+        "layout": ctx.mesh.dims.describe(),
+        "world_size": dist.get_world_size(),
+        "tokens": step * cfg.train.global_batch * cfg.train.seq_len,
+        "preset": cfg.model.preset,
+        "model": dataclasses.asdict(model_args(cfg.model)),
+        "config": cfg.to_dict(),
+    }
+    return checkpoint.save(
+        Path(cfg.checkpoint.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, cfg.checkpoint.keep
+    )
+
+
+def run_step(ctx: Context, step: int, result: RunResult, log: Logger, measure_activations: bool) -> None:
+    """One optimizer step: forward and backward of every micro-step, balancing, the update, metrics."""
+    cfg = ctx.cfg
+    ctx.mesh.ledger.begin_step(step)
+    started = time.perf_counter()
+    ctx.par.sync.zero_grad()
+    local = forward_backward(ctx, step, result.activations if measure_activations and step == 1 else None)
+    moe = balance_experts(ctx, step)
+    norm = optimizer_step(ctx, step, moe)
+    loss = global_mean(ctx, local)
+    elapsed = time.perf_counter() - started
+    result.losses.append(loss)
+    result.grad_norms.append(norm)
+    record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
+    if moe is not None:
+        result.moe.append(moe)
+        record["moe"] = moe
+    if step == 1:
+        result.memory = model_state_bytes(*ctx.par.state_tensors(), ctx.optimizer)
+        log.memory(result.memory)
+    if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+        record["val_loss"] = result.val_losses[step] = evaluate(ctx)
+    log.step(record, elapsed)
+
+
 class Logger:
     """Rank 0's view of the run: progress bar, text lines, JSONL metrics, the loss curve."""
 
-    def __init__(self, ctx: Context, quiet: bool):
+    def __init__(self, ctx: Context, quiet: bool, resumed: bool = False):
         self.ctx, self.cfg = ctx, ctx.cfg
         self.active = ctx.is_logger and not quiet
         self.records: list[dict] = []
@@ -266,7 +316,7 @@ class Logger:
         if not self.active:
             return
         out = Path(self.cfg.log.out_dir)
-        self.sink = MetricsSink(out)
+        self.sink = MetricsSink(out, append=resumed)  # a resumed run continues its metrics
         (out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         self.peak, self.peak_source = peak_tflops(ctx.device, self.cfg.train.dtype, self.cfg.log.peak_tflops)
         n_params = model_args(self.cfg.model).num_params()

@@ -1,0 +1,464 @@
+"""Checkpoints that outlive the process and the layout: PyTorch Distributed Checkpoint (DCP)
+keyed by single-device names and global shapes.
+
+Every tensor of the training state is described as *chunks* of its single-device (global)
+tensor, read off the parameters' placement records: a TP shard is one chunk, a rank's experts
+are one chunk per run of consecutive logical experts, a ZeRO flat shard is the few boxes that a
+contiguous run of a C-ordered tensor decomposes into. Each rank hands DCP only the chunks it
+holds; replicas describe identical chunks, and DCP's planner keeps one of each, so the files
+hold every element once (~12 Psi bytes in fp32: weights and Adam's two moments), written by all
+ranks in parallel. Loading asks DCP for the chunks the *new* layout holds; DCP's resharding
+reads the overlapping parts of whatever chunks were saved. Nothing is gathered onto one rank.
+
+What a checkpoint holds:
+    model.<name>                  the weights (a tied head is its embedding)
+    optim.exp_avg.<name>, optim.exp_avg_sq.<name>, optim.step
+    moe.<layer>.expert_bias       auxiliary-loss-free balancing biases
+    moe.<layer>.eplb_history      the EPLB load window [steps, E] (global sums, the same everywhere)
+and, in `fivecut.json`: the step, tokens seen, the config and layout, the EPLB placements, the
+format version, and each file's sha256. The learning rate and the data are functions of the step.
+
+A save goes to `.tmp-step-N`, and only when every rank has written, the checksums are recorded
+and a COMPLETE marker is in place, is it renamed to `step-N` (atomic on one filesystem): a
+save killed half-way leaves the previous checkpoint intact and the partial one is ignored and
+cleaned up at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from fivecut.parallel.placement import Placement
+
+VERSION = 1
+META = "fivecut.json"
+COMPLETE = "COMPLETE"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file and what does not match."""
+
+
+# ---------------------------------------------------------------- chunks of global tensors
+
+
+@dataclass
+class Chunk:
+    offsets: tuple[int, ...]  # where it starts in the global tensor
+    view: torch.Tensor  # the local tensor holding it (its shape is the chunk's sizes)
+
+
+@dataclass
+class Entry:
+    shape: tuple[int, ...]  # the global shape
+    dtype: torch.dtype
+    chunks: list[Chunk]
+
+
+Table = dict[str, Entry]  # checkpoint key -> what this rank holds of it
+
+
+def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The elements [lo, hi) of a C-ordered tensor of `shape` as (start, sizes) boxes, each contiguous."""
+    if hi <= lo:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = -(-lo // inner), hi // inner  # the whole rows [first, last)
+    if first > last:  # inside one row
+        row = lo // inner
+        return [((row, *s), (1, *z)) for s, z in boxes(shape[1:], lo - row * inner, hi - row * inner)]
+    out = (
+        [((first - 1, *s), (1, *z)) for s, z in boxes(shape[1:], lo - (first - 1) * inner, inner)] if lo % inner else []
+    )
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
+    if hi % inner:
+        out += [((last, *s), (1, *z)) for s, z in boxes(shape[1:], 0, hi - last * inner)]
+    return out
+
+
+def runs(indices: list[int], size: int) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global `indices`, padding (>= size) left out."""
+    out: list[list[int]] = []
+    for i, g in enumerate(indices):
+        if g >= size:
+            continue
+        if out and out[-1][0] + out[-1][2] == i and out[-1][1] + out[-1][2] == g:
+            out[-1][2] += 1
+        else:
+            out.append([i, g, 1])
+    return [tuple(r) for r in out]
+
+
+def global_chunks(pl: Placement, flat: torch.Tensor, lo: int) -> list[Chunk]:
+    """The chunks of `pl`'s global tensor that `flat` holds: flat[k] is element lo + k of this
+    rank's (padded) local tensor, flattened."""
+    local, chunks = pl.local_shape(), []
+    index = [list(range(n)) for n in pl.shape]
+    for s in pl.slices:
+        index[s.dim] = s.indices()
+    for start, sizes in boxes(local, lo, lo + flat.numel()):
+        at = sum(i * math.prod(local[d + 1 :]) for d, i in enumerate(start)) - lo
+        box = flat[at : at + math.prod(sizes)].view(sizes)
+        per_dim = [runs(index[d][a : a + n], pl.shape[d]) for d, (a, n) in enumerate(zip(start, sizes))]
+        chunks += [sub_chunk(box, combo) for combo in product(per_dim)]
+    return chunks
+
+
+def product(per_dim: list[list[tuple[int, int, int]]]) -> list[list[tuple[int, int, int]]]:
+    out: list[list[tuple[int, int, int]]] = [[]]
+    for options in per_dim:
+        out = [prefix + [run] for prefix in out for run in options]
+    return out
+
+
+def sub_chunk(box: torch.Tensor, combo: list[tuple[int, int, int]]) -> Chunk:
+    view = box
+    for d, (local, _, length) in enumerate(combo):
+        view = view.narrow(d, local, length)
+    return Chunk(tuple(g for _, g, _ in combo), view)
+
+
+# ---------------------------------------------------------------- what a rank holds
+
+
+def state_table(par, optimizer: torch.optim.Optimizer) -> Table:
+    """Every tensor of this rank's training state as chunks of global tensors, by checkpoint key.
+    Where each parameter's values and optimizer state live is the data cut's answer (`GradSync.held`)."""
+    table: Table = {}
+    for name, pl in par.placements.items():
+        held = par.sync.held(par.params[name], 0, pl.local_numel())
+        chunks = [c for flat, at in held.values for c in global_chunks(pl, flat, at)]
+        table[f"model.{name}"] = Entry(pl.shape, par.params[name].dtype, chunks)
+        for key in MOMENTS:
+            moments = [(optimizer.state[t][key].view(-1)[a:b], at) for t, a, b, at in held.optimized]
+            table[f"optim.{key}.{name}"] = Entry(
+                pl.shape, torch.float32, [c for m in moments for c in global_chunks(pl, *m)]
+            )
+    table["optim.step"] = Entry((), torch.float32, [Chunk((), next(iter(optimizer.state.values()))["step"])])
+    for layer, runtime in par.experts.runtimes.items() if par.experts is not None else ():
+        bias = runtime.moe.expert_bias  # auxiliary-loss-free balancing: the same on every rank
+        table[f"moe.{layer}.expert_bias"] = Entry(tuple(bias.shape), bias.dtype, [Chunk((0,), bias)])
+    return table
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state before its first step (what it would create lazily), so that a load can fill it."""
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            if not optimizer.state.get(t):
+                zeros = {key: torch.zeros_like(t, memory_format=torch.preserve_format) for key in MOMENTS}
+                optimizer.state[t] = {"step": torch.zeros((), dtype=torch.float32), **zeros}
+
+
+def moe_state(par) -> dict:
+    """Each MoE layer's EPLB state on this rank: the load window and the placement of the experts
+    (global sums and global plans: the same on every rank that holds the layer)."""
+    if par.experts is None:
+        return {}
+    out = {}
+    for layer, runtime in par.experts.runtimes.items():
+        slots = runtime.placement
+        window = [row.tolist() for row in par.experts.history.get(layer, [])]
+        out[str(layer)] = {"window": window, "ep": slots.ep, "expert": slots.expert, "share": slots.share}
+    return out
+
+
+def restore_moe(par, saved: dict) -> None:
+    """The EPLB windows; the placements too where the layout has the same ep ranks and slots (else
+    the default placement stays: the logical experts are loaded into it, and the math is the same)."""
+    if par.experts is None:
+        return
+    for layer, runtime in par.experts.runtimes.items():
+        record = saved.get(str(layer))
+        if record is None:
+            continue
+        history = par.experts.history[layer]
+        history.extend(torch.tensor(row, device=par.experts.device) for row in record["window"])
+        slots = runtime.placement
+        if record["ep"] == slots.ep and len(record["expert"][0]) == slots.slots:
+            par.restore_slots(layer, record["expert"], record["share"])
+
+
+# ---------------------------------------------------------------- DCP planners over a table
+
+
+class TableSavePlanner(DefaultSavePlanner):
+    """DCP's planner for the chunks of `table`; DCP drops the duplicates replicas describe."""
+
+    def __init__(self, table: Table):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.table = table
+        self.views = {MetadataIndex(k, torch.Size(c.offsets)): c.view for k, e in table.items() for c in e.chunks}
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(
+            [write_item(key, entry, chunk) for key, entry in self.table.items() for chunk in entry.chunks]
+        )
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        index = MetadataIndex(write_item.index.fqn, write_item.index.offset)
+        return self.views[index].detach().contiguous()
+
+
+def write_item(key: str, entry: Entry, chunk: Chunk) -> WriteItem:
+    meta = ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.view.shape))
+    return WriteItem(
+        index=MetadataIndex(key, torch.Size(chunk.offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(meta, TensorProperties(dtype=entry.dtype), torch.Size(entry.shape)),
+    )
+
+
+class TableLoadPlanner(DefaultLoadPlanner):
+    """Reads, for every chunk of `table`, the overlapping parts of the saved chunks (resharding)."""
+
+    def __init__(self, table: Table, path: Path):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.table, self.path = table, path
+        self.views = {(k, tuple(c.offsets)): c.view for k, e in table.items() for c in e.chunks}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, entry in self.table.items():
+            saved = self.metadata.state_dict_metadata.get(key)
+            check_saved(self.path, key, entry, saved)
+            meta = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.view.shape)) for c in entry.chunks]
+            items += create_read_items_for_chunk_list(key, saved, meta)
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        view = self.views[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for d, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(d, offset, length)
+        return view
+
+
+def check_saved(path: Path, key: str, entry: Entry, saved) -> None:
+    if not isinstance(saved, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint {path} has no tensor {key}; it was written for another model")
+    if tuple(saved.size) != tuple(entry.shape):
+        raise CheckpointError(
+            f"checkpoint {path}: {key} has shape {tuple(saved.size)}, this model's is {tuple(entry.shape)}"
+        )
+
+
+# ---------------------------------------------------------------- directories
+
+
+@dataclass
+class Saved:
+    """What `fivecut.json` says of a checkpoint."""
+
+    path: Path
+    meta: dict
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / META).is_file()
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and complete(p))
+
+
+def newest(root: Path) -> Path | None:
+    found = checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(path: Path) -> dict:
+    if not complete(path):
+        raise CheckpointError(f"{path} is not a complete fivecut checkpoint (no {COMPLETE} marker or {META})")
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / META} cannot be read: {err}") from None
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def clean_partial(root: Path) -> None:
+    """Remove what a save that never finished left behind (rank 0, before training)."""
+    for tmp in root.glob(".tmp-step-*") if root.is_dir() else ():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (never fewer than one)."""
+    for old in checkpoints(root)[: -max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- save
+
+
+def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
+    """Write this step's checkpoint from every rank in parallel; visible only once complete."""
+    root = Path(root)
+    tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=TableSavePlanner(state_table(par, optimizer)))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (own_checksums(tmp), moe_state(par)))
+    if dist.get_rank() == 0:
+        files = {name: record for sums, _ in every for name, record in sums.items()}
+        files[".metadata"] = [sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
+        moe = {layer: record for _, state in every for layer, record in state.items()}
+        publish(tmp, final, meta | {"step": step, "version": VERSION, "files": files, "moe": moe})
+        prune(root, keep)
+    dist.barrier()
+    return final
+
+
+def own_checksums(tmp: Path) -> dict[str, list]:
+    """sha256 and size of the files this rank wrote (DCP names them __<rank>_<n>.distcp)."""
+    mine = sorted(tmp.glob(f"__{dist.get_rank()}_*.distcp"))
+    return {p.name: [sha256(p), p.stat().st_size] for p in mine}
+
+
+def publish(tmp: Path, final: Path, meta: dict) -> None:
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    (tmp / COMPLETE).write_text("")
+    if final.exists():  # the same step saved again (a resumed run's final save)
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+# ---------------------------------------------------------------- load
+
+
+def file_problems(path: Path, meta: dict, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the files (every `world`-th from `rank`): missing, truncated, changed."""
+    names = sorted(meta["files"])[rank::world]
+    return [problem for name in names if (problem := file_problem(path, name, meta["files"][name]))]
+
+
+def verify_files(path: Path, meta: dict) -> None:
+    """Every file's sha256 against the record, the files shared out over the ranks; raises naming the file."""
+    problems = file_problems(path, meta, dist.get_rank(), dist.get_world_size())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problems)
+    found = [p for part in every for p in part]
+    if found:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
+
+
+def file_problem(path: Path, name: str, record: list) -> str | None:
+    digest, size = record
+    file = path / name
+    if not file.is_file():
+        return f"{file} is missing"
+    if file.stat().st_size != size:
+        return f"{file} has {file.stat().st_size} bytes, {size} were written (truncated?)"
+    if sha256(file) != digest:
+        return f"{file} does not match its sha256 (a changed byte)"
+    return None
+
+
+def to_resume(root: str | None, resume: str) -> Path | None:
+    """The checkpoint a run starts from: `resume` is "never", "auto" (the newest complete one under
+    `root`, if any) or a checkpoint's path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return newest(Path(root).expanduser()) if root is not None else None
+    path = Path(resume).expanduser()
+    read_meta(path)  # refuses what is not a complete checkpoint
+    return path
+
+
+def check_model(path: Path, meta: dict, model: dict) -> None:
+    """The checkpoint's model has this model's shape; otherwise name both."""
+    saved = meta.get("model", {})
+    differ = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
+    if differ:
+        raise CheckpointError(
+            f"{path / META} holds a checkpoint of model {meta.get('preset')!r}, which differs from this one: "
+            + ", ".join(differ)
+        )
+
+
+def load(path: Path, par, optimizer, model: dict) -> dict:
+    """Fill this rank's part of the training state from the checkpoint at `path` (saved under any
+    layout) into a model of shape `model` (ModelArgs as a dict); returns the checkpoint's meta."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path / META}: format version {meta.get('version')}, this fivecut reads {VERSION}")
+    check_model(path, meta, model)
+    verify_files(path, meta)
+    restore_moe(par, meta.get("moe", {}))
+    ensure_optimizer_state(optimizer)
+    table = state_table(par, optimizer)
+    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=TableLoadPlanner(table, path))
+    step = float(table["optim.step"].chunks[0].view)
+    for state in optimizer.state.values():
+        state["step"].fill_(step)
+    return meta
+
+
+def info(path: Path) -> list[str]:
+    """`fivecut checkpoint info`: what a checkpoint (or the newest complete one in a folder) holds."""
+    path = Path(path).expanduser()
+    if not complete(path) and newest(path) is not None:
+        path = newest(path)
+    meta = read_meta(path)
+    problems = file_problems(path, meta)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return [
+        f"checkpoint {path}",
+        f"step {meta['step']}, tokens seen {meta['tokens']:,}",
+        f"model {meta['preset']!r} (dim {meta['model']['dim']}, {meta['model']['n_layers']} layers), "
+        f"layout {meta['layout']} ({meta['world_size']} ranks)",
+        f"size on disk {size:,} bytes in {len(meta['files'])} files",
+        "complete and intact" if not problems else "DAMAGED: " + "; ".join(problems),
+    ]
