@@ -46,8 +46,9 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_from_environment(timeout_s: float = 600.0) -> None:
-    """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or form a one-rank job."""
+def init_from_environment(timeout_s: float = 300.0) -> None:
+    """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or form a one-rank job;
+    a collective waits at most `timeout_s` seconds (`train.collective_timeout`)."""
     if dist.is_initialized():
         return
     backend = backend_for(device_type())
@@ -59,14 +60,14 @@ def init_from_environment(timeout_s: float = 600.0) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, results):
+def _rank_main(rank, world_size, store_path, trace_dir, collective_timeout_s, fn, args, results):
     torch.set_num_threads(1)
     trace = open(Path(trace_dir) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=trace, all_threads=False)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
         # pickled here, in-band: tensors shared by file descriptor would vanish with this process
         results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -77,14 +78,17 @@ def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, fn, args, res
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
-    """Run `fn(*args)` on `world_size` gloo ranks on this machine; return the results by rank."""
+def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, collective_timeout_s: float | None = None) -> list:
+    """Run `fn(*args)` on `world_size` gloo ranks on this machine; return the results by rank.
+    The whole run may take `timeout_s`; one collective `collective_timeout_s` (default: the same)."""
     ctx = mp.get_context("spawn")
+    per_collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivecut-") as tmp:
         procs = [
             ctx.Process(
-                target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, timeout_s, fn, args, results), daemon=True
+                target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, per_collective, fn, args, results),
+                daemon=True,
             )
             for r in range(world_size)
         ]
