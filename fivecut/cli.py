@@ -97,19 +97,37 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
-    from fivecut.train.trainer import train
 
     cfg = load_config(ns.config, ns.overrides)
     checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     checks.check_folders(cfg, out_dir=True)  # a new run never overwrites an earlier one
-    init_from_environment()
+    init_from_environment(cfg.train.collective_timeout)
+    return train_to_the_end(cfg)
+
+
+def train_to_the_end(cfg: Config) -> int:
+    """Run `train`; an early stop or a failed collective ends in one line and an exit status
+    (see `fivecut.train.faults`): rank 0 speaks for a stop all ranks agreed on, each rank for its own failure."""
     import torch.distributed as dist
+
+    from fivecut.comm import CollectiveError
+    from fivecut.train.faults import COLLECTIVE_EXIT, TrainingStopped
+    from fivecut.train.trainer import train
 
     try:
         train(cfg)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    except TrainingStopped as stop:
+        if dist.get_rank() == 0:
+            print(f"fivecut: {stop.message}", file=sys.stderr, flush=True)
+        code = stop.code
+    except CollectiveError as err:
+        sys.stdout.flush()
+        print(f"fivecut: {err}", file=sys.stderr, flush=True)
+        os._exit(COLLECTIVE_EXIT)  # the process group cannot be torn down while a peer is gone
+    else:
+        code = 0
+    dist.destroy_process_group()
+    return code
 
 
 # ---------------------------------------------------------------- verify / ledger
@@ -170,7 +188,14 @@ def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False):
     with tempfile.TemporaryDirectory(prefix="fivecut-run-") as out:
         cfg = copy.deepcopy(cfg)
         cfg.log.out_dir = out
-        return spawn(train_quietly, cfg.parallel.world_size, cfg, measure_activations, timeout_s=timeout)
+        return spawn(
+            train_quietly,
+            cfg.parallel.world_size,
+            cfg,
+            measure_activations,
+            timeout_s=timeout,
+            collective_timeout_s=min(timeout, cfg.train.collective_timeout),
+        )
 
 
 def train_quietly(cfg: Config, measure_activations: bool = False):

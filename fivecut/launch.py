@@ -87,7 +87,8 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, collective_timeo
     with tempfile.TemporaryDirectory(prefix="fivecut-") as tmp:
         procs = [
             ctx.Process(
-                target=_rank_main, args=(r, world_size, f"{tmp}/store", tmp, per_collective, fn, args, results),
+                target=_rank_main,
+                args=(r, world_size, f"{tmp}/store", tmp, per_collective, fn, args, results),
                 daemon=True,
             )
             for r in range(world_size)

@@ -93,7 +93,7 @@ class NonFiniteGuard:
             return False
         if self.policy == "stop":
             raise TrainingStopped(
-                f"non-finite {describe(loss, norm)} at step {step}; stopped (train.on_nonfinite=\"stop\"), "
+                f'non-finite {describe(loss, norm)} at step {step}; stopped (train.on_nonfinite="stop"), '
                 "nothing was saved for this step",
                 NONFINITE_EXIT,
             )
@@ -113,8 +113,9 @@ class NonFiniteGuard:
 
 
 def describe(loss: float, norm: float) -> str:
-    parts = [f"loss={loss}" if not math.isfinite(loss) else "", f"gradient norm={norm}" if not math.isfinite(norm) else ""]
-    return " and ".join(p for p in parts if p)
+    """The values that are not finite, e.g. "loss=nan and gradient norm=inf"."""
+    parts = [f"{name}={value}" for name, value in (("loss", loss), ("gradient norm", norm)) if not math.isfinite(value)]
+    return " and ".join(parts)
 
 
 def json_safe(value):
