@@ -107,7 +107,7 @@ def cmd_train(ns) -> int:
 
 def train_to_the_end(cfg: Config) -> int:
     """Run `train`; an early stop or a failed collective ends in one line and an exit status
-    (see `fivecut.train.faults`): rank 0 speaks for a stop all ranks agreed on, each rank for its own failure."""
+    (see `fivecut.train.faults`): each rank for a signal or its own failure, rank 0 for non-finite values."""
     import torch.distributed as dist
 
     from fivecut.comm import CollectiveError
@@ -117,8 +117,10 @@ def train_to_the_end(cfg: Config) -> int:
     try:
         train(cfg)
     except TrainingStopped as stop:
-        if dist.get_rank() == 0:
-            print(f"fivecut: {stop.message}", file=sys.stderr, flush=True)
+        rank = dist.get_rank()
+        if rank == 0 or stop.every_rank:
+            who = f"rank {rank}: " if dist.get_world_size() > 1 else ""
+            print(f"fivecut: {who}{stop.message}", file=sys.stderr, flush=True)
         code = stop.code
     except CollectiveError as err:
         sys.stdout.flush()

@@ -30,11 +30,12 @@ COLLECTIVE_EXIT = 1  # exit status of a rank whose collective failed or timed ou
 
 
 class TrainingStopped(Exception):
-    """The run ended early on purpose; `message` is the one line to print, `code` the exit status."""
+    """The run ended early on purpose; `message` is the one line to print, `code` the exit status.
+    `every_rank`: each rank says it (a signal reaches each process), else rank 0 speaks for all."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int, every_rank: bool = False):
         super().__init__(message)
-        self.message, self.code = message, code
+        self.message, self.code, self.every_rank = message, code, every_rank
 
 
 @dataclass
@@ -74,7 +75,7 @@ def agree(group: comm.Group, received: int, loss: float, norm: float) -> Verdict
 
 
 def signal_stop(signum: int, step: int) -> TrainingStopped:
-    return TrainingStopped(f"stopped by {signal.Signals(signum).name} after step {step}", 128 + signum)
+    return TrainingStopped(f"stopped by {signal.Signals(signum).name} after step {step}", 128 + signum, True)
 
 
 @dataclass
