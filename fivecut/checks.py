@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from fivecut.model.args import ModelArgs
 
 DTYPES = ("fp32", "bf16")
+NONFINITE_POLICIES = ("stop", "skip")  # train.on_nonfinite
 RUN_FILES = ("metrics.jsonl", "config.json", "loss.png")  # what a training run leaves in log.out_dir
 
 
@@ -108,7 +109,7 @@ def not_finite(section: str, obj, names: tuple[str, ...]) -> list[str]:
 
 
 def train_problems(t) -> list[str]:
-    floats = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "bucket_mb")
+    floats = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "bucket_mb", "collective_timeout")
     out = not_finite("train", t, floats)
     if out:
         return out
@@ -125,6 +126,19 @@ def train_problems(t) -> list[str]:
     for key in ("dtype", "reduce_dtype"):
         if getattr(t, key) not in DTYPES:
             out.append(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
+    return out + fault_problems(t)
+
+
+def fault_problems(t) -> list[str]:
+    """The keys of fault handling: a positive collective timeout, a known non-finite policy."""
+    out = []
+    if not t.collective_timeout > 0:
+        out.append(
+            f"train.collective_timeout={t.collective_timeout} must be > 0 (seconds a collective waits), e.g. 300"
+        )
+    if t.on_nonfinite not in NONFINITE_POLICIES:
+        out.append(f"train.on_nonfinite={t.on_nonfinite!r}; choose {' or '.join(NONFINITE_POLICIES)}")
+    out += at_least("train", t, ("max_skipped",), 1)
     return out
 
 

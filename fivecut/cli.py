@@ -112,20 +112,40 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
     from fivecut.train import checkpoint
-    from fivecut.train.trainer import train
 
     cfg = load_config(ns.config, ns.overrides)
     checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     resuming = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume) is not None
     checks.check_folders(cfg, out_dir=True, resuming=resuming)  # a new run never overwrites an earlier one
-    init_from_environment()
+    init_from_environment(cfg.train.collective_timeout)
+    return train_to_the_end(cfg, ns.resume)
+
+
+def train_to_the_end(cfg: Config, resume: str) -> int:
+    """Run `train`; an early stop or a failed collective ends in one line and an exit status
+    (see `fivecut.train.faults`): each rank for a signal or its own failure, rank 0 for non-finite values."""
     import torch.distributed as dist
 
+    from fivecut.comm import CollectiveError
+    from fivecut.train.faults import COLLECTIVE_EXIT, TrainingStopped
+    from fivecut.train.trainer import train
+
     try:
-        train(cfg, resume=ns.resume)
-    finally:
-        dist.destroy_process_group()
-    return 0
+        train(cfg, resume=resume)
+    except TrainingStopped as stop:
+        rank = dist.get_rank()
+        if rank == 0 or stop.every_rank:
+            who = f"rank {rank}: " if dist.get_world_size() > 1 else ""
+            print(f"fivecut: {who}{stop.message}", file=sys.stderr, flush=True)
+        code = stop.code
+    except CollectiveError as err:
+        sys.stdout.flush()
+        print(f"fivecut: {err}", file=sys.stderr, flush=True)
+        os._exit(COLLECTIVE_EXIT)  # the process group cannot be torn down while a peer is gone
+    else:
+        code = 0
+    dist.destroy_process_group()
+    return code
 
 
 def cmd_checkpoint_info(ns) -> int:
@@ -195,7 +215,15 @@ def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False, 
     with tempfile.TemporaryDirectory(prefix="fivecut-run-") as out:
         cfg = copy.deepcopy(cfg)
         cfg.log.out_dir = out
-        return spawn(train_quietly, cfg.parallel.world_size, cfg, measure_activations, timeout_s=timeout, device=device)
+        return spawn(
+            train_quietly,
+            cfg.parallel.world_size,
+            cfg,
+            measure_activations,
+            timeout_s=timeout,
+            collective_timeout_s=min(timeout, cfg.train.collective_timeout),
+            device=device,
+        )
 
 
 def train_quietly(cfg: Config, measure_activations: bool = False):

@@ -19,6 +19,7 @@ Autograd primitives (Megatron's names in brackets):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +65,32 @@ def _run(name: str, group: Group, call, /, *args, **kwargs):
     try:
         return call(*args, **kwargs)
     except RuntimeError as err:
-        raise CollectiveError(
-            f"rank {dist.get_rank()}: {name} on the {group.cut} group (ranks {list(group.ranks)}) failed: {err}"
-        ) from err
+        raise CollectiveError(failure_message(name, group, err)) from err
+
+
+def failure_message(name: str, group: Group, err: Exception) -> str:
+    """One line: who failed, in which op and cut, among which ranks, and the backend's reason."""
+    me = dist.get_rank()
+    reason = backend_reason(err)
+    text = f"rank {me}: {name} on the {group.cut} group (ranks {list(group.ranks)}) failed: {reason}"
+    if "timed out" in reason.lower() or "timeout" in reason.lower():
+        text = f"rank {me}: {name} on the {group.cut} group (ranks {list(group.ranks)}) timed out ({reason})"
+        text += "; " + missing_ranks(group, me)
+    return text
+
+
+def backend_reason(err: Exception) -> str:
+    """The first line of the backend's message, without its source-file prefix."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)
+
+
+def missing_ranks(group: Group, me: int) -> str:
+    """Gloo does not say which peer never arrived; in a group of two it can only be the other."""
+    others = [r for r in group.ranks if r != me]
+    if len(others) == 1:
+        return f"rank {others[0]} did not arrive"
+    return f"one of ranks {others} did not arrive (gloo does not say which)"
 
 
 # ---------------------------------------------------------------- plain collectives

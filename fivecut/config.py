@@ -76,6 +76,9 @@ class TrainConfig:
     eval_every: int = 50  # 0 disables periodic validation
     eval_batches: int = 8
     bucket_mb: float = 25.0  # DDP gradient bucket size
+    collective_timeout: float = 300.0  # seconds one collective waits before the run fails naming it
+    on_nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip" the update
+    max_skipped: int = 10  # with "skip": stop after this many skipped steps in a row
 
 
 @dataclass

@@ -73,8 +73,9 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_from_environment(timeout_s: float = 600.0) -> None:
-    """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or form a one-rank job."""
+def init_from_environment(timeout_s: float = 300.0) -> None:
+    """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or form a one-rank job;
+    a collective waits at most `timeout_s` seconds (`train.collective_timeout`)."""
     if dist.is_initialized():
         return
     backend = backend_for(device_type())
@@ -87,7 +88,7 @@ def init_from_environment(timeout_s: float = 600.0) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, placement, fn, args, results):
+def _rank_main(rank, world_size, store_path, trace_dir, collective_timeout_s, placement, fn, args, results):
     torch.set_num_threads(1)
     trace = open(Path(trace_dir) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=trace, all_threads=False)
@@ -97,7 +98,7 @@ def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, placement, fn
             torch.cuda.set_device(rank_device(device, rank, torch.cuda.device_count()))
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
         # pickled here, in-band: tensors shared by file descriptor would vanish with this process
         results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -108,15 +109,24 @@ def _rank_main(rank, world_size, store_path, trace_dir, timeout_s, placement, fn
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, device: str = "auto") -> list:
-    """Run `fn(*args)` on `world_size` ranks on this machine; return the results by rank.
-    `device` picks the backend and each rank's device (`choose_backend`); `local_device()` in
-    each rank then names that device."""
+def spawn(
+    fn,
+    world_size: int,
+    *args,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float | None = None,
+    device: str = "auto",
+) -> list:
+    """Run `fn(*args)` on `world_size` ranks on this machine; return the results by rank. The whole
+    run may take `timeout_s`; one collective `collective_timeout_s` (default: the same). `device`
+    picks the backend and each rank's device (`choose_backend`); `local_device()` in each rank then
+    names that device."""
     placement = choose_backend(device, world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     ctx = mp.get_context("spawn")
+    per_collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivecut-") as tmp:
-        common = (world_size, f"{tmp}/store", tmp, timeout_s, placement, fn, args, results)
+        common = (world_size, f"{tmp}/store", tmp, per_collective, placement, fn, args, results)
         procs = [ctx.Process(target=_rank_main, args=(r, *common), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()

@@ -10,12 +10,14 @@ group is made of neighbouring ranks (one node). Derived groups:
 from __future__ import annotations
 
 import itertools
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fivecut.comm import Group
+from fivecut.launch import backend_for
 from fivecut.layout import MESH_DIMS, ParallelDims
 from fivecut.ledger import Ledger
 
@@ -33,14 +35,18 @@ class Mesh:
         ledger: Ledger | None = None,
         moe: bool = False,
         virtual_rank: int | None = None,
+        timeout: timedelta | None = None,
     ):
         self.dims = dims
+        self.timeout = timeout  # how long a collective of these groups waits; None: torch's default
         self.ledger = ledger if ledger is not None else Ledger()
         self.virtual = virtual_rank is not None
         self.rank = virtual_rank if self.virtual else dist.get_rank()
         self.grid = torch.arange(dims.world_size).view(dims.shape)  # [pp, dp, cp, tp] global ranks, as DeviceMesh
         if not self.virtual:
-            self.device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+            self.device_mesh = init_device_mesh(
+                device_type, dims.shape, mesh_dim_names=MESH_DIMS, backend_override=self._with_timeout(device_type)
+            )
         index = (self.grid == self.rank).nonzero()[0].tolist()
         self.coords = dict(zip(MESH_DIMS, index))
         self.groups: dict[str, Group] = {}
@@ -74,7 +80,16 @@ class Mesh:
         return Group(cut, ranks, pg, self.ledger, index=ranks.index(self.rank) if self.virtual else None)
 
     def _new_group(self, ranks: list[int]):
-        return None if self.virtual else dist.new_group(ranks)
+        return None if self.virtual else dist.new_group(ranks, timeout=self.timeout)
+
+    def _with_timeout(self, device_type: str) -> dict | None:
+        """DeviceMesh's groups get torch's default timeout unless their options carry one."""
+        if self.timeout is None:
+            return None
+        backend = backend_for(device_type)
+        options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        return {name: (backend, options) for name in MESH_DIMS}
 
     def _derived_group(self, cut: str, dims: tuple[str, ...]) -> Group:
         """A group over several mesh dims; every rank creates every such group, in the same order."""

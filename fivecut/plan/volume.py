@@ -40,6 +40,11 @@ def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, st
             metrics + ring_factor("all_reduce", dims.pp) * 4,
             "all-reduce of the step's loss (one fp32) over dp and pp",
         )
+    if dims.world_size > 1:
+        out["control"] = (
+            ring_factor("all_reduce", dims.world_size) * 2 * 4,
+            "all-reduce (max) over all ranks of the stop flags: signal, non-finite (two int32)",
+        )
     return out
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from fivecut.train.faults import json_safe
+
 # Dense peak TFLOP/s per device for bf16 (and tf32 for fp32) from vendor data sheets.
 GPU_PEAK_TFLOPS = {
     "H200": (989.0, 494.0),
@@ -62,7 +64,9 @@ class MetricsSink:
         return SummaryWriter(str(out_dir / "tb"))
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        """One line of strict JSON: non-finite floats (a NaN loss) are written as null."""
+        record = json_safe(record)
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for key, value in record.items():

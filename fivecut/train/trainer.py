@@ -12,6 +12,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train import checkpoint
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
+from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, signal_stop
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
@@ -58,6 +60,7 @@ class Context:
     sampler: BatchSampler
     val_batches: list
     metrics_group: comm.Group
+    control_group: comm.Group  # every rank: the per-step stop flags (`fivecut.train.faults.agree`)
     flops_per_token: float
 
     @property
@@ -73,7 +76,8 @@ class Context:
 def setup(cfg: Config) -> Context:
     args = checks.validate(cfg, dist.get_world_size())  # again, now that the world size is known
     device = local_device()
-    mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe)
+    timeout = timedelta(seconds=cfg.train.collective_timeout)
+    mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe, timeout=timeout)
     splits = load_tokens(
         cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction
     )
@@ -89,7 +93,16 @@ def setup(cfg: Config) -> Context:
     sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
     val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
-    return Context(cfg, mesh, device, par, optimizer, sampler, val, metrics_group, args.flops_per_token(t.seq_len))
+    control = control_group(mesh)
+    return Context(
+        cfg, mesh, device, par, optimizer, sampler, val, metrics_group, control, args.flops_per_token(t.seq_len)
+    )
+
+
+def control_group(mesh: Mesh) -> comm.Group:
+    """All ranks, on the default process group (it carries `train.collective_timeout`)."""
+    world = dist.get_world_size()
+    return comm.Group("control", tuple(range(world)), dist.group.WORLD if world > 1 else None, mesh.ledger)
 
 
 def forward_backward(ctx: Context, step: int, activations: dict | None = None) -> torch.Tensor:
@@ -184,18 +197,23 @@ def balance_experts(ctx: Context, step: int) -> dict | None:
         return ctx.par.experts.end_step(step)
 
 
-def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> float:
-    """Clip, step, gather ZeRO shards; then EPLB moves experts (their elements sent go to `moe`)."""
+def clip(ctx: Context) -> float:
+    """The global gradient norm (before clipping), clipping the gradients in place."""
+    with ctx.mesh.ledger.phase("optimizer"):
+        return clip_gradients(ctx.par.pieces, ctx.cfg.train.grad_clip, ctx.par.norm_groups)
+
+
+def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> None:
+    """Step at the schedule's `step`, gather ZeRO shards; then EPLB moves experts (their elements
+    sent go to `moe`). A skipped step calls none of this, on every rank alike."""
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
-        norm = clip_gradients(ctx.par.pieces, t.grad_clip, ctx.par.norm_groups)
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
         ctx.optimizer.step()
         ctx.par.sync.after_step()
         if ctx.par.experts is not None:
             for layer, elements in ctx.par.move_experts(ctx.optimizer).items():
                 moe["local"][layer]["moved_elements"] = elements
-    return norm
 
 
 def global_mean(ctx: Context, value: torch.Tensor) -> float:
@@ -227,21 +245,26 @@ def evaluate(ctx: Context) -> float:
 def train(cfg: Config, quiet: bool = False, measure_activations: bool = False, resume: str = "auto") -> RunResult:
     """Train under the layout of `cfg.parallel`; the process group must already exist.
     `measure_activations` records the bytes each layer saves for backward in step 1. `resume`:
-    "auto" (the newest complete checkpoint in checkpoint.dir, if any), "never", or a checkpoint path."""
+    "auto" (the newest complete checkpoint in checkpoint.dir, if any), "never", or a checkpoint path.
+    An early stop (signal, non-finite values) raises `TrainingStopped`; see `fivecut.train.faults`."""
     ctx = setup(cfg)
-    start = resume_from(ctx, resume)
+    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped)
+    start = resume_from(ctx, resume, guard)
     log = Logger(ctx, quiet, resumed=start > 0)
     result = RunResult()
-    for step in range(start + 1, cfg.train.steps + 1):
-        run_step(ctx, step, result, log, measure_activations)
-        if checkpoint_due(cfg, step):
-            save_checkpoint(ctx, step)
+    try:
+        with SignalFlag() as signals:
+            for step in range(start + 1, cfg.train.steps + 1):
+                run_step(ctx, step, result, log, guard, signals, measure_activations)
+    except BaseException:
+        log.abort()
+        raise
     result.ledger_rows = ctx.mesh.ledger.rows()
     result.loss_plot = log.close()
     return result
 
 
-def resume_from(ctx: Context, resume: str) -> int:
+def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None) -> int:
     """Load the checkpoint `resume` names into this layout; returns its step (0: a fresh start)."""
     root = ctx.cfg.checkpoint.dir
     if root is not None and ctx.is_logger:
@@ -250,6 +273,8 @@ def resume_from(ctx: Context, resume: str) -> int:
     if path is None:
         return 0
     meta = checkpoint.load(path, ctx.par, ctx.optimizer, dataclasses.asdict(model_args(ctx.cfg.model)))
+    if guard is not None:  # the learning rate counts applied updates: step - skipped
+        guard.total = meta.get("skipped_total", 0)
     if ctx.is_logger:
         print(
             f"fivecut: resumed at step {meta['step']} from {path} (saved under layout {meta['layout']}, "
@@ -264,10 +289,14 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
     return c.dir is not None and (step == cfg.train.steps or (c.every > 0 and step % c.every == 0))
 
 
-def save_checkpoint(ctx: Context, step: int) -> Path:
-    """Every rank writes its part of the state at `step` (see `fivecut.train.checkpoint`)."""
+def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None) -> Path | None:
+    """Every rank writes its part of the state at `step` (see `fivecut.train.checkpoint`), when a
+    checkpoint.dir is set."""
     cfg = ctx.cfg
+    if cfg.checkpoint.dir is None:
+        return None
     meta = {
+        "skipped_total": guard.total if guard is not None else 0,
         "layout": ctx.mesh.dims.describe(),
         "world_size": dist.get_world_size(),
         "tokens": step * cfg.train.global_batch * cfg.train.seq_len,
@@ -280,20 +309,26 @@ def save_checkpoint(ctx: Context, step: int) -> Path:
     )
 
 
-def run_step(ctx: Context, step: int, result: RunResult, log: Logger, measure_activations: bool) -> None:
-    """One optimizer step: forward and backward of every micro-step, balancing, the update, metrics."""
+def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, signals: SignalFlag, measure) -> None:
+    """One optimizer step, logged (and saved when due); raises `TrainingStopped` when every rank agreed to stop here."""
     cfg = ctx.cfg
     ctx.mesh.ledger.begin_step(step)
     started = time.perf_counter()
     ctx.par.sync.zero_grad()
-    local = forward_backward(ctx, step, result.activations if measure_activations and step == 1 else None)
+    local = forward_backward(ctx, step, result.activations if measure and step == 1 else None)
     moe = balance_experts(ctx, step)
-    norm = optimizer_step(ctx, step, moe)
     loss = global_mean(ctx, local)
+    norm = clip(ctx)
+    with ctx.mesh.ledger.phase("optimizer"):
+        verdict = agree(ctx.control_group, signals.received, loss, norm)
+    skipped = guard.skips(step, verdict.nonfinite, loss, norm)
+    if not skipped:
+        optimizer_step(ctx, step - guard.total, moe)
     elapsed = time.perf_counter() - started
     result.losses.append(loss)
     result.grad_norms.append(norm)
     record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
+    record.update(skipped=skipped, skipped_total=guard.total)
     if moe is not None:
         result.moe.append(moe)
         record["moe"] = moe
@@ -303,6 +338,20 @@ def run_step(ctx: Context, step: int, result: RunResult, log: Logger, measure_ac
     if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
         record["val_loss"] = result.val_losses[step] = evaluate(ctx)
     log.step(record, elapsed)
+    stop_after(ctx, step, verdict, guard)
+
+
+def stop_after(ctx: Context, step: int, verdict: Verdict, guard: NonFiniteGuard) -> None:
+    """A signal: save (when a checkpoint.dir is set), then stop; too many skipped steps: stop
+    without saving; otherwise save when due."""
+    if verdict.signal:
+        save_checkpoint(ctx, step, guard)
+        raise signal_stop(verdict.signal, step)
+    exhausted = guard.exhausted(step)
+    if exhausted is not None:
+        raise exhausted
+    if checkpoint_due(ctx.cfg, step):
+        save_checkpoint(ctx, step, guard)
 
 
 class Logger:
@@ -364,7 +413,15 @@ class Logger:
             self.print(
                 f"step {record['step']:>5}/{t.steps}  {text}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}{val}"
                 + moe_summary(record.get("moe"))
+                + (f"  skipped (non-finite; {record['skipped_total']} so far)" if record["skipped"] else "")
             )
+
+    def abort(self) -> None:
+        """An early stop: close the files, print nothing (the caller prints the one line)."""
+        if self.active:
+            if self.bar is not None:
+                self.bar.close()
+            self.sink.close()
 
     def close(self) -> str | None:
         if not self.active:

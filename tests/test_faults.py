@@ -1,0 +1,220 @@
+"""Runs that end early: non-finite values, signals, a rank that stops answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fivecut as fivecut_package
+from fivecut import checks
+from fivecut.config import ConfigError, load_config
+
+WORKER_CODE = str(Path(fivecut_package.__file__).parent)  # in a traceback of a rank's own code
+QUICK = ["train.seq_len=32", "train.global_batch=4", "train.warmup=1", "train.eval_every=0"]
+QUIET = ["log.progress=false", "log.plot=false", "log.log_every=1"]
+
+
+def sets(cache: str, out: Path, *extra: str) -> list[str]:
+    items = [*QUICK, *QUIET, f'data.cache_dir="{cache}"', f'log.out_dir="{out}"', *extra]
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def fivecut(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fivecut", *args], capture_output=True, text=True, timeout=120)
+
+
+def torchrun_command(nproc: int, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        "fivecut",
+        *args,
+    ]
+
+
+def records(out: Path) -> list[dict]:
+    """metrics.jsonl, read as strict JSON (a bare NaN or Infinity fails)."""
+
+    def refuse(token):
+        raise ValueError(f"non-standard JSON constant {token}")
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=refuse) for line in lines]
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, limit: float = 90) -> None:
+    """Until rank 0 has logged `step` in metrics.jsonl."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and sum(1 for line in path.read_text().splitlines() if line.endswith("}")) >= step:
+            return
+        assert proc.poll() is None, "the run ended before the step"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {limit}s")
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "item,words",
+    [
+        ("train.collective_timeout=0", "train.collective_timeout=0.0 must be > 0"),
+        ("train.on_nonfinite='ignore'", "train.on_nonfinite='ignore'; choose stop or skip"),
+        ("train.max_skipped=0", "train.max_skipped=0 must be >= 1"),
+    ],
+)
+def test_fault_keys_are_validated(item, words):
+    with pytest.raises(ConfigError) as err:
+        checks.validate(load_config(None, [item.replace("'", '"')]))
+    assert words in str(err.value)
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.e2e
+def test_nonfinite_stop_names_the_step(byte_cache, tmp_path):
+    run = fivecut("train", *sets(byte_cache, tmp_path, "train.steps=20", "train.lr=1e6"))
+    assert run.returncode == 3, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "non-finite" in lines[0] and "at step 2" in lines[0], run.stderr
+    assert [r["step"] for r in records(tmp_path)] == [1]  # nothing logged for the bad step
+
+
+@pytest.mark.e2e
+def test_nonfinite_skip_counts_and_stops_after_max_skipped(byte_cache, tmp_path):
+    extra = ("train.steps=20", "train.lr=1e6", 'train.on_nonfinite="skip"', "train.max_skipped=3")
+    run = fivecut("train", *sets(byte_cache, tmp_path, *extra))
+    assert run.returncode == 3, run.stderr
+    assert "3 non-finite steps in a row up to step 4" in run.stderr and "Traceback" not in run.stderr
+    got = records(tmp_path)
+    assert [(r["step"], r["skipped"], r["skipped_total"]) for r in got] == [
+        (1, False, 0),
+        (2, True, 1),
+        (3, True, 2),
+        (4, True, 3),
+    ]
+    assert got[-1]["grad_norm"] is None  # a NaN is written as null
+    assert "skipped (non-finite; 3 so far)" in run.stdout
+
+
+def test_skip_changes_nothing_on_a_healthy_run(byte_cache, tmp_path):
+    from fivecut.cli import run_spawned
+
+    base = [*QUICK, "train.steps=4", f'data.cache_dir="{byte_cache}"', "log.progress=false", "log.plot=false"]
+    losses = {}
+    for policy in ("stop", "skip"):
+        cfg = load_config(None, [*base, f'train.on_nonfinite="{policy}"'])
+        losses[policy] = run_spawned(cfg, timeout=120)[0].losses
+    assert losses["skip"] == losses["stop"]
+
+
+# ---------------------------------------------------------------- signals
+
+
+@pytest.mark.e2e
+def test_sigint_finishes_the_step_and_exits_in_one_line(byte_cache, tmp_path):
+    fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))  # the token cache exists
+    command = [sys.executable, "-m", "fivecut", "train", *sets(byte_cache, tmp_path, "train.steps=100000")]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path, 5, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    mentions = [line for line in err.splitlines() if "SIGINT" in line]
+    last = records(tmp_path)[-1]["step"]
+    assert mentions == [f"fivecut: stopped by SIGINT after step {last}"]
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(byte_cache, tmp_path):
+    fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))
+    args = sets(byte_cache, tmp_path, "train.steps=100000", "parallel.dp=2")
+    proc = subprocess.Popen(
+        torchrun_command(2, "train", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=90)
+    assert WORKER_CODE not in out + err, err  # torchrun's agent prints its own SignalException; the ranks none
+    last = records(tmp_path)[-1]["step"]
+    mentions = sorted(line for line in err.splitlines() if "stopped by" in line)
+    assert mentions == [f"fivecut: rank {r}: stopped by SIGTERM after step {last}" for r in (0, 1)], err
+
+
+# ---------------------------------------------------------------- a rank that stops answering
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    values = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+    return int(values[b"RANK"]) if b"RANK" in values else None
+
+
+def finished(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_a_stopped_rank_makes_the_other_fail_within_the_timeout(byte_cache, tmp_path):
+    timeout = 10
+    fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))
+    args = sets(byte_cache, tmp_path, "train.steps=100000", "parallel.dp=2", f"train.collective_timeout={timeout}")
+    proc = subprocess.Popen(
+        torchrun_command(2, "train", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    stopped = None
+    try:
+        wait_for_step(tmp_path, 3, proc)
+        ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+        stopped, survivor = ranks[1], ranks[0]
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        while not finished(survivor) and time.monotonic() - start < timeout + 30:
+            time.sleep(0.2)
+        assert finished(survivor), "rank 0 still waits"
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+            os.kill(stopped, signal.SIGKILL)
+        out, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    line = next(line for line in err.splitlines() if line.startswith("fivecut: rank 0:"))
+    assert "timed out" in line and "rank 1 did not arrive" in line and "group (ranks [0, 1])" in line, err
+    assert WORKER_CODE not in err
