@@ -73,6 +73,16 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The job's TCPStore (torchrun's agent hosts it; other launchers: rank 0), its keys prefixed by
+    torchrun's restart count. Without the prefix, the ranks restarted after a failure read the
+    addresses the previous attempt's ranks published and gloo cannot connect (torch 2.13)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(address, port, world, is_master=not agent and rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"fivecut/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_from_environment(timeout_s: float = 300.0) -> None:
     """Join the job torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or form a one-rank job;
     a collective waits at most `timeout_s` seconds (`train.collective_timeout`)."""
@@ -83,7 +93,9 @@ def init_from_environment(timeout_s: float = 300.0) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":  # torchrun's LOCAL_RANK, never the global rank (multi-node)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 

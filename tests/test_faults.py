@@ -218,3 +218,90 @@ def test_a_stopped_rank_makes_the_other_fail_within_the_timeout(byte_cache, tmp_
     line = next(line for line in err.splitlines() if line.startswith("fivecut: rank 0:"))
     assert "timed out" in line and "rank 1 did not arrive" in line and "group (ranks [0, 1])" in line, err
     assert WORKER_CODE not in err
+
+
+# ---------------------------------------------------------------- faults with checkpoints
+
+
+def losses_by_step(out: Path) -> dict[int, float]:
+    """The last logged loss of each step (a resumed run appends the steps it repeats)."""
+    return {r["step"]: r["loss"] for r in records(out)}
+
+
+def uninterrupted(cache: str, out: Path, nproc: int, *extra: str) -> dict[int, float]:
+    command = torchrun_command(nproc, "train", *sets(cache, out, *extra))
+    subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    return losses_by_step(out)
+
+
+def checkpointed(cache: str, out: Path, ck: Path, *extra: str) -> list[str]:
+    return sets(cache, out, *extra, f'checkpoint.dir="{ck}"')
+
+
+@pytest.mark.e2e
+def test_sigint_saves_a_checkpoint_that_resumes_bit_exactly(byte_cache, tmp_path):
+    fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))
+    args = checkpointed(byte_cache, tmp_path / "run", tmp_path / "ck", "train.steps=12")
+    proc = subprocess.Popen([sys.executable, "-m", "fivecut", "train", *args], stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path / "run", 5, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    stopped = records(tmp_path / "run")[-1]["step"]
+    assert proc.returncode == 130 and [line for line in err.splitlines() if line.strip()] == [
+        f"fivecut: stopped by SIGINT after step {stopped}"
+    ], err
+    assert stopped < 12 and (tmp_path / "ck" / f"step-{stopped:08d}" / "COMPLETE").is_file()
+    resumed = fivecut("train", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {stopped}" in resumed.stdout
+    reference = uninterrupted(byte_cache, tmp_path / "ref", 1, "train.steps=12")
+    assert losses_by_step(tmp_path / "run") == reference  # bitwise, every step
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_torchrun_restarts_a_killed_rank_and_the_run_ends_as_if_uninterrupted(byte_cache, tmp_path):
+    fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))
+    args = checkpointed(byte_cache, tmp_path / "run", tmp_path / "ck", "train.steps=20", "checkpoint.every=5")
+    command = torchrun_command(2, "train", *args, "--set", "parallel.dp=2")
+    command[command.index("--max-restarts=0")] = "--max-restarts=1"
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path / "run", 12, proc)
+    victim = {rank_of(pid): pid for pid in children(proc.pid)}[1]
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "resumed at step 10" in out, out
+    reference = uninterrupted(byte_cache, tmp_path / "ref", 2, "train.steps=20", "parallel.dp=2")
+    assert losses_by_step(tmp_path / "run") == reference
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(byte_cache, tmp_path):
+    fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))
+    ck = tmp_path / "ck"
+    args = [*checkpointed(byte_cache, tmp_path / "run", ck, "train.steps=12", "checkpoint.every=1"), "--set",
+            "parallel.dp=2"]  # fmt: skip
+    proc = subprocess.Popen(torchrun_command(2, "train", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(tmp_path / "run", 5, proc)
+    ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+    partial = ck / ".tmp-step-00000007"
+    while not partial.exists():  # rank 0 makes it as the save of step 7 begins
+        assert proc.poll() is None
+    os.kill(ranks[1], signal.SIGSTOP)  # rank 1 cannot have reported its files: step 7 never completes
+    assert partial.exists() and not (ck / "step-00000007").exists()
+    os.kill(ranks[1], signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and checkpoint_steps(ck) == [5, 6]
+    resumed = subprocess.run(torchrun_command(2, "train", *args), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at step 6" in resumed.stdout and not partial.exists()
+    reference = uninterrupted(byte_cache, tmp_path / "ref", 2, "train.steps=12", "parallel.dp=2")
+    assert {s: v for s, v in losses_by_step(tmp_path / "run").items() if s > 6} == {
+        s: v for s, v in reference.items() if s > 6
+    }
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in sorted(root.glob("step-*")) if (p / "COMPLETE").is_file()]

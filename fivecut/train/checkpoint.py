@@ -30,12 +30,14 @@ import hashlib
 import json
 import math
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from fivecut.comm import CollectiveError, backend_reason
 from fivecut.parallel.placement import Placement
 
 VERSION = 1
@@ -338,6 +341,24 @@ def prune(root: Path, keep: int) -> None:
 # ---------------------------------------------------------------- save
 
 
+@contextmanager
+def collectives(what: str):
+    """DCP's and the barriers' collectives bypass `fivecut.comm`; a failure (a rank that died
+    mid-save) still ends in fivecut's one-line `CollectiveError`."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except CheckpointException as err:  # DCP gathers every rank's failure; ours name the file and the key
+        ours = [e for e, _ in err.failures.values() if isinstance(e, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise CollectiveError(f"rank {dist.get_rank()}: checkpoint {what} failed: {backend_reason(err)}") from err
+    except RuntimeError as err:
+        reason = backend_reason(err)
+        raise CollectiveError(f"rank {dist.get_rank()}: checkpoint {what} failed among all ranks: {reason}") from err
+
+
 def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
     """Write this step's checkpoint from every rank in parallel; visible only once complete."""
     root = Path(root)
@@ -345,17 +366,20 @@ def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=TableSavePlanner(state_table(par, optimizer)))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (own_checksums(tmp), moe_state(par)))
+    with collectives(f"save of step {step}"):
+        dist.barrier()
+        writer = dcp.FileSystemWriter(str(tmp))
+        dcp.save({}, storage_writer=writer, planner=TableSavePlanner(state_table(par, optimizer)))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (own_checksums(tmp), moe_state(par)))
     if dist.get_rank() == 0:
         files = {name: record for sums, _ in every for name, record in sums.items()}
         files[".metadata"] = [sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
         moe = {layer: record for _, state in every for layer, record in state.items()}
         publish(tmp, final, meta | {"step": step, "version": VERSION, "files": files, "moe": moe})
         prune(root, keep)
-    dist.barrier()
+    with collectives(f"save of step {step}"):
+        dist.barrier()
     return final
 
 
@@ -386,7 +410,8 @@ def verify_files(path: Path, meta: dict) -> None:
     """Every file's sha256 against the record, the files shared out over the ranks; raises naming the file."""
     problems = file_problems(path, meta, dist.get_rank(), dist.get_world_size())
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, problems)
+    with collectives(f"check of {path}"):
+        dist.all_gather_object(every, problems)
     found = [p for part in every for p in part]
     if found:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
@@ -439,7 +464,8 @@ def load(path: Path, par, optimizer, model: dict) -> dict:
     restore_moe(par, meta.get("moe", {}))
     ensure_optimizer_state(optimizer)
     table = state_table(par, optimizer)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=TableLoadPlanner(table, path))
+    with collectives(f"load of {path}"):
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=TableLoadPlanner(table, path))
     step = float(table["optim.step"].chunks[0].view)
     for state in optimizer.state.values():
         state["step"].fill_(step)
