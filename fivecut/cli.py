@@ -132,20 +132,19 @@ def train_to_the_end(cfg: Config, resume: str) -> int:
 
     try:
         train(cfg, resume=resume)
+        return 0
     except TrainingStopped as stop:
         rank = dist.get_rank()
         if rank == 0 or stop.every_rank:
             who = f"rank {rank}: " if dist.get_world_size() > 1 else ""
             print(f"fivecut: {who}{stop.message}", file=sys.stderr, flush=True)
-        code = stop.code
+        return stop.code
     except CollectiveError as err:
         sys.stdout.flush()
         print(f"fivecut: {err}", file=sys.stderr, flush=True)
         os._exit(COLLECTIVE_EXIT)  # the process group cannot be torn down while a peer is gone
-    else:
-        code = 0
-    dist.destroy_process_group()
-    return code
+    finally:  # also when a bad checkpoint is refused (main prints it, exit 2)
+        dist.destroy_process_group()
 
 
 def cmd_checkpoint_info(ns) -> int:

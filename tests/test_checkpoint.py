@@ -8,7 +8,10 @@ run under that layout does: losses at rtol 1e-5, the project's bar; gradient nor
 the two runs reach step 6 by different roundings and this run's step-7 gradient amplifies them: a
 single process with train.accumulate=4 (2 rows per matmul instead of 8, the same math) already
 differs from accumulate=1 by 3.0e-4 in that step's gradient norm (and dp=4 by 2.9e-4), while a
-wrong gradient scale moves it by a factor.
+wrong gradient scale moves it by a factor. A MoE model's trajectories part further (a token whose
+top-k experts tie goes another way), so a MoE run resumed under B is held to 1e-4 against B's
+own run (measured: 5.7e-5 for dp=2,tp=2,ep=2,zero=3 -> dp=4,ep=2,zero=1), and to 1e-5 against
+A's own continuation from the very state it loaded (measured: 1.4e-7).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fivecut.train.trainer import resume_from, save_checkpoint, setup, train
 pytestmark = pytest.mark.multirank
 RTOL = 1e-5
 NORM_RTOL = 1e-3  # see the module doc
+MOE_RTOL = 1e-4  # see the module doc
 
 
 def config(cache: str, tmp: Path, layout: tuple[str, ...], model: str = "tiny", steps: int = 12, **ckpt):
@@ -120,7 +124,7 @@ def test_resume_under_another_layout(case, byte_cache, tmp_path):
     model, saved_under, loaded_into = RESHARD[case]
     a = config(byte_cache, tmp_path, saved_under, model, dir=str(tmp_path / "a"), every=6)
     b = config(byte_cache, tmp_path, loaded_into, model)
-    spawn(run, world(a), a)
+    under_a = spawn(run, world(a), a)[0]
     source = checkpoint.step_dir(tmp_path / "a", 6)
     spawn(resave, world(b), copy.deepcopy(b), str(source), str(tmp_path / "b"))
     saved = full_state(source, tmp_path / "a.pt")
@@ -130,7 +134,9 @@ def test_resume_under_another_layout(case, byte_cache, tmp_path):
         assert torch.equal(saved[key], loaded[key]), f"{case}: {key} changed in the move"
     whole = spawn(run, world(b), b)[0]
     resumed = spawn(run, world(b), b, str(source))[0]
-    np.testing.assert_allclose(resumed[0], whole[0][6:], rtol=RTOL)
+    np.testing.assert_allclose(resumed[0], under_a[0][6:], rtol=RTOL)  # A's own continuation, from the same state
+    np.testing.assert_allclose(resumed[1], under_a[1][6:], rtol=NORM_RTOL)
+    np.testing.assert_allclose(resumed[0], whole[0][6:], rtol=MOE_RTOL if model == "tiny-moe" else RTOL)
     np.testing.assert_allclose(resumed[1], whole[1][6:], rtol=NORM_RTOL)
 
 
@@ -152,9 +158,17 @@ def saved_tiny(byte_cache, tmp_path):
 
 
 def resume_cli(path: Path, cfg, *extra: str) -> list[str]:
-    return ["train", "--resume", str(path), "--set", f'data.cache_dir="{cfg.data.cache_dir}"', "--set",
-            "train.steps=3", "--set", "train.seq_len=32", "--set", "train.eval_every=0", "--set", "log.progress=false",
-            "--set", "log.plot=false", "--set", f'log.out_dir="{Path(path).parent.parent}/cli"', *extra]  # fmt: skip
+    items = [
+        f'data.cache_dir="{cfg.data.cache_dir}"',
+        "train.steps=3",
+        "train.warmup=1",
+        "train.seq_len=32",
+        "train.eval_every=0",
+        "log.progress=false",
+        "log.plot=false",
+        f'log.out_dir="{path.parent.parent}/cli"',
+    ]
+    return ["train", "--resume", str(path), *(arg for item in items for arg in ("--set", item)), *extra]
 
 
 @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete"])
