@@ -116,7 +116,8 @@ def cmd_train(ns) -> int:
     cfg = load_config(ns.config, ns.overrides)
     checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     resuming = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume) is not None
-    checks.check_folders(cfg, out_dir=True, resuming=resuming)  # a new run never overwrites an earlier one
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
+    checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
     init_from_environment(cfg.train.collective_timeout)
     return train_to_the_end(cfg, ns.resume)
 
