@@ -105,16 +105,27 @@ RESHARD = {  # (model, saved under, loaded into)
         ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"),
     ),
     "cp=2 ulysses -> one process": ("tiny", ("parallel.cp=2", 'parallel.cp_mode="ulysses"'), ()),
-    "one process -> dp=2,zero=2": ("tiny", (), ("parallel.dp=2", "parallel.zero=2")),
+    "dp=2,tp=2,sp,zero=1 -> dp=2,cp=2 ring,zero=2": (
+        "tiny",
+        ("parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero=1"),
+        ("parallel.dp=2", "parallel.cp=2", "parallel.zero=2"),
+    ),
     "dp=2,cp=2 ring -> pp=2 dualpipev": (
         "tiny",
         ("parallel.dp=2", "parallel.cp=2"),
         ("parallel.pp=2", 'parallel.pp_schedule="dualpipev"', "parallel.microbatches=4"),
     ),
-    "moe dp=2,tp=2,ep=2,zero=3 -> dp=4,ep=2,zero=1": (
+    "moe dp=2,tp=2,ep=2,zero=3 -> dp=2,cp=2 ulysses,ep=2,zero=1": (
         "tiny-moe",
         ("parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.zero=3", "moe.bias_update_rate=0.01"),
-        ("parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "moe.bias_update_rate=0.01"),
+        (
+            "parallel.dp=2",
+            "parallel.cp=2",
+            'parallel.cp_mode="ulysses"',
+            "parallel.ep=2",
+            "parallel.zero=1",
+            "moe.bias_update_rate=0.01",
+        ),
     ),
 }
 

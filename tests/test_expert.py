@@ -311,7 +311,8 @@ def test_aux_free_bias_moves_towards_balance():
     from fivecut.parallel.expert import ExpertBalancer, apply_expert_parallel
 
     runtimes, _ = apply_expert_parallel(model, opts, one, single_group("tp"), False, ROWS)
-    balancer = ExpertBalancer(runtimes, opts, [1], [], model.args.n_experts, 1, "cpu")
+    layers = [i for i in range(model.args.n_layers) if model.args.moe_layer(i)]
+    balancer = ExpertBalancer(runtimes, opts, layers, [], model.args.n_experts, 1, "cpu")
     inputs, _ = batch()
     model(inputs).sum().backward()
     moe = moe_layers(model)[0]

@@ -63,7 +63,7 @@ def rank_view(preset: str, dims: ParallelDims, rank: int) -> dict:
         if dims.zero == 3:  # only the owned part of the flat shard is kept between steps
             lo, hi = pl.flat.owned()
             held = par.sync.held(par.params[name], lo, hi).values if hi > lo else []
-            values, index = torch.cat(held) if held else torch.zeros(0), index[lo:hi]
+            values, index = torch.cat([v for v, _ in held]) if held else torch.zeros(0), index[lo:hi]
         else:
             values = par.params[name].detach().flatten()
         keep = index >= 0
