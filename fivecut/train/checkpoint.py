@@ -26,7 +26,6 @@ cleaned up at the next start.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -56,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from fivecut.comm import CollectiveError, backend_reason
 from fivecut.parallel.placement import Placement
+from fivecut.train.data import file_sha256
 
 VERSION = 1
 META = "fivecut.json"
@@ -318,14 +318,6 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{path / META} cannot be read: {err}") from None
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def clean_partial(root: Path) -> None:
     """Remove what a save that never finished left behind (rank 0, before training)."""
     for tmp in root.glob(".tmp-step-*") if root.is_dir() else ():
@@ -374,7 +366,7 @@ def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
         dist.all_gather_object(every, (own_checksums(tmp), moe_state(par)))
     if dist.get_rank() == 0:
         files = {name: record for sums, _ in every for name, record in sums.items()}
-        files[".metadata"] = [sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
+        files[".metadata"] = [file_sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
         moe = {layer: record for _, state in every for layer, record in state.items()}
         publish(tmp, final, meta | {"step": step, "version": VERSION, "files": files, "moe": moe})
         prune(root, keep)
@@ -386,7 +378,7 @@ def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
 def own_checksums(tmp: Path) -> dict[str, list]:
     """sha256 and size of the files this rank wrote (DCP names them __<rank>_<n>.distcp)."""
     mine = sorted(tmp.glob(f"__{dist.get_rank()}_*.distcp"))
-    return {p.name: [sha256(p), p.stat().st_size] for p in mine}
+    return {p.name: [file_sha256(p), p.stat().st_size] for p in mine}
 
 
 def publish(tmp: Path, final: Path, meta: dict) -> None:
@@ -424,7 +416,7 @@ def file_problem(path: Path, name: str, record: list) -> str | None:
         return f"{file} is missing"
     if file.stat().st_size != size:
         return f"{file} has {file.stat().st_size} bytes, {size} were written (truncated?)"
-    if sha256(file) != digest:
+    if file_sha256(file) != digest:
         return f"{file} does not match its sha256 (a changed byte)"
     return None
 
