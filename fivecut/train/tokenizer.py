@@ -133,3 +133,26 @@ def _gpt2_encoding(vocab_bpe: Path, encoder_json: Path):
         special_tokens={GPT2_EOT: GPT2_EOT_ID},
         explicit_n_vocab=GPT2_VOCAB_SIZE,
     )
+
+
+class FileTokenizer:
+    """A model's own tokenizer, a `tokenizers.Tokenizer` built from a Hugging Face
+    tokenizer.json or a GGUF file's metadata. `name` is its identity: the kind and a hash of its
+    serialized form, so two different tokenizers never share a token cache."""
+
+    def __init__(self, tokenizer, eot_id: int | None, source: str):
+        import hashlib
+
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer
+        self.json = tokenizer.to_str()
+        self.name = "bpe-" + hashlib.sha256(self.json.encode()).hexdigest()[:16]
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eot_id = eot_id
+        self.source = source  # where it came from, for messages
+
+    def encode(self, text: str) -> list[int]:
+        # no special tokens added (a BOS would split documents differently from the model's training)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)

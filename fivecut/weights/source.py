@@ -1,0 +1,73 @@
+"""Weights from files: the `WeightSource` protocol every format implements, and `open_source`.
+
+A source describes a published model by fivecut's logical names (`fivecut.weights.names`) and
+global shapes, and reads any box of any tensor in fp32 -- so each rank reads only the slices
+its placement records need (`fivecut.weights.load`), never the whole file.
+
+    source = open_source("hf:/models/llama")        # or "gguf:/models/smollm2.gguf"
+    source.args                                     # ModelArgs implied by the file
+    source.shapes()["layers.0.attention.wq.weight"] # (576, 576)
+    source.read("layers.0.attention.wq.weight", (slice(0, 192), slice(None)))  # [192, 576] fp32
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from fivecut.model.args import ModelArgs
+
+Box = tuple[slice, ...]  # one slice per dimension, steps of 1
+
+
+class WeightsError(ValueError):
+    """A weights file or folder that cannot be used; the message names the file and the problem."""
+
+
+class WeightSource(Protocol):
+    path: Path  # the file or folder
+    args: ModelArgs  # the model's shape, from the file's own metadata
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """fivecut logical name -> global shape, for every tensor the file holds for the model."""
+        ...
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        """The box `box` of tensor `name` (a fivecut logical name), fp32, on the CPU."""
+        ...
+
+    def tokenizer(self):
+        """The model's tokenizer (`fivecut.train.tokenizer.Tokenizer`), or None when the file has none."""
+        ...
+
+
+SCHEMES = ("hf", "gguf")
+
+
+def open_source(spec: str) -> WeightSource:
+    """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file)."""
+    scheme, sep, rest = spec.partition(":")
+    if not sep or scheme not in SCHEMES or not rest:
+        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH; e.g. hf:./my-llama or gguf:model.gguf")
+    path = Path(rest).expanduser()
+    if not path.exists():
+        raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")
+    if scheme == "hf":
+        from fivecut.weights.hf import HFSource
+
+        return HFSource(path)
+    from fivecut.weights.gguf import GGUFSource
+
+    return GGUFSource(path)
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """fivecut logical name -> global shape of every parameter of a model of shape `args`."""
+    from fivecut.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    tied = {"output.weight"} if args.tie_embeddings else set()
+    return {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if n not in tied}
