@@ -1,0 +1,108 @@
+"""Hugging Face Llama folders: `config.json` <-> `ModelArgs`, and safetensors read by slices.
+
+Reading needs no model class: the shape comes from `config.json`, the tensors from
+`model.safetensors` or the shards named in `model.safetensors.index.json`, each box read with
+`safe_open(...).get_slice`, so a rank touches only the bytes of its slices.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fivecut.model.args import ModelArgs
+from fivecut.weights.source import WeightsError
+
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+
+
+def llama_config(args: ModelArgs, torch_dtype: str = "float32", bos: int | None = None, eos: int | None = None) -> dict:
+    """The `config.json` of a `LlamaForCausalLM` with fivecut's dense shape `args`."""
+    if args.is_moe:
+        raise ValueError("a mixture-of-experts model has no Hugging Face Llama config; export it as fivecut tensors")
+    return {
+        "architectures": [LLAMA_ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,  # transformers < 5
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers >= 5
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": args.init_std,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": torch_dtype,
+    }
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise WeightsError(f"{folder} has no config.json; give a Hugging Face model folder (save_pretrained's output)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise WeightsError(f"{path} cannot be read as JSON: {err}") from None
+
+
+def args_from_config(config: dict, path: Path) -> ModelArgs:
+    """fivecut's shape of the Llama that `config` (a parsed config.json at `path`) describes."""
+    check_llama(config, path)
+    dim, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
+    head_dim = config.get("head_dim") or dim // heads
+    if head_dim * heads != dim:
+        raise WeightsError(
+            f"{path}: head_dim {head_dim} x {heads} heads != hidden_size {dim}; fivecut's attention needs "
+            f"head_dim = hidden_size / num_attention_heads"
+        )
+    return ModelArgs(
+        vocab_size=need(config, "vocab_size", path),
+        dim=dim,
+        n_layers=need(config, "num_hidden_layers", path),
+        n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
+        ffn_dim=need(config, "intermediate_size", path),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta(config, path)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        init_std=float(config.get("initializer_range", 0.02)),
+    )
+
+
+def check_llama(config: dict, path: Path) -> None:
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if model_type != "llama" or (archs and LLAMA_ARCHITECTURE not in archs):
+        found = ", ".join(archs) or f"model_type {model_type!r}"
+        raise WeightsError(
+            f"{path} describes {found}, not a Llama ({LLAMA_ARCHITECTURE}); fivecut imports Llama-architecture models"
+        )
+    for key, fine in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(key, fine) != fine:
+            raise WeightsError(f"{path}: {key} is {config[key]!r}; fivecut's Llama has {fine!r}")
+
+
+def need(config: dict, key: str, path: Path):
+    if key not in config:
+        raise WeightsError(f"{path} has no {key!r}; it is not a complete Llama config")
+    return config[key]
+
+
+def rope_theta(config: dict, path: Path) -> float:
+    """The RoPE base; only unscaled ("default") RoPE is fivecut's."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise WeightsError(f"{path}: rope scaling {kind!r} is not supported; fivecut implements unscaled RoPE")
+    return params.get("rope_theta", config.get("rope_theta", 10000.0))
