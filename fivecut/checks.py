@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivecut.config import Config, ConfigError, model_args
+from fivecut.config import Config, ConfigError, model_args, model_label
 from fivecut.layout import CP_MODES, MESH_DIMS, MoEOptions, ParallelDims
 from fivecut.parallel.pipeline.schedule import NAMES as PP_SCHEDULES
 from fivecut.parallel.pipeline.schedule import build_schedule, check
@@ -43,7 +43,8 @@ def refuse(title: str, problems: list[str], kind: type[ValueError] = ConfigError
 
 def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
     """Everything that can be refused before a process group exists; returns the ModelArgs."""
-    check_preset(cfg.model.preset)
+    if cfg.model.preset is not None:
+        check_preset(cfg.model.preset)
     refuse("invalid options", option_problems(cfg))
     args = checked_model_args(cfg)
     t = cfg.train
@@ -57,7 +58,7 @@ def checked_model_args(cfg: Config) -> ModelArgs:
     try:
         check_model(args)
     except ValueError as err:
-        raise ConfigError(f"model {cfg.model.preset!r} with the model.* overrides: {err}") from None
+        raise ConfigError(f"model {model_label(cfg.model)!r} with the model.* overrides: {err}") from None
     if cfg.train.seq_len > args.max_seq_len:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set "
@@ -160,11 +161,15 @@ def adam_problems(t) -> list[str]:
 
 def data_problems(cfg: Config) -> list[str]:
     from fivecut.train.data import SHAKESPEARE
-    from fivecut.train.tokenizer import TOKENIZERS
+    from fivecut.train.tokenizer import AUTO_TOKENIZER, TOKENIZERS
 
     d, out = cfg.data, []
-    if d.tokenizer not in TOKENIZERS:
-        out.append(f"data.tokenizer={d.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    if d.tokenizer not in (*TOKENIZERS, AUTO_TOKENIZER):
+        out.append(
+            f"data.tokenizer={d.tokenizer!r}; choose one of {', '.join(TOKENIZERS)} or {AUTO_TOKENIZER} "
+            "(the imported model's own)"
+        )
+
     if not (math.isfinite(d.val_fraction) and 0 < d.val_fraction < 1):
         out.append(f"data.val_fraction={d.val_fraction} must be in (0, 1), e.g. 0.05")
     if d.source != SHAKESPEARE and not Path(d.source).expanduser().exists():

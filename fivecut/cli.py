@@ -8,11 +8,19 @@ import dataclasses
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 from fivecut import checks
 from fivecut.checks import PP_SCHEDULES, LayoutError
-from fivecut.config import Config, ConfigError, ModelConfig, apply_table, load_config, model_args, parse_override
+from fivecut.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    apply_table,
+    load_config,
+    model_args,
+    model_label,
+    parse_override,
+)
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
 
@@ -209,9 +217,9 @@ def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False, 
     """Tokenize once here, then run `cfg` on its own ranks (`device`: see launch.choose_backend);
     returns every rank's RunResult."""
     from fivecut.launch import spawn
-    from fivecut.train.data import load_tokens
+    from fivecut.train.trainer import run_tokens
 
-    load_tokens(cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
+    run_tokens(cfg)
     with tempfile.TemporaryDirectory(prefix="fivecut-run-") as out:
         cfg = copy.deepcopy(cfg)
         cfg.log.out_dir = out
@@ -236,7 +244,8 @@ def cmd_verify(ns) -> int:
     cfg = verify_config(ns)
     backend, device = verify_device(cfg)
     print(
-        f"verify: {cfg.model.preset}, layout {cfg.parallel.describe()} vs single process, {cfg.train.steps} steps, "
+        f"verify: {model_label(cfg.model)}, layout {cfg.parallel.describe()} vs single process, "
+        f"{cfg.train.steps} steps, "
         f"fp32 on {device} ({backend}); loss, gradient norm before clipping, validation loss at step "
         f"{cfg.train.eval_every}"
     )
@@ -396,7 +405,7 @@ def cmd_ledger(ns) -> int:
     cfg = layout_config(ns)
     results = run_spawned(cfg, ns.timeout, measure_activations=True)
     mine = results[0]
-    print(f"ledger: {cfg.model.preset}, layout {cfg.parallel.describe()}, step {cfg.train.steps}, rank 0")
+    print(f"ledger: {model_label(cfg.model)}, layout {cfg.parallel.describe()}, step {cfg.train.steps}, rank 0")
     print(format_rows(mine.ledger_rows))
     print()
     print_memory(mine.memory, cfg)

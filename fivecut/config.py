@@ -23,9 +23,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The architecture: a preset, then any field of `ModelArgs` overridden by name."""
+    """The architecture: a preset (default "tiny"), then any field of `ModelArgs` overridden by name;
+    or `init_from`, a published model ("hf:FOLDER" or "gguf:FILE") whose file gives the shape and
+    the weights (a field set here must then agree with the file)."""
 
-    preset: str = "tiny"
+    preset: str | None = None
+    init_from: str | None = None
     vocab_size: int | None = None
     dim: int | None = None
     n_layers: int | None = None
@@ -51,7 +54,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "shakespeare"  # "shakespeare", a text file, or a folder of *.txt
-    tokenizer: str = "byte"  # "gpt2" | "byte"
+    tokenizer: str = "auto"  # "auto" (model.init_from's own, else "byte") | "gpt2" | "byte"
     cache_dir: str = "~/.cache/fivecut"
     val_fraction: float = 0.05
 
@@ -214,10 +217,44 @@ def checked_value(dotted: str, value: object, hint: object, origin: str) -> obje
     raise ConfigError(f"config key {dotted} wants {wanted}, got {value!r} ({type(value).__name__}) from {origin}")
 
 
-def model_args(section: ModelConfig):
-    """The preset named by `section.preset`, with every field that is set overriding it."""
-    from fivecut.model import get_preset
+DEFAULT_PRESET = "tiny"
 
-    base = get_preset(section.preset)
-    changes = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name != "preset"}
-    return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+
+def model_args(section: ModelConfig):
+    """The preset named by `section.preset`, with every field that is set overriding it; with
+    `init_from`, the shape its file implies (a field set to another value is a ConfigError)."""
+    changes = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in MODEL_SOURCES}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if section.init_from is None:
+        from fivecut.model import get_preset
+
+        return dataclasses.replace(get_preset(section.preset or DEFAULT_PRESET), **changes)
+    if section.preset is not None:
+        raise ConfigError(
+            f"model.preset={section.preset!r} and model.init_from={section.init_from!r} are both set; the shape comes "
+            "from the file, so drop model.preset"
+        )
+    return file_args(section.init_from, changes)
+
+
+MODEL_SOURCES = ("preset", "init_from")
+
+
+def file_args(init_from: str, changes: dict):
+    """The shape of the model `init_from` names, checked against the fields set explicitly."""
+    from fivecut.weights.load import source_args
+
+    args = source_args(init_from)
+    differ = [
+        f"model.{k}={v!r} but the file has {getattr(args, k)!r}" for k, v in changes.items() if v != getattr(args, k)
+    ]
+    if differ:
+        raise ConfigError(
+            f"model.init_from={init_from!r}: " + "; ".join(differ) + " (the shape comes from the file; drop these keys)"
+        )
+    return args
+
+
+def model_label(section: ModelConfig) -> str:
+    """How logs name the model: its preset or the file it came from."""
+    return section.init_from or section.preset or DEFAULT_PRESET

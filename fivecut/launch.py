@@ -176,10 +176,11 @@ def _collect(results, procs, timeout_s: float) -> dict[int, tuple[str, object]]:
 
 def _dump_stuck_stacks(procs, outcome) -> None:
     """Ask every rank that has not answered to write its Python stack (SIGUSR1 -> faulthandler)."""
-    for rank, p in enumerate(procs):
-        if rank not in outcome and p.is_alive():
-            os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(1.0)
+    stuck = [p for rank, p in enumerate(procs) if rank not in outcome and p.is_alive()]
+    for p in stuck:
+        os.kill(p.pid, signal.SIGUSR1)
+    if stuck:
+        time.sleep(1.0)  # time to write the stacks
 
 
 def _finish(outcome, world_size: int, trace_dir: Path, timeout_s: float) -> list:

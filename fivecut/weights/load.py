@@ -1,0 +1,152 @@
+"""Published weights into a model of any layout, and whole models for inference.
+
+`load_into(par, source)` fills what this rank holds -- read off its placement records, exactly
+the chunks a checkpoint load would ask for (`fivecut.train.checkpoint.global_chunks`) -- from a
+`WeightSource`, one box per chunk: a TP rank reads its rows or columns, an EP rank its experts, a
+pipeline stage its layers, a ZeRO-3 rank the few boxes its flat shard covers. Before that,
+`check_source` holds the file against the model: every tensor the model needs is there with its
+shape, and every tensor in the file is used.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from fivecut.model.args import ModelArgs
+from fivecut.weights.source import WeightsError, WeightSource, expected_shapes, open_source
+
+
+@functools.lru_cache(maxsize=8)
+def _opened(spec: str, stamp: tuple) -> WeightSource:
+    return open_source(spec)
+
+
+def source_of(spec: str) -> WeightSource:
+    """The source `spec` names, opened once per process while its file is unchanged."""
+    scheme, _, rest = spec.partition(":")
+    path = Path(rest).expanduser()
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.exists() else None
+    return _opened(spec, stamp)
+
+
+def source_args(spec: str) -> ModelArgs:
+    """The model shape `model.init_from = spec` implies (checked against the file's tensors)."""
+    source = source_of(spec)
+    check_source(source, source.args)
+    return source.args
+
+
+def check_source(source: WeightSource, args: ModelArgs) -> None:
+    """Every tensor of a model of shape `args` is in the file with its shape, and nothing else is."""
+    want, have = expected_shapes(args), source.shapes()
+    missing = sorted(want.keys() - have.keys())
+    if missing:
+        raise WeightsError(f"{source.path} lacks tensor {missing[0]} (and {len(missing) - 1} more) of the model")
+    unused = sorted(have.keys() - want.keys())
+    if unused:
+        raise WeightsError(f"{source.path} holds tensor {unused[0]}, which this model has no place for")
+    for name, shape in want.items():
+        if tuple(have[name]) != shape:
+            raise WeightsError(
+                f"{source.path}: tensor {name} has shape {tuple(have[name])}, the model's config implies {shape}"
+            )
+
+
+@torch.no_grad()
+def load_into(par, source: WeightSource) -> int:
+    """Copy this rank's part of every parameter from `source`; returns the elements read."""
+    from fivecut.train.checkpoint import global_chunks
+
+    read = 0
+    for name, pl in par.placements.items():
+        held = par.sync.held(par.params[name], 0, pl.local_numel())
+        for flat, at in held.values:
+            for chunk in global_chunks(pl, flat, at):
+                box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.view.shape))
+                chunk.view.copy_(source.read(name, box))
+                read += chunk.view.numel()
+    return read
+
+
+def run_tokenizer(data_tokenizer: str, init_from: str | None):
+    """The tokenizer a run reads its data with: data.tokenizer, where "auto" is the imported
+    model's own (an error when its file has none) or, without an import, "byte"."""
+    from fivecut.train.tokenizer import AUTO_TOKENIZER, get_tokenizer
+
+    if data_tokenizer != AUTO_TOKENIZER:
+        return get_tokenizer(data_tokenizer)
+    if init_from is None:
+        return get_tokenizer("byte")
+    tok = source_of(init_from).tokenizer()
+    if tok is None:
+        raise WeightsError(
+            f"model.init_from={init_from!r} has no tokenizer (no tokenizer.json); set data.tokenizer to gpt2 or byte"
+        )
+    return tok
+
+
+def single_model(
+    init_from: str | None = None, checkpoint: str | None = None, step: int | None = None, device: str = "cpu"
+):
+    """A whole model on one device for inference, with its tokenizer: from a published model
+    (`init_from`) or from a fivecut checkpoint (a checkpoint folder or a checkpoint.dir, `step`
+    choosing one of the latter's)."""
+    from fivecut.model.transformer import build_model
+
+    if (init_from is None) == (checkpoint is None):
+        raise ValueError("give exactly one of --init-from and --checkpoint")
+    if init_from is not None:
+        source = source_of(init_from)
+        args = source_args(init_from)
+        tensors = {name: source.read(name, full_box(shape)) for name, shape in expected_shapes(args).items()}
+        tokenizer = run_tokenizer("auto", init_from)
+    else:
+        args, tensors, tokenizer = checkpoint_model(Path(checkpoint).expanduser(), step)
+    model = build_model(args, device="meta")
+    model.to_empty(device=device)
+    model.init_buffers()
+    model.tie_weights()
+    fill(model, tensors)
+    return model.eval(), tokenizer
+
+
+def checkpoint_model(path: Path, step: int | None):
+    """(ModelArgs, full tensors by name, tokenizer) of the checkpoint at `path`."""
+    from fivecut.train import checkpoint
+
+    path = pick_checkpoint(path, step)
+    meta = checkpoint.read_meta(path)
+    args = ModelArgs(**meta["model"])
+    data, model = meta["config"]["data"], meta["config"]["model"]
+    return args, checkpoint.full_state(path), run_tokenizer(data["tokenizer"], model.get("init_from"))
+
+
+def pick_checkpoint(path: Path, step: int | None) -> Path:
+    """A checkpoint folder as it is, or one of a checkpoint.dir's: `step`'s, else the newest complete one."""
+    from fivecut.train import checkpoint
+
+    if checkpoint.complete(path):
+        if step is not None and checkpoint.read_meta(path)["step"] != step:
+            raise checkpoint.CheckpointError(f"{path} is the checkpoint of step {checkpoint.read_meta(path)['step']}")
+        return path
+    chosen = checkpoint.step_dir(path, step) if step is not None else checkpoint.newest(path)
+    if chosen is None or not checkpoint.complete(chosen):
+        found = ", ".join(p.name for p in checkpoint.checkpoints(path)) or "none"
+        raise checkpoint.CheckpointError(f"no complete checkpoint {chosen or path} (complete ones there: {found})")
+    return chosen
+
+
+def full_box(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+@torch.no_grad()
+def fill(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Every parameter of `model` from `tensors` (by logical name; a tied head is its embedding)."""
+    for name, p in model.named_parameters():
+        if name not in tensors:
+            raise WeightsError(f"no tensor {name} for the model")
+        p.copy_(tensors[name])
