@@ -7,8 +7,9 @@ to rounding: 1e-5 absolute on logits of magnitude ~4 (measured: about 1e-6).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from fivecut.weights.names import to_hf
 LOGITS_ATOL = 1e-5  # see the module doc
 
 
-@contextmanager
+@contextlib.contextmanager
 def one_rank():
     """A one-process group in this process, for `train`; torn down afterwards."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -102,9 +103,17 @@ def max_logit_difference(ckpt: Path, folder: Path) -> float:
         return (ours(tokens) - theirs(tokens).logits).abs().max().item()
 
 
-def test_small_round_trips_into_transformers(small_run, tmp_path, capsys):
-    out = ex.export(small_run, tmp_path / "hf")
-    printed = capsys.readouterr().out.splitlines()
+@pytest.fixture(scope="module")
+def small_export(small_run, tmp_path_factory) -> tuple[Path, list[str]]:
+    """`small_run` exported once, and what the export printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        out = ex.export(small_run, tmp_path_factory.mktemp("small-hf") / "hf")
+    return out, printed.getvalue().splitlines()
+
+
+def test_small_round_trips_into_transformers(small_run, small_export):
+    out, printed = small_export
     assert printed[-1].startswith("exported 'small' step 2") and printed[-1].endswith(f"to {out}")
     assert sorted(p.name for p in out.iterdir()) == sorted(line.split("/")[-1] for line in printed[:-1])
     assert max_logit_difference(checkpoint.newest(small_run), out) <= LOGITS_ATOL
@@ -114,18 +123,30 @@ def test_small_round_trips_into_transformers(small_run, tmp_path, capsys):
     assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 50256, "eos_token_id": 50256}
 
 
-def test_the_gpt2_tokenizer_loads_in_transformers(small_run, tmp_path):
+def test_the_gpt2_tokenizer_loads_in_transformers(small_export):
     from transformers import AutoTokenizer
 
     from fivecut.train.tokenizer import get_tokenizer
 
-    out = ex.export(small_run, tmp_path / "hf")
-    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(small_export[0])
     assert tokenizer("Hello world").input_ids == [15496, 995]
     text = "  First Citizen:\n\nWe're 123 naïve  words\t 你好 's"
     assert tokenizer(text).input_ids == get_tokenizer("gpt2").encode(text)
     assert tokenizer("a<|endoftext|>b").input_ids == [64, 50256, 65]  # special to transformers (plain text to fivecut)
     assert tokenizer.eos_token_id == 50256 and tokenizer.decode([15496, 995]) == "Hello world"
+
+
+def test_a_model_s_own_tokenizer_is_written_as_its_json(tmp_path):
+    from transformers import AutoTokenizer
+
+    from fivecut.train.tokenizer import FileTokenizer
+
+    own = FileTokenizer(ex.gpt2_tokenizer(), 50256, "a test")
+    written = ex.write_tokenizer(tmp_path, own, 64)
+    assert written == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    assert (tmp_path / "tokenizer.json").read_text() == own.json
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("Hello world").input_ids == [15496, 995] and loaded.eos_token_id == 50256
 
 
 def test_an_untied_model_in_several_shards(tiny_run, tmp_path, capsys):

@@ -305,8 +305,10 @@ def write_tokenizer(folder: Path, tokenizer, max_length: int | None = None) -> l
         eot = tokenizer.eot_id
         special = {"eos_token": tokenizer.tokenizer.id_to_token(eot)} if eot is not None else {}
         return ["tokenizer.json", *tokenizer_configs(folder, "PreTrainedTokenizerFast", special, max_length)]
-    what = "the byte-level model" if tokenizer.name == "byte" else f"tokenizer {tokenizer.name!r}"
-    print(f"note: {what} has no Hugging Face tokenizer; no tokenizer files are written (its ids are UTF-8 bytes)")
+    if tokenizer.name == "byte":
+        print("note: the byte-level model has no Hugging Face tokenizer (its ids are UTF-8 bytes); none written")
+    else:
+        print(f"note: tokenizer {tokenizer.name!r} has no Hugging Face form here; no tokenizer files written")
     return []
 
 
