@@ -87,10 +87,10 @@ def export(
     args = model_args(source, meta)
     tokenizer = run_tokenizer(meta.get("config", {}))
     tensors = checkpoint_tensors(source, args, DTYPES[dtype])
-    name = str(DTYPES[dtype]).removeprefix("torch.")
-    written = write_atomically(out, lambda tmp: write_folder(tmp, args, name, tensors, tokenizer, max_shard_bytes))
-    for name in written:
-        print(f"wrote {out / name}")
+    spelled = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as config.json spells it
+    written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, tensors, tokenizer, max_shard_bytes))
+    for file in written:
+        print(f"wrote {out / file}")
     kind = MOE_ARCHITECTURE if args.is_moe else LLAMA_ARCHITECTURE
     print(f"exported {meta.get('preset')!r} step {meta['step']} ({kind}, {dtype}) from {source} to {out}")
     return out
