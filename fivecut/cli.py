@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("dir", help="a checkpoint, or a checkpoint.dir (its newest complete checkpoint)")
     info.set_defaults(func=cmd_checkpoint_info)
 
+    export = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors, config, tokenizer)")
+    export.add_argument("--checkpoint", required=True, help="a checkpoint, or a checkpoint.dir (its newest one)")
+    export.add_argument("--out", required=True, help="the folder to write; must not exist or be empty")
+    export.add_argument("--step", type=int, help="with a checkpoint.dir: the step to export instead of the newest")
+    export.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
+    export.add_argument("--dtype", default="fp32", help="fp32 (as trained), bf16 or fp16")
+    export.set_defaults(func=cmd_export)
+
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
     verify.add_argument("--rtol", type=float, default=LOSS_RTOL, help="largest relative loss difference accepted")
@@ -162,6 +170,13 @@ def cmd_checkpoint_info(ns) -> int:
     lines = checkpoint.info(ns.dir)
     print("\n".join(lines))
     return 0 if lines[-1] == "complete and intact" else 2
+
+
+def cmd_export(ns) -> int:
+    from fivecut.weights.export import export, parse_size
+
+    export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype)
+    return 0
 
 
 # ---------------------------------------------------------------- verify / ledger

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -480,3 +481,26 @@ def info(path: Path) -> list[str]:
         f"size on disk {size:,} bytes in {len(meta['files'])} files",
         "complete and intact" if not problems else "DAMAGED: " + "; ".join(problems),
     ]
+
+
+def full_state(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The global (single-device) tensors of every key of the checkpoint at `path` that starts with
+    `prefix`, by their names without it: read in this one process, no process group, after every
+    file is checked against its recorded sha256 (raises `CheckpointError` naming the file)."""
+    path = Path(path)
+    meta = read_meta(path)
+    problems = file_problems(path, meta)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in saved.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    return {key[len(prefix) :]: tensor for key, tensor in state.items()}

@@ -1,0 +1,262 @@
+"""`fivecut export`: checkpoints out as Hugging Face folders.
+
+Tolerance: transformers' LlamaForCausalLM and fivecut's Transformer run the same fp32 math in a
+different order of operations (its RoPE, RMSNorm and attention kernels), so their logits agree
+to rounding: 1e-5 absolute on logits of magnitude ~4 (measured: about 1e-6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from test_ddp import small_config
+
+from fivecut.cli import main
+from fivecut.launch import spawn
+from fivecut.model.args import ModelArgs
+from fivecut.model.transformer import build_model
+from fivecut.train import checkpoint
+from fivecut.train.trainer import train
+from fivecut.weights import export as ex
+from fivecut.weights.names import to_hf
+
+LOGITS_ATOL = 1e-5  # see the module doc
+
+
+@contextlib.contextmanager
+def one_rank():
+    """A one-process group in this process, for `train`; torn down afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_config(cache: str, folder: Path, preset: str, tokenizer: str, *extra: str):
+    return small_config(
+        cache,
+        f'model.preset="{preset}"',
+        f'data.tokenizer="{tokenizer}"',
+        "train.steps=2",
+        "train.global_batch=2",
+        "train.warmup=1",
+        f'checkpoint.dir="{folder / "ck"}"',
+        f'log.out_dir="{folder / "out"}"',
+        *extra,
+    )
+
+
+def train_here(cfg) -> Path:
+    torch.set_num_threads(1)
+    with one_rank():
+        train(cfg, quiet=True, resume="never")
+    return Path(cfg.checkpoint.dir)
+
+
+def train_spawned(cfg):
+    train(cfg, quiet=True, resume="never")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.getbasetemp() / "token-cache")  # the `byte_cache` of the other tests
+
+
+@pytest.fixture(scope="module")
+def small_run(cache, tmp_path_factory) -> Path:
+    """`small` (GPT-2 tokenizer, tied head) after 2 steps: its checkpoint.dir."""
+    return train_here(run_config(cache, tmp_path_factory.mktemp("small"), "small", "gpt2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(cache, tmp_path_factory) -> Path:
+    """`tiny` (byte tokenizer, untied head), saved after steps 1 and 2."""
+    return train_here(run_config(cache, tmp_path_factory.mktemp("tiny"), "tiny", "byte", "checkpoint.every=1"))
+
+
+def fivecut_model(path: Path):
+    """fivecut's own model with the checkpoint's weights."""
+    args = ModelArgs(**checkpoint.read_meta(path)["model"])
+    state = checkpoint.full_state(path)
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model = build_model(args)
+    model.load_state_dict(state)
+    return model.eval(), args
+
+
+def max_logit_difference(ckpt: Path, folder: Path) -> float:
+    from transformers import LlamaForCausalLM
+
+    ours, args = fivecut_model(ckpt)
+    theirs = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (ours(tokens) - theirs(tokens).logits).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def small_export(small_run, tmp_path_factory) -> tuple[Path, list[str]]:
+    """`small_run` exported once, and what the export printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        out = ex.export(small_run, tmp_path_factory.mktemp("small-hf") / "hf")
+    return out, printed.getvalue().splitlines()
+
+
+def test_small_round_trips_into_transformers(small_run, small_export):
+    out, printed = small_export
+    assert printed[-1].startswith("exported 'small' step 2") and printed[-1].endswith(f"to {out}")
+    assert sorted(p.name for p in out.iterdir()) == sorted(line.split("/")[-1] for line in printed[:-1])
+    assert max_logit_difference(checkpoint.newest(small_run), out) <= LOGITS_ATOL
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["vocab_size"] == 50257 and config["eos_token_id"] == 50256
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")  # a tied head is written once
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 50256, "eos_token_id": 50256}
+
+
+def test_the_gpt2_tokenizer_loads_in_transformers(small_export):
+    from transformers import AutoTokenizer
+
+    from fivecut.train.tokenizer import get_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(small_export[0])
+    assert tokenizer("Hello world").input_ids == [15496, 995]
+    text = "  First Citizen:\n\nWe're 123 naïve  words\t 你好 's"
+    assert tokenizer(text).input_ids == get_tokenizer("gpt2").encode(text)
+    assert tokenizer("a<|endoftext|>b").input_ids == [64, 50256, 65]  # special to transformers (plain text to fivecut)
+    assert tokenizer.eos_token_id == 50256 and tokenizer.decode([15496, 995]) == "Hello world"
+
+
+def test_a_model_s_own_tokenizer_is_written_as_its_json(tmp_path):
+    from transformers import AutoTokenizer
+
+    from fivecut.train.tokenizer import FileTokenizer
+
+    own = FileTokenizer(ex.gpt2_tokenizer(), 50256, "a test")
+    written = ex.write_tokenizer(tmp_path, own, 64)
+    assert written == ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    assert (tmp_path / "tokenizer.json").read_text() == own.json
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("Hello world").input_ids == [15496, 995] and loaded.eos_token_id == 50256
+
+
+def test_an_untied_model_in_several_shards(tiny_run, tmp_path, capsys):
+    out = ex.export(tiny_run, tmp_path / "hf", max_shard_bytes=300_000)
+    assert "no Hugging Face tokenizer" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files == sorted(p.name for p in out.glob("model-*.safetensors"))
+    tensors = {name: t for file in files for name, t in load_file(out / file).items()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert "lm_head.weight" in tensors and not (out / "tokenizer.json").exists()
+    for file in files:  # each shard within the limit, unless one tensor alone exceeds it
+        part = load_file(out / file)
+        assert len(part) == 1 or sum(t.numel() * 4 for t in part.values()) <= 300_000
+    assert max_logit_difference(checkpoint.newest(tiny_run), out) <= LOGITS_ATOL
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_saved_under_tensor_parallelism(cache, tmp_path):
+    """tiny-gpt2 under tp=2 pads its 50257-row vocabulary to split it; the export holds the global tensors."""
+    cfg = run_config(cache, tmp_path, "tiny-gpt2", "gpt2", "parallel.tp=2")
+    spawn(train_spawned, 2, cfg)
+    out = ex.export(tmp_path / "ck", tmp_path / "hf")
+    saved = checkpoint.full_state(checkpoint.newest(tmp_path / "ck"))
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == {to_hf(name) for name in saved}
+    assert exported["model.embed_tokens.weight"].shape == (50257, 64)
+    for name, tensor in saved.items():
+        assert torch.equal(exported[to_hf(name)], tensor), name
+
+
+def test_a_moe_model_keeps_fivecut_names(cache, tmp_path):
+    root = train_here(run_config(cache, tmp_path, "tiny-moe", "byte", "moe.bias_update_rate=0.01"))
+    out = ex.export(root, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["FivecutMoEForCausalLM"] and "Weights in and out" in config["note"]
+    assert ModelArgs(**config["fivecut"]) == ModelArgs(**checkpoint.read_meta(checkpoint.newest(root))["model"])
+    exported = load_file(out / "model.safetensors")
+    saved = checkpoint.full_state(checkpoint.newest(root))
+    biases = checkpoint.full_state(checkpoint.newest(root), "moe.")
+    saved |= {f"layers.{key.split('.')[0]}.feed_forward.expert_bias": t for key, t in biases.items()}
+    assert exported.keys() == saved.keys() and "layers.1.feed_forward.experts.w1" in exported
+    assert any(t.abs().sum() > 0 for key, t in biases.items())  # the routing biases moved, and are kept
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def export_cli(capsys, *args: str) -> tuple[int, str]:
+    code = main(["export", *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_non_empty_out_folder_is_refused_untouched(tiny_run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    code, err = export_cli(capsys, "--checkpoint", str(tiny_run), "--out", str(out))
+    assert code == 2 and str(out) in err and "choose another folder" in err and "Traceback" not in err
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_an_empty_out_folder_is_filled(tiny_run, tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    assert main(["export", "--checkpoint", str(tiny_run), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing checkpoint", "missing step", "incomplete checkpoint", "no checkpoint in dir", "bad size", "bad dtype"],
+)
+def test_bad_input_exits_2_naming_it(case, tiny_run, tmp_path, capsys):
+    step = checkpoint.newest(tiny_run)
+    args, named = {
+        "missing checkpoint": (["--checkpoint", str(tmp_path / "nowhere")], str(tmp_path / "nowhere")),
+        "missing step": (["--checkpoint", str(tiny_run), "--step", "99"], "--step 99"),
+        "incomplete checkpoint": (["--checkpoint", str(tmp_path / "step-00000002")], "COMPLETE"),
+        "no checkpoint in dir": (["--checkpoint", str(tmp_path)], str(tmp_path)),
+        "bad size": (["--checkpoint", str(step), "--max-shard-size", "5XB"], "--max-shard-size"),
+        "bad dtype": (["--checkpoint", str(step), "--dtype", "int8"], "--dtype"),
+    }[case]
+    (tmp_path / "step-00000002").mkdir()  # a checkpoint folder without its marker
+    code, err = export_cli(capsys, *args, "--out", str(tmp_path / "hf"))
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_failed_export_leaves_nothing(tiny_run, tmp_path, monkeypatch):
+    def broken(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ex, "write_tokenizer", broken)
+    with pytest.raises(OSError, match="disk full"):
+        ex.export(tiny_run, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_step_picks_an_older_checkpoint_and_bf16_casts(tiny_run, tmp_path):
+    out = ex.export(tiny_run, tmp_path / "hf", step=1, dtype="bf16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+
+
+def test_sizes_parse_as_hugging_face_writes_them():
+    assert ex.parse_size("2000000") == 2_000_000
+    assert ex.parse_size("500MB") == 500 * 10**6 and ex.parse_size("5GB") == 5 * 10**9
+    assert ex.parse_size("2GiB") == 2 * 2**30 and ex.parse_size("1.5kb") == 1500
+    for bad in ("", "5XB", "-3MB", "0", "GB"):
+        with pytest.raises(ValueError, match="--max-shard-size"):
+            ex.parse_size(bad)
