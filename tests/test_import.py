@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivecut.config import ConfigError, load_config
+from fivecut.config import load_config
 from fivecut.launch import spawn
-from fivecut.weights.source import WeightsError
 
 RTOL = ATOL = 1e-5
 VOCAB = 321  # odd: tensor parallelism pads it

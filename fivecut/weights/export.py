@@ -271,16 +271,10 @@ def write_json(path: Path, value: dict) -> None:
 
 
 def run_tokenizer(config: dict):
-    """The tokenizer the run trained with (`data.tokenizer` of its config)."""
-    from fivecut.train.tokenizer import get_tokenizer
+    """The tokenizer the run trained with (`data.tokenizer` of its config, "auto": its imported model's)."""
+    from fivecut.weights.load import run_tokenizer as resolve
 
-    name = config.get("data", {}).get("tokenizer")
-    if name not in ("gpt2", "byte"):
-        raise ExportError(
-            f"the checkpoint's run used tokenizer {name!r} (data.tokenizer in its fivecut.json); "
-            "export knows gpt2 and byte"
-        )
-    return get_tokenizer(name)
+    return resolve(config.get("data", {}).get("tokenizer", "byte"), config.get("model", {}).get("init_from"))
 
 
 def special_ids(tokenizer) -> tuple[int | None, int | None]:

@@ -116,27 +116,13 @@ def single_model(
 def checkpoint_model(path: Path, step: int | None):
     """(ModelArgs, full tensors by name, tokenizer) of the checkpoint at `path`."""
     from fivecut.train import checkpoint
+    from fivecut.weights.export import find_checkpoint
 
-    path = pick_checkpoint(path, step)
+    path = find_checkpoint(path, step)
     meta = checkpoint.read_meta(path)
     args = ModelArgs(**meta["model"])
     data, model = meta["config"]["data"], meta["config"]["model"]
     return args, checkpoint.full_state(path), run_tokenizer(data["tokenizer"], model.get("init_from"))
-
-
-def pick_checkpoint(path: Path, step: int | None) -> Path:
-    """A checkpoint folder as it is, or one of a checkpoint.dir's: `step`'s, else the newest complete one."""
-    from fivecut.train import checkpoint
-
-    if checkpoint.complete(path):
-        if step is not None and checkpoint.read_meta(path)["step"] != step:
-            raise checkpoint.CheckpointError(f"{path} is the checkpoint of step {checkpoint.read_meta(path)['step']}")
-        return path
-    chosen = checkpoint.step_dir(path, step) if step is not None else checkpoint.newest(path)
-    if chosen is None or not checkpoint.complete(chosen):
-        found = ", ".join(p.name for p in checkpoint.checkpoints(path)) or "none"
-        raise checkpoint.CheckpointError(f"no complete checkpoint {chosen or path} (complete ones there: {found})")
-    return chosen
 
 
 def full_box(shape: tuple[int, ...]) -> tuple[slice, ...]:
