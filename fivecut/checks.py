@@ -178,7 +178,7 @@ def data_problems(cfg: Config) -> list[str]:
 
 
 def log_problems(log) -> list[str]:
-    out = at_least("log", log, ("log_every",), 1)
+    out = at_least("log", log, ("log_every", "sample_tokens"), 1)
     if not (math.isfinite(log.peak_tflops) and log.peak_tflops >= 0):
         out.append(f"log.peak_tflops={log.peak_tflops} must be >= 0 (0 = look it up or measure it)")
     return out

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from fivecut import checks
 from fivecut.checks import PP_SCHEDULES, LayoutError
@@ -19,6 +20,7 @@ from fivecut.config import (
     load_config,
     model_args,
     model_label,
+    nest,
     parse_override,
 )
 from fivecut.layout import MoEOptions, ParallelDims
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
     export.add_argument("--dtype", default="fp32", help="fp32 (as trained), bf16 or fp16")
     export.set_defaults(func=cmd_export)
+
+    add_eval_parser(sub)
+    # add_generate_parser(sub)  TODO(merge gen)
 
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
@@ -177,6 +182,91 @@ def cmd_export(ns) -> int:
 
     export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype)
     return 0
+
+
+# ---------------------------------------------------------------- eval
+
+
+def add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="loss and perplexity of a model or checkpoint on a corpus's validation split")
+    add_model_choice(ev)
+    ev.add_argument("--data", default="shakespeare", help="'shakespeare', a text file, or a folder of *.txt")
+    ev.add_argument("--layout", default="", help="e.g. tp=2 or pp=2,microbatches=2 (default: one process)")
+    ev.add_argument("--batches", type=int, default=8, help="validation batches")
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
+    ev.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    ev.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is reported")
+    add_overrides(ev)
+    ev.set_defaults(func=cmd_eval)
+
+
+def add_model_choice(parser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--init-from", help="a published model: hf:FOLDER or gguf:FILE")
+    which.add_argument("--checkpoint", help="a fivecut checkpoint, or a checkpoint.dir (its newest one)")
+    parser.add_argument("--step", type=int, help="with a checkpoint.dir: this step's checkpoint")
+
+
+def cmd_eval(ns) -> int:
+    from fivecut.train.infer import evaluate_on_rank
+
+    cfg, path = eval_config(ns)
+    if cfg.parallel.world_size == 1 or "WORLD_SIZE" in os.environ:
+        result = in_process(evaluate_on_rank, cfg, path)
+    else:
+        from fivecut.launch import spawn
+
+        result = spawn(evaluate_on_rank, cfg.parallel.world_size, cfg, path, timeout_s=ns.timeout)[0]
+    print(
+        f"eval: {model_label(cfg.model)}, layout {cfg.parallel.describe()}, {result['tokens']:,} tokens of "
+        f"{cfg.data.source!r} (validation split): loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
+    )
+    return 0
+
+
+def eval_config(ns) -> tuple[Config, str | None]:
+    """The run `fivecut eval` makes: the model from --init-from or the checkpoint's config, a
+    validation set of --batches x --batch-size x --seq-len tokens, the layout of --layout."""
+    base, path = Config(), None
+    if ns.checkpoint is not None:
+        from fivecut.train.checkpoint import read_meta
+        from fivecut.weights.export import find_checkpoint
+
+        path = find_checkpoint(Path(ns.checkpoint).expanduser(), ns.step)
+        saved = read_meta(path)["config"]
+        apply_table(base, {"model": saved["model"], "data": {"tokenizer": saved["data"]["tokenizer"]}}, str(path))
+    elif ns.step is not None:
+        raise ConfigError("--step chooses one of a checkpoint.dir's checkpoints; give --checkpoint too")
+    else:
+        base.model.init_from = ns.init_from
+    base.data.source = ns.data
+    checks.check_run_arguments(1, ns.timeout)
+    run = [f"train.eval_batches={ns.batches}", f"train.global_batch={ns.batch_size}", f"train.seq_len={ns.seq_len}"]
+    cfg = apply_overrides(base, run + ["train.eval_every=1", "log.progress=false"] + ns.overrides)
+    cfg.parallel = parse_layout(ns.layout) if ns.layout else cfg.parallel
+    checks.validate(cfg, cfg.parallel.world_size)
+    checks.check_folders(cfg, out_dir=False)
+    return cfg, None if path is None else str(path)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    for item in overrides:
+        key, value = parse_override(item)
+        apply_table(cfg, nest(key, value), origin=f"--set {item}")
+    return cfg
+
+
+def in_process(fn, cfg: Config, *args):
+    """`fn(cfg, *args)` in this process: under torchrun as its rank, else as a world of one."""
+    import torch.distributed as dist
+
+    from fivecut.launch import init_from_environment
+
+    init_from_environment(cfg.train.collective_timeout)
+    try:
+        return fn(cfg, *args)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- verify / ledger

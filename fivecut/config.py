@@ -91,6 +91,8 @@ class LogConfig:
     log_every: int = 10  # a text line in the log every N steps
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = look it up / measure it
     plot: bool = True  # loss-curve PNG at the end
+    sample_prompt: str | None = None  # at the end, print the model's greedy continuation of this text
+    sample_tokens: int = 32  # tokens in that sample
 
 
 @dataclass

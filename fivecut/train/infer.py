@@ -8,6 +8,7 @@ logit for logit, and a training run can print what its model writes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -95,3 +96,20 @@ def greedy_sample(ctx, tokenizer, prompt: str, new_tokens: int) -> str:
             break
         out.append(nxt)
     return tokenizer.decode(out)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate_on_rank(cfg, checkpoint_path: str | None = None) -> dict:
+    """`fivecut eval` on one rank: the model (imported by model.init_from, or the checkpoint's
+    weights) under cfg's layout, its mean token loss on the validation split and the perplexity."""
+    from fivecut.train import checkpoint
+    from fivecut.train.trainer import evaluate, setup
+
+    ctx = setup(cfg)
+    if checkpoint_path is not None:
+        checkpoint.load(checkpoint_path, ctx.par, ctx.optimizer, dataclasses.asdict(ctx.args))
+    loss = evaluate(ctx)
+    tokens = sum(batch[1].numel() for batch in ctx.val_batches)
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens}

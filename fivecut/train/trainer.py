@@ -65,6 +65,7 @@ class Context:
     control_group: comm.Group  # every rank: the per-step stop flags (`fivecut.train.faults.agree`)
     flops_per_token: float
     args: ModelArgs | None = None  # the model's shape
+    tokenizer: object = None  # the run's tokenizer (`fivecut.train.tokenizer.Tokenizer`)
 
     @property
     def is_logger(self) -> bool:
@@ -81,7 +82,8 @@ def setup(cfg: Config) -> Context:
     device = local_device()
     timeout = timedelta(seconds=cfg.train.collective_timeout)
     mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe, timeout=timeout)
-    splits = run_tokens(cfg)
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    splits = load_tokens(cfg.data.source, tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
     vocab = splits.vocab_size
     if vocab > args.vocab_size:
         raise ValueError(
@@ -98,7 +100,8 @@ def setup(cfg: Config) -> Context:
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
     control = control_group(mesh)
     return Context(
-        cfg, mesh, device, par, optimizer, sampler, val, metrics_group, control, args.flops_per_token(t.seq_len), args
+        cfg, mesh, device, par, optimizer, sampler, val, metrics_group, control, args.flops_per_token(t.seq_len), args,
+        tokenizer,
     )
 
 
@@ -275,9 +278,20 @@ def train(cfg: Config, quiet: bool = False, measure_activations: bool = False, r
     except BaseException:
         log.abort()
         raise
-    result.ledger_rows = ctx.mesh.ledger.rows()
+    result.ledger_rows = ctx.mesh.ledger.rows()  # the training step's, not the sample's
+    if cfg.log.sample_prompt:
+        log.print(sample_line(ctx, cfg.log.sample_prompt, cfg.log.sample_tokens))
     result.loss_plot = log.close()
     return result
+
+
+def sample_line(ctx: Context, prompt: str, tokens: int) -> str:
+    """What the trained model writes after `prompt` (greedy; every rank takes part)."""
+    from fivecut.train.infer import greedy_sample
+
+    with ctx.mesh.ledger.phase("metrics"):
+        text = greedy_sample(ctx, ctx.tokenizer, prompt, tokens)
+    return f"sample: {prompt}{text}"
 
 
 def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None) -> int:
