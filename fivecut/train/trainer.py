@@ -100,7 +100,17 @@ def setup(cfg: Config) -> Context:
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
     control = control_group(mesh)
     return Context(
-        cfg, mesh, device, par, optimizer, sampler, val, metrics_group, control, args.flops_per_token(t.seq_len), args,
+        cfg,
+        mesh,
+        device,
+        par,
+        optimizer,
+        sampler,
+        val,
+        metrics_group,
+        control,
+        args.flops_per_token(t.seq_len),
+        args,
         tokenizer,
     )
 
