@@ -281,6 +281,9 @@ def train(cfg: Config, quiet: bool = False, measure_activations: bool = False, r
     start = resume_from(ctx, resume, guard)
     log = Logger(ctx, quiet, resumed=start > 0)
     result = RunResult()
+    if start == 0 and ctx.val_batches and cfg.model.init_from is not None:  # fine-tuning: where it starts
+        result.val_losses[0] = evaluate(ctx)
+        log.before_training(result.val_losses[0])
     try:
         with SignalFlag() as signals:
             for step in range(start + 1, cfg.train.steps + 1):
@@ -427,6 +430,12 @@ class Logger:
             self.bar.write(text)
         else:
             print(text, flush=True)
+
+    def before_training(self, val_loss: float) -> None:
+        """The imported model's validation loss, as step 0 (in the log and metrics.jsonl)."""
+        if self.active:
+            self.sink.write({"step": 0, "val_loss": val_loss})
+            self.print(f"step     0/{self.cfg.train.steps}  val {val_loss:.4f} (the imported weights, before training)")
 
     def memory(self, parts: dict[str, int]) -> None:
         self.print(
