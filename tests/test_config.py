@@ -2,7 +2,7 @@
 
 import pytest
 
-from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_args, parse_override
+from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_args, model_label, parse_override
 from fivecut.layout import ParallelDims
 from fivecut.model import get_preset
 
@@ -19,7 +19,7 @@ def error_of(*overrides, path=None) -> str:
 def test_defaults_load():
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.model.preset == "tiny"
+    assert cfg.model.preset is None and model_label(cfg.model) == "tiny"  # unset: the default preset
     assert cfg.train.steps == 100 and cfg.train.lr == 3e-3
     assert cfg.parallel == ParallelDims()
     assert cfg.parallel.world_size == 1
@@ -54,7 +54,7 @@ out_dir = "runs/x"
     assert cfg.parallel.dp == 2 and cfg.parallel.sp is False
     assert cfg.log.out_dir == "runs/x"
     # untouched keys keep their defaults
-    assert cfg.train.seq_len == 128 and cfg.data.tokenizer == "byte"
+    assert cfg.train.seq_len == 128 and cfg.data.tokenizer == "auto"
 
 
 def test_overrides_apply_after_the_file(tmp_path):
