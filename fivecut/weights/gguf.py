@@ -150,17 +150,16 @@ class GGUFSource:
             elif not (gguf_name == ROPE_FREQS and self._neutral_rope_freqs(tensor)):
                 unplaced.append(gguf_name)
         if unplaced:
-            raise WeightsError(
-                f"{self.path} holds tensors fivecut's Llama has no place for: {', '.join(unplaced)}"
-                + (
-                    f" ({ROPE_FREQS} rescales RoPE frequencies, which fivecut does not)"
-                    if ROPE_FREQS in unplaced
-                    else ""
-                )
-            )
+            self._refuse_unplaced(unplaced)
         for tensor in mapped.values():
             self._check_type(tensor)
         return mapped
+
+    def _refuse_unplaced(self, gguf_names: list[str]) -> None:
+        rescales = ROPE_FREQS in gguf_names
+        why = f" ({ROPE_FREQS} rescales RoPE's frequencies; fivecut's RoPE is unscaled)" if rescales else ""
+        listed = ", ".join(gguf_names)
+        raise WeightsError(f"{self.path} holds tensors fivecut's Llama has no place for: {listed}{why}")
 
     def _neutral_rope_freqs(self, tensor) -> bool:
         """Whether `rope_freqs.weight` ([head_dim/2] factors) leaves every frequency as it is."""
@@ -190,9 +189,8 @@ class GGUFSource:
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         if name not in self._tensors:
-            raise WeightsError(
-                f"{self.path} holds no tensor {name!r} (fivecut names, e.g. {next(iter(self._tensors))})"
-            )
+            example = next(iter(self._tensors))
+            raise WeightsError(f"{self.path} holds no tensor {name!r}; names are fivecut's, e.g. {example!r}")
         tensor, shape = self._tensors[name], self._shapes[name]
         ranges = box_ranges(box, shape, name)
         if len(shape) == 1:  # a norm: small, read whole
