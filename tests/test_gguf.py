@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from gguf import GGMLQuantizationType as T
 from fivecut.model.args import ModelArgs
 from fivecut.model.transformer import build_model
 from fivecut.weights.gguf import GGUFSource
-from fivecut.weights.names import to_gguf
+from fivecut.weights.hf import llama_config
+from fivecut.weights.names import to_gguf, to_hf
 from fivecut.weights.source import WeightsError, expected_shapes
 
 TINY = ModelArgs(vocab_size=0, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=128)
@@ -282,31 +284,77 @@ def fivecut_model(source: GGUFSource) -> torch.nn.Module:
     return model.eval()
 
 
-def transformers_model(source: GGUFSource) -> torch.nn.Module:
+def transformers_model(source: GGUFSource, monkeypatch) -> torch.nn.Module:
     """transformers' LlamaForCausalLM of the same file, dequantized and unpermuted by transformers."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.utils import is_accelerate_available
 
-    folder, name = source.path.parent, source.path.name
+    # transformers rebuilds gguf's tensor-name table once per submodule (~400 times, 10-15 s on 2 cores); it is a pure
+    # function of (architecture, layers), so build it once
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     if is_accelerate_available():
-        return LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    # from_pretrained(gguf_file=...) insists on accelerate; without it, do what it does by hand
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float()
-    state = load_gguf_checkpoint(str(source.path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
+        return LlamaForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name, dtype=torch.float32)
+    # from_pretrained(gguf_file=...) refuses to run without accelerate (not installed here), so do what it does by
+    # hand -- reading the file once: the GGUF's config and tensors as transformers parses, dequantizes and unpermutes
+    # them (its unpermute takes the head counts from the file, not from the model passed in for the names)
+    with no_init_weights():
+        model = LlamaForCausalLM(LlamaConfig(**llama_config(source.args)))
+    parsed = load_gguf_checkpoint(str(source.path), return_tensors=True, model_to_load=model)
+    assert_same_shape(LlamaConfig(**parsed["config"]), model.config)
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.eval()
 
 
-def test_smollm2_logits_match_transformers(smollm2):
+def assert_same_shape(theirs, ours) -> None:
+    """transformers' reading of the GGUF metadata describes the model fivecut read from it."""
+    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
+    keys += ["vocab_size", "head_dim", "tie_word_embeddings", "hidden_act"]
+    assert {k: getattr(theirs, k) for k in keys} == {k: getattr(ours, k) for k in keys}
+    assert theirs.rope_parameters["rope_theta"] == ours.rope_parameters["rope_theta"]
+    assert theirs.rms_norm_eps == pytest.approx(ours.rms_norm_eps, rel=1e-6)  # theirs keeps float32's 9.99999975e-06
+
+
+@pytest.fixture(scope="module")
+def smollm2_models(smollm2) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(fivecut's model read by GGUFSource, transformers' LlamaForCausalLM) of SmolLM2."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return fivecut_model(smollm2), transformers_model(smollm2, monkeypatch)
+
+
+def test_smollm2_weights_equal_transformers(smollm2_models):
+    ours, theirs = smollm2_models
+    state = theirs.state_dict()
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, state[to_hf(name)]), name  # bit for bit: same dequantization, same row order
+
+
+def test_smollm2_logits_match_transformers(smollm2, smollm2_models):
+    ours, theirs = smollm2_models
     tokens = torch.tensor([smollm2.tokenizer().encode("The capital of France is Paris, and")])  # [1, 8]
     assert tokens.shape == (1, 8)
     with torch.no_grad():
-        ours = fivecut_model(smollm2)(tokens)
-        theirs = transformers_model(smollm2)(tokens).logits
-    diff = (ours - theirs).abs().max().item()
-    print(f"SmolLM2 max |logit diff| = {diff:.3g} (logits up to {theirs.abs().max().item():.3g})")
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        logits, expected = ours(tokens), theirs(tokens).logits  # [1, 8, 49152]
+    diff = (logits - expected).abs().max().item()
+    print(f"SmolLM2 max |logit diff| = {diff:.3g} (logits up to {expected.abs().max().item():.3g})")
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_logits_differ_only_by_rope_tables(smollm2, smollm2_models):
+    """fivecut computes its RoPE tables in float64, transformers in float32 (cos/sin differ by ~3e-7); with
+    transformers' tables the two models' logits are bitwise equal."""
+    ours, theirs = smollm2_models
+    tokens = torch.tensor([smollm2.tokenizer().encode("The capital of France is Paris, and")])  # [1, 8]
+    positions = torch.arange(tokens.shape[1])
+    cos, sin = theirs.model.rotary_emb(torch.zeros(1, 8, ours.args.head_dim), positions[None])  # [1, 8, hd] each
+    own_tables = ours.rope_cos.clone(), ours.rope_sin.clone()
+    try:
+        ours.rope_cos[positions], ours.rope_sin[positions] = cos[0], sin[0]
+        with torch.no_grad():
+            assert torch.equal(ours(tokens), theirs(tokens).logits)
+    finally:
+        ours.rope_cos, ours.rope_sin = own_tables
