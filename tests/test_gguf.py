@@ -47,7 +47,7 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def add_metadata(writer: gguf.GGUFWriter, args: ModelArgs, tokenizer_model: str) -> None:
+def add_metadata(writer: gguf.GGUFWriter, args: ModelArgs, tokenizer_model: str, pre: str = "smollm") -> None:
     writer.add_block_count(args.n_layers)
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
@@ -59,7 +59,7 @@ def add_metadata(writer: gguf.GGUFWriter, args: ModelArgs, tokenizer_model: str)
     writer.add_rope_dimension_count(args.head_dim)
     vocab = byte_level_vocab()
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab)
     writer.add_token_merges(MERGES)
     writer.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
@@ -82,14 +82,14 @@ def stored(name: str, w: np.ndarray, args: ModelArgs) -> np.ndarray:
     return w
 
 
-def write_tiny(path: Path, arch="llama", tokenizer_model="gpt2", extra=None, types=TYPES) -> dict[str, np.ndarray]:
+def write_tiny(path: Path, arch="llama", tokenizer_model="gpt2", pre="smollm", extra=None) -> dict[str, np.ndarray]:
     """A tiny llama GGUF at `path`; `extra(writer)` may add metadata or tensors. Returns its weights."""
     args = ModelArgs(**{**TINY.__dict__, "vocab_size": len(byte_level_vocab())})
     weights = tiny_weights(args)
     writer = gguf.GGUFWriter(str(path), arch)
-    add_metadata(writer, args, tokenizer_model)
+    add_metadata(writer, args, tokenizer_model, pre)
     for i, (name, w) in enumerate(sorted(weights.items(), key=lambda kv: kv[0] != "layers.0.attention.wq.weight")):
-        qtype = T.F32 if w.ndim == 1 else types[i % len(types)]
+        qtype = T.F32 if w.ndim == 1 else TYPES[i % len(TYPES)]
         writer.add_tensor(to_gguf(name), gguf.quants.quantize(stored(name, w, args), qtype), raw_dtype=qtype)
     if extra is not None:
         extra(writer)
@@ -161,6 +161,22 @@ def test_tiny_box_reads_are_narrowed_full_reads(tiny, box):
         assert torch.equal(source.read(name, part), whole[part]), (name, part)
 
 
+def test_tiny_box_reads_dequantize_only_their_rows(tiny, monkeypatch):
+    import fivecut.weights.gguf as module
+
+    source, _ = tiny
+    seen = []  # the shapes of the stored rows handed to gguf
+
+    def recording(data, qtype):
+        seen.append(data.shape[0])
+        return gguf.quants.dequantize(data, qtype)
+
+    monkeypatch.setattr(module, "dequantize", recording)
+    source.read("tok_embeddings.weight", (slice(100, 103), slice(0, 8)))
+    source.read("layers.1.attention.wk.weight", (slice(14, 18), slice(None)))  # across heads 0 and 1
+    assert seen == [3, 4]
+
+
 def test_tiny_tokenizer(tiny):
     source, _ = tiny
     tok = source.tokenizer()
@@ -170,6 +186,20 @@ def test_tiny_tokenizer(tiny):
     assert [vocab[i] for i in ids] == ["the", "Ġand", "Ġ", "1", "2", "<|im_start|>", "in"]  # digits split apart
     assert tok.decode(ids) == "the and 12<|im_start|>in"
     assert tok.eot_id == vocab.index("<|endoftext|>") and tok.vocab_size == len(vocab)
+
+
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        ("smollm", ["1", "2", "3", "4", "5", "Ġthe", "Ġ'", "s"]),
+        ("gpt-2", ["12345", "Ġthe", "Ġ'", "s"]),
+        ("llama-bpe", ["123", "45", "Ġthe", "Ġ'", "s"]),  # numbers in threes
+    ],
+)
+def test_pre_tokenizers(tmp_path, pre, pieces):
+    write_tiny(tmp_path / f"{pre}.gguf", pre=pre)
+    tok = GGUFSource(tmp_path / f"{pre}.gguf").tokenizer().tokenizer
+    assert [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str("12345 the 's")] == pieces
 
 
 # ----- what is refused ---------------------------------------------------
@@ -214,6 +244,11 @@ def write_q8_1(path: Path) -> None:
 def test_refuses_other_tokenizer_models(tmp_path):
     write_tiny(tmp_path / "spm.gguf", tokenizer_model="llama")
     refused(tmp_path / "spm.gguf", "tokenizer.ggml.model", "'llama'", "gpt2")
+
+
+def test_refuses_other_pre_tokenizers(tmp_path):
+    write_tiny(tmp_path / "qwen2-pre.gguf", pre="qwen2")
+    refused(tmp_path / "qwen2-pre.gguf", "tokenizer.ggml.pre", "'qwen2'", "smollm", "llama-bpe")
 
 
 def test_refuses_rope_scaling_and_moe(tmp_path):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFValueType
 
 from fivecut.model.args import ModelArgs
 from fivecut.weights.names import from_gguf
@@ -38,18 +39,13 @@ ARCHITECTURE = "llama"
 ROPE_FREQS = "rope_freqs.weight"  # llama-3.1-style per-frequency RoPE factors, [head_dim / 2]
 PERMUTED_ROWS = ("wq.weight", "wk.weight")  # rows interleaved per head by llama.cpp's converter
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values added as special tokens
-GPT2_REGEX_BYTE_LEVEL = "gpt2"  # pre-tokenizer kinds, see `pre_tokenizer`
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> the split that runs before byte-level encoding
-    "smollm": "digits",
-    "gpt-2": GPT2_REGEX_BYTE_LEVEL,
-    "default": GPT2_REGEX_BYTE_LEVEL,
-    "llama-bpe": "llama3",
-    "llama3": "llama3",
-}
+# tokenizer.ggml.pre -> how text is split before byte-level BPE (see `pre_tokenizer`): "gpt2" is GPT-2's regex,
+# "digits" every digit alone then GPT-2's regex, "llama3" Llama 3's regex
+PRE_TOKENIZERS = {"smollm": "digits", "gpt-2": "gpt2", "default": "gpt2", "llama-bpe": "llama3", "llama3": "llama3"}
 
 
 class GGUFSource:
@@ -85,7 +81,7 @@ class GGUFSource:
         if field is None:
             return default
         value = field.contents()
-        return float(str(np.float32(value))) if field.types[0].name == "FLOAT32" else float(value)
+        return float(str(np.float32(value))) if field.types[0] == GGUFValueType.FLOAT32 else float(value)
 
     def _args(self, tie_embeddings: bool) -> ModelArgs:
         self._check_architecture()
