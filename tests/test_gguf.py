@@ -19,7 +19,7 @@ from fivecut.weights.hf import llama_config
 from fivecut.weights.names import to_gguf, to_hf
 from fivecut.weights.source import WeightsError, expected_shapes
 
-TINY = ModelArgs(vocab_size=0, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=128)
+SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=128)  # of the tiny files
 # the 2-D tensors take these types in turn (wq of layer 0 is F32, so it can be compared exactly)
 TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)
 MERGES = ["t h", "th e", "Ġ the", "i n", "Ġ in", "1 2", "a n", "an d", "Ġ and"]
@@ -35,6 +35,10 @@ def byte_level_vocab() -> list[str]:
 
     symbols = pre_tokenizers.ByteLevel.alphabet()
     return sorted(symbols) + ["".join(m.split()) for m in MERGES] + SPECIALS
+
+
+def tiny_args() -> ModelArgs:
+    return ModelArgs(vocab_size=len(byte_level_vocab()), **SHAPE)
 
 
 def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
@@ -84,7 +88,7 @@ def stored(name: str, w: np.ndarray, args: ModelArgs) -> np.ndarray:
 
 def write_tiny(path: Path, arch="llama", tokenizer_model="gpt2", pre="smollm", extra=None) -> dict[str, np.ndarray]:
     """A tiny llama GGUF at `path`; `extra(writer)` may add metadata or tensors. Returns its weights."""
-    args = ModelArgs(**{**TINY.__dict__, "vocab_size": len(byte_level_vocab())})
+    args = tiny_args()
     weights = tiny_weights(args)
     writer = gguf.GGUFWriter(str(path), arch)
     add_metadata(writer, args, tokenizer_model, pre)
@@ -111,8 +115,9 @@ def reference(source: GGUFSource, name: str) -> torch.Tensor:
     """The whole tensor dequantized by gguf in one go, then unpermuted by `unpermute`."""
     tensor = next(t for t in source._reader.tensors if t.name == to_gguf(name))
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    heads = {"wq.weight": source.args.n_heads, "wk.weight": source.args.n_kv_heads}.get(name[-9:])
-    return torch.from_numpy(np.array(unpermute(values, heads) if heads else values, dtype=np.float32))
+    if name.endswith(("wq.weight", "wk.weight")):
+        values = unpermute(values, source.args.n_heads if name.endswith("wq.weight") else source.args.n_kv_heads)
+    return torch.from_numpy(np.array(values, dtype=np.float32))
 
 
 def full(shape) -> tuple[slice, ...]:
@@ -226,7 +231,7 @@ def test_refuses_types_gguf_cannot_dequantize(tmp_path):
 
 def write_q8_1(path: Path) -> None:
     """Rewrite `path` with blk.0.ffn_up.weight stored as raw Q8_1 bytes."""
-    args = ModelArgs(**{**TINY.__dict__, "vocab_size": len(byte_level_vocab())})
+    args = tiny_args()
     writer = gguf.GGUFWriter(str(path), "llama")
     add_metadata(writer, args, "gpt2")
     for name, w in tiny_weights(args).items():
@@ -259,7 +264,7 @@ def test_refuses_rope_scaling_and_moe(tmp_path):
 
 
 def test_rope_freqs_ignored_only_when_neutral(tmp_path):
-    half = TINY.dim // TINY.n_heads // 2
+    half = tiny_args().head_dim // 2
     write_tiny(tmp_path / "ones.gguf", extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(half, np.float32)))
     assert "rope_freqs.weight" not in str(GGUFSource(tmp_path / "ones.gguf").shapes())
     scaled = np.linspace(1, 8, half, dtype=np.float32)
