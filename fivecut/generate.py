@@ -125,7 +125,7 @@ def generate_ids(
     cache = new_cache(model, batch=1, max_len=len(prompt_ids) + max_new_tokens)
     pick = _picker(sampling or Sampling(), device)
     t0 = time.perf_counter()
-    token = pick(decode(model, torch.tensor([prompt_ids], device=device), cache))  # [1, 1]
+    token = pick(decode(model, torch.tensor([prompt_ids], device=device), cache, last_only=True))  # [1, 1]
     new_ids = [int(token)]
     t1 = time.perf_counter()
     _tell(on_token, new_ids[-1])

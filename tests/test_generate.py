@@ -73,6 +73,13 @@ def test_chunked_prefill_after_cached_prefix():
     torch.testing.assert_close(chunk, full_logits(model, tokens)[:, 7:15], rtol=RTOL, atol=ATOL)
 
 
+def test_last_only_prefill_gives_the_last_position():
+    model = model_of("tiny-gpt2")
+    tokens = random_tokens(model.args.vocab_size, 2, 9)
+    last = decode(model, tokens, new_cache(model, batch=2, max_len=9), last_only=True)  # [2, 1, vocab]
+    torch.testing.assert_close(last, full_logits(model, tokens)[:, -1:], rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_greedy_equals_argmax_of_reforward_loop(name):
     model = model_of(name)

@@ -58,9 +58,10 @@ def _kv_shape(attention: Attention, batch: int, max_len: int) -> tuple[int, int,
 
 
 @torch.inference_mode()
-def decode(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """tokens [b, s] at positions cache.length .. cache.length+s-1 -> logits [b, s, vocab].
-    Writes their keys and values into `cache` and advances cache.length by s."""
+def decode(model: Transformer, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    """tokens [b, s] at positions cache.length .. cache.length+s-1 -> logits [b, s, vocab]
+    ([b, 1, vocab] with `last_only`: the head, often the largest matrix, runs on the last
+    position alone). Writes their keys and values into `cache` and advances cache.length by s."""
     start, s = cache.length, tokens.shape[1]
     if start + s > cache.max_len:
         raise ValueError(
@@ -72,7 +73,9 @@ def decode(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Te
     for block, k_cache, v_cache in zip(model.layers.values(), cache.keys, cache.values, strict=True):
         h = _block(block, h, rope, k_cache, v_cache, start)
     cache.length = start + s
-    return model.output(model.norm(h))  # [b, s, vocab]
+    if last_only:
+        h = h[:, -1:]  # [b, 1, dim]
+    return model.output(model.norm(h))  # [b, s or 1, vocab]
 
 
 def _block(block: Block, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int):
