@@ -41,6 +41,8 @@ class KVCache:
 def new_cache(model: Transformer, batch: int = 1, max_len: int | None = None) -> KVCache:
     """An empty cache for `batch` sequences of up to `max_len` positions (default max_seq_len),
     on the model's device and in its dtype."""
+    if model.tok_embeddings is None or model.output is None or model.norm is None:
+        raise ValueError("decoding needs the whole model (embedding, layers, norm, head), not a pipeline stage")
     limit = model.args.max_seq_len
     max_len = limit if max_len is None else max_len
     if not 1 <= max_len <= limit:
