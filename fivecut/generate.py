@@ -225,6 +225,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from fivecut.weights.load import single_model
 
     model, tokenizer = single_model(init_from=ns.init_from, checkpoint=ns.checkpoint, step=ns.step, device=ns.device)
+    check_length(model, len(tokenizer.encode(ns.prompt)), ns.max_new_tokens)  # before anything is printed
     print(ns.prompt, end="", flush=True)
     result = generate(model, tokenizer, ns.prompt, ns.max_new_tokens, *_fields(sampling), stream=_stdout)
     print(flush=True)

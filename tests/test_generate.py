@@ -222,6 +222,9 @@ def test_cli_streams_the_continuation(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == "Hi" + generate(model, tok, "Hi", 8).text + "\n"
     assert "8 tokens" in err and "tokens/s" in err
+    with pytest.raises(ValueError, match="max_seq_len 256"):
+        cmd_generate(parse("--init-from", "x", "--prompt", "Hi", "--max-new-tokens", "300"))
+    assert capsys.readouterr().out == ""  # refused before the prompt is echoed
 
 
 def test_sampling_record_defaults_to_greedy():
