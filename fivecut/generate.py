@@ -92,7 +92,6 @@ def generate(
 ) -> GenerationResult:
     """Continue `prompt` by up to `max_new_tokens` tokens; `stream` receives the text as it grows."""
     sampling = Sampling(temperature, top_k, seed)
-    check_sampling(max_new_tokens, sampling)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenization; give at least one character of prompt")
@@ -120,10 +119,12 @@ def generate_ids(
 ) -> IdsResult:
     """The token loop of `generate`: one prefill, then one cached step per new token; `on_token`
     is called with each new id. Greedy unless `sampling` says otherwise."""
+    sampling = sampling or Sampling()
+    check_sampling(max_new_tokens, sampling)
     check_length(model, len(prompt_ids), max_new_tokens)
     device = model.rope_cos.device
     cache = new_cache(model, batch=1, max_len=len(prompt_ids) + max_new_tokens)
-    pick = _picker(sampling or Sampling(), device)
+    pick = _picker(sampling, device)
     t0 = time.perf_counter()
     token = pick(decode(model, torch.tensor([prompt_ids], device=device), cache, last_only=True))  # [1, 1]
     new_ids = [int(token)]

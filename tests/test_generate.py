@@ -182,6 +182,22 @@ def test_over_long_requests_raise():
         new_cache(model, max_len=300)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens is 0"),
+        (dict(temperature=-1.0), "temperature is -1.0"),
+        (dict(top_k=-2), "top_k is -2"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    model, tok = model_of("tiny"), get_tokenizer("byte")
+    with pytest.raises(ValueError, match=match):
+        generate(model, tok, "abc", **{"max_new_tokens": 4, **kwargs})
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, tok, "", 4)
+
+
 def test_sample_text_fits_the_context():
     model, tok = model_of("tiny"), get_tokenizer("byte")
     assert len(tok.encode(sample_text(model, tok, "y" * 250, 20))) <= 6 * 4  # at most 6 tokens of up to 4 bytes
