@@ -17,6 +17,7 @@ from fivecut.generate import (
 )
 from fivecut.model import build_model, get_preset
 from fivecut.model.decode import decode, new_cache
+from fivecut.model.transformer import apply_rope
 from fivecut.train.tokenizer import get_tokenizer
 from fivecut.weights import names
 from fivecut.weights.hf import llama_config
@@ -71,6 +72,23 @@ def test_chunked_prefill_after_cached_prefix():
     decode(model, tokens[:, :7], cache)
     chunk = decode(model, tokens[:, 7:15], cache)
     torch.testing.assert_close(chunk, full_logits(model, tokens)[:, 7:15], rtol=RTOL, atol=ATOL)
+
+
+def test_cached_keys_are_rotated_at_their_absolute_positions():
+    """A shift of every position by the same offset leaves all logits unchanged (RoPE sees only
+    distances), so the logit tests cannot see it; the cached keys can."""
+    model = model_of("tiny")
+    tokens = random_tokens(256, 1, 12)
+    cache = new_cache(model, max_len=12)
+    decode(model, tokens[:, :5], cache)
+    for i in range(5, 12):
+        decode(model, tokens[:, i : i + 1], cache)
+    block = model.layers["0"]
+    with torch.inference_mode():
+        k = block.attention.wk(block.attention_norm(model.tok_embeddings(tokens)))  # [1, 12, n_kv * hd]
+        k = k.view(1, 12, -1, block.attention.head_dim).transpose(1, 2)  # [1, n_kv, 12, hd]
+        expected = apply_rope(k, model.rope_cos[:12], model.rope_sin[:12])
+    torch.testing.assert_close(cache.keys[0], expected, rtol=RTOL, atol=ATOL)
 
 
 def test_last_only_prefill_gives_the_last_position():
