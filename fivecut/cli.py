@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
 
     add_eval_parser(sub)
-    # add_generate_parser(sub)  TODO(merge gen)
+    add_generate_parser(sub)
 
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
@@ -205,6 +205,24 @@ def add_model_choice(parser) -> None:
     which.add_argument("--init-from", help="a published model: hf:FOLDER or gguf:FILE")
     which.add_argument("--checkpoint", help="a fivecut checkpoint, or a checkpoint.dir (its newest one)")
     parser.add_argument("--step", type=int, help="with a checkpoint.dir: this step's checkpoint")
+
+
+def add_generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="continue a prompt with a trained or imported model (KV cache, streamed)")
+    add_model_choice(gen)
+    gen.add_argument("--prompt", required=True, metavar="TEXT")
+    gen.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=50, metavar="K", help="0: the whole vocabulary")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling generator's seed")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(ns) -> int:
+    from fivecut.generate import cmd_generate as run
+
+    return run(ns)
 
 
 def cmd_eval(ns) -> int:

@@ -160,15 +160,6 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     return torch.multinomial(probs, 1, generator=generator)  # [b, 1]
 
 
-def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, n: int) -> str:
-    """A short greedy continuation of `prompt` (at most `n` tokens, fewer when the model's
-    max_seq_len leaves no room), for a look at a model during training."""
-    room = model.args.max_seq_len - len(tokenizer.encode(prompt))
-    if room < 1:
-        return ""
-    return generate(model, tokenizer, prompt, min(n, room)).text
-
-
 # ----------------------------------------------------------------------------
 # checks
 # ----------------------------------------------------------------------------
@@ -199,23 +190,6 @@ def check_length(model: Transformer, prompt_len: int, max_new_tokens: int) -> No
 # ----------------------------------------------------------------------------
 # fivecut generate
 # ----------------------------------------------------------------------------
-
-
-def add_generate_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `generate` to the CLI's subparsers."""
-    p = subparsers.add_parser("generate", help="continue a prompt with a trained or imported model")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="a fivecut checkpoint, or a checkpoint.dir")
-    source.add_argument("--init-from", metavar="SPEC", help="imported weights (a Hugging Face folder, a GGUF file)")
-    p.add_argument("--step", type=int, help="with --checkpoint: this step's checkpoint (default: the newest)")
-    p.add_argument("--prompt", required=True, metavar="TEXT")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy")
-    p.add_argument("--top-k", type=int, default=50, metavar="K", help="0: the whole vocabulary")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
-    p.add_argument("--device", default="cpu")
-    p.set_defaults(func=cmd_generate)
-    return p
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

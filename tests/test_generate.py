@@ -9,11 +9,9 @@ import torch
 from fivecut.generate import (
     Sampling,
     TextStream,
-    add_generate_parser,
     cmd_generate,
     generate,
     generate_ids,
-    sample_text,
 )
 from fivecut.model import build_model, get_preset
 from fivecut.model.decode import decode, new_cache
@@ -216,16 +214,10 @@ def test_bad_arguments_raise(kwargs, match):
         generate(model, tok, "", 4)
 
 
-def test_sample_text_fits_the_context():
-    model, tok = model_of("tiny"), get_tokenizer("byte")
-    assert len(tok.encode(sample_text(model, tok, "y" * 250, 20))) <= 6 * 4  # at most 6 tokens of up to 4 bytes
-    assert sample_text(model, tok, "abc", 5) == generate(model, tok, "abc", 5).text
-
-
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="fivecut")
-    add_generate_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["generate", *argv])
+    from fivecut.cli import build_parser
+
+    return build_parser().parse_args(["generate", *argv])
 
 
 @pytest.mark.parametrize("flag, value", [("--max-new-tokens", "0"), ("--temperature", "-0.5"), ("--top-k", "-1")])
