@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fivecut.model.args import ModelArgs
-from fivecut.weights.source import WeightsError, WeightSource, expected_shapes, open_source
+from fivecut.weights.source import WeightsError, WeightSource, expected_shapes, open_source, resolve_path
 
 
 @functools.lru_cache(maxsize=8)
@@ -27,7 +27,10 @@ def _opened(spec: str, stamp: tuple) -> WeightSource:
 def source_of(spec: str) -> WeightSource:
     """The source `spec` names, opened once per process while its file is unchanged."""
     scheme, _, rest = spec.partition(":")
-    path = Path(rest).expanduser()
+    try:
+        path = resolve_path(rest)
+    except ModuleNotFoundError as err:
+        raise WeightsError(f"model.init_from {spec!r}: {err}") from None
     stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.exists() else None
     return _opened(spec, stamp)
 

