@@ -398,3 +398,43 @@ def test_smollm2_logits_differ_only_by_rope_tables(smollm2, smollm2_models):
             assert torch.equal(ours(tokens), theirs(tokens).logits)
     finally:
         ours.rope_cos, ours.rope_sin = own_tables
+
+
+# ----- through the CLI: exit 2, one line, before any rank starts ----------
+
+
+@pytest.mark.parametrize(
+    "write, needle",
+    [
+        (lambda p: write_tiny(p, arch="qwen2"), "general.architecture"),
+        (write_q8_1, "Q8_1"),
+        (lambda p: write_tiny(p, tokenizer_model="llama"), "tokenizer.ggml.model"),
+    ],
+)
+def test_cli_refuses_unusable_gguf(tmp_path, capsys, write, needle):
+    from fivecut.cli import main
+
+    path = tmp_path / "model.gguf"
+    write(path)
+    code = main(["eval", "--init-from", f"gguf:{path}", "--set", f'data.cache_dir="{tmp_path}/cache"'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and needle in err and str(path) in err and "Traceback" not in err
+
+
+def test_token_cache_is_keyed_by_the_tokenizer(tmp_path):
+    """Two different tokenizers never share a cache; the same one reuses its cache."""
+    from fivecut.train.data import load_tokens
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("In 1599 the Globe opened; 12 plays later, the company moved. " * 40)
+    write_tiny(tmp_path / "a.gguf", pre="smollm")  # digits one by one
+    write_tiny(tmp_path / "b.gguf", pre="gpt-2")  # digits in runs
+    a, b = GGUFSource(tmp_path / "a.gguf").tokenizer(), GGUFSource(tmp_path / "b.gguf").tokenizer()
+    cache = tmp_path / "cache"
+    first, second = load_tokens(str(corpus), a, cache), load_tokens(str(corpus), b, cache)
+    assert a.name != b.name and first.cache_path != second.cache_path
+    assert list(first.train[:40]) != list(second.train[:40]) or len(first.train) != len(second.train)
+    again = load_tokens(str(corpus), GGUFSource(tmp_path / "a.gguf").tokenizer(), cache)
+    assert again.cache_path == first.cache_path and sorted(p.name for p in cache.glob("*.bin")) == sorted(
+        [first.cache_path.name, second.cache_path.name]
+    )

@@ -207,14 +207,27 @@ def smollm2_file():
     return path
 
 
-@pytest.mark.multirank
-def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(byte_cache):
-    """tp=3 (9 heads, 3 kv heads, vocabulary 49,152 over 3 ranks) and pp=2 (30 layers, the tied
-    embedding on both ends) give the single process's logits of a real quantized model."""
+@pytest.fixture(scope="module")
+def smollm2():
+    """(spec, whole model, tokenizer) of SmolLM2-135M-Instruct from its GGUF."""
     from fivecut.weights.load import single_model
 
     spec = f"gguf:{smollm2_file()}"
-    model, tokenizer = single_model(init_from=spec)
+    return (spec, *single_model(init_from=spec))
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2):
+    from fivecut.generate import generate
+
+    _, model, tokenizer = smollm2
+    assert "Paris" in generate(model, tokenizer, "The capital of France is", 8, temperature=0.0).text
+
+
+@pytest.mark.multirank
+def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, byte_cache):
+    """tp=3 (9 heads, 3 kv heads, vocabulary 49,152 over 3 ranks) and pp=2 (30 layers, the tied
+    embedding on both ends) give the single process's logits of a real quantized model."""
+    spec, model, tokenizer = smollm2
     tokens = torch.tensor([tokenizer.encode("To be, or not to be, that is the question:")])  # [1, s]
     with torch.no_grad():
         expected = model(tokens)  # [1, s, 49152]
