@@ -123,6 +123,18 @@ def test_small_round_trips_into_transformers(small_run, small_export):
     assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 50256, "eos_token_id": 50256}
 
 
+def test_generate_from_the_checkpoint_and_from_its_export_agree(small_run, small_export, capsys):
+    """`fivecut generate` reads a checkpoint (GPT-2 tokenizer from its run) and the exported folder
+    (its tokenizer.json) to the same greedy text: the weights and the tokenizer survived the trip."""
+    from fivecut.cli import main
+
+    prompt = ["--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "6"]
+    assert main(["generate", "--checkpoint", str(small_run), *prompt]) == 0
+    from_checkpoint = capsys.readouterr().out
+    assert main(["generate", "--init-from", f"hf:{small_export[0]}", *prompt]) == 0
+    assert capsys.readouterr().out == from_checkpoint and from_checkpoint.startswith("ROMEO:")
+
+
 def test_the_gpt2_tokenizer_loads_in_transformers(small_export):
     from transformers import AutoTokenizer
 

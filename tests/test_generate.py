@@ -1,7 +1,6 @@
 """Cached decoding against the full forward and Hugging Face Llama; sampling, streaming, limits, the CLI glue."""
 
 import argparse
-import importlib.util
 
 import pytest
 import torch
@@ -238,8 +237,6 @@ def test_cli_needs_exactly_one_source():
 
 
 def test_cli_streams_the_continuation(monkeypatch, capsys):
-    if importlib.util.find_spec("fivecut.weights.load") is None:
-        pytest.skip("fivecut.weights.load.single_model is not on this branch")
     import fivecut.weights.load as load
 
     model, tok = model_of("tiny"), get_tokenizer("byte")

@@ -125,7 +125,11 @@ def checkpoint_model(path: Path, step: int | None):
     meta = checkpoint.read_meta(path)
     args = ModelArgs(**meta["model"])
     data, model = meta["config"]["data"], meta["config"]["model"]
-    return args, checkpoint.full_state(path), run_tokenizer(data["tokenizer"], model.get("init_from"))
+    tensors = checkpoint.full_state(path)
+    if args.is_moe:  # the routing biases of auxiliary-loss-free balancing: selection depends on them
+        biases = checkpoint.full_state(path, "moe.")  # "<layer>.expert_bias"
+        tensors |= {f"layers.{key.split('.')[0]}.feed_forward.expert_bias": t for key, t in biases.items()}
+    return args, tensors, run_tokenizer(data["tokenizer"], model.get("init_from"))
 
 
 def full_box(shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -139,3 +143,6 @@ def fill(model, tensors: dict[str, torch.Tensor]) -> None:
         if name not in tensors:
             raise WeightsError(f"no tensor {name} for the model")
         p.copy_(tensors[name])
+    for name, buffer in model.named_buffers():
+        if name in tensors:  # MoE routing biases
+            buffer.copy_(tensors[name])
