@@ -239,3 +239,45 @@ def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, byte_cach
         cfg = load_config(None, [*base, "train.eval_every=0", "log.progress=false", *layout])
         for rank, (got,) in enumerate(spawn(logits_of, world, [cfg], tokens)):
             torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL * scale, msg=f"{layout} rank {rank}")
+
+
+# ---------------------------------------------------------------- fivecut's own MoE export back in, under EP
+
+
+@pytest.fixture(scope="module")
+def moe_export(tmp_path_factory):
+    """`tiny-moe` with random routing biases, written as fivecut's MoE export (fivecut names,
+    model_type "fivecut"); returns (folder, its logits of TOKENS_MOE from the whole model)."""
+    from fivecut.model import build_model, get_preset
+    from fivecut.train.tokenizer import get_tokenizer
+    from fivecut.weights.export import write_folder
+
+    model = build_model(get_preset("tiny-moe"), seed=3)
+    tensors = dict(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name.endswith("expert_bias"):  # selection depends on them: loading them must matter
+            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(len(name))))
+            tensors[name] = buffer.clone()
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(("rope_cos", "rope_sin", "tokens_per_expert"))}
+    folder = tmp_path_factory.mktemp("moe") / "hf"
+    folder.mkdir()
+    write_folder(folder, model.args, "float32", tensors, get_tokenizer("byte"), 5 * 2**30)
+    with torch.no_grad():
+        return folder, model(TOKENS_MOE)
+
+
+TOKENS_MOE = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.multirank
+def test_a_moe_export_imports_under_expert_parallelism(moe_export, byte_cache):
+    from fivecut.weights.load import single_model
+
+    folder, expected = moe_export
+    model, _ = single_model(init_from=f"hf:{folder}")
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS_MOE), expected, rtol=RTOL, atol=ATOL)
+    layout = ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero=1")
+    cfg = import_config(byte_cache, folder, *layout)
+    for rank, (got,) in enumerate(spawn(logits_of, 4, [cfg], TOKENS_MOE)):
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"dp=2,ep=2,tp=2,zero=1 rank {rank}")

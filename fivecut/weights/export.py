@@ -241,10 +241,13 @@ def write_folder(folder: Path, args: ModelArgs, dtype: str, tensors: dict, token
         config = moe_config(args, dtype, bos, eos)
     else:  # transformers >= 5 reads "dtype", older ones "torch_dtype"
         config = llama_config(args, dtype, bos, eos) | {"dtype": dtype}
+    tokenizer_files = write_tokenizer(folder, tokenizer, args.max_seq_len)
+    if not tokenizer_files:  # e.g. the byte tokenizer: named, so that an import of the folder finds it again
+        config["fivecut_tokenizer"] = tokenizer.name
     write_json(folder / "config.json", config)
     write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     weights = write_weights(folder, tensors, max_bytes)
-    return ["config.json", "generation_config.json", *weights, *write_tokenizer(folder, tokenizer, args.max_seq_len)]
+    return ["config.json", "generation_config.json", *weights, *tokenizer_files]
 
 
 def moe_config(args: ModelArgs, dtype: str, bos: int | None, eos: int | None) -> dict:

@@ -183,6 +183,9 @@ class GGUFSource:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)
 
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}  # a llama GGUF holds parameters only
+
     def read(self, name: str, box: Box) -> torch.Tensor:
         if name not in self._tensors:
             example = next(iter(self._tensors))

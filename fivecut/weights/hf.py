@@ -7,12 +7,14 @@ Reading needs no model class: the shape comes from `config.json`, the tensors fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 from fivecut.model.args import ModelArgs
+from fivecut.train.tokenizer import TOKENIZERS, get_tokenizer
 from fivecut.weights.names import from_hf
 from fivecut.weights.source import WeightsError
 
@@ -58,8 +60,19 @@ def read_config(folder: Path) -> dict:
         raise WeightsError(f"{path} cannot be read as JSON: {err}") from None
 
 
+FIVECUT_TYPE = "fivecut"  # model_type of fivecut's own export of a model no Hugging Face class reads (MoE)
+BIAS = "expert_bias"  # `layers.N.feed_forward.expert_bias` in a fivecut export: MoE routing biases (buffers)
+
+
+def is_fivecut(config: dict) -> bool:
+    return config.get("model_type") == FIVECUT_TYPE
+
+
 def args_from_config(config: dict, path: Path) -> ModelArgs:
-    """fivecut's shape of the Llama that `config` (a parsed config.json at `path`) describes."""
+    """fivecut's shape of the Llama that `config` (a parsed config.json at `path`) describes, or of
+    the model a fivecut export's `config.json` records (its "fivecut" entry: every ModelArgs field)."""
+    if is_fivecut(config):
+        return fivecut_args(config, path)
     check_llama(config, path)
     dim, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
     head_dim = config.get("head_dim") or dim // heads
@@ -81,6 +94,14 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         init_std=float(config.get("initializer_range", 0.02)),
     )
+
+
+def fivecut_args(config: dict, path: Path) -> ModelArgs:
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    record = config.get(FIVECUT_TYPE)
+    if not isinstance(record, dict) or not record.keys() <= fields:
+        raise WeightsError(f"{path}: model_type {FIVECUT_TYPE!r} without a valid 'fivecut' record of ModelArgs fields")
+    return ModelArgs(**record)
 
 
 def check_llama(config: dict, path: Path) -> None:
@@ -118,9 +139,16 @@ class HFSource:
         if not folder.is_dir():
             raise WeightsError(f"{folder} is not a folder; hf:PATH names a Hugging Face model folder")
         self.path = folder
-        self.args = args_from_config(read_config(folder), folder / "config.json")
+        config = read_config(folder)
+        self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
+        self.args = args_from_config(config, folder / "config.json")
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
-        self.names = fivecut_names(self.files, self.args, folder)  # fivecut name -> Hugging Face name
+        if is_fivecut(config):  # fivecut's names already; the routing biases are buffers, not parameters
+            self.names = {n: n for n in self.files if not n.endswith(BIAS)}
+            self.buffers = {n: n for n in self.files if n.endswith(BIAS)}
+        else:
+            self.names = fivecut_names(self.files, self.args, folder)  # fivecut name -> Hugging Face name
+            self.buffers = {}
         self._shapes: dict[str, tuple[int, ...]] | None = None
         self._tokenizer = None
         self._handles: dict[Path, object] = {}
@@ -131,8 +159,12 @@ class HFSource:
             self._shapes = {k: tuple(v) for k, v in self._shapes.items()}
         return self._shapes
 
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Buffers the file holds besides the parameters (a fivecut MoE export's routing biases)."""
+        return {name: tuple(self._slice(name).get_shape()) for name in self.buffers}
+
     def read(self, name: str, box) -> torch.Tensor:
-        return self._slice(self.names[name])[box].float()
+        return self._slice(self.names.get(name) or self.buffers[name])[box].float()
 
     def _slice(self, hf_name: str):
         return self._open(self.files[hf_name]).get_slice(hf_name)
@@ -148,6 +180,8 @@ class HFSource:
     def tokenizer(self):
         if self._tokenizer is None:
             self._tokenizer = folder_tokenizer(self.path)
+        if self._tokenizer is None and self.tokenizer_name in TOKENIZERS:
+            self._tokenizer = get_tokenizer(self.tokenizer_name)
         return self._tokenizer
 
 

@@ -71,6 +71,17 @@ def load_into(par, source: WeightSource) -> int:
                 box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.view.shape))
                 chunk.view.copy_(source.read(name, box))
                 read += chunk.view.numel()
+    return read + load_routing_biases(par, source)
+
+
+def load_routing_biases(par, source: WeightSource) -> int:
+    """A fivecut MoE export's routing biases into each MoE layer this rank runs (the same everywhere)."""
+    buffers, read = source.buffer_shapes(), 0
+    for layer, runtime in par.experts.runtimes.items() if par.experts is not None else ():
+        name = f"layers.{layer}.feed_forward.expert_bias"
+        if name in buffers:
+            runtime.moe.expert_bias.copy_(source.read(name, full_box(buffers[name])))
+            read += buffers[name][0]
     return read
 
 
@@ -104,7 +115,8 @@ def single_model(
     if init_from is not None:
         source = source_of(init_from)
         args = source_args(init_from)
-        tensors = {name: source.read(name, full_box(shape)) for name, shape in expected_shapes(args).items()}
+        shapes = expected_shapes(args) | source.buffer_shapes()
+        tensors = {name: source.read(name, full_box(shape)) for name, shape in shapes.items()}
         tokenizer = run_tokenizer("auto", init_from)
     else:
         args, tensors, tokenizer = checkpoint_model(Path(checkpoint).expanduser(), step)

@@ -34,6 +34,10 @@ class WeightSource(Protocol):
         """fivecut logical name -> global shape, for every tensor the file holds for the model."""
         ...
 
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Non-parameter tensors the file holds for the model (MoE routing biases), by fivecut name."""
+        ...
+
     def read(self, name: str, box: Box) -> torch.Tensor:
         """The box `box` of tensor `name` (a fivecut logical name), fp32, on the CPU."""
         ...
