@@ -1,4 +1,4 @@
-"""`fivecut train | verify | ledger | schedule`: the commands a user runs."""
+"""`fivecut train | eval | generate | export | verify | ledger | schedule | checkpoint info`."""
 
 from __future__ import annotations
 
@@ -62,14 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("dir", help="a checkpoint, or a checkpoint.dir (its newest complete checkpoint)")
     info.set_defaults(func=cmd_checkpoint_info)
 
-    export = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors, config, tokenizer)")
-    export.add_argument("--checkpoint", required=True, help="a checkpoint, or a checkpoint.dir (its newest one)")
-    export.add_argument("--out", required=True, help="the folder to write; must not exist or be empty")
-    export.add_argument("--step", type=int, help="with a checkpoint.dir: the step to export instead of the newest")
-    export.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
-    export.add_argument("--dtype", default="fp32", help="fp32 (as trained), bf16 or fp16")
-    export.set_defaults(func=cmd_export)
-
+    add_export_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
 
@@ -175,6 +168,16 @@ def cmd_checkpoint_info(ns) -> int:
     lines = checkpoint.info(ns.dir)
     print("\n".join(lines))
     return 0 if lines[-1] == "complete and intact" else 2
+
+
+def add_export_parser(sub) -> None:
+    export = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (safetensors, config, tokenizer)")
+    export.add_argument("--checkpoint", required=True, help="a checkpoint, or a checkpoint.dir (its newest one)")
+    export.add_argument("--out", required=True, help="the folder to write; must not exist or be empty")
+    export.add_argument("--step", type=int, help="with a checkpoint.dir: the step to export instead of the newest")
+    export.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
+    export.add_argument("--dtype", default="fp32", help="fp32 (as trained), bf16 or fp16")
+    export.set_defaults(func=cmd_export)
 
 
 def cmd_export(ns) -> int:
