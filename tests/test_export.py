@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,23 @@ def test_sizes_parse_as_hugging_face_writes_them():
     for bad in ("", "5XB", "-3MB", "0", "GB"):
         with pytest.raises(ValueError, match="--max-shard-size"):
             ex.parse_size(bad)
+
+
+@pytest.mark.multirank
+def test_eval_of_a_checkpoint_is_the_same_under_a_layout(tiny_run, cache, capsys):
+    """`fivecut eval --checkpoint` in one process and under tp=2,cp=2 (ring) print the same loss, and
+    it is the whole model's mean token loss on the validation windows."""
+    from fivecut.cli import main
+    from fivecut.train.data import eval_batches, load_tokens
+    from fivecut.weights.load import single_model
+
+    sizes = ["--batches", "2", "--batch-size", "2", "--seq-len", "32", "--set", f'data.cache_dir="{cache}"']
+    printed = []
+    for layout in ([], ["--layout", "tp=2,cp=2,cp_mode=ring"]):
+        assert main(["eval", "--checkpoint", str(tiny_run), *sizes, *layout]) == 0
+        printed.append(capsys.readouterr().out.strip().split("loss ")[-1])
+    model, _ = single_model(checkpoint=str(tiny_run))
+    batches = eval_batches(load_tokens("shakespeare", "byte", cache).val, 32, 2, 2)
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) for x, y in batches]
+    assert printed[0] == printed[1] == f"{float(sum(losses)) / 2:.4f}, perplexity {math.exp(sum(losses) / 2):.2f}"
