@@ -200,6 +200,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from fivecut.weights.load import single_model
 
     model, tokenizer = single_model(init_from=ns.init_from, checkpoint=ns.checkpoint, step=ns.step, device=ns.device)
+    if tokenizer is None:
+        raise ValueError(f"--init-from {ns.init_from} has no tokenizer (no tokenizer.json), so no text to generate from")
     check_length(model, len(tokenizer.encode(ns.prompt)), ns.max_new_tokens)  # before anything is printed
     print(ns.prompt, end="", flush=True)
     result = generate(model, tokenizer, ns.prompt, ns.max_new_tokens, *_fields(sampling), stream=_stdout)

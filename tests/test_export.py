@@ -277,15 +277,15 @@ def test_sizes_parse_as_hugging_face_writes_them():
 
 @pytest.mark.multirank
 def test_eval_of_a_checkpoint_is_the_same_under_a_layout(tiny_run, cache, capsys):
-    """`fivecut eval --checkpoint` in one process and under tp=2 (vocabulary-parallel loss) print the
-    same loss, and it is the whole model's mean token loss on the validation windows."""
+    """`fivecut eval --checkpoint` in one process and under cp=2 (ring) print the same loss, and it is
+    the whole model's mean token loss on the validation windows."""
     from fivecut.cli import main
     from fivecut.train.data import eval_batches, load_tokens
     from fivecut.weights.load import single_model
 
     sizes = ["--batches", "2", "--batch-size", "2", "--seq-len", "32", "--set", f'data.cache_dir="{cache}"']
     printed = []
-    for layout in ([], ["--layout", "tp=2"]):
+    for layout in ([], ["--layout", "cp=2,cp_mode=ring"]):
         assert main(["eval", "--checkpoint", str(tiny_run), *sizes, *layout]) == 0
         printed.append(capsys.readouterr().out.strip().split("loss ")[-1])
     model, _ = single_model(checkpoint=str(tiny_run))

@@ -105,7 +105,8 @@ def run_tokenizer(data_tokenizer: str, init_from: str | None):
 def single_model(
     init_from: str | None = None, checkpoint: str | None = None, step: int | None = None, device: str = "cpu"
 ):
-    """A whole model on one device for inference, with its tokenizer: from a published model
+    """A whole model on one device for inference, with its tokenizer (None if a published model's
+    file has none): from a published model
     (`init_from`) or from a fivecut checkpoint (a checkpoint folder or a checkpoint.dir, `step`
     choosing one of the latter's)."""
     from fivecut.model.transformer import build_model
@@ -117,7 +118,7 @@ def single_model(
         args = source_args(init_from)
         shapes = expected_shapes(args) | source.buffer_shapes()
         tensors = {name: source.read(name, full_box(shape)) for name, shape in shapes.items()}
-        tokenizer = run_tokenizer("auto", init_from)
+        tokenizer = source.tokenizer()  # None when the file has none
     else:
         args, tensors, tokenizer = checkpoint_model(Path(checkpoint).expanduser(), step)
     model = build_model(args, device="meta")
