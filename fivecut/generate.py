@@ -201,7 +201,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     model, tokenizer = single_model(init_from=ns.init_from, checkpoint=ns.checkpoint, step=ns.step, device=ns.device)
     if tokenizer is None:
-        raise ValueError(f"--init-from {ns.init_from} has no tokenizer (no tokenizer.json), so no text to generate from")
+        raise ValueError(f"--init-from {ns.init_from} has no tokenizer (no tokenizer.json), so no text to continue")
     check_length(model, len(tokenizer.encode(ns.prompt)), ns.max_new_tokens)  # before anything is printed
     print(ns.prompt, end="", flush=True)
     result = generate(model, tokenizer, ns.prompt, ns.max_new_tokens, *_fields(sampling), stream=_stdout)
