@@ -233,7 +233,7 @@ def test_smollm2_knows_the_capital_of_france(smollm2):
 
 
 @pytest.mark.multirank
-def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, byte_cache):
+def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, tmp_path):
     """tp=3 (9 heads, 3 kv heads, vocabulary 49,152 over 3 ranks) and pp=2 (30 layers, the tied
     embedding on both ends) give the single process's logits of a real quantized model."""
     spec, model, tokenizer = smollm2
@@ -243,7 +243,15 @@ def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, byte_cach
     # 30 layers of fp32 sums in another order: the error is relative to the logits' scale (~30 here,
     # measured 3.1e-5 absolute = 1.0e-6 of it), not to each logit, so atol is 1e-5 of the largest
     scale = float(expected.abs().max())
-    base = (f'model.init_from="{spec}"', f'data.cache_dir="{byte_cache}"', "train.seq_len=16", "train.global_batch=2")
+    corpus = tmp_path / "corpus.txt"  # a small corpus: the ranks tokenize it with SmolLM2's tokenizer
+    corpus.write_text("Now is the winter of our discontent made glorious summer by this sun of York.\n" * 20)
+    base = (
+        f'model.init_from="{spec}"',
+        f'data.source="{corpus}"',
+        f'data.cache_dir="{tmp_path}/cache"',
+        "train.seq_len=16",
+        "train.global_batch=2",
+    )
     for layout, world in ((("parallel.tp=3",), 3), (("parallel.pp=2", "parallel.microbatches=2"), 2)):
         cfg = load_config(None, [*base, "train.eval_every=0", "log.progress=false", *layout])
         for rank, (got,) in enumerate(spawn(logits_of, world, [cfg], tokens)):
