@@ -130,7 +130,17 @@ RESHARD = {  # (model, saved under, loaded into)
 }
 
 
-@pytest.mark.parametrize("case", list(RESHARD))
+# the suite runs four pairs (every cut on one side or the other, padding, EPLB moves, one process);
+# the other four are a sweep, run with `pytest -m sweep` (pyproject.toml deselects it by default)
+SWEEP = (
+    "pp=2 interleaved -> dp=4,zero=1",
+    "dp=2,tp=2,sp,zero=1 -> dp=2,cp=2 ring,zero=2",
+    "dp=2,cp=2 ring -> pp=2 dualpipev",
+    "moe dp=2,tp=2,ep=2,zero=3 -> dp=2,cp=2 ulysses,ep=2,zero=1",
+)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.sweep) if c in SWEEP else c for c in RESHARD])
 def test_resume_under_another_layout(case, byte_cache, tmp_path):
     model, saved_under, loaded_into = RESHARD[case]
     a = config(byte_cache, tmp_path, saved_under, model, dir=str(tmp_path / "a"), every=6)
