@@ -312,7 +312,7 @@ def supported_type_names() -> tuple[str, ...]:
 def _dequantizes(qtype, block_bytes: int) -> bool:
     try:
         dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
-    except NotImplementedError:
+    except NotImplementedError:  # gguf.quants' answer for a type it has no dequantizer for
         return False
     return True
 
