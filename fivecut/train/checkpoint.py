@@ -434,10 +434,13 @@ def to_resume(root: str | None, resume: str) -> Path | None:
     return path
 
 
-def check_model(path: Path, meta: dict, model: dict) -> None:
-    """The checkpoint's model has this model's shape; otherwise name both."""
+def check_model(path: Path, meta: dict, model: dict, accepted: set[str] = frozenset()) -> None:
+    """The checkpoint's model has this model's shape, but for the `model.*` keys `accepted` names
+    (`--override`; a tensor of another shape is still refused); otherwise name both."""
     saved = meta.get("model", {})
-    differ = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
+    differ = [
+        f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v and f"model.{k}" not in accepted
+    ]
     if differ:
         raise CheckpointError(
             f"{path / META} holds a checkpoint of model {meta.get('preset')!r}, which differs from this one: "
@@ -445,14 +448,15 @@ def check_model(path: Path, meta: dict, model: dict) -> None:
         )
 
 
-def load(path: Path, par, optimizer, model: dict) -> dict:
+def load(path: Path, par, optimizer, model: dict, accepted: set[str] = frozenset()) -> dict:
     """Fill this rank's part of the training state from the checkpoint at `path` (saved under any
-    layout) into a model of shape `model` (ModelArgs as a dict); returns the checkpoint's meta."""
+    layout) into a model of shape `model` (ModelArgs as a dict; `accepted`: see `check_model`);
+    returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path / META}: format version {meta.get('version')}, this fivecut reads {VERSION}")
-    check_model(path, meta, model)
+    check_model(path, meta, model, accepted)
     verify_files(path, meta)
     restore_moe(par, meta.get("moe", {}))
     ensure_optimizer_state(optimizer)
