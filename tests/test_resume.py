@@ -91,7 +91,7 @@ def test_a_key_an_older_checkpoint_lacks_counts_as_its_default():
     [
         ("train.lrr", "--override train.lrr: not a config key; did you mean train.lr?"),
         ("lr", "--override lr: not a config key; did you mean train.lr?"),
-        ("train", "--override train: not a config key"),
+        ("train", "--override train: a config section, not a key; name each key (e.g. --override train.KEY)"),
     ],
 )
 def test_an_override_of_no_config_key_is_refused(key, words):

@@ -15,8 +15,9 @@ What a checkpoint holds:
     optim.exp_avg.<name>, optim.exp_avg_sq.<name>, optim.step
     moe.<layer>.expert_bias       auxiliary-loss-free balancing biases
     moe.<layer>.eplb_history      the EPLB load window [steps, E] (global sums, the same everywhere)
-and, in `fivecut.json`: the step, tokens seen, the config and layout, the EPLB placements, the
-format version, and each file's sha256. The learning rate and the data are functions of the step.
+and, in `fivecut.json`: the step, tokens seen, the config and layout, the config changes accepted
+on resumes (`fivecut.train.resume`), the EPLB placements, the format version, and each file's
+sha256. The learning rate and the data are functions of the step.
 
 A save goes to `.tmp-step-N`, and only when every rank has written, the checksums are recorded
 and a COMPLETE marker is in place, is it renamed to `step-N` (atomic on one filesystem): a

@@ -117,6 +117,10 @@ def check_override_keys(accept: list[str]) -> None:
     for key in accept:
         if key in keys:
             continue
+        if key in {k.split(".")[0] for k in keys}:
+            raise ConfigError(
+                f"--override {key}: a config section, not a key; name each key (e.g. --override {key}.KEY)"
+            )
         leaves = closest(key.rsplit(".", 1)[-1], sorted({k.rsplit(".", 1)[-1] for k in keys}))
         close = closest(key, keys) or [k for k in keys if k.rsplit(".", 1)[-1] in leaves]
         hint = f"did you mean {' or '.join(close)}?" if close else "give a key like train.lr (section.key)"
