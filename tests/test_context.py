@@ -134,8 +134,8 @@ def test_full_logits_under_ring_and_ulysses_equal_one_process(byte_cache, tmp_pa
     the logits back in position order, on every rank: the single-device model's (LOGIT_TOL)."""
     tokens = [torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(s)) for s in LENGTHS]
     modes = ("ring", "ulysses")
-    configs = [small_config(byte_cache, "parallel.cp=2", f'parallel.cp_mode="{m}"', f'log.out_dir="{tmp_path}"')
-               for m in modes]  # fmt: skip
+    out = f'log.out_dir="{tmp_path}"'
+    configs = [small_config(byte_cache, "parallel.cp=2", f'parallel.cp_mode="{m}"', out) for m in modes]
     model = build_model(get_preset("tiny"), seed=configs[0].train.seed)
     with torch.no_grad():
         expected = [model(t) for t in tokens]  # [b, s, V]
