@@ -168,7 +168,9 @@ def read_records(out: Path) -> list[dict]:
 
 
 def fault_config(cache: str, out: Path, *extra: str):
-    return load_config(None, [*QUICK, *QUIET, f'data.cache_dir="{cache}"', f'log.out_dir="{out}"', *extra])
+    """A quick run logging to `out` (log.peak_tflops given: no matmul timed for MFU in each run)."""
+    items = [*QUICK, *QUIET, "log.peak_tflops=1.0", f'data.cache_dir="{cache}"', f'log.out_dir="{out}"']
+    return load_config(None, [*items, *extra])
 
 
 def lr_of(cfg, applied: int) -> float:
@@ -182,7 +184,9 @@ def skips(outcome: Outcome) -> list[tuple[int, bool, int]]:
 
 
 @pytest.mark.parametrize(
-    "kind, words", [("loss", "non-finite loss=inf at step 3"), ("gradient", "non-finite gradient norm=inf at step 3")]
+    "kind, words",
+    [("loss", "non-finite loss=inf at step 3"), ("gradient", "non-finite gradient norm=inf at step 3")],
+    ids=["loss", "gradient"],
 )
 def test_stop_names_the_step_and_saves_nothing_of_it(byte_cache, tmp_path, kind, words):
     ck = tmp_path / "ck"
