@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from test_ddp import small_config
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fivecut.cli import main
+from fivecut.cli import in_process, main
 from fivecut.launch import spawn
 from fivecut.train import checkpoint
 from fivecut.train.trainer import resume_from, save_checkpoint, setup, train
@@ -231,6 +232,72 @@ def test_info_reports_step_layout_and_integrity(saved_tiny, capsys):
     assert main(["checkpoint", "info", str(path.parent)]) == 0
     out = capsys.readouterr().out
     assert "step 2" in out and "layout dp=2" in out and "complete and intact" in out
+
+
+class KilledSave(Exception):
+    """Stands for the process dying in the middle of a save."""
+
+
+def test_a_partial_save_is_removed_at_the_next_start_and_the_newest_complete_one_used(
+    byte_cache, tmp_path, monkeypatch
+):
+    """A save that dies after its ranks wrote their files but before the COMPLETE marker leaves
+    .tmp-step-6 (real DCP files, no marker): the next run resumes from step 4, the newest complete
+    checkpoint, and removes the partial one before training (checkpoint.every=0 there, so no save of
+    its own would)."""
+    ck = tmp_path / "ck"
+    real_publish = checkpoint.publish
+
+    def dies_at_step_6(tmp: Path, final: Path, meta: dict) -> None:
+        if meta["step"] == 6:
+            raise KilledSave
+        real_publish(tmp, final, meta)
+
+    monkeypatch.setattr(checkpoint, "publish", dies_at_step_6)
+    with pytest.raises(KilledSave):
+        in_process(run, config(byte_cache, tmp_path / "first", (), steps=8, dir=str(ck), every=2))
+    monkeypatch.setattr(checkpoint, "publish", real_publish)
+    partial = ck / ".tmp-step-00000006"
+    assert sorted(p.name for p in ck.iterdir()) == [".tmp-step-00000006", "step-00000002", "step-00000004"]
+    assert list(partial.glob("*.distcp")) and not (partial / checkpoint.COMPLETE).exists()
+    resumed = in_process(run, config(byte_cache, tmp_path / "again", (), steps=8, dir=str(ck), every=0), "auto")
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000004", "step-00000008"]
+    whole = in_process(run, config(byte_cache, tmp_path / "whole", (), steps=8))
+    assert resumed == (whole[0][4:], whole[1][4:])  # steps 5-8 from step 4's state, bitwise (the same process)
+
+
+def damage_another_ranks_file_then_load(cfg, path: str) -> str | None:
+    """On each rank: train (which saves), rank 0 flips a byte of the file rank 1 wrote, then every
+    rank resumes from it; returns this rank's refusal (None: it loaded)."""
+    train(cfg, quiet=True)
+    if dist.get_rank() == 0:
+        shard = Path(path) / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        resume_from(setup(cfg), path)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_damage_in_a_nonzero_ranks_file_is_refused_naming_it(byte_cache, tmp_path, capsys):
+    """tp=2: each rank writes its own shards (__0_0.distcp, __1_0.distcp), each recorded by sha256;
+    a byte changed in rank 1's is refused by name on every rank of a load, by a load in one
+    process, and by `fivecut checkpoint info`."""
+    cfg = config(byte_cache, tmp_path, ("parallel.tp=2",), steps=2, dir=str(tmp_path / "ck"))
+    path = checkpoint.step_dir(tmp_path / "ck", 2)
+    refusals = spawn(damage_another_ranks_file_then_load, 2, cfg, str(path), timeout_s=120, collective_timeout_s=30)
+    shard = path / "__1_0.distcp"
+    for refusal in refusals:
+        assert refusal is not None and f"{shard} does not match its sha256" in refusal, refusal
+    assert main(["checkpoint", "info", str(path.parent)]) == 2
+    assert f"DAMAGED: {shard} does not match its sha256" in capsys.readouterr().out
+    assert main(resume_cli(path, cfg)) == 2
+    err = capsys.readouterr().err
+    assert shard.name in err and "Traceback" not in err
 
 
 def test_boxes_cover_a_flat_run_exactly():

@@ -112,3 +112,35 @@ def test_moe_capacity_with_ulysses_tensor_and_expert_parallel(byte_cache, tmp_pa
     layout = ("parallel.cp=2", 'parallel.cp_mode="ulysses"', "parallel.tp=2", "parallel.ep=2")
     cfg = small_config(byte_cache, *moe, *layout, f'log.out_dir="{tmp_path}"')
     assert_same_run(cfg, single_process_run(byte_cache, *moe), "tiny-moe cp=2,tp=2,ep=2 capacity")
+
+
+# ---------------------------------------------------------------- whole logits (fivecut.train.infer)
+
+# 13 positions: ring cp=2 runs multiples of 4 and Ulysses of 2, so both pad (to 16 and 14); 32: no padding
+LENGTHS = (13, 32)
+
+
+def whole_logits_under(configs, tokens: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """On each rank: `full_logits` of every token batch, under each config's layout."""
+    from fivecut.train.infer import full_logits
+    from fivecut.train.trainer import setup
+
+    return [[full_logits(ctx, t) for t in tokens] for ctx in map(setup, configs)]
+
+
+@pytest.mark.multirank
+def test_full_logits_under_ring_and_ulysses_equal_one_process(byte_cache, tmp_path):
+    """`full_logits` pads the sequence to the layout's multiple, runs the cp ranks' chunks and puts
+    the logits back in position order, on every rank: the single-device model's (LOGIT_TOL)."""
+    tokens = [torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(s)) for s in LENGTHS]
+    modes = ("ring", "ulysses")
+    out = f'log.out_dir="{tmp_path}"'
+    configs = [small_config(byte_cache, "parallel.cp=2", f'parallel.cp_mode="{m}"', out) for m in modes]
+    model = build_model(get_preset("tiny"), seed=configs[0].train.seed)
+    with torch.no_grad():
+        expected = [model(t) for t in tokens]  # [b, s, V]
+    for rank, per_mode in enumerate(spawn(whole_logits_under, 2, configs, tokens)):
+        for mode, logits in zip(modes, per_mode):
+            for got, want in zip(logits, expected):
+                assert got.shape == want.shape, f"{mode} rank {rank}"
+                torch.testing.assert_close(got, want, **LOGIT_TOL, msg=lambda m, r=rank, c=mode: f"{c} rank {r}: {m}")

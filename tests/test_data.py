@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -133,6 +134,20 @@ def test_cache_key_changes_when_a_file_changes(corpus, tmp_path):
     second = load_tokens(str(corpus), "byte", tmp_path / "cache")
     assert second.cache_path != first.cache_path
     assert bytes(second.train[:7].tolist()) == b"changed"
+
+
+def test_a_file_edited_in_place_at_the_same_size_and_mtime_is_tokenized_again(corpus, tmp_path):
+    """An edit that keeps the byte count, with the old mtime put back (as a coarse-clock filesystem,
+    an rsync -t or a restore from backup leaves it): the cache must follow the content."""
+    path = corpus / "a.txt"
+    load_tokens(str(corpus), "byte", tmp_path / "cache")
+    before = path.stat()
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("First", "Third"), encoding="utf-8")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    again = load_tokens(str(corpus), "byte", tmp_path / "cache")
+    assert bytes(again.train[: len("Third Citizen")].tolist()) == b"Third Citizen"
 
 
 def test_atomic_write_leaves_no_temp_files(corpus, tmp_path):

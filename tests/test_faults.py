@@ -8,13 +8,21 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import fivecut as fivecut_package
 from fivecut import checks
+from fivecut.cli import in_process
 from fivecut.config import ConfigError, load_config
+from fivecut.launch import spawn
+from fivecut.train import checkpoint, trainer
+from fivecut.train.faults import TrainingStopped
+from fivecut.train.optim import lr_at
 
 WORKER_CODE = str(Path(fivecut_package.__file__).parent)  # in a traceback of a rank's own code
 QUICK = ["train.seq_len=32", "train.global_batch=4", "train.warmup=1", "train.eval_every=0"]
@@ -84,32 +92,222 @@ def test_fault_keys_are_validated(item, words):
 
 
 # ---------------------------------------------------------------- non-finite values
+#
+# Where a huge learning rate first overflows is chaotic (it moves by a step between AVX2 and
+# AVX-512 kernels), so these tests make steps non-finite by construction: in-process runs whose
+# forward-backward is wrapped to turn chosen steps' loss or one gradient element into inf, and
+# CLI runs that resume from a checkpoint whose embedding is inf (every later step is NaN).
+
+
+@dataclass
+class Faults:
+    """Steps made non-finite: "loss" (the loss is inf, the gradients intact) or "gradient" (one
+    gradient element is inf, the loss finite), on `ranks` (None: every rank)."""
+
+    steps: tuple[int, ...]
+    kind: str = "gradient"
+    ranks: tuple[int, ...] | None = None
+
+
+@dataclass
+class Outcome:
+    """What a run with faults did: rank 0's metrics.jsonl, each step's starting state (the state
+    after the step before), the state at the end, and the early stop (message, code) if any."""
+
+    records: list[dict]
+    before: dict[int, dict[str, torch.Tensor]]
+    final: dict[str, torch.Tensor]
+    stopped: tuple[str, int] | None
+
+
+def training_state(ctx) -> dict[str, torch.Tensor]:
+    """This rank's weights and AdamW state (both moments and the step count), copied."""
+    state = {f"param.{name}": p.detach().clone() for name, p in ctx.par.params.items()}
+    for i, moments in enumerate(ctx.optimizer.state.values()):
+        state.update({f"optim.{i}.{key}": value.clone() for key, value in moments.items()})
+    return state
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def with_faults(real, faults: Faults, before: dict, seen: dict):
+    """`trainer.forward_backward`, made non-finite at `faults.steps`; notes each step's starting state."""
+
+    def forward_backward(ctx, step, activations=None):
+        seen["ctx"] = ctx
+        before[step] = training_state(ctx)
+        local = real(ctx, step, activations)
+        if step not in faults.steps or (faults.ranks is not None and dist.get_rank() not in faults.ranks):
+            return local
+        if faults.kind == "loss":
+            return torch.full_like(local, float("inf"))
+        ctx.par.pieces[0].tensor.grad.view(-1)[0] = float("inf")
+        return local
+
+    return forward_backward
+
+
+def train_with_faults(cfg, faults: Faults, resume: str = "never") -> Outcome:
+    """`train` on this rank with `faults` (in-process as a world of one, or on a spawned rank)."""
+    real, before, seen, stopped = trainer.forward_backward, {}, {}, None
+    trainer.forward_backward = with_faults(real, faults, before, seen)
+    try:
+        trainer.train(cfg, resume=resume)
+    except TrainingStopped as stop:
+        stopped = (stop.message, stop.code)
+    finally:
+        trainer.forward_backward = real
+    records = read_records(Path(cfg.log.out_dir)) if dist.get_rank() == 0 else []
+    return Outcome(records, before, training_state(seen["ctx"]), stopped)
+
+
+def read_records(out: Path) -> list[dict]:
+    return records(out) if (out / "metrics.jsonl").exists() else []
+
+
+def fault_config(cache: str, out: Path, *extra: str):
+    """A quick run logging to `out` (log.peak_tflops given: no matmul timed for MFU in each run)."""
+    items = [*QUICK, *QUIET, "log.peak_tflops=1.0", f'data.cache_dir="{cache}"', f'log.out_dir="{out}"']
+    return load_config(None, [*items, *extra])
+
+
+def lr_of(cfg, applied: int) -> float:
+    """The learning rate of the `applied`-th update (the schedule counts applied updates only)."""
+    t = cfg.train
+    return lr_at(applied, t.lr, t.min_lr, t.warmup, t.steps)
+
+
+def skips(outcome: Outcome) -> list[tuple[int, bool, int]]:
+    return [(r["step"], r["skipped"], r["skipped_total"]) for r in outcome.records]
+
+
+@pytest.mark.parametrize(
+    "kind, words",
+    [("loss", "non-finite loss=inf at step 3"), ("gradient", "non-finite gradient norm=inf at step 3")],
+    ids=["loss", "gradient"],
+)
+def test_stop_names_the_step_and_saves_nothing_of_it(byte_cache, tmp_path, kind, words):
+    ck = tmp_path / "ck"
+    cfg = fault_config(
+        byte_cache,
+        tmp_path / "out",
+        "train.steps=6",
+        f'checkpoint.dir="{ck}"',
+        "checkpoint.every=1",
+        "checkpoint.keep=10",
+    )
+    outcome = in_process(train_with_faults, cfg, Faults((3,), kind))
+    message, code = outcome.stopped
+    assert code == 3 and message.startswith(words) and 'train.on_nonfinite="stop"' in message, message
+    assert [r["step"] for r in outcome.records] == [1, 2]  # nothing logged for the bad step
+    assert checkpoint_steps(ck) == [1, 2]
+
+
+def test_a_skipped_step_changes_nothing_and_training_goes_on(byte_cache, tmp_path):
+    cfg = fault_config(byte_cache, tmp_path, "train.steps=6", 'train.on_nonfinite="skip"', "train.max_skipped=2")
+    outcome = in_process(train_with_faults, cfg, Faults((3,)))
+    assert outcome.stopped is None
+    assert skips(outcome) == [(1, False, 0), (2, False, 0), (3, True, 1), (4, False, 1), (5, False, 1), (6, False, 1)]
+    assert outcome.records[2]["grad_norm"] is None  # inf is written as null
+    assert same_state(outcome.before[4], outcome.before[3])  # weights, both Adam moments, Adam's step count
+    assert not same_state(outcome.before[3], outcome.before[2]) and not same_state(outcome.before[5], outcome.before[4])
+    applied = {1: 1, 2: 2, 4: 3, 5: 4, 6: 5}  # the step after a skip takes the update the skipped one would have
+    assert {r["step"]: r["lr"] for r in outcome.records if not r["skipped"]} == {
+        step: lr_of(cfg, n) for step, n in applied.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "bad, steps, stopped",
+    [
+        ((2, 4, 5, 6), [1, 2, 3, 4, 5, 6], "3 non-finite steps in a row up to step 6 (train.max_skipped=3); stopped"),
+        ((2, 3, 5, 6), [1, 2, 3, 4, 5, 6, 7, 8], None),
+    ],
+    ids=["three in a row after a lone skip", "four skips, never three in a row"],
+)
+def test_max_skipped_counts_skips_in_a_row_exactly(byte_cache, tmp_path, bad, steps, stopped):
+    cfg = fault_config(byte_cache, tmp_path, "train.steps=8", 'train.on_nonfinite="skip"', "train.max_skipped=3")
+    outcome = in_process(train_with_faults, cfg, Faults(bad, "loss"))
+    assert outcome.stopped == (None if stopped is None else (stopped, 3))
+    total = lambda step: sum(b <= step for b in bad)  # noqa: E731
+    assert skips(outcome) == [(s, s in bad, total(s)) for s in steps]
+
+
+def test_skipped_steps_are_restored_on_resume(byte_cache, tmp_path):
+    """Resumed from step 4 of a run that skipped step 2: the count and the schedule go on as in that run."""
+    ck = tmp_path / "ck"
+    skip = (
+        "train.steps=6",
+        'train.on_nonfinite="skip"',
+        f'checkpoint.dir="{ck}"',
+        "checkpoint.every=2",
+        "checkpoint.keep=3",
+    )
+    whole = in_process(train_with_faults, fault_config(byte_cache, tmp_path / "whole", *skip), Faults((2,)))
+    cfg = fault_config(byte_cache, tmp_path / "resumed", *skip)
+    resumed = in_process(train_with_faults, cfg, Faults(()), str(checkpoint.step_dir(ck, 4)))
+    assert skips(resumed) == [(5, False, 1), (6, False, 1)]
+    assert [r["lr"] for r in resumed.records] == [lr_of(cfg, 4), lr_of(cfg, 5)]
+    assert [r["loss"] for r in resumed.records] == [r["loss"] for r in whole.records[4:]]  # bitwise: same process
+
+
+@pytest.mark.multirank
+def test_every_rank_skips_when_one_rank_sees_a_nonfinite_value(byte_cache, tmp_path):
+    """Only rank 1's gradient is inf at step 2: both data-parallel ranks drop that update, so their
+    replicas stay equal (and equal to their state after step 1)."""
+    cfg = fault_config(byte_cache, tmp_path, "train.steps=3", 'train.on_nonfinite="skip"', "parallel.dp=2")
+    rank0, rank1 = spawn(train_with_faults, 2, cfg, Faults((2,), ranks=(1,)), timeout_s=120)
+    assert skips(rank0) == [(1, False, 0), (2, True, 1), (3, False, 1)]
+    for outcome in (rank0, rank1):
+        assert same_state(outcome.before[3], outcome.before[2])
+    assert same_state(rank0.final, rank1.final)
+
+
+def poisoned_checkpoint(cache: str, root: Path) -> Path:
+    """checkpoint.dir of a run that trained two steps, its step-2 embedding then overwritten with inf
+    (saved again): every step after a resume is NaN, whatever the kernels."""
+    cfg = fault_config(cache, root / "first", "train.steps=2", f'checkpoint.dir="{root / "ck"}"')
+    in_process(train_then_poison, cfg)
+    return root / "ck"
+
+
+def train_then_poison(cfg) -> None:
+    trainer.train(cfg, quiet=True)
+    ctx = trainer.setup(cfg)
+    step = trainer.resume_from(ctx, "auto")
+    with torch.no_grad():
+        ctx.par.params["tok_embeddings.weight"].fill_(float("inf"))
+    trainer.save_checkpoint(ctx, step)
 
 
 @pytest.mark.e2e
 def test_nonfinite_stop_names_the_step(byte_cache, tmp_path):
-    run = fivecut("train", *sets(byte_cache, tmp_path, "train.steps=20", "train.lr=1e6"))
+    ck = poisoned_checkpoint(byte_cache, tmp_path)
+    run = fivecut("train", *sets(byte_cache, tmp_path / "out", "train.steps=20", f'checkpoint.dir="{ck}"'))
     assert run.returncode == 3, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "non-finite" in lines[0] and "at step 2" in lines[0], run.stderr
-    assert [r["step"] for r in records(tmp_path)] == [1]  # nothing logged for the bad step
+    assert run.stderr.strip().splitlines() == [
+        'fivecut: non-finite loss=nan and gradient norm=nan at step 3; stopped (train.on_nonfinite="stop"), '
+        "nothing was saved for this step"
+    ]
+    assert read_records(tmp_path / "out") == [] and checkpoint_steps(ck) == [2]
 
 
 @pytest.mark.e2e
 def test_nonfinite_skip_counts_and_stops_after_max_skipped(byte_cache, tmp_path):
-    extra = ("train.steps=20", "train.lr=1e6", 'train.on_nonfinite="skip"', "train.max_skipped=3")
-    run = fivecut("train", *sets(byte_cache, tmp_path, *extra))
+    ck = poisoned_checkpoint(byte_cache, tmp_path)
+    extra = ("train.steps=20", 'train.on_nonfinite="skip"', "train.max_skipped=3", f'checkpoint.dir="{ck}"')
+    run = fivecut("train", *sets(byte_cache, tmp_path / "out", *extra))
     assert run.returncode == 3, run.stderr
-    assert "3 non-finite steps in a row up to step 4" in run.stderr and "Traceback" not in run.stderr
-    got = records(tmp_path)
-    assert [(r["step"], r["skipped"], r["skipped_total"]) for r in got] == [
-        (1, False, 0),
-        (2, True, 1),
-        (3, True, 2),
-        (4, True, 3),
+    assert run.stderr.strip().splitlines() == [
+        "fivecut: 3 non-finite steps in a row up to step 5 (train.max_skipped=3); stopped"
     ]
-    assert got[-1]["grad_norm"] is None  # a NaN is written as null
+    got = records(tmp_path / "out")
+    assert [(r["step"], r["skipped"], r["skipped_total"]) for r in got] == [(3, True, 1), (4, True, 2), (5, True, 3)]
+    assert got[-1]["grad_norm"] is None and got[-1]["loss"] is None  # a NaN is written as null
     assert "skipped (non-finite; 3 so far)" in run.stdout
+    assert checkpoint_steps(ck) == [2]  # stopped without saving
 
 
 def test_skip_changes_nothing_on_a_healthy_run(byte_cache, tmp_path):

@@ -5,17 +5,19 @@ import argparse
 import pytest
 import torch
 
+import fivecut.generate as generation
 from fivecut.generate import (
     Sampling,
     TextStream,
     cmd_generate,
     generate,
     generate_ids,
+    sample,
 )
 from fivecut.model import build_model, get_preset
 from fivecut.model.decode import decode, new_cache
 from fivecut.model.transformer import apply_rope
-from fivecut.train.tokenizer import get_tokenizer
+from fivecut.train.tokenizer import ByteTokenizer, get_tokenizer
 from fivecut.weights import names
 from fivecut.weights.hf import llama_config
 
@@ -42,6 +44,20 @@ def greedy_by_reforward(model, prompt_ids: list[int], n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(full_logits(model, torch.tensor([ids]))[0, -1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+def assert_same_greedy(got: list[int], expected: list[int], next_logits) -> None:
+    """`got` is `expected`, token for token; except that where the reference's logits of the two
+    tokens differ by less than two roundings (2 * ATOL: the two computations may order them either
+    way), either is right and the sequences part there (the rest is not compared).
+    `next_logits(ids)`: the reference's logits [vocab] of the token after new ids `ids`."""
+    for i, (mine, theirs) in enumerate(zip(got, expected)):
+        if mine != theirs:
+            logits = next_logits(expected[:i])
+            gap = float(logits[theirs] - logits[mine])
+            assert gap <= 2 * ATOL, f"new token {i}: {mine} instead of {theirs}, whose logit is {gap:.3g} higher"
+            return
+    assert len(got) == len(expected)
 
 
 # ----- cached decoding equals the full forward ---------------------------------
@@ -100,7 +116,8 @@ def test_greedy_equals_argmax_of_reforward_loop(name):
     model = model_of(name)
     prompt = random_tokens(model.args.vocab_size, 1, 6, seed=1)[0].tolist()
     got = generate_ids(model, prompt, 12).new_ids
-    assert got == greedy_by_reforward(model, prompt, 12)
+    reforward = lambda ids: full_logits(model, torch.tensor([prompt + ids]))[0, -1]  # noqa: E731
+    assert_same_greedy(got, greedy_by_reforward(model, prompt, 12), reforward)
 
 
 # ----- against Hugging Face Llama --------------------------------------------
@@ -131,7 +148,9 @@ def test_same_logits_and_greedy_tokens_as_transformers(name, tokenizer, prompt):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
     ours = generate(model, tok, prompt, 16)
     assert ours.prompt_ids == ids[0].tolist()
-    assert ours.new_ids == out[0, ids.shape[1] :].tolist()
+    with torch.inference_mode():
+        hf_next = lambda new: hf(torch.tensor([ours.prompt_ids + new])).logits[0, -1]  # noqa: E731
+        assert_same_greedy(ours.new_ids, out[0, ids.shape[1] :].tolist(), hf_next)
 
 
 # ----- sampling ---------------------------------------------------------------
@@ -144,9 +163,93 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
     assert run(1) != run(2)
 
 
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """softmax(logits / T) [b, vocab], computed apart from fivecut: with top_k, the k largest
+    logits' probabilities renormalized, every other id 0."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_k:
+        best = logits.topk(top_k, dim=-1).indices  # [b, k] (T > 0 keeps the order)
+        probs = torch.zeros_like(probs).scatter(1, best, probs.gather(1, best))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs.float()
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every probability tensor handed to torch.multinomial, in order (the draw itself unchanged)."""
+    seen, real = [], torch.multinomial
+
+    def spy(probs, *args, **kwargs):
+        seen.append(probs.detach().clone())
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    return seen
+
+
+SAMPLINGS = [(0.5, 0), (2.0, 0), (0.5, 5), (2.0, 5)]  # (temperature, top_k): T = 1 would hide 1/T vs T
+
+
+@pytest.mark.parametrize("temperature, top_k", SAMPLINGS)
+def test_sample_draws_from_softmax_of_logits_over_temperature(drawn, temperature, top_k):
+    logits = 3 * torch.randn(3, 40, generator=torch.Generator().manual_seed(0))  # [b, vocab]
+    tokens = sample(logits, Sampling(temperature, top_k), torch.Generator().manual_seed(7))  # [b, 1]
+    (probs,) = drawn
+    torch.testing.assert_close(probs, reference_probs(logits, temperature, top_k), rtol=1e-5, atol=1e-7)
+    again = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7))  # the given generator's draw
+    assert torch.equal(tokens, again)
+
+
+@pytest.mark.parametrize("temperature, top_k", SAMPLINGS)
+def test_generation_samples_each_token_from_the_models_distribution(drawn, monkeypatch, temperature, top_k):
+    """Each new token is the seeded generator's draw from softmax(logits / T) over the top k, where
+    the logits are those of the text so far (the full forward's, to rounding). The probabilities are
+    checked against the very logits the sampler got: a top-k cut between two logits that rounding
+    orders either way is not this test's business."""
+    seen, real_sample = [], generation.sample
+
+    def noted(logits, *rest):
+        seen.append(logits)
+        return real_sample(logits, *rest)
+
+    monkeypatch.setattr(generation, "sample", noted)
+    model, tok = model_of("tiny"), get_tokenizer("byte")
+    result = generate(model, tok, "To be", 8, temperature=temperature, top_k=top_k, seed=5)
+    assert len(seen) == len(drawn) == len(result.new_ids) == 8
+    generator = torch.Generator().manual_seed(5)
+    for i, (logits, probs) in enumerate(zip(seen, drawn[:8])):  # (the replayed draws below are appended)
+        text_so_far = torch.tensor([result.prompt_ids + result.new_ids[:i]])
+        torch.testing.assert_close(logits, full_logits(model, text_so_far)[:, -1], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(probs, reference_probs(logits, temperature, top_k), rtol=1e-5, atol=1e-7)
+        assert int(torch.multinomial(probs, 1, generator=generator)) == result.new_ids[i]
+
+
 def test_top_k_one_is_greedy():
     model, tok = model_of("tiny"), get_tokenizer("byte")
     assert generate(model, tok, "abc", 10, temperature=0.7, top_k=1).new_ids == generate(model, tok, "abc", 10).new_ids
+
+
+class ByteTokenizerWithEnd(ByteTokenizer):
+    """Bytes, with one of them declared the end-of-text id."""
+
+    def __init__(self, eot_id: int):
+        self.eot_id = eot_id
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_stops_at_an_end_of_text_in_the_middle(temperature):
+    """The first new token that did not come before, at position 4 or later, is made the end-of-text
+    id: generation gives the same tokens up to it, keeps it, and produces nothing after it."""
+    model = model_of("tiny")
+    prompt = "Good morrow"
+    free = generate(model, get_tokenizer("byte"), prompt, 16, temperature=temperature, seed=2).new_ids
+    at = next(i for i in range(3, 16) if free[i] not in free[:i])
+    tok, pieces, told = ByteTokenizerWithEnd(free[at]), [], []
+    result = generate(model, tok, prompt, 16, temperature=temperature, seed=2, stream=pieces.append)
+    assert result.new_ids == free[: at + 1]
+    assert result.text == "".join(pieces) == tok.decode(free[: at + 1])
+    ids = generate_ids(model, tok.encode(prompt), 16, Sampling(temperature, 0, 2), tok.eot_id, told.append)
+    assert ids.new_ids == told == free[: at + 1]
 
 
 def test_stops_at_end_of_text():

@@ -16,10 +16,10 @@ Cache: `<cache_dir>/<tokenizer>-<key>.bin` holds every token (little-endian uint
 for vocabularies over 65,536 ids);
 `<same>.json` records the tokenizer, vocab size, n_tokens, n_docs, the files and the
 sha256 of the .bin. The key hashes the tokenizer's identity (its name; for a model's own
-tokenizer, a hash of its serialized form) and every file's path, size and mtime, so editing
-the corpus or changing the tokenizer re-tokenizes. Every load checks the .bin against the sidecar
-(size and sha256); a cache that does not match, or has no sidecar or an older format, is
-rebuilt (said on stderr), never trained on.
+tokenizer, a hash of its serialized form) and every file's path and sha256, so editing
+the corpus (even at the same size and mtime) or changing the tokenizer re-tokenizes. Every
+load checks the .bin against the sidecar (size and sha256); a cache that does not match, or
+has no sidecar or an older format, is rebuilt (said on stderr), never trained on.
 Both files are written to a temp file in cache_dir and renamed into place (the .json
 last), so a process that sees the .json sees a complete .bin; ranks that tokenize at the
 same time write identical bytes and the last rename wins.
@@ -146,11 +146,12 @@ def load_tokens(
 
 
 def cache_key(tokenizer: str, files: list[Path]) -> str:
-    """16 hex digits from the tokenizer name and each file's path, size and mtime."""
+    """16 hex digits from the tokenizer name and each file's path and sha256. The content, not the
+    size and mtime: an edit that keeps the byte count within the clock's resolution (or with its
+    old mtime restored) would otherwise train on the old tokens."""
     h = hashlib.sha256(f"fivecut-tokens-v{CACHE_VERSION}\0{tokenizer}".encode())
     for path in files:
-        st = path.stat()
-        h.update(f"\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update(f"\0{path.resolve()}\0{file_sha256(path)}".encode())
     return h.hexdigest()[:16]
 
 
