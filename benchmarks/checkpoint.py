@@ -4,7 +4,7 @@
                                     [--seq 64] [--batch 8] [--dir /tmp]
 
 For each layout, its ranks are spawned (`fivecut.launch.spawn`) and build the training context as
-`fivecut train` does (`fivecut.train.trainer.setup` on a config from `load_config(None, overrides)`),
+`fivecut train` does (`fivecut.train.run.setup` on a config from `load_config(None, overrides)`),
 then run one training step with `run_step`, which also writes the step's checkpoint (an untimed
 warm-up save). The state is then what a run holds after one step: the weights and AdamW's two
 moments (and its step), fp32. Timed, on every rank between a barrier and the slowest rank's end:
@@ -67,7 +67,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from fivecut.config import load_config, model_args  # noqa: E402
 from fivecut.launch import spawn  # noqa: E402
-from fivecut.train import trainer  # noqa: E402
+from fivecut.train import run, trainer  # noqa: E402
 from fivecut.train.faults import NonFiniteGuard, SignalFlag  # noqa: E402
 
 FC_SAVE, FC_LOAD, T_SAVE, T_LOAD = "fivecut save", "fivecut load", "torch.save", "torch.load"
@@ -136,7 +136,7 @@ def torch_load(ctx, file: Path) -> None:
 def rank_main(opts: dict, layout: str, root: str) -> dict:
     root = Path(root)
     cfg = load_config(None, overrides(opts, layout, root))
-    ctx = trainer.setup(cfg)
+    ctx = run.setup(cfg)
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped)
     with SignalFlag() as signals:  # one step, as `train` runs it; it saves step 1 (the warm-up save)
         trainer.run_step(ctx, 1, trainer.RunResult(), trainer.Logger(ctx, quiet=True), guard, signals, False)

@@ -354,7 +354,7 @@ def run_spawned(cfg: Config, timeout: float, measure_activations: bool = False, 
     """Tokenize once here, then run `cfg` on its own ranks (`device`: see launch.choose_backend);
     returns every rank's RunResult."""
     from fivecut.launch import spawn
-    from fivecut.train.trainer import run_tokens
+    from fivecut.train.run import run_tokens
 
     run_tokens(cfg)
     with tempfile.TemporaryDirectory(prefix="fivecut-run-") as out:

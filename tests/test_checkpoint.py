@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fivecut.cli import in_process, main
 from fivecut.launch import spawn
 from fivecut.train import checkpoint
-from fivecut.train.trainer import resume_from, save_checkpoint, setup, train
+from fivecut.train.run import setup
+from fivecut.train.trainer import resume_from, save_checkpoint, train
 
 pytestmark = pytest.mark.multirank
 RTOL = 1e-5

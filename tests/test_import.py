@@ -65,7 +65,7 @@ def import_config(cache: str, folder, *overrides: str):
 def logits_of(configs, tokens) -> list[torch.Tensor]:
     """On each rank: the whole logits of each imported model."""
     from fivecut.train.infer import full_logits
-    from fivecut.train.trainer import setup
+    from fivecut.train.run import setup
 
     return [full_logits(setup(cfg), tokens) for cfg in configs]
 

@@ -14,7 +14,7 @@ import torch
 from test_ddp import GRAD_TOL, assert_same_run, single_process_run, small_config
 
 from fivecut.launch import spawn
-from fivecut.train.trainer import forward_backward, setup
+from fivecut.train.run import forward_backward, setup
 
 pytestmark = pytest.mark.multirank
 

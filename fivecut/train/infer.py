@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fivecut import comm
+from fivecut.train import checkpoint
+from fivecut.train.run import evaluate, local_tokens, pipeline_step, setup
 
 
 def seq_multiple(dims) -> int:
@@ -26,8 +28,6 @@ def seq_multiple(dims) -> int:
 def full_logits(ctx, tokens: torch.Tensor) -> torch.Tensor:
     """tokens [b, s] -> logits [b, s, vocab] on every rank, fp32. The sequence is padded on the right
     to a length the layout runs; causal attention keeps the padding out of the real positions."""
-    from fivecut.train.trainer import local_tokens
-
     b, s = tokens.shape
     m = seq_multiple(ctx.mesh.dims)
     padded = F.pad(tokens, (0, math.ceil(s / m) * m - s))  # [b, s_pad]
@@ -48,8 +48,6 @@ def local_logits(ctx, inputs, positions, seq: int) -> torch.Tensor | None:
     def keep(logits, _targets):
         kept.append(logits.float())
         return logits.new_zeros(())
-
-    from fivecut.train.trainer import pipeline_step
 
     step = pipeline_step(ctx, inputs.shape[0], positions, seq=seq, loss_sum=keep)
     step.forward_only([(inputs, inputs)], 1)
@@ -104,8 +102,6 @@ def greedy_sample(ctx, tokenizer, prompt: str, new_tokens: int) -> str:
 def evaluate_on_rank(cfg, checkpoint_path: str | None = None) -> dict:
     """`fivecut eval` on one rank: the model (imported by model.init_from, or the checkpoint's
     weights) under cfg's layout, its mean token loss on the validation split and the perplexity."""
-    from fivecut.train import checkpoint
-    from fivecut.train.trainer import evaluate, setup
 
     ctx = setup(cfg)
     if checkpoint_path is not None:

@@ -1,0 +1,226 @@
+"""One rank's run: the context `setup` builds, one step's forward and backward, and evaluation.
+
+The loss of a step is the sum of token losses over the global batch divided by the number of
+tokens in the global batch, so any split into ranks, accumulation micro-steps or pipeline
+microbatches adds up to the same number and the same gradient. The training loop
+(`fivecut.train.trainer`) and whole-model inference (`fivecut.train.infer`) both stand on this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivecut import checks, comm
+from fivecut.config import Config, model_args
+from fivecut.launch import local_device
+from fivecut.mesh import Mesh
+from fivecut.model.args import ModelArgs
+from fivecut.parallel.context import sequence_chunk
+from fivecut.parallel.parallelize import Parallelized, build_parallel
+from fivecut.parallel.pipeline.executor import PipelineStep
+from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
+from fivecut.train.optim import build_optimizer
+from fivecut.train.resume import Resume
+from fivecut.weights.load import load_into, run_tokenizer, source_of
+
+
+@dataclass
+class Context:
+    """What one rank needs during training, built once by `setup`."""
+
+    cfg: Config
+    mesh: Mesh
+    device: torch.device
+    par: Parallelized
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    val_batches: list
+    metrics_group: comm.Group
+    control_group: comm.Group  # every rank: the per-step stop flags (`fivecut.train.faults.agree`)
+    flops_per_token: float
+    args: ModelArgs | None = None  # the model's shape
+    tokenizer: object = None  # the run's tokenizer (`fivecut.train.tokenizer.Tokenizer`)
+    start: Resume = field(default_factory=Resume)  # the step it starts after, its config against the checkpoint's
+    overrides: list[dict] = field(default_factory=list)  # config changes accepted by --override, oldest first (saved)
+
+    @property
+    def is_logger(self) -> bool:
+        return dist.get_rank() == 0
+
+    def autocast(self):
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def setup(cfg: Config) -> Context:
+    args = checks.validate(cfg, dist.get_world_size())  # again, now that the world size is known
+    device = local_device()
+    timeout = timedelta(seconds=cfg.train.collective_timeout)
+    mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe, timeout=timeout)
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    splits = load_tokens(cfg.data.source, tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
+    vocab = splits.vocab_size
+    if vocab > args.vocab_size:
+        raise ValueError(
+            f"tokenizer {cfg.data.tokenizer!r} has {vocab} tokens but the model's vocab_size is {args.vocab_size}; "
+            f"set model.vocab_size >= {vocab} or use a preset made for this tokenizer"
+        )
+    t = cfg.train
+    par = build_parallel(args, mesh, device, t.seed, t, cfg.moe)
+    if cfg.model.init_from is not None:  # the published weights replace the seed's
+        load_into(par, source_of(cfg.model.init_from))
+    optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
+    val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
+    metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
+    control = control_group(mesh)
+    return Context(
+        cfg,
+        mesh,
+        device,
+        par,
+        optimizer,
+        sampler,
+        val,
+        metrics_group,
+        control,
+        args.flops_per_token(t.seq_len),
+        args,
+        tokenizer,
+    )
+
+
+def run_tokens(cfg: Config):
+    """The run's corpus, tokenized (once) with the run's tokenizer (`data.tokenizer`, "auto": the model's own)."""
+    d = cfg.data
+    tokenizer = run_tokenizer(d.tokenizer, cfg.model.init_from)
+    return load_tokens(d.source, tokenizer, Path(d.cache_dir).expanduser(), d.val_fraction)
+
+
+def control_group(mesh: Mesh) -> comm.Group:
+    """All ranks, on the default process group (it carries `train.collective_timeout`)."""
+    world = dist.get_world_size()
+    return comm.Group("control", tuple(range(world)), dist.group.WORLD if world > 1 else None, mesh.ledger)
+
+
+def forward_backward(ctx: Context, step: int, activations: dict | None = None) -> torch.Tensor:
+    """Run every accumulation micro-step of `step`; return this rank's share of the loss.
+    With `activations`, the bytes each layer saves for backward in the first micro-step go there."""
+    cut = ctx.mesh
+    batches = ctx.sampler.local_batches(step, cut.coordinate("dp"), cut.dims.dp, ctx.cfg.train.accumulate)
+    denominator = ctx.sampler.tokens_in_global_batch()
+    total = torch.zeros((), device=ctx.device)
+    if ctx.par.pipeline is not None:
+        return pipeline_forward_backward(ctx, batches, denominator, activations)
+    for i, (inputs, targets) in enumerate(batches):
+        last = i == len(batches) - 1
+        sync = contextlib.nullcontext() if last else ctx.par.sync.no_sync()
+        with sync:
+            measuring = ctx.par.saved.measure() if activations is not None and i == 0 else contextlib.nullcontext()
+            with ctx.mesh.ledger.phase("forward"), ctx.par.saved.forward(), measuring, ctx.autocast():
+                inputs, targets, positions = local_tokens(ctx, inputs, targets)
+                loss = ctx.par.loss_sum(ctx.par.module(inputs, positions), targets) / denominator
+            if activations is not None and i == 0:
+                activations.update(ctx.par.saved.bytes_per_layer)
+            with ctx.mesh.ledger.phase("backward"):
+                loss.backward()
+        total += loss.detach()
+    return total
+
+
+def pipeline_forward_backward(ctx: Context, batches, denominator: int, activations: dict | None = None) -> torch.Tensor:
+    """Each accumulation micro-step's rows cut into microbatches and run through the schedule;
+    gradients reduced over dp once, after the last (tied embeddings first summed over the two ends).
+    With `activations`, the bytes each layer of this rank saves for microbatch 0 go there."""
+    pipe, dims = ctx.par.pipeline, ctx.mesh.dims
+    total = torch.zeros((), device=ctx.device)
+    for i, (inputs, targets) in enumerate(batches):
+        inputs, targets, positions = local_tokens(ctx, inputs, targets)
+        micro = list(zip(inputs.chunk(dims.microbatches), targets.chunk(dims.microbatches)))
+        measuring = activations is not None and i == 0
+        if measuring:
+            with ctx.par.saved.measure():  # start a fresh count
+                pass
+        with ctx.par.sync.no_sync():
+            total += pipeline_step(ctx, micro[0][0].shape[0], positions, measuring).run(
+                micro, denominator, ctx.mesh.ledger
+            )
+        if measuring:
+            activations.update(ctx.par.saved.bytes_per_layer)
+    with ctx.mesh.ledger.phase("backward"):
+        pipe.sum_tied_grads()
+        ctx.par.sync.reduce()
+    return total
+
+
+def local_tokens(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
+    """A batch on this rank's device: with context parallelism only this cp rank's chunk of each
+    sequence, and the chunk's positions (None: the whole sequence, from 0)."""
+    inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+    if ctx.mesh.dims.cp == 1:
+        return inputs, targets, None
+    return sequence_chunk(inputs, targets, ctx.mesh.group("cp"), ctx.mesh.dims.cp_mode)
+
+
+def pipeline_step(
+    ctx: Context,
+    rows: int,
+    positions: torch.Tensor | None = None,
+    measure_first: bool = False,
+    seq: int | None = None,
+    loss_sum=None,
+) -> PipelineStep:
+    """An executor for this rank's stages, for microbatches of `rows` sequences of `seq` tokens
+    (default train.seq_len) at `positions` (default: the whole sequence); `measure_first` counts
+    what microbatch 0's forwards save; `loss_sum` replaces the model's loss on the last stage."""
+    dims, seq = ctx.mesh.dims, seq or ctx.cfg.train.seq_len
+    return PipelineStep(
+        ctx.par.pipeline.schedule,
+        ctx.par.pipeline.stages,
+        ctx.mesh.group("pp"),
+        loss_sum or ctx.par.loss_sum,
+        hidden_shape=(rows, seq // dims.cp // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
+        positions=positions if positions is not None else torch.arange(seq, device=ctx.device),
+        forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
+    )
+
+
+@contextlib.contextmanager
+def _forward_context(ctx: Context, measuring: bool = False):
+    measure = ctx.par.saved.measure(reset=False) if measuring else contextlib.nullcontext()
+    with ctx.par.saved.forward(), measure, ctx.autocast():
+        yield
+
+
+def global_mean(ctx: Context, value: torch.Tensor) -> float:
+    """Sum a per-rank share (already divided by global tokens) over the data-parallel ranks."""
+    value = value.detach().clone()
+    with ctx.mesh.ledger.phase("metrics"):
+        comm.all_reduce(value, ctx.metrics_group)
+        if ctx.mesh.dims.pp > 1:  # the loss lives on the last stage
+            comm.all_reduce(value, dataclasses.replace(ctx.mesh.group("pp"), cut="metrics"))
+    return float(value)
+
+
+@torch.no_grad()
+def evaluate(ctx: Context) -> float:
+    dp, rank = ctx.mesh.dims.dp, ctx.mesh.coordinate("dp")
+    total = torch.zeros((), device=ctx.device)
+    tokens = 0
+    for batch in ctx.val_batches:
+        tokens += batch[1].numel()
+        inputs, targets, positions = local_tokens(ctx, *shard_batch(batch, rank, dp))
+        if ctx.par.pipeline is not None:
+            total += pipeline_step(ctx, inputs.shape[0], positions).forward_only([(inputs, targets)], 1)
+            continue
+        with ctx.autocast():
+            total += ctx.par.loss_sum(ctx.par.module(inputs, positions), targets)
+    return global_mean(ctx, total / tokens)
