@@ -123,7 +123,7 @@ LENGTHS = (13, 32)
 def whole_logits_under(configs, tokens: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """On each rank: `full_logits` of every token batch, under each config's layout."""
     from fivecut.train.infer import full_logits
-    from fivecut.train.trainer import setup
+    from fivecut.train.run import setup
 
     return [[full_logits(ctx, t) for t in tokens] for ctx in map(setup, configs)]
 

@@ -20,7 +20,7 @@ from fivecut import checks
 from fivecut.cli import in_process
 from fivecut.config import ConfigError, load_config
 from fivecut.launch import spawn
-from fivecut.train import checkpoint, trainer
+from fivecut.train import checkpoint, run, trainer
 from fivecut.train.faults import TrainingStopped
 from fivecut.train.optim import lr_at
 
@@ -275,7 +275,7 @@ def poisoned_checkpoint(cache: str, root: Path) -> Path:
 
 def train_then_poison(cfg) -> None:
     trainer.train(cfg, quiet=True)
-    ctx = trainer.setup(cfg)
+    ctx = run.setup(cfg)
     step = trainer.resume_from(ctx, "auto")
     with torch.no_grad():
         ctx.par.params["tok_embeddings.weight"].fill_(float("inf"))
