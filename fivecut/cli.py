@@ -229,7 +229,7 @@ def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="loss and perplexity of a model or checkpoint on a corpus's validation split")
     add_model_choice(ev)
     ev.add_argument("--data", default="shakespeare", help="'shakespeare', a text file, or a folder of *.txt")
-    ev.add_argument("--layout", default="", help="e.g. tp=2 or pp=2,microbatches=2 (default: one process)")
+    ev.add_argument("--layout", help="e.g. tp=2 or pp=2,microbatches=2 (default: one process)")
     ev.add_argument("--batches", type=int, default=8, help="validation batches")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
     ev.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
@@ -314,11 +314,13 @@ EVAL_FLAGS = {
 CHECKPOINT_MODEL = {"model.": "the model is the checkpoint's"}  # with --init-from, model.* keys must match the file
 
 
-def with_layout(cfg: Config, layout: str, overrides: list[str], owned: dict, unused: dict | None = None) -> Config:
+def with_layout(
+    cfg: Config, layout: str | None, overrides: list[str], owned: dict, unused: dict | None = None
+) -> Config:
     """`cfg` under the `--layout` text (none: as it is), then the `--set` overrides, each applied: a key
     that --layout or another flag already sets (`owned`), or that the command cannot take (`unused`),
     is refused, never replaced (see `checks.check_owned_keys`)."""
-    table = dict(parse_override(item) for item in checks.layout_items(layout)) if layout else {}
+    table = dict(parse_override(item) for item in checks.layout_items(layout)) if layout is not None else {}
     checks.check_owned_keys(overrides, owned | {f"parallel.{key}": "--layout" for key in table}, unused)
     apply_table(cfg, {"parallel": table}, origin=f"--layout {layout}")
     return apply_overrides(cfg, overrides)
