@@ -354,7 +354,8 @@ def test_generate_refuses_a_gpu_it_does_not_have(capsys, monkeypatch, tmp_path, 
 
 
 def test_generate_refuses_a_negative_step(capsys, tmp_path):
-    assert "--step" in refused(capsys, ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--step=-1"])
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--step=-1"])
+    assert "--step -1 is negative" in err
 
 
 # ---------------------------------------------------------------- empty paths

@@ -244,7 +244,9 @@ def test_refuses_garbage_and_damaged_metadata_naming_the_file(tmp_path, whole):
         "magic, then random": b"GGUF" + rng.bytes(4096),
         "header, then random": whole[:24] + rng.bytes(4096),
     }
-    offset = whole.index(b"<|im_start|>")  # a string of the token list: not UTF-8 once its first byte is 0xff
+    offset = whole.index(b"llama", whole.index(b"general.architecture"))  # a string: not UTF-8 once it starts 0xff
+    cases["the architecture not UTF-8"] = whole[:offset] + b"\xff" + whole[offset + 1 :]
+    offset = whole.index(b"<|im_start|>")  # a string of the token list
     cases["a token not UTF-8"] = whole[:offset] + b"\xff" + whole[offset + 1 :]
     offset = whole.index(b"t h")  # a merge naming tokens no longer in the vocabulary
     cases["a merge of unknown tokens"] = whole[:offset] + b"# #" + whole[offset + 3 :]
