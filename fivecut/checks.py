@@ -641,8 +641,8 @@ def check_eval_shape(cfg: Config) -> None:
             f"--seq-len={t.seq_len} exceeds the model's max_seq_len={args.max_seq_len}; give --seq-len <= "
             f"{args.max_seq_len}"
         )
-    split = dims.dp * (dims.microbatches if dims.pp > 1 else 1)
-    if t.global_batch % split:
+    split = dims.dp * (dims.microbatches if dims.pp > 1 else 1)  # under 1: validate_layout names the key
+    if split >= 1 and t.global_batch % split:
         raise ConfigError(
             f"--batch-size={t.global_batch} must divide by dp*microbatches={split} of layout {dims.settings()}; "
             f"try --batch-size={split * max(1, round(t.global_batch / split))}"

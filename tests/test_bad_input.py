@@ -305,6 +305,8 @@ EVAL_ARGS = [
     (["--seq-len", "0"], "--seq-len"),
     (["--seq-len", "1000"], "--seq-len"),  # over the file's max_seq_len 128
     (["--batch-size", "3", "--layout", "dp=2"], "--batch-size"),
+    (["--layout", "dp=0"], "parallel.dp=0"),
+    (["--layout", "pp=2,microbatches=0"], "parallel.microbatches=0"),
     (["--timeout", "0"], "--timeout"),
     (["--layout", ""], "--layout"),
     (["--layout", "tp=2", "--set", "parallel.tp=4"], "parallel.tp"),
