@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (default: the newest complete checkpoint in checkpoint.dir, if any), never, or a checkpoint path",
     )
+    train.add_argument(
+        "--override",
+        dest="accept",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="resume although config KEY (e.g. train.lr) changes the run against the checkpoint's (repeatable)",
+    )
     add_overrides(train)
     train.set_defaults(func=cmd_train)
 
@@ -161,17 +169,20 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
     from fivecut.train import checkpoint
+    from fivecut.train.resume import resume_changes
 
     cfg = load_config(ns.config, ns.overrides)
     checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    resuming = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume) is not None
+    path = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume)
+    resume_changes(path, checkpoint.read_meta(path) if path else None, cfg, ns.accept)  # a changed run: refused here
+    resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
     init_from_environment(cfg.train.collective_timeout)
-    return train_to_the_end(cfg, ns.resume)
+    return train_to_the_end(cfg, ns.resume, ns.accept)
 
 
-def train_to_the_end(cfg: Config, resume: str) -> int:
+def train_to_the_end(cfg: Config, resume: str, accept: list[str] = ()) -> int:
     """Run `train`; an early stop or a failed collective ends in one line and an exit status
     (see `fivecut.train.faults`): each rank for a signal or its own failure, rank 0 for non-finite values."""
     import torch.distributed as dist
@@ -181,7 +192,7 @@ def train_to_the_end(cfg: Config, resume: str) -> int:
     from fivecut.train.trainer import train
 
     try:
-        train(cfg, resume=resume)
+        train(cfg, resume=resume, accept=accept)
         return 0
     except TrainingStopped as stop:
         rank = dist.get_rank()

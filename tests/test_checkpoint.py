@@ -179,10 +179,11 @@ def saved_tiny(byte_cache, tmp_path):
 
 
 def resume_cli(path: Path, cfg, *extra: str) -> list[str]:
-    items = [
+    items = [  # the saved run's, but for train.steps, the layout and where it writes
         f'data.cache_dir="{cfg.data.cache_dir}"',
+        'model.preset="tiny"',
         "train.steps=3",
-        "train.warmup=1",
+        "train.warmup=2",
         "train.seq_len=32",
         "train.eval_every=0",
         "log.progress=false",
@@ -210,10 +211,19 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(saved_tiny, damage, cap
 
 
 def test_a_checkpoint_of_another_model_is_refused(saved_tiny, capsys):
+    """Even where --override accepts the changed config key: the tensors are another model's."""
     path, cfg = saved_tiny
-    assert main(resume_cli(path, cfg, "--set", 'model.preset="small"')) == 2
+    assert main(resume_cli(path, cfg, "--set", 'model.preset="small"', "--override", "model.preset")) == 2
     err = capsys.readouterr().err
     assert "fivecut.json" in err and "'tiny'" in err and "dim" in err
+
+
+def test_a_changed_layout_and_steps_resume_in_one_line(saved_tiny, capsys):
+    path, cfg = saved_tiny  # saved under dp=2 after 2 of 2 steps; resumed in one process for 3
+    assert main(resume_cli(path, cfg)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "changed config" in line]
+    assert len(lines) == 1 and lines[0].startswith("fivecut: resuming with changed config: train.steps 2 -> 3, ")
+    assert "parallel.dp 2 -> 1" in lines[0] and "(--override)" not in lines[0]
 
 
 def test_info_reports_step_layout_and_integrity(saved_tiny, capsys):

@@ -15,8 +15,9 @@ What a checkpoint holds:
     optim.exp_avg.<name>, optim.exp_avg_sq.<name>, optim.step
     moe.<layer>.expert_bias       auxiliary-loss-free balancing biases
     moe.<layer>.eplb_history      the EPLB load window [steps, E] (global sums, the same everywhere)
-and, in `fivecut.json`: the step, tokens seen, the config and layout, the EPLB placements, the
-format version, and each file's sha256. The learning rate and the data are functions of the step.
+and, in `fivecut.json`: the step, tokens seen, the config and layout, the config changes accepted
+on resumes (`fivecut.train.resume`), the EPLB placements, the format version, and each file's
+sha256. The learning rate and the data are functions of the step.
 
 A save goes to `.tmp-step-N`, and only when every rank has written, the checksums are recorded
 and a COMPLETE marker is in place, is it renamed to `step-N` (atomic on one filesystem): a
@@ -434,10 +435,13 @@ def to_resume(root: str | None, resume: str) -> Path | None:
     return path
 
 
-def check_model(path: Path, meta: dict, model: dict) -> None:
-    """The checkpoint's model has this model's shape; otherwise name both."""
+def check_model(path: Path, meta: dict, model: dict, accepted: set[str] = frozenset()) -> None:
+    """The checkpoint's model has this model's shape, but for the `model.*` keys `accepted` names
+    (`--override`; a tensor of another shape is still refused); otherwise name both."""
     saved = meta.get("model", {})
-    differ = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
+    differ = [
+        f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v and f"model.{k}" not in accepted
+    ]
     if differ:
         raise CheckpointError(
             f"{path / META} holds a checkpoint of model {meta.get('preset')!r}, which differs from this one: "
@@ -445,14 +449,15 @@ def check_model(path: Path, meta: dict, model: dict) -> None:
         )
 
 
-def load(path: Path, par, optimizer, model: dict) -> dict:
+def load(path: Path, par, optimizer, model: dict, accepted: set[str] = frozenset()) -> dict:
     """Fill this rank's part of the training state from the checkpoint at `path` (saved under any
-    layout) into a model of shape `model` (ModelArgs as a dict); returns the checkpoint's meta."""
+    layout) into a model of shape `model` (ModelArgs as a dict; `accepted`: see `check_model`);
+    returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path / META}: format version {meta.get('version')}, this fivecut reads {VERSION}")
-    check_model(path, meta, model)
+    check_model(path, meta, model, accepted)
     verify_files(path, meta)
     restore_moe(par, meta.get("moe", {}))
     ensure_optimizer_state(optimizer)

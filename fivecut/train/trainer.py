@@ -33,6 +33,7 @@ from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, sig
 from fivecut.train.memory import format_bytes, model_state_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from fivecut.train.resume import Resume, resume_changes
 from fivecut.weights.load import load_into, run_tokenizer, source_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,6 +67,8 @@ class Context:
     flops_per_token: float
     args: ModelArgs | None = None  # the model's shape
     tokenizer: object = None  # the run's tokenizer (`fivecut.train.tokenizer.Tokenizer`)
+    start: Resume = field(default_factory=Resume)  # the step it starts after, its config against the checkpoint's
+    overrides: list[dict] = field(default_factory=list)  # config changes accepted by --override, oldest first (saved)
 
     @property
     def is_logger(self) -> bool:
@@ -271,15 +274,20 @@ def evaluate(ctx: Context) -> float:
     return global_mean(ctx, total / tokens)
 
 
-def train(cfg: Config, quiet: bool = False, measure_activations: bool = False, resume: str = "auto") -> RunResult:
+def train(
+    cfg: Config, quiet: bool = False, measure_activations: bool = False, resume: str = "auto", accept: list[str] = ()
+) -> RunResult:
     """Train under the layout of `cfg.parallel`; the process group must already exist.
     `measure_activations` records the bytes each layer saves for backward in step 1. `resume`:
-    "auto" (the newest complete checkpoint in checkpoint.dir, if any), "never", or a checkpoint path.
-    An early stop (signal, non-finite values) raises `TrainingStopped`; see `fivecut.train.faults`."""
+    "auto" (the newest complete checkpoint in checkpoint.dir, if any), "never", or a checkpoint path;
+    `accept`: the config keys that may differ from the checkpoint's although they change the run
+    (`fivecut.train.resume`). An early stop (signal, non-finite values) raises `TrainingStopped`;
+    see `fivecut.train.faults`."""
     ctx = setup(cfg)
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped)
-    start = resume_from(ctx, resume, guard)
+    start = resume_from(ctx, resume, guard, accept)
     log = Logger(ctx, quiet, resumed=start > 0)
+    log.record(ctx.start.record())
     result = RunResult()
     if start == 0 and ctx.val_batches and cfg.model.init_from is not None:  # fine-tuning: where it starts
         result.val_losses[0] = evaluate(ctx)
@@ -307,24 +315,35 @@ def sample_line(ctx: Context, prompt: str, tokens: int) -> str:
     return f"sample: {prompt}{text}"
 
 
-def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None) -> int:
-    """Load the checkpoint `resume` names into this layout; returns its step (0: a fresh start)."""
+def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, accept: list[str] = ()) -> int:
+    """Load the checkpoint `resume` names into this layout, its config compared with this one (a
+    changed run is refused unless `accept` names each key); returns its step (0: a fresh start)."""
     root = ctx.cfg.checkpoint.dir
     if root is not None and ctx.is_logger:
         checkpoint.clean_partial(Path(root).expanduser())  # what a killed save left behind
     path = checkpoint.to_resume(root, resume)
+    saved = checkpoint.read_meta(path) if path is not None else None
+    ctx.start = resume_changes(path, saved, ctx.cfg, accept)
     if path is None:
+        print_lines(ctx, ctx.start.lines())
         return 0
-    meta = checkpoint.load(path, ctx.par, ctx.optimizer, dataclasses.asdict(model_args(ctx.cfg.model)))
+    model = dataclasses.asdict(model_args(ctx.cfg.model))
+    meta = checkpoint.load(path, ctx.par, ctx.optimizer, model, {c.key for c in ctx.start.accepted})
     if guard is not None:  # the learning rate counts applied updates: step - skipped
         guard.total = meta.get("skipped_total", 0)
-    if ctx.is_logger:
-        print(
-            f"fivecut: resumed at step {meta['step']} from {path} (saved under layout {meta['layout']}, "
-            f"loaded into {ctx.mesh.dims.describe()})",
-            flush=True,
-        )
+    ctx.overrides = meta.get("overrides", []) + ([ctx.start.record()] if ctx.start.accepted else [])
+    resumed = (
+        f"fivecut: resumed at step {meta['step']} from {path} (saved under layout {meta['layout']}, "
+        f"loaded into {ctx.mesh.dims.describe()})"
+    )
+    print_lines(ctx, [resumed, *ctx.start.lines()])
     return meta["step"]
+
+
+def print_lines(ctx: Context, lines: list[str]) -> None:
+    if ctx.is_logger:
+        for line in lines:
+            print(line, flush=True)
 
 
 def checkpoint_due(cfg: Config, step: int) -> bool:
@@ -346,6 +365,7 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
         "preset": model_label(cfg.model),
         "model": dataclasses.asdict(model_args(cfg.model)),
         "config": cfg.to_dict(),
+        "overrides": ctx.overrides,
     }
     return checkpoint.save(
         Path(cfg.checkpoint.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, cfg.checkpoint.keep
@@ -430,6 +450,11 @@ class Logger:
             self.bar.write(text)
         else:
             print(text, flush=True)
+
+    def record(self, record: dict | None) -> None:
+        """A record of metrics.jsonl that is not a step's (the config changes a resume accepted)."""
+        if self.active and record is not None:
+            self.sink.write(record)
 
     def before_training(self, val_loss: float) -> None:
         """The imported model's validation loss, as step 0 (in the log and metrics.jsonl)."""

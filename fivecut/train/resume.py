@@ -1,0 +1,161 @@
+"""What a resume may change: every config key compared with the checkpoint's saved config (torch-free).
+
+A key is FREE when changing it changes no number of the run beyond floating-point rounding (the
+layout, accumulation, bucket size) or nothing the run computes (where logs, evaluation and
+checkpoints go, timeouts, the fault policy); a changed free key is listed in one line. A key is
+REFUSED when changing it changes the data a step reads, the model or the optimizer's math: the
+resume stops with one line naming each such key, unless `--override KEY` accepts it. Accepted
+changes are recorded as `{"step": N, "overridden": {KEY: [old, new]}}`, in `metrics.jsonl` and, as
+a history, in every later checkpoint's `fivecut.json` (`overrides`).
+
+`cmd_train` calls `resume_changes` before any process group is formed; `trainer.resume_from`
+calls it again (the same answer) to print the line and record what was accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivecut.config import Config, ConfigError, closest
+
+FREE, REFUSED = "free", "refused"
+
+# Every key of every Config section, by section; tests/test_resume.py fails on a key missing here.
+FREE_ON_RESUME = {
+    # the layout: any split of the work computes the same math (the parity tests, `fivecut verify`)
+    "parallel": "dp zero reshard_after_forward tp sp pp pp_schedule pp_virtual microbatches pp_layers cp cp_mode ep",
+    # steps: extending (or shortening) a run; the cosine schedule then decays to min_lr at the new end.
+    # accumulate and bucket_mb split the same sums differently. The fault policy decides only what
+    # happens after a non-finite value, so a resume may switch to "skip" to get past one.
+    "train": "steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite max_skipped",
+    "moe": "eplb_slots eplb_move eplb_interval eplb_window",  # EPLB places expert copies; it changes no number
+    "data": "cache_dir",  # the token cache is keyed and checked by its tokenizer and sha256
+    "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",
+    "checkpoint": "dir every keep",
+}
+REFUSED_ON_RESUME = {
+    "model": "preset init_from vocab_size dim n_layers n_heads n_kv_heads ffn_dim max_seq_len rope_theta norm_eps "
+    "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
+    "expert_groups route_group_limit",
+    "data": "source tokenizer val_fraction",  # the tokens a step reads
+    # the batches of step s (global_batch, seq_len, seed), the optimizer and its schedule, the precision
+    "train": "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype",
+    "moe": "capacity_factor aux_loss_coef bias_update_rate",  # which tokens reach which expert; the loss
+}
+RESUME_RULES: dict[str, str] = {
+    f"{section}.{name}": rule
+    for rule, table in ((FREE, FREE_ON_RESUME), (REFUSED, REFUSED_ON_RESUME))
+    for section, names in table.items()
+    for name in names.split()
+}
+
+
+@dataclass
+class Change:
+    key: str
+    old: object
+    new: object
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.old!r} -> {self.new!r}"
+
+
+@dataclass
+class Resume:
+    """How a run's config differs from the checkpoint it resumes (nothing, for a fresh start)."""
+
+    step: int = 0
+    changes: list[Change] = field(default_factory=list)  # every changed key, in config order
+    accepted: list[Change] = field(default_factory=list)  # the refused ones that --override accepted
+    notes: list[str] = field(default_factory=list)  # an --override that had nothing to accept
+
+    def lines(self) -> list[str]:
+        """What rank 0 prints next to `resumed at step N`."""
+        marked = [f"{c} (--override)" if c in self.accepted else str(c) for c in self.changes]
+        changed = [f"fivecut: resuming with changed config: {', '.join(marked)}"] if marked else []
+        return changed + [f"fivecut: {note}" for note in self.notes]
+
+    def record(self) -> dict | None:
+        """The accepted changes as a record of `metrics.jsonl` and of the checkpoints' history."""
+        if not self.accepted:
+            return None
+        return {"step": self.step, "overridden": {c.key: [c.old, c.new] for c in self.accepted}}
+
+
+def flat(table: dict, prefix: str = "") -> dict[str, object]:
+    """A nested config dict as {"section.key": value}."""
+    out: dict[str, object] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_keys() -> list[str]:
+    return list(flat(Config().to_dict()))
+
+
+def config_changes(saved: dict, cfg: Config) -> list[Change]:
+    """The keys whose value differs from the checkpoint's saved config, in config order. Both are
+    compared as JSON values (the saved config went through JSON)."""
+    new, old = flat(json.loads(json.dumps(cfg.to_dict()))), saved_values(saved)
+    return [Change(key, old[key], value) for key, value in new.items() if old[key] != value]
+
+
+def saved_values(saved: dict) -> dict[str, object]:
+    """The saved config's values by key; a key it lacks (written by a fivecut without it) at its default."""
+    return flat(json.loads(json.dumps(Config().to_dict()))) | flat(saved)
+
+
+def check_override_keys(accept: list[str]) -> None:
+    """Each --override names a config key; a typo is refused, naming the closest keys."""
+    keys = config_keys()
+    for key in accept:
+        if key in keys:
+            continue
+        if key in {k.split(".")[0] for k in keys}:
+            raise ConfigError(
+                f"--override {key}: a config section, not a key; name each key (e.g. --override {key}.KEY)"
+            )
+        leaves = closest(key.rsplit(".", 1)[-1], sorted({k.rsplit(".", 1)[-1] for k in keys}))
+        close = closest(key, keys) or [k for k in keys if k.rsplit(".", 1)[-1] in leaves]
+        hint = f"did you mean {' or '.join(close)}?" if close else "give a key like train.lr (section.key)"
+        raise ConfigError(f"--override {key}: not a config key; {hint}")
+
+
+def resume_changes(path: Path | None, meta: dict | None, cfg: Config, accept: list[str]) -> Resume:
+    """Compare `cfg` with the config saved in the checkpoint at `path` (`meta`: its fivecut.json;
+    None: a fresh start). A changed refused key that `accept` does not name raises ConfigError
+    naming each with its old and new value and the fix."""
+    check_override_keys(accept)
+    if meta is None:
+        return Resume(notes=[f"--override {key}: no checkpoint to resume; nothing to accept" for key in accept])
+    changes = config_changes(meta["config"], cfg)
+    refused = [c for c in changes if RESUME_RULES.get(c.key, REFUSED) == REFUSED]  # unlisted: refused
+    denied = [c for c in refused if c.key not in accept]
+    if denied:
+        them = "it" if len(denied) == 1 else "them"
+        raise ConfigError(
+            f"resuming {path} with a changed run: {', '.join(map(str, denied))}; restore {them}, or accept each "
+            f"with --override KEY (e.g. --override {denied[0].key})"
+        )
+    accepted = [c for c in refused if c.key in accept]
+    notes = [note for key in accept if (note := idle_override(key, changes, meta))]
+    return Resume(meta["step"], changes, accepted, notes)
+
+
+def idle_override(key: str, changes: list[Change], meta: dict) -> str | None:
+    """Why an --override accepts nothing: its key may change freely, or did not change (on a
+    restarted attempt, because the checkpoint already holds the accepted value)."""
+    if RESUME_RULES.get(key) == FREE:
+        return f"--override {key}: {key} may change on a resume without --override; nothing to accept"
+    if any(c.key == key for c in changes):
+        return None
+    value = saved_values(meta["config"])[key]
+    when = [r["step"] for r in meta.get("overrides", []) if key in r["overridden"]]
+    since = f" (accepted at step {when[-1]})" if when else ""
+    return f"--override {key}: {key} is {value!r} in the checkpoint too{since}; nothing to accept"
