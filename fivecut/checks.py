@@ -667,7 +667,8 @@ def matching(key: str, table: dict[str, str]) -> str | None:
 
 
 def leaf_keys(table: dict, prefix: str = "") -> list[str]:
-    """The dotted keys of the values in a nested table: {"a": {"b": 1}} -> ["a.b"]."""
+    """The dotted keys of the values in a nested table: {"a": {"b": 1}} -> ["a.b"]. (`train.resume.flat`
+    does this too, but importing it here would draw train.resume into the circle through config.)"""
     out = []
     for key, value in table.items():
         out += leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
