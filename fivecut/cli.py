@@ -73,12 +73,19 @@ def check_path_flags(ns) -> None:
     """An empty path would silently mean the current folder: refused, naming the flag."""
     for dest, (flag, choices) in PATH_FLAGS.items():
         value = getattr(ns, dest, None)
+        if dest == "init_from" and value is not None:
+            value = value.partition(":")[2]  # the path after hf: or gguf:
         if value is not None and not value.strip():
             raise ConfigError(f"{flag} is empty (it would mean the current folder); give {choices}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fivecut", description="Train transformer LMs cut five ways.")
+    parser = argparse.ArgumentParser(
+        prog="fivecut",
+        description="Train transformer LMs cut five ways.",
+        epilog=f"exit status: 0 done (verify: PASS); {FAILED} verify's FAIL, or a run that did not complete (a rank "
+        f"raised, died or passed --timeout); {INPUT_REFUSED} an input refused before anything ran",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (one process, or under torchrun)")

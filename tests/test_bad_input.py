@@ -367,6 +367,7 @@ EMPTY_PATHS = [
     (["train", "--resume", " "], "--resume"),
     (["eval", "--checkpoint", ""], "--checkpoint"),
     (["eval", "--init-from", ""], "--init-from"),
+    (["generate", "--init-from", "gguf:", "--prompt", "x"], "--init-from"),
     (["eval", "--init-from", "gguf:x.gguf", "--data", ""], "--data"),
     (["generate", "--checkpoint", "", "--prompt", "x"], "--checkpoint"),
     (["export", "--checkpoint", "", "--out", "hf"], "--checkpoint"),
