@@ -73,8 +73,8 @@ def check_path_flags(ns) -> None:
     """An empty path would silently mean the current folder: refused, naming the flag."""
     for dest, (flag, choices) in PATH_FLAGS.items():
         value = getattr(ns, dest, None)
-        if dest == "init_from" and value is not None:
-            value = value.partition(":")[2]  # the path after hf: or gguf:
+        if dest == "init_from" and value is not None and ":" in value:
+            value = value.partition(":")[2]  # the path after hf: or gguf: (a bare path is refused by open_source)
         if value is not None and not value.strip():
             raise ConfigError(f"{flag} is empty (it would mean the current folder); give {choices}")
 
