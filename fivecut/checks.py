@@ -12,11 +12,12 @@ for a layout that cannot work (with the numbers).
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivecut.config import Config, ConfigError, model_args, model_label
+from fivecut.config import Config, ConfigError, model_args, model_label, nest, parse_override
 from fivecut.layout import CP_MODES, MESH_DIMS, MoEOptions, ParallelDims
 from fivecut.parallel.pipeline.schedule import NAMES as PP_SCHEDULES
 from fivecut.parallel.pipeline.schedule import build_schedule, check
@@ -34,6 +35,9 @@ class LayoutError(ValueError):
 
 
 def refuse(title: str, problems: list[str], kind: type[ValueError] = ConfigError) -> None:
+    """Raise `kind` listing `problems` under `title`: one line for one problem, else one line each."""
+    if len(problems) == 1:
+        raise kind(f"{title}: {problems[0]}")
     if problems:
         raise kind(title + ":\n  - " + "\n  - ".join(problems))
 
@@ -59,12 +63,27 @@ def checked_model_args(cfg: Config) -> ModelArgs:
         check_model(args)
     except ValueError as err:
         raise ConfigError(f"model {model_label(cfg.model)!r} with the model.* overrides: {err}") from None
+    check_dense_keys(cfg, args)
     if cfg.train.seq_len > args.max_seq_len:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set "
             "model.max_seq_len"
         )
     return args
+
+
+def check_dense_keys(cfg: Config, args: ModelArgs) -> None:
+    """A key that shapes only MoE layers, given for a dense model, would change nothing: refused by name."""
+    from fivecut.model.args import MOE_ONLY
+
+    given = [f"model.{name}={getattr(cfg.model, name)!r}" for name in MOE_ONLY if getattr(cfg.model, name) is not None]
+    if given and not args.is_moe:
+        them = "them" if len(given) > 1 else "it"
+        raise ConfigError(
+            f"{', '.join(given)} shape{'' if len(given) > 1 else 's'} only mixture-of-experts layers, but model "
+            f"{model_label(cfg.model)!r} is dense (n_experts=0); remove {them}, or set model.n_experts >= 1 "
+            "(or model.preset='tiny-moe')"
+        )
 
 
 def check_preset(name: str, key: str = "model.preset") -> None:
@@ -85,7 +104,24 @@ def check_preset(name: str, key: str = "model.preset") -> None:
 
 
 def option_problems(cfg: Config) -> list[str]:
-    return train_problems(cfg.train) + data_problems(cfg) + log_problems(cfg.log) + checkpoint_problems(cfg.checkpoint)
+    sections = train_problems(cfg.train) + data_problems(cfg) + log_problems(cfg.log)
+    return path_problems(cfg) + sections + checkpoint_problems(cfg.checkpoint)
+
+
+PATH_KEYS = ("data.source", "data.cache_dir", "log.out_dir", "checkpoint.dir")  # every key that names a file or folder
+
+
+def path_problems(cfg: Config) -> list[str]:
+    """An empty path would silently mean the current folder; it is refused, naming the key."""
+    out = []
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not value.strip():
+            default = getattr(type(getattr(cfg, section))(), name)
+            fix = f"leave {key} out (default {default!r})" if default is not None else f"leave {key} unset"
+            out.append(f"{key}={value!r} is an empty path (it would mean the current folder); give a path, or {fix}")
+    return out
 
 
 def checkpoint_problems(c) -> list[str]:
@@ -179,6 +215,8 @@ def data_problems(cfg: Config) -> list[str]:
 
 def log_problems(log) -> list[str]:
     out = at_least("log", log, ("log_every", "sample_tokens"), 1)
+    if log.sample_prompt is not None and not log.sample_prompt:
+        out.append("log.sample_prompt='' gives the model nothing to continue; give some text, or leave it unset")
     if not (math.isfinite(log.peak_tflops) and log.peak_tflops >= 0):
         out.append(f"log.peak_tflops={log.peak_tflops} must be >= 0 (0 = look it up or measure it)")
     return out
@@ -211,6 +249,25 @@ def check_writable(key: str, folder: str) -> None:
             pass
     except OSError as err:
         raise ConfigError(f"{key}={folder!r} cannot be created or written ({err.strerror or err}); {fix}") from None
+
+
+def check_new_file(flag: str, file: str, suffix: str) -> None:
+    """A file a command will write: named `*suffix`, not a folder, in a folder that exists and can be written."""
+    path = Path(file).expanduser()
+    folder = path.parent
+    if path.is_dir():
+        raise ConfigError(f"{flag} {file} is a folder; give a file name in it, e.g. {path / ('out' + suffix)}")
+    if path.suffix.lower() != suffix:
+        raise ConfigError(f"{flag} {file}: the file is written as {suffix[1:].upper()}; give a name ending in {suffix}")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {file}: {existing} is a file, not a folder; give a path in a folder")
+    if existing != folder:
+        raise ConfigError(f"{flag} {file}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(
+            f"{flag} {file}: the folder {folder} cannot be written; give a path in a folder you can write"
+        )
 
 
 def check_fresh_out_dir(folder: str) -> None:
@@ -500,9 +557,13 @@ def unimplemented(dims: ParallelDims) -> list[str]:
 def moe_problems(opts: MoEOptions, args: ModelArgs, dims: ParallelDims) -> list[str]:
     """What cannot work with model `args` under the layout `dims`."""
     if not args.is_moe:
-        if opts.is_default():
+        given = [f"moe.{name}" for name in opts.changed()]
+        if not given:
             return []
-        return ["[moe] options are set but the model is dense (n_experts=0); remove them or pick a MoE model"]
+        return [
+            f"{', '.join(given)} set{'' if len(given) > 1 else 's'} how MoE layers train, but the model is dense "
+            f"(n_experts=0); remove {'them' if len(given) > 1 else 'it'}, or pick a MoE model (model.n_experts >= 1)"
+        ]
     out = moe_value_problems(opts) + eplb_problems(opts, args, dims.ep)
     if opts.capacity_factor is not None and dims.cp > 1 and dims.cp_mode == "ring":
         out.append(
@@ -551,14 +612,67 @@ def eplb_problems(opts: MoEOptions, args: ModelArgs, ep: int) -> list[str]:
 
 def check_run_arguments(steps: int, timeout: float, rtol: float | None = None) -> None:
     """`verify` / `ledger`: a run that compares something, a timeout, a tolerance."""
-    problems = []
+    problems = timeout_problems(timeout)
     if steps < 1:
-        problems.append(f"--steps={steps} compares nothing; give --steps >= 1")
-    if not (math.isfinite(timeout) and timeout > 0):
-        problems.append(f"--timeout={timeout} must be a positive number of seconds")
+        problems.insert(0, f"--steps={steps} compares nothing; give --steps >= 1")
     if rtol is not None and not (math.isfinite(rtol) and rtol > 0):
         problems.append(f"--rtol={rtol} must be > 0 (the largest relative loss difference accepted), e.g. 1e-5")
     refuse("invalid arguments", problems)
+
+
+def timeout_problems(timeout: float) -> list[str]:
+    if math.isfinite(timeout) and timeout > 0:
+        return []
+    return [f"--timeout={timeout} must be a positive number of seconds"]
+
+
+def check_eval_arguments(batches: int, batch_size: int, seq_len: int, timeout: float) -> None:
+    """`eval`'s flags, named as they were typed (the run receives them as train.* keys)."""
+    counts = {"--batches": batches, "--batch-size": batch_size, "--seq-len": seq_len}
+    problems = [f"{flag}={value} must be at least 1; give {flag} >= 1" for flag, value in counts.items() if value < 1]
+    refuse("invalid arguments", problems + timeout_problems(timeout))
+
+
+def check_eval_shape(cfg: Config) -> None:
+    """`eval`'s --seq-len against the model, --batch-size against the layout's split of a batch."""
+    t, dims, args = cfg.train, cfg.parallel, model_args(cfg.model)
+    if t.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"--seq-len={t.seq_len} exceeds the model's max_seq_len={args.max_seq_len}; give --seq-len <= "
+            f"{args.max_seq_len}"
+        )
+    split = dims.dp * (dims.microbatches if dims.pp > 1 else 1)  # under 1: validate_layout names the key
+    if split >= 1 and t.global_batch % split:
+        raise ConfigError(
+            f"--batch-size={t.global_batch} must divide by dp*microbatches={split} of layout {dims.settings()}; "
+            f"try --batch-size={split * max(1, round(t.global_batch / split))}"
+        )
+
+
+def check_owned_keys(overrides: list[str], owned: dict[str, str], unused: dict[str, str] | None = None) -> None:
+    """Refuse a `--set` of a key that a flag of the command sets (`owned`: key -> flag) or that the
+    command cannot take (`unused`: key -> why), so that no setting is silently replaced or dropped;
+    a key ending in "." stands for its whole section."""
+    for item in overrides:
+        for key in leaf_keys(nest(*parse_override(item))):
+            flag, why = matching(key, owned), matching(key, unused or {})
+            if flag is not None:
+                raise ConfigError(f"--set {item} sets {key}, which {flag} sets here; give it once, with {flag}")
+            if why is not None:
+                raise ConfigError(f"--set {item}: {key} is not used here ({why}); remove it")
+
+
+def matching(key: str, table: dict[str, str]) -> str | None:
+    return next((value for k, value in table.items() if key == k or (k.endswith(".") and key.startswith(k))), None)
+
+
+def leaf_keys(table: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of the values in a nested table: {"a": {"b": 1}} -> ["a.b"]. (`train.resume.flat`
+    does this too, but importing it here would draw train.resume into the circle through config.)"""
+    out = []
+    for key, value in table.items():
+        out += leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return out
 
 
 def layout_items(text: str) -> list[str]:
@@ -583,7 +697,11 @@ def check_schedule_command(name: str, pp: int, microbatches: int, virtual: int, 
     """`fivecut schedule`: the rules `train` applies to parallel.*, then the built schedule; returns it."""
     counts = {"pp": pp, "microbatches": microbatches, "virtual": virtual}
     problems = [f"--{k}={v} must be >= 1" for k, v in counts.items() if v < 1]
-    problems += [f"--cost-{k}={v} must be >= 0" for k, v in costs.items() if v is not None and not v >= 0]
+    problems += [
+        f"--cost-{k}={v} must be a finite number >= 0"
+        for k, v in costs.items()
+        if v is not None and not (math.isfinite(v) and v >= 0)
+    ]
     title = f"schedule {name}, pp={pp}, {microbatches} microbatches"
     refuse(title + " cannot run", problems + schedule_rule_problems(name, pp, microbatches, virtual), LayoutError)
     try:

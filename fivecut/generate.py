@@ -12,6 +12,7 @@ after max_new_tokens or at the tokenizer's end-of-text id (which is kept in the 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -170,12 +171,34 @@ def check_sampling(max_new_tokens: int, sampling: Sampling, flags: bool = False)
     name = {"n": "--max-new-tokens", "t": "--temperature", "k": "--top-k"} if flags else {}
     if max_new_tokens < 1:
         raise ValueError(f"{name.get('n', 'max_new_tokens')} is {max_new_tokens}; ask for at least 1 new token")
-    if not sampling.temperature >= 0.0:
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0.0):
         raise ValueError(
-            f"{name.get('t', 'temperature')} is {sampling.temperature}; give 0 for greedy decoding or a positive value"
+            f"{name.get('t', 'temperature')} is {sampling.temperature}; give 0 for greedy decoding or a positive, "
+            "finite value"
         )
     if sampling.top_k < 0:
         raise ValueError(f"{name.get('k', 'top_k')} is {sampling.top_k}; give 0 for the whole vocabulary or k >= 1")
+
+
+DEVICES = "cpu, cuda (the current GPU) or cuda:N"
+
+
+def checked_device(text: str) -> torch.device:
+    """The device `--device` names, if generation can run on it here; ValueError naming the choices otherwise."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):  # torch's answer to a device string it cannot parse
+        raise ValueError(f"--device {text!r} is not a device torch knows; choose {DEVICES}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {text!r}: generate runs on {DEVICES}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise ValueError(f"--device {text!r}: this torch sees no CUDA GPU (a CPU-only build, or none visible); use cpu")
+    if device.index is not None and device.index >= gpus:
+        raise ValueError(f"--device {text!r}: this machine has {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}")
+    return device
 
 
 def check_length(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
@@ -199,7 +222,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise ValueError("--step chooses a checkpoint's step; give it with --checkpoint DIR, not --init-from")
     from fivecut.weights.load import single_model
 
-    model, tokenizer = single_model(init_from=ns.init_from, checkpoint=ns.checkpoint, step=ns.step, device=ns.device)
+    device = checked_device(ns.device)
+    model, tokenizer = single_model(init_from=ns.init_from, checkpoint=ns.checkpoint, step=ns.step, device=device)
     if tokenizer is None:
         raise ValueError(f"--init-from {ns.init_from} has no tokenizer (no tokenizer.json), so no text to continue")
     check_length(model, len(tokenizer.encode(ns.prompt)), ns.max_new_tokens)  # before anything is printed

@@ -7,7 +7,7 @@ is parsed into them without importing torch. Whether they can work is decided in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 CP_MODES = ("ring", "ulysses")
@@ -45,6 +45,20 @@ class ParallelDims:
             parts.append("sp=true")
         return ",".join(parts) or "single"
 
+    def settings(self) -> str:
+        """Every field that differs from its default, as `--layout` spells it (`describe` names the cuts only)."""
+        parts = [
+            f"{f.name}={spelled(getattr(self, f.name))}" for f in fields(self) if getattr(self, f.name) != f.default
+        ]
+        return ",".join(parts) or "single"
+
+
+def spelled(value: object) -> str:
+    """A value as a TOML literal of `--layout` (bare words are strings): true, [2,2], ulysses."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value).replace(" ", "")
+
 
 @dataclass
 class MoEOptions:
@@ -58,8 +72,9 @@ class MoEOptions:
     eplb_interval: int = 10  # EPLB: steps between re-placements
     eplb_window: int = 10  # EPLB: steps of load history a placement is planned from
 
-    def is_default(self) -> bool:
-        return self == MoEOptions()
+    def changed(self) -> list[str]:
+        """The fields set to something other than their defaults."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
 
     @property
     def eplb(self) -> bool:

@@ -5,19 +5,22 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 
 import fivecut.launch
-from fivecut.cli import main
+from fivecut.cli import LOSS_RTOL, main, verdict
 from fivecut.config import Config
+from fivecut.layout import ParallelDims
 from fivecut.model.presets import PRESETS, runnable_presets
 from fivecut.train.data import load_tokens
 from fivecut.train.tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
+SPAWN = fivecut.launch.spawn  # before `no_processes` replaces it
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +83,17 @@ OPTIONS = [
     ("model.dim=130", "model"),
     ("parallel.pp_layers=[2, 2]", "parallel.pp_layers"),
     ("parallel.tp=3", "tp=3"),
-    ("moe.aux_loss_coef=0.01", "[moe]"),
+    ("moe.aux_loss_coef=0.01", "moe.aux_loss_coef"),
+    ("moe.capacity_factor=1.25", "moe.capacity_factor"),
+    ("model.top_k=3", "model.top_k"),
+    ("model.gate=sigmoid", "model.gate"),
+    ("model.first_dense_layers=1", "model.first_dense_layers"),
+    ('log.out_dir=""', "log.out_dir"),
+    ('data.cache_dir=""', "data.cache_dir"),
+    ('checkpoint.dir=""', "checkpoint.dir"),
+    ('data.source=""', "data.source"),
+    ('data.source="  "', "data.source"),
+    ('log.sample_prompt=""', "log.sample_prompt"),
 ]
 
 
@@ -89,6 +102,23 @@ def test_train_option_refused(capsys, tmp_path, override, key):
     err = refused(capsys, train_argv(tmp_path, override))
     assert key in err
     assert not (tmp_path / "run").exists()  # refused before the output folder is made
+
+
+def test_one_problem_is_one_line(capsys, tmp_path):
+    err = refused(capsys, train_argv(tmp_path, "train.steps=0"))
+    assert err.count("\n") == 1 and "train.steps=0" in err
+
+
+def test_moe_only_keys_are_named_together(capsys, tmp_path):
+    err = refused(capsys, train_argv(tmp_path, "model.top_k=1", "model.route_scale=2.0"))
+    assert "model.top_k=1" in err and "model.route_scale=2.0" in err and "dense" in err and "n_experts" in err
+    err = refused(capsys, train_argv(tmp_path, "moe.eplb_window=3", "moe.bias_update_rate=0.001"))
+    assert "moe.eplb_window" in err and "moe.bias_update_rate" in err and "dense" in err
+
+
+def test_moe_only_keys_pass_on_a_moe_model(tmp_path):
+    with pytest.raises(AssertionError, match="process was started"):
+        main(train_argv(tmp_path, 'model.preset="tiny-moe"', "model.top_k=3", "moe.capacity_factor=1.25"))
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "deepseek-v3"])
@@ -118,14 +148,14 @@ def test_good_layout_passes_the_checks(tmp_path, corpus, command):
 # ---------------------------------------------------------------- folders
 
 
-@pytest.mark.parametrize("key", ["log.out_dir", "data.cache_dir"])
+@pytest.mark.parametrize("key", ["log.out_dir", "data.cache_dir", "checkpoint.dir"])
 def test_folder_under_a_file_refused(capsys, tmp_path, key):
     (tmp_path / "file").write_text("x")
     err = refused(capsys, train_argv(tmp_path, f'{key}="{tmp_path / "file" / "sub"}"'))
     assert key in err and str(tmp_path / "file") in err
 
 
-@pytest.mark.parametrize("key", ["log.out_dir", "data.cache_dir"])
+@pytest.mark.parametrize("key", ["log.out_dir", "data.cache_dir", "checkpoint.dir"])
 def test_folder_that_is_a_file_refused(capsys, tmp_path, key):
     (tmp_path / "file").write_text("x")
     err = refused(capsys, train_argv(tmp_path, f'{key}="{tmp_path / "file"}"'))
@@ -186,6 +216,18 @@ LAYOUT_ARGS = [
     ("verify", ["--layout", "tp=3"], "tp=3"),
     ("ledger", ["--layout", "dp=2", "--set", "log.log_every=0"], "log.log_every"),
     ("verify", ["--layout", "dp=2", "--set", f'data.cache_dir="{"/proc/fivecut-test"}"'], "data.cache_dir"),
+    ("verify", ["--layout", "dp=2", "--rtol", "nan"], "--rtol"),
+    ("verify", ["--layout", "dp=2", "--timeout", "nan"], "--timeout"),
+    ("ledger", ["--layout", "dp=2", "--timeout", "inf"], "--timeout"),
+    ("verify", ["--layout", "dp=2", "--steps=-2"], "--steps"),
+    # every setting is applied or refused, never replaced by another
+    ("verify", ["--layout", "dp=2", "--set", "parallel.dp=4"], "parallel.dp"),
+    ("ledger", ["--layout", "dp=2", "--set", "parallel={dp=4}"], "parallel.dp"),
+    ("verify", ["--layout", "dp=2", "--set", "train.steps=3"], "--steps"),
+    ("verify", ["--layout", "dp=2", "--set", 'model.preset="tiny-moe"'], "--model"),
+    ("ledger", ["--layout", "dp=2", "--set", 'log.out_dir="elsewhere"'], "log.out_dir"),
+    ("verify", ["--layout", "dp=2", "--set", 'checkpoint.dir="elsewhere"'], "checkpoint.dir"),
+    ("verify", ["--layout", "dp=2", "--set", "model.top_k=3"], "model.top_k"),
 ]
 
 
@@ -200,6 +242,161 @@ def test_layout_keys_are_named(capsys, tmp_path):
     assert "dp=2" in err and "parallel" in err
 
 
+PP_LAYERS = "parallel.pp_layers=[5, 5] must give 2 stages of >= 1 layer summing to n_layers=4"
+
+
+@pytest.mark.parametrize("command", ["verify", "ledger"])
+def test_layout_command_refuses_what_train_refuses(capsys, tmp_path, command):
+    """--set parallel.* is applied under --layout, not replaced by it, and refused as `train` refuses it."""
+    train_err = refused(capsys, train_argv(tmp_path, "parallel.pp=2", "parallel.pp_layers=[5,5]"))
+    err = refused(capsys, layout_argv(command, tmp_path, "--set", "parallel.pp_layers=[5,5]", "--layout", "pp=2"))
+    assert PP_LAYERS in train_err and PP_LAYERS in err
+
+
+class Recorder:
+    """Stands in for `fivecut.launch.spawn`: records each run's config and returns `result` per rank."""
+
+    def __init__(self, result):
+        self.result, self.configs = result, []
+
+    def __call__(self, fn, world_size, cfg, *args, **kwargs):
+        self.configs.append(cfg)
+        return [self.result] * world_size
+
+
+def test_verify_runs_the_set_parallel_keys(capsys, monkeypatch, tmp_path, corpus):
+    same = SimpleNamespace(losses=[2.0], grad_norms=[1.0], val_losses={1: 2.5})
+    spawn = Recorder(same)
+    monkeypatch.setattr(fivecut.launch, "spawn", spawn)
+    argv = ["--layout", "pp=2,microbatches=2", "--set", "parallel.pp_layers=[1,3]", "--set", "parallel.dp=2"]
+    assert main(layout_argv("verify", tmp_path, *argv, "--steps", "1", "--set", f'data.source="{corpus}"')) == 0
+    reference, layout = (cfg.parallel for cfg in spawn.configs)
+    assert reference == ParallelDims() and layout == ParallelDims(pp=2, microbatches=2, pp_layers=[1, 3], dp=2)
+    out = capsys.readouterr().out
+    assert "layout dp=2,pp=2,microbatches=2,pp_layers=[1,3] vs single process" in out and "PASS" in out
+
+
+def test_eval_runs_the_set_parallel_keys(capsys, monkeypatch, tmp_path, corpus, tiny_gguf):
+    spawn = Recorder({"tokens": 64, "loss": 1.0, "perplexity": 2.7})
+    monkeypatch.setattr(fivecut.launch, "spawn", spawn)
+    sizes = ["--batches", "1", "--batch-size", "2", "--seq-len", "16", "--data", str(corpus)]
+    argv = ["eval", "--init-from", f"gguf:{tiny_gguf}", *sizes, "--layout", "dp=2", "--set", "parallel.zero=1"]
+    assert main(layout_argv(*argv[:1], tmp_path, *argv[1:])) == 0
+    assert [cfg.parallel for cfg in spawn.configs] == [ParallelDims(dp=2, zero=1)]
+    assert "layout dp=2,zero=1" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- eval and generate: their flags by name
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny llama GGUF (max_seq_len 128) with its own tokenizer."""
+    from test_gguf import write_tiny
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny(path)
+    return path
+
+
+EVAL_ARGS = [
+    (["--batches", "0"], "--batches"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--seq-len", "1000"], "--seq-len"),  # over the file's max_seq_len 128
+    (["--batch-size", "3", "--layout", "dp=2"], "--batch-size"),
+    (["--layout", "dp=0"], "parallel.dp=0"),
+    (["--layout", "pp=2,microbatches=0"], "parallel.microbatches=0"),
+    (["--timeout", "0"], "--timeout"),
+    (["--layout", ""], "--layout"),
+    (["--layout", "tp=2", "--set", "parallel.tp=4"], "parallel.tp"),
+    (["--set", "train.seq_len=64"], "--seq-len"),
+    (["--set", "train.eval_batches=3"], "--batches"),
+    (["--set", 'data.source="shakespeare"'], "--data"),
+    (["--step", "2"], "--checkpoint"),
+]
+
+
+@pytest.mark.parametrize("args,flag", EVAL_ARGS)
+def test_eval_refuses_its_flags_by_name(capsys, tmp_path, tiny_gguf, args, flag):
+    err = refused(capsys, layout_argv("eval", tmp_path, "--init-from", f"gguf:{tiny_gguf}", *args))
+    assert flag in err and ("train." not in err or "--set train." in err)
+
+
+GENERATE_ARGS = [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens=-1"], "--max-new-tokens"),
+    (["--top-k=-1"], "--top-k"),
+    (["--temperature", "inf"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature=-0.5"], "--temperature"),
+    (["--device", "tpu"], "--device"),
+    (["--device", "cuda:x"], "--device"),
+    (["--device", "meta"], "--device"),
+]
+
+
+@pytest.mark.parametrize("args,flag", GENERATE_ARGS)
+def test_generate_refuses_its_flags_by_name(capsys, tmp_path, args, flag):
+    """Refused before the model is opened: the file named does not even exist."""
+    err = refused(capsys, ["generate", "--init-from", f"gguf:{tmp_path / 'none.gguf'}", "--prompt", "x", *args])
+    assert flag in err and "none.gguf" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("gpus,device", [(0, "cuda"), (0, "cuda:0"), (2, "cuda:2")])
+def test_generate_refuses_a_gpu_it_does_not_have(capsys, monkeypatch, tmp_path, gpus, device):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    err = refused(
+        capsys, ["generate", "--init-from", f"gguf:{tmp_path / 'x.gguf'}", "--prompt", "x", "--device", device]
+    )
+    assert "--device" in err and ("cpu" in err if gpus == 0 else "cuda:1" in err)
+
+
+def test_generate_refuses_a_negative_step(capsys, tmp_path):
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--step=-1"])
+    assert "--step -1 is negative" in err
+
+
+# ---------------------------------------------------------------- empty paths
+
+EMPTY_PATHS = [
+    (["train", "--config", ""], "--config"),
+    (["train", "--resume", " "], "--resume"),
+    (["eval", "--checkpoint", ""], "--checkpoint"),
+    (["eval", "--init-from", ""], "--init-from"),
+    (["generate", "--init-from", "gguf:", "--prompt", "x"], "--init-from"),
+    (["eval", "--init-from", "gguf:x.gguf", "--data", ""], "--data"),
+    (["generate", "--checkpoint", "", "--prompt", "x"], "--checkpoint"),
+    (["export", "--checkpoint", "", "--out", "hf"], "--checkpoint"),
+    (["export", "--checkpoint", "ck", "--out", ""], "--out"),
+    (["schedule", "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--out", ""], "--out"),
+    (["checkpoint", "info", ""], "DIR"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", EMPTY_PATHS)
+def test_an_empty_path_flag_is_refused(capsys, tmp_path, monkeypatch, argv, flag):
+    monkeypatch.chdir(tmp_path)
+    err = refused(capsys, argv)
+    assert flag in err and "empty" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- outputs that cannot be written
+
+
+def test_export_out_under_a_file_is_refused(capsys, tmp_path):
+    """Refused before the checkpoint is even looked for."""
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file" / "sub", tmp_path / "file" / "sub" / "deeper"):
+        err = refused(capsys, ["export", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(out)])
+        assert "--out" in err and str(tmp_path / "file") in err and "is a file" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 # ---------------------------------------------------------------- schedule
 
 
@@ -211,12 +408,29 @@ SCHEDULES = [
     (["--schedule", "gpipe", "--pp", "2", "--microbatches", "0"], "--microbatches"),
     (["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--cost-f=-1"], "--cost-f"),
     (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--virtual", "2"], "pp_virtual=2"),
+    (["--schedule", "interleaved", "--pp", "2", "--microbatches", "4", "--virtual", "0"], "--virtual"),
+    (["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--cost-b=-1"], "--cost-b"),
+    (["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--cost-f", "inf"], "--cost-f"),
+    (["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--cost-comm", "nan"], "--cost-comm"),
+    (["--schedule", "zb1p", "--pp", "2", "--microbatches", "4", "--cost-w", "inf"], "--cost-w"),
 ]
 
 
 @pytest.mark.parametrize("args,key", SCHEDULES)
 def test_schedule_refused(capsys, args, key):
     assert key in refused(capsys, ["schedule", *args])
+
+
+@pytest.mark.parametrize(
+    "out,named", [("file/x.png", "is a file"), ("missing/x.png", "mkdir"), (".", "folder"), ("chart.svg", ".png")]
+)
+def test_schedule_out_that_cannot_be_written_is_refused(capsys, tmp_path, monkeypatch, out, named):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    assert main(["schedule", "--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--out", out]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.startswith(f"error: --out {out}") and named in printed.err and printed.err.count("\n") == 1
+    assert printed.out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # refused before the work
 
 
 def test_schedule_refuses_what_train_refuses(capsys, tmp_path):
@@ -238,6 +452,90 @@ def test_unknown_schedule_lists_the_names(capsys):
         main(["schedule", "--schedule", "1f1", "--pp", "2", "--microbatches", "2"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and all(name in err for name in ("gpipe", "1f1b", "interleaved", "zb1p", "dualpipev"))
+
+
+# ---------------------------------------------------------------- a spawned run that fails: one line, exit 1
+
+
+TIMED_OUT = "--- rank 1 did not finish within 20s; its stack:\nStack (most recent call first):\n  File x.py, line 3"
+RAISED = "--- rank 0 raised:\nTraceback (most recent call last):\n  File x.py, line 1\nRuntimeError: boom\n"
+
+
+def failing_spawn(message: str, summary: str | None = None):
+    def spawn(*args, **kwargs):
+        err = fivecut.launch.RankFailure(message)
+        if summary is not None:
+            err.summary = summary
+        raise err
+
+    return spawn
+
+
+@pytest.mark.parametrize(
+    "message,summary,line",
+    [
+        (TIMED_OUT, None, "rank 1 did not finish within 20s (raise --timeout)"),
+        (RAISED + TIMED_OUT, None, "rank 0 raised RuntimeError: boom; rank 1 did not finish within 20s"),
+        (TIMED_OUT, "rank 1 did not finish within 20 s", "rank 1 did not finish within 20 s (raise --timeout)"),
+        ("--- rank 1 died: exit code -9, no traceback", None, "rank 1 died: exit code -9, no traceback"),
+    ],
+)
+@pytest.mark.parametrize("command", ["verify", "ledger"])
+def test_a_failed_rank_is_one_line(capsys, monkeypatch, tmp_path, corpus, command, message, summary, line):
+    monkeypatch.setattr(fivecut.launch, "spawn", failing_spawn(message, summary))
+    argv = layout_argv(command, tmp_path, "--layout", "dp=2", "--steps", "1", "--set", f'data.source="{corpus}"')
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {command}") and line in err and err.count("\n") == 1 and "Traceback" not in err
+    report = Path(err.split("every rank's report: ")[1].strip())
+    assert message in report.read_text()
+    report.unlink()
+
+
+def test_a_timed_out_verify_is_one_line_end_to_end(capsys, monkeypatch, tmp_path, corpus):
+    """A real spawn, which cannot finish within 10 ms (starting a process alone takes longer)."""
+    monkeypatch.setattr(fivecut.launch, "spawn", SPAWN)
+    argv = ["--layout", "dp=2", "--steps", "1", "--timeout", "0.01", "--set", f'data.source="{corpus}"']
+    assert main(layout_argv("verify", tmp_path, *argv)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: verify, the single process: rank 0 ") and "--timeout" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    Path(err.split("every rank's report: ")[1].strip()).unlink()
+
+
+# ---------------------------------------------------------------- verify's verdict
+
+
+def verdict_of(capsys, diffs: dict, steps: int = 3) -> tuple[int, str]:
+    code = verdict({name: dict(enumerate(values, start=1)) for name, values in diffs.items()}, LOSS_RTOL)
+    return code, capsys.readouterr().out
+
+
+def test_the_first_gradient_norm_is_held_to_1e_5(capsys):
+    code, out = verdict_of(capsys, {"loss": [0, 0, 0], "grad_norm": [2e-5, 0, 0], "val_loss": [0]})
+    assert code == 1 and "grad_norm at step 1 2.000e-05 > 1e-05" in out
+
+
+def test_later_gradient_norms_are_held_to_1e_3(capsys):
+    code, out = verdict_of(capsys, {"loss": [0, 0, 0], "grad_norm": [1e-6, 5e-4, 9e-4], "val_loss": [0]})
+    assert code == 0 and "max_rel_later_grad_norm_diff=9.000e-04" in out and out.startswith("PASS")
+    code, out = verdict_of(capsys, {"loss": [0, 0, 0], "grad_norm": [1e-6, 5e-4, 2e-3], "val_loss": [0]})
+    assert code == 1 and "grad_norm at step 3 2.000e-03 > 0.001" in out
+
+
+def test_later_losses_stay_at_1e_5(capsys):
+    code, out = verdict_of(capsys, {"loss": [0, 0, 2e-5], "grad_norm": [0, 0, 0], "val_loss": [2e-5]})
+    assert code == 1 and "loss at step 3 2.000e-05 > 1e-05" in out and "val_loss at step 1" in out
+
+
+def test_the_tolerances_are_printed(capsys, monkeypatch, tmp_path, corpus):
+    monkeypatch.setattr(
+        fivecut.launch, "spawn", Recorder(SimpleNamespace(losses=[2.0] * 4, grad_norms=[1.0] * 4, val_losses={4: 2.5}))
+    )
+    argv = layout_argv("verify", tmp_path, "--layout", "dp=2", "--steps", "4", "--set", f'data.source="{corpus}"')
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "loss 1e-05 at every step; gradient norm 1e-05 at step 1, 1e-03 at steps 2-4; validation loss 1e-05" in out
 
 
 # ---------------------------------------------------------------- help

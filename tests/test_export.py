@@ -303,3 +303,82 @@ def test_eval_of_a_checkpoint_is_the_same_under_a_layout(tiny_run, cache, capsys
         assert line is not None
         assert float(line["loss"]) == pytest.approx(loss, rel=EVAL_RTOL, abs=0.5e-4)
         assert float(line["perplexity"]) == pytest.approx(math.exp(loss), rel=EVAL_RTOL, abs=0.5e-2)
+
+
+# ---------------------------------------------------------------- damaged Hugging Face folders: refused by name
+
+SHAPE = ModelArgs(vocab_size=256, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+
+
+def hf_folder(folder: Path, max_bytes: int = ex.DEFAULT_SHARD_BYTES) -> Path:
+    """A small Llama folder as `export` writes it (random weights, no tokenizer files: the byte tokenizer)."""
+    from fivecut.train.tokenizer import get_tokenizer
+    from fivecut.weights.source import expected_shapes
+
+    tensors = {to_hf(name): torch.randn(shape) for name, shape in expected_shapes(SHAPE).items()}
+    folder.mkdir()
+    ex.write_folder(folder, SHAPE, "float32", tensors, get_tokenizer("byte"), max_bytes)
+    return folder
+
+
+def cut(path: Path, keep) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: {"half": len(data) // 2, "all but one": len(data) - 1}.get(keep, keep)])
+
+
+DAMAGES = {
+    **{f"weights cut to {n}": ("model.safetensors", lambda p, n=n: cut(p, n)) for n in (0, 4, 16, 100, 1000)},
+    "weights cut to half": ("model.safetensors", lambda p: cut(p, "half")),
+    "weights cut by one byte": ("model.safetensors", lambda p: cut(p, "all but one")),
+    "config not JSON": ("config.json", lambda p: p.write_text("{not json")),
+    "config empty": ("config.json", lambda p: p.write_text("")),
+    "config a list": ("config.json", lambda p: p.write_text("[1, 2]")),
+    "config of a wrong type": (
+        "config.json",
+        lambda p: p.write_text(p.read_text().replace('"hidden_size": 32', '"hidden_size": "32"')),
+    ),
+    "rope theta a string": (
+        "config.json",
+        lambda p: p.write_text(p.read_text().replace('"rope_theta": 10000.0', '"rope_theta": "big"')),
+    ),
+    "tokenizer not a tokenizer": ("tokenizer.json", lambda p: p.write_text("garbage")),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_folder_is_refused_naming_the_file(tmp_path, damage):
+    from fivecut.weights.load import single_model
+    from fivecut.weights.source import WeightsError
+
+    folder = hf_folder(tmp_path / "hf")
+    name, edit = DAMAGES[damage]
+    edit(folder / name)
+    with pytest.raises(WeightsError, match=re.escape(str(folder / name))):
+        single_model(init_from=f"hf:{folder}")
+
+
+@pytest.mark.parametrize("damage", ["a shard cut to half", "index not JSON", "weight_map a list"])
+def test_a_damaged_sharded_folder_is_refused_naming_the_file(tmp_path, damage):
+    from fivecut.weights.load import single_model
+    from fivecut.weights.source import WeightsError
+
+    folder = hf_folder(tmp_path / "hf", max_bytes=20_000)
+    index = folder / ex.INDEX
+    shard = folder / sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+    damaged = {
+        "a shard cut to half": (shard, lambda: cut(shard, "half")),
+        "index not JSON": (index, lambda: index.write_text("{")),
+        "weight_map a list": (index, lambda: index.write_text('{"weight_map": ["model.norm.weight"]}')),
+    }
+    path, edit = damaged[damage]
+    edit()
+    with pytest.raises(WeightsError, match=re.escape(str(path))):
+        single_model(init_from=f"hf:{folder}")
+
+
+def test_cli_refuses_a_cut_safetensors_in_one_line(tmp_path, capsys):
+    folder = hf_folder(tmp_path / "hf")
+    cut(folder / "model.safetensors", "half")
+    code = main(["eval", "--init-from", f"hf:{folder}", "--set", f'data.cache_dir="{tmp_path}/cache"'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {folder / 'model.safetensors'}") and err.count("\n") == 1

@@ -219,6 +219,52 @@ def refused(path: Path, *needles: str) -> str:
     return message
 
 
+CUTS = (0, 4, 16, 24, 100, 300, 1000, 3000)  # bytes kept of the file: inside the header, metadata, tensor infos
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("whole") / "tiny.gguf"
+    write_tiny(path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("keep", [*CUTS, "half", "all but one"])
+def test_refuses_a_cut_file_naming_it(tmp_path, whole, keep):
+    size = {"half": len(whole) // 2, "all but one": len(whole) - 1}.get(keep, keep)
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[:size])
+    refused(path)
+
+
+def test_refuses_garbage_and_damaged_metadata_naming_the_file(tmp_path, whole):
+    rng = np.random.default_rng(0)
+    cases = {
+        "random": rng.bytes(4096),
+        "magic, then random": b"GGUF" + rng.bytes(4096),
+        "header, then random": whole[:24] + rng.bytes(4096),
+    }
+    offset = whole.index(b"llama", whole.index(b"general.architecture"))  # a string: not UTF-8 once it starts 0xff
+    cases["the architecture not UTF-8"] = whole[:offset] + b"\xff" + whole[offset + 1 :]
+    offset = whole.index(b"<|im_start|>")  # a string of the token list
+    cases["a token not UTF-8"] = whole[:offset] + b"\xff" + whole[offset + 1 :]
+    offset = whole.index(b"t h")  # a merge naming tokens no longer in the vocabulary
+    cases["a merge of unknown tokens"] = whole[:offset] + b"# #" + whole[offset + 3 :]
+    for name, data in cases.items():
+        (tmp_path / f"{name}.gguf").write_bytes(data)
+        refused(tmp_path / f"{name}.gguf")
+
+
+def test_cli_refuses_a_cut_file_in_one_line(tmp_path, capsys, whole):
+    from fivecut.cli import main
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[:300])
+    code = main(["eval", "--init-from", f"gguf:{path}", "--set", f'data.cache_dir="{tmp_path}/cache"'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {path} cannot be read as GGUF") and err.count("\n") == 1
+
+
 def test_refuses_other_architectures(tmp_path):
     write_tiny(tmp_path / "qwen.gguf", arch="qwen2")
     refused(tmp_path / "qwen.gguf", "general.architecture", "'qwen2'")

@@ -10,6 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GATES = ("softmax", "sigmoid")
+# the fields that shape only mixture-of-experts layers: a dense model (n_experts == 0) has no use for them
+MOE_ONLY = (
+    "top_k",
+    "n_shared_experts",
+    "moe_ffn_dim",
+    "first_dense_layers",
+    "gate",
+    "route_scale",
+    "expert_groups",
+    "route_group_limit",
+)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -80,9 +81,9 @@ def export(
     """Write the checkpoint `checkpoint` (a step-N folder, or a checkpoint.dir: its newest complete
     checkpoint, or step `step`) as a Hugging Face folder `out`; returns `out`."""
     out = Path(out).expanduser()
-    source = find_checkpoint(Path(checkpoint).expanduser(), step)
     check_out(out)
     check_options(max_shard_bytes, dtype)
+    source = find_checkpoint(Path(checkpoint).expanduser(), step)
     meta = ckpt.read_meta(source)
     args = model_args(source, meta)
     tokenizer = run_tokenizer(meta.get("config", {}))
@@ -101,6 +102,8 @@ def export(
 
 def find_checkpoint(path: Path, step: int | None) -> Path:
     """The checkpoint folder `path` names: itself, or (a checkpoint.dir) its step `step` or newest."""
+    if step is not None and step < 0:
+        raise CheckpointError(f"--step {step} is negative; give the step of one of the checkpoints")
     if not path.exists():
         raise CheckpointError(f"--checkpoint {path} does not exist; give a checkpoint (step-N) or a checkpoint.dir")
     if ckpt.complete(path) or path.name.startswith(("step-", ".tmp-step-")):
@@ -132,11 +135,17 @@ def step_of_dir(root: Path, step: int) -> Path:
 
 
 def check_out(out: Path) -> None:
+    """`out` can become the export's folder: absent or empty, under folders that are folders and writable."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is a file" if not out.is_dir() else "is not empty"
         raise ExportError(
             f"--out {out} {what}; export never overwrites: choose another folder, or empty this one first"
         )
+    existing = next(p for p in out.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise ExportError(f"--out {out}: {existing} is a file, so no folder can be made under it; choose another path")
+    if not os.access(existing, os.W_OK):
+        raise ExportError(f"--out {out}: {existing} cannot be written; choose a folder you can write")
 
 
 def check_options(max_shard_bytes: int, dtype: str) -> None:

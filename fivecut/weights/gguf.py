@@ -67,7 +67,14 @@ class GGUFSource:
     def meta(self, key: str, default=None):
         """The value of metadata `key` (a str, number, bool or list), `default` when absent."""
         field = self._fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError) as err:  # a damaged string (not UTF-8) or array
+            raise WeightsError(
+                f"{self.path}: metadata {key!r} cannot be decoded ({err}); the file is damaged"
+            ) from None
 
     def need(self, key: str):
         if key not in self._fields:
@@ -212,7 +219,12 @@ class GGUFSource:
         if self._tokenizer is None and "tokenizer.ggml.model" in self._fields:
             from fivecut.train.tokenizer import FileTokenizer
 
-            tok = self._build_tokenizer()
+            try:
+                tok = self._build_tokenizer()
+            except WeightsError:
+                raise
+            except Exception as err:  # tokenizers raises its own exception type for a vocabulary it cannot use
+                raise WeightsError(f"{self.path}: its tokenizer cannot be built ({err}); the file is damaged") from None
             self._tokenizer = FileTokenizer(tok, self.meta("tokenizer.ggml.eos_token_id"), str(self.path))
         return self._tokenizer
 
@@ -261,8 +273,8 @@ def open_reader(path: Path):
         raise WeightsError(f"{path} is not a file; give a llama.cpp .gguf file")
     try:
         return GGUFReader(path, "r")
-    except (OSError, ValueError) as err:
-        raise WeightsError(f"{path} cannot be read as GGUF: {err}") from None
+    except Exception as err:  # a cut or damaged file fails inside numpy in many ways (IndexError, ValueError, ...)
+        raise WeightsError(f"{path} cannot be read as GGUF ({type(err).__name__}: {err}); is it whole?") from None
 
 
 def gguf_shape(tensor) -> tuple[int, ...]:

@@ -54,10 +54,18 @@ def read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise WeightsError(f"{folder} has no config.json; give a Hugging Face model folder (save_pretrained's output)")
+    return read_json(path)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in the file `path`; WeightsError naming it when it is not one."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise WeightsError(f"{path} cannot be read as JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise WeightsError(f"{path} holds a JSON {type(value).__name__}, not an object of keys; is it the right file?")
+    return value
 
 
 FIVECUT_TYPE = "fivecut"  # model_type of fivecut's own export of a model no Hugging Face class reads (MoE)
@@ -75,7 +83,7 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
         return fivecut_args(config, path)
     check_llama(config, path)
     dim, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
-    head_dim = config.get("head_dim") or dim // heads
+    head_dim = optional(config, "head_dim", None, path) or dim // max(heads, 1)
     if head_dim * heads != dim:
         raise WeightsError(
             f"{path}: head_dim {head_dim} x {heads} heads != hidden_size {dim}; fivecut's attention needs "
@@ -86,13 +94,13 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
         dim=dim,
         n_layers=need(config, "num_hidden_layers", path),
         n_heads=heads,
-        n_kv_heads=config.get("num_key_value_heads") or heads,
+        n_kv_heads=optional(config, "num_key_value_heads", None, path) or heads,
         ffn_dim=need(config, "intermediate_size", path),
-        max_seq_len=config.get("max_position_embeddings", 2048),
+        max_seq_len=optional(config, "max_position_embeddings", 2048, path),
         rope_theta=float(rope_theta(config, path)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        init_std=float(config.get("initializer_range", 0.02)),
+        norm_eps=float(optional(config, "rms_norm_eps", 1e-6, path, float)),
+        tie_embeddings=optional(config, "tie_word_embeddings", False, path, bool),
+        init_std=float(optional(config, "initializer_range", 0.02, path, float)),
     )
 
 
@@ -101,7 +109,8 @@ def fivecut_args(config: dict, path: Path) -> ModelArgs:
     record = config.get(FIVECUT_TYPE)
     if not isinstance(record, dict) or not record.keys() <= fields:
         raise WeightsError(f"{path}: model_type {FIVECUT_TYPE!r} without a valid 'fivecut' record of ModelArgs fields")
-    return ModelArgs(**record)
+    defaults = ModelArgs()
+    return ModelArgs(**{k: optional(record, k, v, path, type(v)) for k, v in dataclasses.asdict(defaults).items()})
 
 
 def check_llama(config: dict, path: Path) -> None:
@@ -117,19 +126,31 @@ def check_llama(config: dict, path: Path) -> None:
             raise WeightsError(f"{path}: {key} is {config[key]!r}; fivecut's Llama has {fine!r}")
 
 
-def need(config: dict, key: str, path: Path):
+def need(config: dict, key: str, path: Path, kind: type = int):
     if key not in config:
         raise WeightsError(f"{path} has no {key!r}; it is not a complete Llama config")
-    return config[key]
+    return optional(config, key, None, path, kind)
+
+
+def optional(config: dict, key: str, default, path: Path, kind: type = int):
+    """config[key] (`default` when absent or null), refused naming the key unless it is a `kind`
+    (a float may be written as an integer)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    kinds = (int, float) if kind is float else (kind,)
+    if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
+        raise WeightsError(f"{path}: {key} is {value!r}, not a{'n' if kind is int else ''} {kind.__name__}")
+    return value
 
 
 def rope_theta(config: dict, path: Path) -> float:
     """The RoPE base; only unscaled ("default") RoPE is fivecut's."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = optional(config, "rope_parameters", None, path, dict) or optional(config, "rope_scaling", {}, path, dict)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise WeightsError(f"{path}: rope scaling {kind!r} is not supported; fivecut implements unscaled RoPE")
-    return params.get("rope_theta", config.get("rope_theta", 10000.0))
+    return optional(params, "rope_theta", None, path, float) or optional(config, "rope_theta", 10000.0, path, float)
 
 
 class HFSource:
@@ -172,9 +193,12 @@ class HFSource:
     def _open(self, file: Path):
         """One open handle per file, kept for the source's life."""
         if file not in self._handles:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            self._handles[file] = safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise WeightsError(f"{file} is not a safetensors file: {err}") from None
         return self._handles[file]
 
     def tokenizer(self):
@@ -189,10 +213,9 @@ def weight_files(folder: Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file that holds it (sharded or not)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as err:
-            raise WeightsError(f"{index} is not a safetensors index (no weight_map: {err})") from None
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise WeightsError(f"{index} is not a safetensors index: no weight_map of tensor name -> file name")
         files = {name: folder / file for name, file in weight_map.items()}
     elif (folder / "model.safetensors").is_file():
         files = {name: folder / "model.safetensors" for name in tensor_names(folder / "model.safetensors")}
@@ -250,10 +273,9 @@ def folder_tokenizer(folder: Path):
 def eos_id(folder: Path, tok) -> int | None:
     """The end-of-text id: generation_config.json's or config.json's eos_token_id, else none."""
     for name in ("generation_config.json", "config.json"):
-        try:
-            eos = json.loads((folder / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError):
+        if not (folder / name).is_file():
             continue
+        eos = read_json(folder / name).get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         if isinstance(eos, int):
