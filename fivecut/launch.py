@@ -328,4 +328,4 @@ def _describe(rank: int, e: Ended, timeout_s: float) -> tuple[str, str]:
 
 
 def ranks_words(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
