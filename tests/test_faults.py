@@ -317,12 +317,21 @@ def checkpoint_steps(root: Path) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.multirank
 def test_an_input_mistake_under_torchrun_is_said_once():
-    """Every rank finds the bad key; rank 0 alone says it, and both exit 2."""
+    """Every rank finds the bad key; rank 0 alone says it, and every rank exits 2."""
     alone = fivecut("train", "--set", "train.stepz=3")
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1, alone.stderr
+    second = subprocess.run(
+        [sys.executable, "-m", "fivecut", "train", "--set", "train.stepz=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"},  # what torchrun tells its second rank
+    )
+    assert second.returncode == 2 and second.stderr == "", second.stderr
     command = torchrun_command(2, "train", "--set", "train.stepz=3")
+    command.insert(command.index("-m", 3), "--monitor-interval=3")  # both ranks end before the agent looks
     job = subprocess.run(command, capture_output=True, text=True, timeout=120)
     ours = [line for line in job.stderr.splitlines() if line.startswith(("error:", "fivecut:", "usage:"))]
-    assert ours == alone.stderr.splitlines(), job.stderr  # fivecut's lines; torchrun adds its own (~45)
+    assert ours == alone.stderr.splitlines(), job.stderr  # fivecut's lines; torchrun adds ~45 of its own
     assert "exitcode  : 2" in job.stderr and job.returncode == 1, job.stderr
     assert WORKER_CODE not in job.stderr
