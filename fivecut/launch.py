@@ -167,7 +167,7 @@ def _start_rank(rank: int, common: tuple, attempts: int = 3):
         except (OSError, EOFError) as err:
             if attempt == attempts - 1:
                 raise RankFailure(
-                    f"rank {rank} could not be started: the fork server failed ({one_line(err)})"
+                    f"rank {rank} could not be started: the fork server failed ({_one_line(err)})"
                 ) from err
             time.sleep(0.5)
 
@@ -187,7 +187,7 @@ def _rank_main(rank, world_size, folder, collective_timeout_s, placement, fn, ar
         )
         _deliver(folder, rank, Ended("ok", fn(*args)))
     except BaseException as err:  # report everything, including KeyboardInterrupt, to the parent
-        _deliver(folder, rank, Ended("raised", traceback.format_exc(), one_line(err)))
+        _deliver(folder, rank, Ended("raised", traceback.format_exc(), _one_line(err)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -210,13 +210,13 @@ def _read_answer(folder: Path, rank: int) -> Ended | None:
         return pickle.load(f)
 
 
-def one_line(err: BaseException) -> str:
+def _one_line(err: BaseException) -> str:
     """`ValueError: the first line of its message`."""
     lines = str(err).strip().splitlines()
     return type(err).__name__ + (f": {lines[0]}" if lines else "")
 
 
-def running(proc) -> bool:
+def _running(proc) -> bool:
     """Whether a rank's process still runs. When the fork server that forked it is gone, its
     `Process` says it ended with 255 while the rank itself may live on; then /proc says (a zombie
     has ended)."""
@@ -240,10 +240,10 @@ def _collect(procs, folder: Path, timeout_s: float) -> dict[int, Ended]:
         for rank, proc in enumerate(procs):
             if rank in ended:
                 continue
-            alive = running(proc)  # before looking: a rank writes its answer, then exits
+            alive = _running(proc)  # before looking: a rank writes its answer, then exits
             answer = _read_answer(folder, rank)
             if answer is None and not alive:
-                answer = Ended("died", None, exit_words(proc.exitcode))
+                answer = Ended("died", None, _exit_words(proc.exitcode))
             if answer is not None:
                 ended[rank] = answer
                 if answer.how != "ok":
@@ -257,7 +257,7 @@ def _collect(procs, folder: Path, timeout_s: float) -> dict[int, Ended]:
             time.sleep(POLL_S)
 
 
-def exit_words(code: int | None) -> str:
+def _exit_words(code: int | None) -> str:
     """`exit code 3`, or `killed by SIGKILL` for a negative code."""
     if code is not None and code < 0:
         try:
@@ -282,7 +282,7 @@ def _stacks_of_stuck(procs, folder: Path, ended: dict[int, Ended]) -> dict[int, 
 
 def _signal(proc, signum: int) -> None:
     """Signal a rank by its pid: also one whose fork server is gone (`Process.kill` would not)."""
-    if running(proc):
+    if _running(proc):
         try:
             os.kill(proc.pid, signum)
         except ProcessLookupError:
@@ -310,7 +310,7 @@ def _finish(ended: dict[int, Ended], timeout_s: float) -> list:
     by_what: dict[str, list[int]] = {}
     for r, (_, what) in failed.items():
         by_what.setdefault(what, []).append(r)
-    summary = "; ".join(f"{ranks_words(ranks)} {what}" for what, ranks in by_what.items())
+    summary = "; ".join(f"{_ranks_words(ranks)} {what}" for what, ranks in by_what.items())
     raise RankFailure("\n".join([summary, *(failed[r][0] for r in sorted(failed))]))
 
 
@@ -327,5 +327,5 @@ def _describe(rank: int, e: Ended, timeout_s: float) -> tuple[str, str]:
     )
 
 
-def ranks_words(ranks: list[int]) -> str:
+def _ranks_words(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
