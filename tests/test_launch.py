@@ -251,6 +251,7 @@ def outlive_the_fork_server():
 
     server = os.getppid()
     assert b"forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
+    dist.barrier()  # both have seen it alive
     if dist.get_rank() == 0:
         os.kill(server, signal.SIGKILL)
     while os.getppid() == server:  # orphaned once it is gone
