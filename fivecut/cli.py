@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import io
 import os
 import sys
 import tempfile
@@ -46,15 +48,16 @@ class RunFailed(RuntimeError):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    with contextlib.nullcontext() if says_errors() else contextlib.redirect_stderr(io.StringIO()):
+        ns = parser.parse_args(argv)  # a bad flag: argparse's usage and error, exit 2
     try:
         check_path_flags(ns)
         return ns.func(ns)
     except (ConfigError, LayoutError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(f"error: {err}")
         return INPUT_REFUSED
     except RunFailed as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(f"error: {err}")
         return FAILED
 
 
@@ -77,6 +80,17 @@ def check_path_flags(ns) -> None:
             value = value.partition(":")[2]  # the path after hf: or gguf: (a bare path is refused by open_source)
         if value is not None and not value.strip():
             raise ConfigError(f"{flag} is empty (it would mean the current folder); give {choices}")
+
+
+def says_errors() -> bool:
+    """Whether this process reports input errors: under torchrun every rank finds the same
+    mistake, and rank 0 alone says it (the others exit with the same status, quietly)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def print_error(line: str) -> None:
+    if says_errors():
+        print(line, file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -343,7 +344,7 @@ def test_sigint_finishes_the_step_and_exits_in_one_line(byte_cache, tmp_path):
 @pytest.mark.multirank
 def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(byte_cache, tmp_path):
     fivecut("train", *sets(byte_cache, tmp_path / "warm", "train.steps=1"))
-    args = sets(byte_cache, tmp_path, "train.steps=100000", "parallel.dp=2")
+    args = sets(byte_cache, tmp_path, "train.steps=100000", "parallel.dp=2", f'checkpoint.dir="{tmp_path / "ck"}"')
     proc = subprocess.Popen(
         torchrun_command(2, "train", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -352,8 +353,11 @@ def test_sigterm_under_torchrun_stops_every_rank_after_the_same_step(byte_cache,
     out, err = proc.communicate(timeout=90)
     assert WORKER_CODE not in out + err, err  # torchrun's agent prints its own SignalException; the ranks none
     last = records(tmp_path)[-1]["step"]
-    mentions = sorted(line for line in err.splitlines() if "stopped by" in line)
+    mentions = sorted(re.findall(r"fivecut: rank \d+: stopped by .*? after step \d+", err))  # lines may interleave
     assert mentions == [f"fivecut: rank {r}: stopped by SIGTERM after step {last}" for r in (0, 1)], err
+    # the ranks return 143, but torchrun's agent re-raises the signal as its SignalException: 1 (torch 2.13)
+    assert proc.returncode == 1 and "SignalException" in err, err
+    assert checkpoint_steps(tmp_path / "ck") == [last]  # saved before the ranks exited
 
 
 # ---------------------------------------------------------------- a rank that stops answering
@@ -503,3 +507,29 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(byte_cache, 
 
 def checkpoint_steps(root: Path) -> list[int]:
     return [int(p.name.split("-")[1]) for p in sorted(root.glob("step-*")) if (p / "COMPLETE").is_file()]
+
+
+# ---------------------------------------------------------------- an input mistake under torchrun
+
+
+@pytest.mark.e2e
+@pytest.mark.multirank
+def test_an_input_mistake_under_torchrun_is_said_once():
+    """Every rank finds the bad key; rank 0 alone says it, and every rank exits 2."""
+    alone = fivecut("train", "--set", "train.stepz=3")
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1, alone.stderr
+    second = subprocess.run(
+        [sys.executable, "-m", "fivecut", "train", "--set", "train.stepz=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"},  # what torchrun tells its second rank
+    )
+    assert second.returncode == 2 and second.stderr == "", second.stderr
+    command = torchrun_command(2, "train", "--set", "train.stepz=3")
+    command.insert(command.index("-m", 3), "--monitor-interval=3")  # both ranks end before the agent looks
+    job = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    ours = [line for line in job.stderr.splitlines() if line.startswith(("error:", "fivecut:", "usage:"))]
+    assert ours == alone.stderr.splitlines(), job.stderr  # fivecut's lines; torchrun adds ~45 of its own
+    assert "exitcode  : 2" in job.stderr and job.returncode == 1, job.stderr
+    assert WORKER_CODE not in job.stderr

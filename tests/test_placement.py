@@ -8,8 +8,6 @@ Exact comparisons: every layout initializes from the same seed, element by eleme
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.mesh import Mesh
 from fivecut.model import build_model, get_preset
 from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.placement import ParamKind
 
 
 def dims_of(layout: str) -> ParallelDims:
@@ -123,10 +122,12 @@ def test_records_name_the_cuts():
     dims = dims_of("dp=2,tp=2,ep=2,zero=1")
     _, placements = rank_view("tiny-moe", dims, 3)  # dp 1, tp 1
     wq = placements["layers.0.attention.wq.weight"]
-    assert wq.slice_over("tp").start == wq.local_shape()[0] and wq.replicated_over(2) == ("dp_cp",)
+    assert wq.slice_over("tp").start == wq.local_shape()[0]
+    # what the data cut reads: a TP shard, summed over dp_cp, one copy among the clip norm's ranks
+    assert wq.kind(2, 2, 1) == ParamKind(decays=True, reduce="dp_cp", sliced=True, norm_weight=1.0)
     expert = placements["layers.1.feed_forward.experts.w1"]
     assert expert.slice_over("ep").experts == (4, 5, 6, 7) and expert.reduce == "expert_dp"
     assert placements["layers.1.feed_forward.router.weight"].reduce == "dp_cp_tp"
-    assert placements["norm.weight"].replicated_over(2) == ("dp_cp", "tp")
-    assert math.isclose(placements["norm.weight"].kind(2, 2, 1).norm_weight, 0.5)
+    # replicated over tp: summed over dp_cp only, and each of its 2 copies counts half in the norm
+    assert placements["norm.weight"].kind(2, 2, 1) == ParamKind(decays=False, reduce="dp_cp", norm_weight=0.5)
     assert placements["tok_embeddings.weight"].flat is not None  # ZeRO-1: its place in a flat shard

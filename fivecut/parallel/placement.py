@@ -1,12 +1,12 @@
 """Where every parameter lives: one typed record per parameter of the single-device model.
 
 A `Placement` answers, for one logical tensor (a key of the single-device `state_dict`):
-which slice of it this rank holds along each cut, where copies of that slice live, over
-which ranks its gradient is summed, what it is tied to, and -- under ZeRO -- where its
-elements sit in a flat shard. The cuts do not mark tensors; each returns `Change`s keyed by
-parameter path, `parallelize` folds them into the records, and everything downstream
-(gradient sync, clipping, EPLB, the ledger's formulas, checkpoints, weight import) reads
-the records.
+which slice of it this rank holds along each cut, over which ranks its gradient is summed,
+what it is tied to, and -- under ZeRO -- where its elements sit in a flat shard; `kind` adds,
+for a layout, how many identical copies of it the gradient norm's ranks hold. The cuts do
+not mark tensors; each returns `Change`s keyed by parameter path, `parallelize` folds them
+into the records, and everything downstream (gradient sync, clipping, EPLB, the ledger's
+formulas, checkpoints, weight import) reads the records.
 
 Slices compose: a tensor cut by EP along dim 0 and by nothing else has one `Slice`; a
 TP-cut projection inside a pipeline stage has one `Slice` and a `stage`.
@@ -115,13 +115,6 @@ class Placement:
 
     def local_numel(self) -> int:
         return torch.Size(self.local_shape()).numel()
-
-    def replicated_over(self, tp: int) -> tuple[str, ...]:
-        """Mesh groups on which identical copies of this rank's slice live."""
-        out = [self.reduce]
-        if tp > 1 and self.slice_over("tp") is None and self.reduce not in SPANS_TP:
-            out.append("tp")
-        return tuple(out) + (("pp_ends",) if self.ends else ())
 
     def kind(self, tp: int, ep: int, zero: int) -> ParamKind:
         """The data cut's view of this parameter on a layout (tp, ep, zero)."""
