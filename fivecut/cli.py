@@ -90,7 +90,13 @@ def says_errors() -> bool:
 
 def print_error(line: str) -> None:
     if says_errors():
-        print(line, file=sys.stderr)
+        say(line)
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: the lines of ranks sharing a terminal never interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,11 +225,11 @@ def train_to_the_end(cfg: Config, resume: str, accept: list[str] = ()) -> int:
         rank = dist.get_rank()
         if rank == 0 or stop.every_rank:
             who = f"rank {rank}: " if dist.get_world_size() > 1 else ""
-            print(f"fivecut: {who}{stop.message}", file=sys.stderr, flush=True)
+            say(f"fivecut: {who}{stop.message}")
         return stop.code
     except CollectiveError as err:
         sys.stdout.flush()
-        print(f"fivecut: {err}", file=sys.stderr, flush=True)
+        say(f"fivecut: {err}")
         os._exit(COLLECTIVE_EXIT)  # the process group cannot be torn down while a peer is gone
     finally:  # also when a bad checkpoint is refused (main prints it, exit 2)
         dist.destroy_process_group()
