@@ -15,15 +15,12 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fivecut.config import Config, ConfigError, model_args, model_label, nest, parse_override
 from fivecut.layout import CP_MODES, MESH_DIMS, MoEOptions, ParallelDims
+from fivecut.model.args import MOE_ONLY, ModelArgs, divisors
 from fivecut.parallel.pipeline.schedule import NAMES as PP_SCHEDULES
 from fivecut.parallel.pipeline.schedule import build_schedule, check
-
-if TYPE_CHECKING:
-    from fivecut.model.args import ModelArgs
 
 DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")  # train.on_nonfinite
@@ -60,7 +57,7 @@ def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
 def checked_model_args(cfg: Config) -> ModelArgs:
     args = model_args(cfg.model)
     try:
-        check_model(args)
+        args.check()
     except ValueError as err:
         raise ConfigError(f"model {model_label(cfg.model)!r} with the model.* overrides: {err}") from None
     check_dense_keys(cfg, args)
@@ -74,8 +71,6 @@ def checked_model_args(cfg: Config) -> ModelArgs:
 
 def check_dense_keys(cfg: Config, args: ModelArgs) -> None:
     """A key that shapes only MoE layers, given for a dense model, would change nothing: refused by name."""
-    from fivecut.model.args import MOE_ONLY
-
     given = [f"model.{name}={getattr(cfg.model, name)!r}" for name in MOE_ONLY if getattr(cfg.model, name) is not None]
     if given and not args.is_moe:
         them = "them" if len(given) > 1 else "it"
@@ -279,108 +274,6 @@ def check_fresh_out_dir(folder: str) -> None:
             f"log.out_dir={folder!r} holds an earlier run ({', '.join(found)}); give another folder "
             f"(--set log.out_dir=...) or remove {path} first"
         )
-
-
-# ---------------------------------------------------------------- model
-
-
-def check_model(args: ModelArgs) -> ModelArgs:
-    """Raise ValueError naming the numbers and a fix; return `args` if they describe a model."""
-    _check_positive(args)
-    if args.dim % args.n_heads:
-        raise ValueError(
-            f"dim ({args.dim}) is not divisible by n_heads ({args.n_heads}); "
-            f"choose n_heads among the divisors of dim, e.g. {_nearest_divisor(args.dim, args.n_heads)}"
-        )
-    if args.n_heads % args.n_kv_heads:
-        raise ValueError(
-            f"n_heads ({args.n_heads}) is not divisible by n_kv_heads ({args.n_kv_heads}); "
-            f"choose n_kv_heads dividing n_heads, e.g. {_nearest_divisor(args.n_heads, args.n_kv_heads)}"
-        )
-    if args.head_dim % 2:
-        raise ValueError(
-            f"head_dim = dim // n_heads = {args.dim} // {args.n_heads} = {args.head_dim} is odd, "
-            "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
-        )
-    _check_gate_and_layers(args)
-    if args.is_moe:
-        _check_groups(args)
-    if args.is_moe and args.top_k > args.n_experts:
-        raise ValueError(
-            f"top_k ({args.top_k}) exceeds n_experts ({args.n_experts}); set top_k <= {args.n_experts} or add experts"
-        )
-    return args
-
-
-def _check_gate_and_layers(args: ModelArgs) -> None:
-    from fivecut.model.args import GATES
-
-    if args.gate not in GATES:
-        raise ValueError(f"gate {args.gate!r} is not one of {GATES}")
-    if args.first_dense_layers > args.n_layers:
-        raise ValueError(
-            f"first_dense_layers ({args.first_dense_layers}) exceeds n_layers ({args.n_layers}); "
-            f"set first_dense_layers <= {args.n_layers}"
-        )
-
-
-def _check_groups(args: ModelArgs) -> None:
-    g, limit = args.expert_groups, args.route_group_limit
-    if args.n_experts % g:
-        raise ValueError(
-            f"n_experts ({args.n_experts}) is not divisible by expert_groups ({g}); "
-            f"choose expert_groups among {divisors(args.n_experts)}"
-        )
-    if g == 1 and limit != 1:
-        raise ValueError(
-            f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups"
-        )
-    if limit > g:
-        raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
-    if g > 1 and args.top_k > limit * (args.n_experts // g):
-        raise ValueError(
-            f"top_k ({args.top_k}) exceeds the {limit * (args.n_experts // g)} experts in "
-            f"route_group_limit={limit} groups of {args.n_experts // g}; raise route_group_limit"
-        )
-
-
-_POSITIVE = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "max_seq_len",
-    "rope_theta",
-    "norm_eps",
-    "init_std",
-    "top_k",
-    "route_scale",
-    "expert_groups",
-    "route_group_limit",
-)
-_NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
-
-
-def _check_positive(args: ModelArgs) -> None:
-    for name in _POSITIVE:
-        value = getattr(args, name)
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}; set {name} > 0")
-    for name in _NON_NEGATIVE:
-        value = getattr(args, name)
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}; set {name} >= 0 (0 disables it)")
-
-
-def _nearest_divisor(n: int, near: int) -> int:
-    """The divisor of n closest to ``near`` (for suggestions in errors)."""
-    return min(divisors(n), key=lambda d: (abs(d - near), d))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ---------------------------------------------------------------- layout

@@ -228,7 +228,7 @@ def model_args(section: ModelConfig):
     changes = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in MODEL_SOURCES}
     changes = {k: v for k, v in changes.items() if v is not None}
     if section.init_from is None:
-        from fivecut.model import get_preset
+        from fivecut.model.presets import get_preset
 
         return dataclasses.replace(get_preset(section.preset or DEFAULT_PRESET), **changes)
     if section.preset is not None:

@@ -4,7 +4,7 @@ import pytest
 
 from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_args, model_label, parse_override
 from fivecut.layout import ParallelDims
-from fivecut.model import get_preset
+from fivecut.model.presets import get_preset
 
 
 def error_of(*overrides, path=None) -> str:

@@ -14,9 +14,9 @@ from fivecut.generate import (
     generate_ids,
     sample,
 )
-from fivecut.model import build_model, get_preset
 from fivecut.model.decode import decode, new_cache
-from fivecut.model.transformer import apply_rope
+from fivecut.model.presets import get_preset
+from fivecut.model.transformer import apply_rope, build_model
 from fivecut.train.tokenizer import ByteTokenizer, get_tokenizer
 from fivecut.weights import names
 from fivecut.weights.hf import llama_config

@@ -407,7 +407,7 @@ def norm_groups(mesh: Mesh) -> list[Group]:
 
 def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
     """This rank's part of the model `args`, built from the seed, every cut of `mesh.dims` applied."""
-    from fivecut.model import build_model
+    from fivecut.model.transformer import build_model
 
     dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
     model = build_model(args, device="meta")

@@ -328,7 +328,7 @@ def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     """The placement records of the rank at pipeline position `pp_rank` (index 0 on dp, cp, tp):
     the real cuts applied to the model on the meta device, under a mesh with no process groups."""
     from fivecut.mesh import Mesh
-    from fivecut.model import build_model
+    from fivecut.model.transformer import build_model
     from fivecut.parallel.parallelize import parallelize
 
     dims, t = cfg.parallel, cfg.train
