@@ -2,7 +2,7 @@
 
 import pytest
 
-from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_args, model_label, parse_override
+from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_label, parse_override, preset_args
 from fivecut.layout import ParallelDims
 from fivecut.model.presets import get_preset
 
@@ -197,7 +197,7 @@ def test_config_error_is_a_value_error():
 
 def test_model_args_overrides_the_preset():
     cfg = load_config(None, ["model.dim=256", "model.n_layers=2"])
-    args = model_args(cfg.model)
+    args = preset_args(cfg.model)
     base = get_preset("tiny")
     assert args.dim == 256 and args.n_layers == 2
     # everything not set comes from the preset
@@ -206,17 +206,17 @@ def test_model_args_overrides_the_preset():
 
 
 def test_model_args_other_preset():
-    args = model_args(ModelConfig(preset="tiny-moe", top_k=1))
+    args = preset_args(ModelConfig(preset="tiny-moe", top_k=1))
     assert args.n_experts == get_preset("tiny-moe").n_experts and args.top_k == 1
 
 
 def test_model_args_without_overrides_is_the_preset():
-    assert model_args(ModelConfig()) == get_preset("tiny")
+    assert preset_args(ModelConfig()) == get_preset("tiny")
 
 
 def test_unknown_preset_names_the_valid_ones():
     with pytest.raises(ValueError) as info:
-        model_args(ModelConfig(preset="tinyy"))
+        preset_args(ModelConfig(preset="tinyy"))
     msg = str(info.value)
     assert "'tinyy'" in msg
     for name in ("tiny", "tiny-moe", "small"):
