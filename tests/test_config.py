@@ -195,7 +195,7 @@ def test_config_error_is_a_value_error():
 # ---------------------------------------------------------------- model args
 
 
-def test_model_args_overrides_the_preset():
+def test_preset_args_overrides_the_preset():
     cfg = load_config(None, ["model.dim=256", "model.n_layers=2"])
     args = preset_args(cfg.model)
     base = get_preset("tiny")
@@ -205,12 +205,12 @@ def test_model_args_overrides_the_preset():
     assert base.dim == 128  # the preset itself is untouched
 
 
-def test_model_args_other_preset():
+def test_preset_args_other_preset():
     args = preset_args(ModelConfig(preset="tiny-moe", top_k=1))
     assert args.n_experts == get_preset("tiny-moe").n_experts and args.top_k == 1
 
 
-def test_model_args_without_overrides_is_the_preset():
+def test_preset_args_without_overrides_is_the_preset():
     assert preset_args(ModelConfig()) == get_preset("tiny")
 
 

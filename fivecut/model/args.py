@@ -83,7 +83,9 @@ class ModelArgs:
     # ----- the check of the values ---------------------------------------
 
     def check(self) -> ModelArgs:
-        """Raise ValueError naming the numbers and a fix; return self if these arguments describe a model."""
+        """Raise ValueError naming the numbers and a fix; return self if these arguments describe a model.
+        One problem at a time (unlike the layout's `problems()` lists): each check divides by what the
+        ones before it proved positive."""
         self._check_signs()
         if self.dim % self.n_heads:
             raise ValueError(

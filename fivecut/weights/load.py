@@ -6,6 +6,10 @@ the chunks a checkpoint load would ask for (`fivecut.train.checkpoint.global_chu
 pipeline stage its layers, a ZeRO-3 rank the few boxes its flat shard covers. Before that,
 `check_source` holds the file against the model: every tensor the model needs is there with its
 shape, and every tensor in the file is used.
+
+It sits above the formats: `open_source` dispatches `model.init_from` to `hf.py` or `gguf.py`,
+and `model_args` resolves a `[model]` section into its shape, a preset's (`fivecut.config`) or
+the file's, so that the config below never opens a weights file.
 """
 
 from __future__ import annotations
