@@ -20,7 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from fivecut.config import SHAKESPEARE, Config, ConfigError, model_label, nest, parse_override
+from fivecut.config import SHAKESPEARE, Config, ConfigError, ModelConfig, model_label, nest, parse_override, preset_args
 from fivecut.layout import COUNTS, MESH_DIMS, MoEOptions, ParallelDims
 from fivecut.model.args import MOE_ONLY, ModelArgs, divisors
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
@@ -61,10 +61,17 @@ def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
     return args
 
 
-def checked_model_args(cfg: Config) -> ModelArgs:
-    from fivecut.weights.load import model_args  # imports torch: not until a run is checked (the CLI imports checks)
+def resolved_args(section: ModelConfig) -> ModelArgs:
+    """The shape of the `[model]` section: a preset's, read here without torch, or its file's."""
+    if section.init_from is None:
+        return preset_args(section)
+    from fivecut.weights.load import model_args  # opens the file with torch: only for model.init_from
 
-    args = model_args(cfg.model)
+    return model_args(section)
+
+
+def checked_model_args(cfg: Config) -> ModelArgs:
+    args = resolved_args(cfg.model)
     try:
         args.check()
     except ValueError as err:
@@ -332,7 +339,7 @@ def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
     """Build the schedule and the stage split now, so that a bad pipeline never starts."""
     if dims.pp == 1:
         return []
-    from fivecut.parallel.pipeline.split import stage_layers  # imports torch: the CLI imports checks before a run
+    from fivecut.parallel.pipeline.split import stage_layers  # imports torch: only for a pipeline
 
     try:
         schedule = built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
@@ -496,9 +503,7 @@ def check_eval_arguments(batches: int, batch_size: int, seq_len: int, timeout: f
 
 def check_eval_shape(cfg: Config) -> None:
     """`eval`'s --seq-len against the model, --batch-size against the layout's split of a batch."""
-    from fivecut.weights.load import model_args  # imports torch: not until a run is checked (the CLI imports checks)
-
-    t, dims, args = cfg.train, cfg.parallel, model_args(cfg.model)
+    t, dims, args = cfg.train, cfg.parallel, resolved_args(cfg.model)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"--seq-len={t.seq_len} exceeds the model's max_seq_len={args.max_seq_len}; give --seq-len <= "
