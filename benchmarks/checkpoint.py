@@ -65,7 +65,7 @@ from benchmarks.common import (  # noqa: E402
     median,
     parse_options,
 )
-from fivecut.config import load_config, model_args  # noqa: E402
+from fivecut.config import load_config, preset_args  # noqa: E402
 from fivecut.launch import spawn  # noqa: E402
 from fivecut.train import run, trainer  # noqa: E402
 from fivecut.train.faults import NonFiniteGuard, SignalFlag  # noqa: E402
@@ -273,7 +273,7 @@ def main(argv=None) -> None:
     opts = parse(argv)
     print(f"benchmarks/checkpoint.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
     before, started = machine(), time.perf_counter()
-    psi = model_args(load_config(None, [f"model.preset={opts['model']}"]).model).num_params()
+    psi = preset_args(load_config(None, [f"model.preset={opts['model']}"]).model).num_params()
     results = {}
     for layout in opts["layouts"]:
         root = Path(

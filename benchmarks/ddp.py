@@ -55,7 +55,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from fivecut.layout import ParallelDims  # noqa: E402
 from fivecut.mesh import Mesh  # noqa: E402
-from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.model.presets import get_preset  # noqa: E402
+from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import DataParallel  # noqa: E402
 from fivecut.parallel.parallelize import token_loss_sum  # noqa: E402
 

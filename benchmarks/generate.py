@@ -45,7 +45,8 @@ from benchmarks.common import (  # noqa: E402
     median,
 )
 from fivecut.generate import generate_ids  # noqa: E402
-from fivecut.model import Transformer, build_model, get_preset  # noqa: E402
+from fivecut.model.presets import get_preset  # noqa: E402
+from fivecut.model.transformer import Transformer, build_model  # noqa: E402
 from fivecut.train.tokenizer import get_tokenizer  # noqa: E402
 from fivecut.weights import names  # noqa: E402
 from fivecut.weights.hf import llama_config  # noqa: E402

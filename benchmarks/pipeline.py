@@ -120,7 +120,8 @@ from fivecut.checks import validate_layout  # noqa: E402
 from fivecut.config import TrainConfig  # noqa: E402
 from fivecut.layout import ParallelDims  # noqa: E402
 from fivecut.mesh import Mesh  # noqa: E402
-from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.model.presets import get_preset  # noqa: E402
+from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import build_parallel, token_loss_sum  # noqa: E402
 from fivecut.parallel.pipeline import executor  # noqa: E402

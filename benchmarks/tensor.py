@@ -96,7 +96,8 @@ from fivecut import comm  # noqa: E402
 from fivecut.layout import ParallelDims  # noqa: E402
 from fivecut.ledger import ring_factor  # noqa: E402
 from fivecut.mesh import Mesh  # noqa: E402
-from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.model.presets import get_preset  # noqa: E402
+from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import parallelize  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402

@@ -101,7 +101,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from fivecut.layout import ParallelDims  # noqa: E402
 from fivecut.mesh import Mesh  # noqa: E402
-from fivecut.model import build_model, get_preset  # noqa: E402
+from fivecut.model.presets import get_preset  # noqa: E402
+from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import decays  # noqa: E402
 from fivecut.parallel.parallelize import parallelize, token_loss_sum  # noqa: E402
 from fivecut.train.memory import model_state_bytes  # noqa: E402

@@ -1,9 +1,13 @@
 """Every check of a run, made before any process starts: options, model, layout, batch, MoE, folders.
 
-It sits above `parallel/` (it builds pipeline schedules and stage splits to see that they
-work) and below the CLI, which calls it before `init_process_group` or a spawn. Each
-refusal names the key and a fix: `ConfigError` for options and inputs, `LayoutError`
-for a layout that cannot work (with the numbers).
+Each record checks its own fields where it is defined (`ModelArgs.check`, `ParallelDims.problems`,
+`MoEOptions.problems`); this file composes those with the checks that cross records (a layout
+against a model, a batch, a world). It sits above training and weights and below the CLI, the
+entry points that call it before `init_process_group` or a spawn (DESIGN.md, principle 11).
+The CLI imports it at its top, so it imports no torch when loaded: the two modules it needs
+that do (`weights.load` for a model's shape from `model.init_from`, `parallel.pipeline.split`)
+are imported inside the functions that use them. Each refusal names the key and a fix:
+`ConfigError` for options and inputs, `LayoutError` for a layout that cannot work (with the numbers).
 
     args = validate(cfg, world_size)       # options, model, layout, MoE; returns the ModelArgs
     check_folders(cfg, out_dir=True)       # cache_dir and out_dir writable, out_dir holds no earlier run
@@ -15,15 +19,15 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fivecut.config import Config, ConfigError, model_args, model_label, nest, parse_override
-from fivecut.layout import CP_MODES, MESH_DIMS, MoEOptions, ParallelDims
+from fivecut.config import SHAKESPEARE, Config, ConfigError, ModelConfig, model_label, nest, parse_override, preset_args
+from fivecut.layout import COUNTS, MESH_DIMS, MoEOptions, ParallelDims
+from fivecut.model.args import MOE_ONLY, ModelArgs, divisors
+from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import NAMES as PP_SCHEDULES
 from fivecut.parallel.pipeline.schedule import build_schedule, check
-
-if TYPE_CHECKING:
-    from fivecut.model.args import ModelArgs
+from fivecut.train.resume import flat
+from fivecut.train.tokenizer import AUTO_TOKENIZER, TOKENIZERS
 
 DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")  # train.on_nonfinite
@@ -57,10 +61,19 @@ def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
     return args
 
 
+def resolved_args(section: ModelConfig) -> ModelArgs:
+    """The shape of the `[model]` section: a preset's, read here without torch, or its file's."""
+    if section.init_from is None:
+        return preset_args(section)
+    from fivecut.weights.load import model_args  # opens the file with torch: only for model.init_from
+
+    return model_args(section)
+
+
 def checked_model_args(cfg: Config) -> ModelArgs:
-    args = model_args(cfg.model)
+    args = resolved_args(cfg.model)
     try:
-        check_model(args)
+        args.check()
     except ValueError as err:
         raise ConfigError(f"model {model_label(cfg.model)!r} with the model.* overrides: {err}") from None
     check_dense_keys(cfg, args)
@@ -74,8 +87,6 @@ def checked_model_args(cfg: Config) -> ModelArgs:
 
 def check_dense_keys(cfg: Config, args: ModelArgs) -> None:
     """A key that shapes only MoE layers, given for a dense model, would change nothing: refused by name."""
-    from fivecut.model.args import MOE_ONLY
-
     given = [f"model.{name}={getattr(cfg.model, name)!r}" for name in MOE_ONLY if getattr(cfg.model, name) is not None]
     if given and not args.is_moe:
         them = "them" if len(given) > 1 else "it"
@@ -88,8 +99,6 @@ def check_dense_keys(cfg: Config, args: ModelArgs) -> None:
 
 def check_preset(name: str, key: str = "model.preset") -> None:
     """A preset that exists and can be trained here (the shape-only ones are for planning)."""
-    from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
-
     runnable = ", ".join(runnable_presets())
     if name not in PRESETS:
         raise ConfigError(f"{key}={name!r} is not a model preset; runnable presets: {runnable}")
@@ -196,9 +205,6 @@ def adam_problems(t) -> list[str]:
 
 
 def data_problems(cfg: Config) -> list[str]:
-    from fivecut.train.data import SHAKESPEARE
-    from fivecut.train.tokenizer import AUTO_TOKENIZER, TOKENIZERS
-
     d, out = cfg.data, []
     if d.tokenizer not in (*TOKENIZERS, AUTO_TOKENIZER):
         out.append(
@@ -281,108 +287,6 @@ def check_fresh_out_dir(folder: str) -> None:
         )
 
 
-# ---------------------------------------------------------------- model
-
-
-def check_model(args: ModelArgs) -> ModelArgs:
-    """Raise ValueError naming the numbers and a fix; return `args` if they describe a model."""
-    _check_positive(args)
-    if args.dim % args.n_heads:
-        raise ValueError(
-            f"dim ({args.dim}) is not divisible by n_heads ({args.n_heads}); "
-            f"choose n_heads among the divisors of dim, e.g. {_nearest_divisor(args.dim, args.n_heads)}"
-        )
-    if args.n_heads % args.n_kv_heads:
-        raise ValueError(
-            f"n_heads ({args.n_heads}) is not divisible by n_kv_heads ({args.n_kv_heads}); "
-            f"choose n_kv_heads dividing n_heads, e.g. {_nearest_divisor(args.n_heads, args.n_kv_heads)}"
-        )
-    if args.head_dim % 2:
-        raise ValueError(
-            f"head_dim = dim // n_heads = {args.dim} // {args.n_heads} = {args.head_dim} is odd, "
-            "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
-        )
-    _check_gate_and_layers(args)
-    if args.is_moe:
-        _check_groups(args)
-    if args.is_moe and args.top_k > args.n_experts:
-        raise ValueError(
-            f"top_k ({args.top_k}) exceeds n_experts ({args.n_experts}); set top_k <= {args.n_experts} or add experts"
-        )
-    return args
-
-
-def _check_gate_and_layers(args: ModelArgs) -> None:
-    from fivecut.model.args import GATES
-
-    if args.gate not in GATES:
-        raise ValueError(f"gate {args.gate!r} is not one of {GATES}")
-    if args.first_dense_layers > args.n_layers:
-        raise ValueError(
-            f"first_dense_layers ({args.first_dense_layers}) exceeds n_layers ({args.n_layers}); "
-            f"set first_dense_layers <= {args.n_layers}"
-        )
-
-
-def _check_groups(args: ModelArgs) -> None:
-    g, limit = args.expert_groups, args.route_group_limit
-    if args.n_experts % g:
-        raise ValueError(
-            f"n_experts ({args.n_experts}) is not divisible by expert_groups ({g}); "
-            f"choose expert_groups among {divisors(args.n_experts)}"
-        )
-    if g == 1 and limit != 1:
-        raise ValueError(
-            f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups"
-        )
-    if limit > g:
-        raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
-    if g > 1 and args.top_k > limit * (args.n_experts // g):
-        raise ValueError(
-            f"top_k ({args.top_k}) exceeds the {limit * (args.n_experts // g)} experts in "
-            f"route_group_limit={limit} groups of {args.n_experts // g}; raise route_group_limit"
-        )
-
-
-_POSITIVE = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "max_seq_len",
-    "rope_theta",
-    "norm_eps",
-    "init_std",
-    "top_k",
-    "route_scale",
-    "expert_groups",
-    "route_group_limit",
-)
-_NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
-
-
-def _check_positive(args: ModelArgs) -> None:
-    for name in _POSITIVE:
-        value = getattr(args, name)
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}; set {name} > 0")
-    for name in _NON_NEGATIVE:
-        value = getattr(args, name)
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}; set {name} >= 0 (0 disables it)")
-
-
-def _nearest_divisor(n: int, near: int) -> int:
-    """The divisor of n closest to ``near`` (for suggestions in errors)."""
-    return min(divisors(n), key=lambda d: (abs(d - near), d))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 # ---------------------------------------------------------------- layout
 
 
@@ -393,7 +297,7 @@ def validate_layout(
     problems = structural_problems(dims)
     if accumulate < 1:
         problems.append(f"train.accumulate={accumulate} must be >= 1")
-    sizes = [getattr(dims, n) for n in MESH_DIMS + ("ep", "pp_virtual", "microbatches")] + [accumulate]
+    sizes = [getattr(dims, n) for n in MESH_DIMS + COUNTS] + [accumulate]
     if min(sizes) < 1:  # the checks below divide by these numbers
         refuse("invalid layout " + dims.describe(), problems, LayoutError)
     problems += (
@@ -408,26 +312,8 @@ def validate_layout(
 
 
 def structural_problems(dims: ParallelDims) -> list[str]:
-    out = []
-    for name in MESH_DIMS + ("ep", "pp_virtual", "microbatches"):
-        if getattr(dims, name) < 1:
-            out.append(f"parallel.{name}={getattr(dims, name)} must be >= 1")
-    if dims.zero not in (0, 1, 2, 3):
-        out.append(f"parallel.zero={dims.zero}; ZeRO stages are 0, 1, 2, 3")
-    if dims.cp_mode not in CP_MODES:
-        out.append(f"parallel.cp_mode={dims.cp_mode!r}; choose one of {', '.join(CP_MODES)}")
-    if dims.sp and dims.tp == 1:
-        out.append("parallel.sp=true needs tensor parallelism; set parallel.tp >= 2 or sp=false")
-    if dims.zero and dims.dp == 1:
-        out.append(f"parallel.zero={dims.zero} shards over data-parallel ranks but dp=1; set parallel.dp >= 2")
-    if dims.pp_layers is not None and dims.pp == 1:
-        out.append(
-            f"parallel.pp_layers={dims.pp_layers} splits layers over pipeline stages but pp=1; set parallel.pp >= 2 "
-            "or remove pp_layers"
-        )
-    if dims.ep > 1 and (dims.dp * dims.cp) % dims.ep:
-        out.append(f"ep={dims.ep} must divide dp*cp={dims.dp * dims.cp} (expert ranks are borrowed from dp x cp)")
-    return out + schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+    """The layout's own fields, then the pipeline schedule's rules."""
+    return dims.problems() + schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
 
 
 def schedule_rule_problems(name: str, pp: int, microbatches: int, virtual: int) -> list[str]:
@@ -453,7 +339,7 @@ def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
     """Build the schedule and the stage split now, so that a bad pipeline never starts."""
     if dims.pp == 1:
         return []
-    from fivecut.parallel.pipeline.split import stage_layers
+    from fivecut.parallel.pipeline.split import stage_layers  # imports torch: only for a pipeline
 
     try:
         schedule = built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
@@ -564,7 +450,7 @@ def moe_problems(opts: MoEOptions, args: ModelArgs, dims: ParallelDims) -> list[
             f"{', '.join(given)} set{'' if len(given) > 1 else 's'} how MoE layers train, but the model is dense "
             f"(n_experts=0); remove {'them' if len(given) > 1 else 'it'}, or pick a MoE model (model.n_experts >= 1)"
         ]
-    out = moe_value_problems(opts) + eplb_problems(opts, args, dims.ep)
+    out = opts.problems() + eplb_problems(opts, args, dims.ep)
     if opts.capacity_factor is not None and dims.cp > 1 and dims.cp_mode == "ring":
         out.append(
             "moe.capacity_factor with cp_mode='ring' is not in this version (ring ranks hold two chunks of a "
@@ -573,27 +459,9 @@ def moe_problems(opts: MoEOptions, args: ModelArgs, dims: ParallelDims) -> list[
     return out
 
 
-def moe_value_problems(opts: MoEOptions) -> list[str]:
-    out = []
-    if opts.capacity_factor is not None and not opts.capacity_factor > 0:
-        out.append(f"moe.capacity_factor={opts.capacity_factor} must be > 0 (leave it unset for dropless)")
-    for key in ("aux_loss_coef", "bias_update_rate"):
-        if not getattr(opts, key) >= 0:
-            out.append(f"moe.{key}={getattr(opts, key)} must be >= 0")
-    return out
-
-
 def eplb_problems(opts: MoEOptions, args: ModelArgs, ep: int) -> list[str]:
+    """EPLB against the expert-parallel ranks and the model's experts."""
     out = []
-    if opts.eplb_interval < 1 or opts.eplb_window < 1:
-        out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
-    if opts.eplb_slots < 0:
-        out.append(f"moe.eplb_slots={opts.eplb_slots} must be >= 0")
-    if not opts.eplb and (opts.eplb_interval, opts.eplb_window) != (MoEOptions.eplb_interval, MoEOptions.eplb_window):
-        out.append(
-            "moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or "
-            "moe.eplb_move=true, or leave them"
-        )
     if opts.eplb and ep == 1:
         out.append(
             "EPLB (moe.eplb_slots, moe.eplb_move) places experts over expert-parallel ranks, but ep=1; "
@@ -635,7 +503,7 @@ def check_eval_arguments(batches: int, batch_size: int, seq_len: int, timeout: f
 
 def check_eval_shape(cfg: Config) -> None:
     """`eval`'s --seq-len against the model, --batch-size against the layout's split of a batch."""
-    t, dims, args = cfg.train, cfg.parallel, model_args(cfg.model)
+    t, dims, args = cfg.train, cfg.parallel, resolved_args(cfg.model)
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
             f"--seq-len={t.seq_len} exceeds the model's max_seq_len={args.max_seq_len}; give --seq-len <= "
@@ -654,7 +522,7 @@ def check_owned_keys(overrides: list[str], owned: dict[str, str], unused: dict[s
     command cannot take (`unused`: key -> why), so that no setting is silently replaced or dropped;
     a key ending in "." stands for its whole section."""
     for item in overrides:
-        for key in leaf_keys(nest(*parse_override(item))):
+        for key in flat(nest(*parse_override(item))):
             flag, why = matching(key, owned), matching(key, unused or {})
             if flag is not None:
                 raise ConfigError(f"--set {item} sets {key}, which {flag} sets here; give it once, with {flag}")
@@ -664,15 +532,6 @@ def check_owned_keys(overrides: list[str], owned: dict[str, str], unused: dict[s
 
 def matching(key: str, table: dict[str, str]) -> str | None:
     return next((value for k, value in table.items() if key == k or (k.endswith(".") and key.startswith(k))), None)
-
-
-def leaf_keys(table: dict, prefix: str = "") -> list[str]:
-    """The dotted keys of the values in a nested table: {"a": {"b": 1}} -> ["a.b"]. (`train.resume.flat`
-    does this too, but importing it here would draw train.resume into the circle through config.)"""
-    out = []
-    for key, value in table.items():
-        out += leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
-    return out
 
 
 def layout_items(text: str) -> list[str]:

@@ -1,4 +1,10 @@
-"""`fivecut train | eval | generate | export | verify | ledger | schedule | checkpoint info`."""
+"""`fivecut train | eval | generate | export | verify | ledger | schedule | checkpoint info`.
+
+The top of the floors (DESIGN.md, principle 11): it imports everything below it. What imports torch
+(or matplotlib) is imported inside the command that runs it, so that `fivecut --help`, `schedule` and
+every refusal of an input start without torch; what is free of torch is imported here at the top
+(`tests/test_layout_of_code.py` holds both to that).
+"""
 
 from __future__ import annotations
 
@@ -20,13 +26,19 @@ from fivecut.config import (
     ModelConfig,
     apply_table,
     load_config,
-    model_args,
     model_label,
     nest,
     parse_override,
+    preset_args,
 )
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
+from fivecut.model.presets import SHAPE_ONLY, runnable_presets
+from fivecut.parallel.pipeline.schedule import peak_in_flight
+from fivecut.parallel.pipeline.simulate import simulate, text
+from fivecut.plan.activations import activation_bytes_per_layer
+from fivecut.plan.memory import formula, model_state_bytes
+from fivecut.train.resume import resume_changes
 
 # verify's tolerances, each the largest relative difference from the single process (fp32) accepted at a step.
 # The gradient norm before clipping is compared because AdamW hides a scaled gradient from the loss, not from it.
@@ -177,8 +189,6 @@ def add_overrides(parser: argparse.ArgumentParser) -> None:
 
 def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--layout", required=True, help="e.g. dp=2 or dp=2,zero=1; keys are parallel.* fields")
-    from fivecut.model.presets import SHAPE_ONLY, runnable_presets
-
     parser.add_argument(
         "--model",
         default="tiny",
@@ -196,7 +206,6 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
     from fivecut.train import checkpoint
-    from fivecut.train.resume import resume_changes
 
     cfg = load_config(ns.config, ns.overrides)
     checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -322,8 +331,7 @@ def eval_config(ns) -> tuple[Config, str | None]:
     checks.check_eval_arguments(ns.batches, ns.batch_size, ns.seq_len, ns.timeout)
     base, path = Config(), None
     if ns.checkpoint is not None:
-        from fivecut.train.checkpoint import read_meta
-        from fivecut.weights.export import find_checkpoint
+        from fivecut.train.checkpoint import find_checkpoint, read_meta
 
         path = find_checkpoint(Path(ns.checkpoint).expanduser(), ns.step)
         saved = read_meta(path)["config"]
@@ -399,7 +407,7 @@ def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout` and every --set."""
     checks.check_run_arguments(ns.steps, ns.timeout, getattr(ns, "rtol", None))
     checks.check_preset(ns.model, key="--model")
-    args = model_args(ModelConfig(preset=ns.model))
+    args = preset_args(ModelConfig(preset=ns.model))
     tokenizer = "byte" if args.vocab_size <= 256 else "gpt2"
     base = [
         f"model.preset={ns.model!r}",
@@ -591,12 +599,11 @@ def verdict(diffs: dict[str, dict[int, float]], loss_rtol: float) -> int:
 
 
 def print_memory(measured: dict[str, int], cfg: Config) -> None:
-    from fivecut.plan.memory import formula, model_state_bytes
     from fivecut.plan.volume import local_param_counts, reduce_group_sizes
     from fivecut.train.memory import format_bytes
 
     dims = cfg.parallel
-    counts = local_param_counts(model_args(cfg.model), cfg)  # {reduce group: Psi}
+    counts = local_param_counts(preset_args(cfg.model), cfg)  # {reduce group: Psi}
     sizes = reduce_group_sizes(cfg)
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
@@ -613,10 +620,9 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
 
 def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int, int] | None = None) -> None:
     """Bytes a layer keeps for backward (step 1, first micro-step), measured vs the formula."""
-    from fivecut.plan.activations import activation_bytes_per_layer
     from fivecut.train.memory import format_bytes
 
-    args, dims, t = model_args(cfg.model), cfg.parallel, cfg.train
+    args, dims, t = preset_args(cfg.model), cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
     seq = t.seq_len // dims.cp  # this rank's chunk of each sequence
     layer = max(measured, key=int)  # a stage's first layer also holds what all its layers share (RoPE tables)
@@ -685,16 +691,16 @@ def cmd_ledger(ns) -> int:
     print()
     print_memory(mine.memory, cfg)
     print_activations(mine.activations, cfg, first_forward_rows(mine))
-    predicted = predict(model_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
+    predicted = predict(preset_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")
-    for cut, (volume, formula) in predicted.items():
+    for cut, (volume, closed_form) in predicted.items():
         measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == cut)
         measured_total += measured
         predicted_total += volume
         print(
             f"{cut:<8} {measured:>16,.0f} {volume:>16,.0f} "
-            f"{measured / volume if volume else float('nan'):>7.3f}   {formula}"
+            f"{measured / volume if volume else float('nan'):>7.3f}   {closed_form}"
         )
     unpredicted = {r.cut for r in mine.ledger_rows} - set(predicted)
     if unpredicted:
@@ -708,8 +714,6 @@ def cmd_ledger(ns) -> int:
 
 def cmd_schedule(ns) -> int:
     from fivecut.parallel.pipeline.draw import draw
-    from fivecut.parallel.pipeline.schedule import peak_in_flight
-    from fivecut.parallel.pipeline.simulate import simulate, text
 
     given = {"f": ns.cost_f, "b": ns.cost_b, "w": ns.cost_w, "comm": ns.cost_comm}
     sch = checks.check_schedule_command(ns.schedule, ns.pp, ns.microbatches, ns.virtual, given)

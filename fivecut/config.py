@@ -2,6 +2,10 @@
 
 Every key is checked: an unknown key or a value of the wrong type is a `ConfigError`
 that names the key and, for a misspelling, the closest valid one.
+
+Free of torch: it stands on the layout records and the model's arguments and presets only, and
+never opens a weights file; the shape `model.init_from` names is read above it
+(`fivecut.weights.load.model_args`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivecut.layout import MoEOptions, ParallelDims
+from fivecut.model.args import ModelArgs
+from fivecut.model.presets import get_preset
 
 
 class ConfigError(ValueError):
@@ -51,9 +57,12 @@ class ModelConfig:
     route_group_limit: int | None = None
 
 
+SHAKESPEARE = "shakespeare"  # the built-in corpus data.source can name (`fivecut.train.data` reads it)
+
+
 @dataclass
 class DataConfig:
-    source: str = "shakespeare"  # "shakespeare", a text file, or a folder of *.txt
+    source: str = SHAKESPEARE  # "shakespeare", a text file, or a folder of *.txt
     tokenizer: str = "auto"  # "auto" (model.init_from's own, else "byte") | "gpt2" | "byte"
     cache_dir: str = "~/.cache/fivecut"
     val_fraction: float = 0.05
@@ -222,39 +231,20 @@ def checked_value(dotted: str, value: object, hint: object, origin: str) -> obje
 DEFAULT_PRESET = "tiny"
 
 
-def model_args(section: ModelConfig):
-    """The preset named by `section.preset`, with every field that is set overriding it; with
-    `init_from`, the shape its file implies (a field set to another value is a ConfigError)."""
-    changes = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in MODEL_SOURCES}
-    changes = {k: v for k, v in changes.items() if v is not None}
-    if section.init_from is None:
-        from fivecut.model import get_preset
-
-        return dataclasses.replace(get_preset(section.preset or DEFAULT_PRESET), **changes)
-    if section.preset is not None:
-        raise ConfigError(
-            f"model.preset={section.preset!r} and model.init_from={section.init_from!r} are both set; the shape comes "
-            "from the file, so drop model.preset"
-        )
-    return file_args(section.init_from, changes)
+def preset_args(section: ModelConfig) -> ModelArgs:
+    """The preset named by `section.preset`, with every field that is set overriding it. A section
+    with `init_from` takes its shape from the file, which is read above the config
+    (`fivecut.weights.load.model_args`)."""
+    return dataclasses.replace(get_preset(section.preset or DEFAULT_PRESET), **set_fields(section))
 
 
 MODEL_SOURCES = ("preset", "init_from")
 
 
-def file_args(init_from: str, changes: dict):
-    """The shape of the model `init_from` names, checked against the fields set explicitly."""
-    from fivecut.weights.load import source_args
-
-    args = source_args(init_from)
-    differ = [
-        f"model.{k}={v!r} but the file has {getattr(args, k)!r}" for k, v in changes.items() if v != getattr(args, k)
-    ]
-    if differ:
-        raise ConfigError(
-            f"model.init_from={init_from!r}: " + "; ".join(differ) + " (the shape comes from the file; drop these keys)"
-        )
-    return args
+def set_fields(section: ModelConfig) -> dict:
+    """The `ModelArgs` fields the section sets, by name."""
+    changes = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in MODEL_SOURCES}
+    return {k: v for k, v in changes.items() if v is not None}
 
 
 def model_label(section: ModelConfig) -> str:

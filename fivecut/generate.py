@@ -23,6 +23,7 @@ import torch
 from fivecut.model.decode import decode, new_cache
 from fivecut.model.transformer import Transformer
 from fivecut.train.tokenizer import Tokenizer
+from fivecut.weights.load import single_model
 
 INCOMPLETE = "\ufffd"  # what a decoder gives for a UTF-8 character cut short
 
@@ -220,8 +221,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     check_sampling(ns.max_new_tokens, sampling, flags=True)
     if ns.step is not None and ns.checkpoint is None:
         raise ValueError("--step chooses a checkpoint's step; give it with --checkpoint DIR, not --init-from")
-    from fivecut.weights.load import single_model
-
     device = checked_device(ns.device)
     model, tokenizer = single_model(init_from=ns.init_from, checkpoint=ns.checkpoint, step=ns.step, device=device)
     if tokenizer is None:

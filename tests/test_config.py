@@ -2,9 +2,9 @@
 
 import pytest
 
-from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_args, model_label, parse_override
+from fivecut.config import Config, ConfigError, ModelConfig, load_config, model_label, parse_override, preset_args
 from fivecut.layout import ParallelDims
-from fivecut.model import get_preset
+from fivecut.model.presets import get_preset
 
 
 def error_of(*overrides, path=None) -> str:
@@ -195,9 +195,9 @@ def test_config_error_is_a_value_error():
 # ---------------------------------------------------------------- model args
 
 
-def test_model_args_overrides_the_preset():
+def test_preset_args_overrides_the_preset():
     cfg = load_config(None, ["model.dim=256", "model.n_layers=2"])
-    args = model_args(cfg.model)
+    args = preset_args(cfg.model)
     base = get_preset("tiny")
     assert args.dim == 256 and args.n_layers == 2
     # everything not set comes from the preset
@@ -205,18 +205,18 @@ def test_model_args_overrides_the_preset():
     assert base.dim == 128  # the preset itself is untouched
 
 
-def test_model_args_other_preset():
-    args = model_args(ModelConfig(preset="tiny-moe", top_k=1))
+def test_preset_args_other_preset():
+    args = preset_args(ModelConfig(preset="tiny-moe", top_k=1))
     assert args.n_experts == get_preset("tiny-moe").n_experts and args.top_k == 1
 
 
-def test_model_args_without_overrides_is_the_preset():
-    assert model_args(ModelConfig()) == get_preset("tiny")
+def test_preset_args_without_overrides_is_the_preset():
+    assert preset_args(ModelConfig()) == get_preset("tiny")
 
 
 def test_unknown_preset_names_the_valid_ones():
     with pytest.raises(ValueError) as info:
-        model_args(ModelConfig(preset="tinyy"))
+        preset_args(ModelConfig(preset="tinyy"))
     msg = str(info.value)
     assert "'tinyy'" in msg
     for name in ("tiny", "tiny-moe", "small"):

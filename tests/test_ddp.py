@@ -23,7 +23,8 @@ from fivecut.config import Config, load_config
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
-from fivecut.model import build_model, get_preset
+from fivecut.model.presets import get_preset
+from fivecut.model.transformer import build_model
 from fivecut.parallel.data import DataParallel, plan_buckets
 from fivecut.parallel.parallelize import token_loss_sum
 from fivecut.train.data import BatchSampler

@@ -28,8 +28,8 @@ from fivecut.launch import spawn
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import Ledger
 from fivecut.mesh import Mesh
-from fivecut.model import build_model, get_preset
-from fivecut.model.transformer import MoE, limit_to_groups
+from fivecut.model.presets import get_preset
+from fivecut.model.transformer import MoE, build_model, limit_to_groups
 from fivecut.parallel.expert import (
     ExpertParallelMoE,
     SlotMap,

@@ -14,9 +14,9 @@ from fivecut.generate import (
     generate_ids,
     sample,
 )
-from fivecut.model import build_model, get_preset
 from fivecut.model.decode import decode, new_cache
-from fivecut.model.transformer import apply_rope
+from fivecut.model.presets import get_preset
+from fivecut.model.transformer import apply_rope, build_model
 from fivecut.train.tokenizer import ByteTokenizer, get_tokenizer
 from fivecut.weights import names
 from fivecut.weights.hf import llama_config
@@ -340,10 +340,8 @@ def test_cli_needs_exactly_one_source():
 
 
 def test_cli_streams_the_continuation(monkeypatch, capsys):
-    import fivecut.weights.load as load
-
     model, tok = model_of("tiny"), get_tokenizer("byte")
-    monkeypatch.setattr(load, "single_model", lambda **kw: (model, tok))
+    monkeypatch.setattr(generation, "single_model", lambda **kw: (model, tok))
     assert cmd_generate(parse("--init-from", "x", "--prompt", "Hi", "--temperature", "0", "--max-new-tokens", "8")) == 0
     out, err = capsys.readouterr()
     assert out == "Hi" + generate(model, tok, "Hi", 8).text + "\n"

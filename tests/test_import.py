@@ -265,7 +265,8 @@ def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, tmp_path)
 def moe_export(tmp_path_factory):
     """`tiny-moe` with random routing biases, written as fivecut's MoE export (fivecut names,
     model_type "fivecut"); returns (folder, its logits of TOKENS_MOE from the whole model)."""
-    from fivecut.model import build_model, get_preset
+    from fivecut.model.presets import get_preset
+    from fivecut.model.transformer import build_model
     from fivecut.train.tokenizer import get_tokenizer
     from fivecut.weights.export import write_folder
 

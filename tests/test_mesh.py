@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 
-from fivecut.checks import LayoutError, divisors, unimplemented, validate_layout
+from fivecut.checks import LayoutError, unimplemented, validate_layout
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
-from fivecut.model import get_preset
+from fivecut.model.args import divisors
+from fivecut.model.presets import get_preset
 
 TINY = get_preset("tiny")  # 4 layers, 4 heads, 2 kv heads, dense
 TINY_MOE = get_preset("tiny-moe")  # 8 experts

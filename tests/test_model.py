@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivecut.checks import check_model
-from fivecut.model import PRESETS, SHAPE_ONLY, ModelArgs, Transformer, build_model, get_preset
-from fivecut.model.transformer import GroupedExperts, MoE
+from fivecut.model.args import ModelArgs
+from fivecut.model.presets import PRESETS, SHAPE_ONLY, get_preset
+from fivecut.model.transformer import GroupedExperts, MoE, Transformer, build_model
 
 
 def tokens(args, b=2, s=16, seed=0):
@@ -274,13 +274,13 @@ def test_gradients_reach_every_parameter(name):
 )
 def test_validate_refuses(change, match):
     with pytest.raises(ValueError, match=match):
-        check_model(ModelArgs(**change))
+        ModelArgs(**change).check()
     with pytest.raises(ValueError, match=match):
         build_model(ModelArgs(**change))
 
 
 def test_presets_valid_and_unknown_suggests():
     for args in PRESETS.values():
-        check_model(args)
+        assert args.check() is args
     with pytest.raises(ValueError, match=r"'tiny-mo'.*tiny-gpt2.*did you mean 'tiny-moe'"):
         get_preset("tiny-mo")

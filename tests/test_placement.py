@@ -14,7 +14,8 @@ import torch
 from fivecut.launch import spawn
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.mesh import Mesh
-from fivecut.model import build_model, get_preset
+from fivecut.model.presets import get_preset
+from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import parallelize
 from fivecut.parallel.placement import ParamKind
 

@@ -19,7 +19,8 @@ from fivecut import comm
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
-from fivecut.model import build_model, get_preset
+from fivecut.model.presets import get_preset
+from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeError, parallelize, token_loss_sum
 from fivecut.parallel.placement import gather_full
 

@@ -1,8 +1,11 @@
-"""Model hyper-parameters and the analytic counts derived from them.
+"""Model hyper-parameters, the check of their own values, and the analytic counts derived from them.
 
-The counts here (parameters, active parameters, FLOPs per token) are what the
-planner uses for models too large to build, so they must equal what the real
-module holds; tests check that for every preset.
+`ModelArgs.check()` refuses arguments that describe no model (naming the numbers and a fix);
+`build_model` calls it, and `fivecut.checks` calls it when it composes a run's checks.
+
+The counts (parameters, active parameters, FLOPs per token) are what the planner uses for
+models too large to build, so they must equal what the real module holds; tests check that
+for every preset. Free of torch: the CLI reads these before a run starts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,33 @@ MOE_ONLY = (
     "expert_groups",
     "route_group_limit",
 )
+
+POSITIVE = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "max_seq_len",
+    "rope_theta",
+    "norm_eps",
+    "init_std",
+    "top_k",
+    "route_scale",
+    "expert_groups",
+    "route_group_limit",
+)
+NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_divisor(n: int, near: int) -> int:
+    """The divisor of n closest to ``near`` (for suggestions in errors)."""
+    return min(divisors(n), key=lambda d: (abs(d - near), d))
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,76 @@ class ModelArgs:
     # and each token chooses its experts from its best `route_group_limit` groups only
     expert_groups: int = 1
     route_group_limit: int = 1
+
+    # ----- the check of the values ---------------------------------------
+
+    def check(self) -> ModelArgs:
+        """Raise ValueError naming the numbers and a fix; return self if these arguments describe a model.
+        One problem at a time (unlike the layout's `problems()` lists): each check divides by what the
+        ones before it proved positive."""
+        self._check_signs()
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); "
+                f"choose n_heads among the divisors of dim, e.g. {nearest_divisor(self.dim, self.n_heads)}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads}); "
+                f"choose n_kv_heads dividing n_heads, e.g. {nearest_divisor(self.n_heads, self.n_kv_heads)}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim // n_heads = {self.dim} // {self.n_heads} = {self.head_dim} is odd, "
+                "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
+            )
+        self._check_gate_and_layers()
+        if self.is_moe:
+            self._check_groups()
+        if self.is_moe and self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds n_experts ({self.n_experts}); set top_k <= {self.n_experts} or add "
+                "experts"
+            )
+        return self
+
+    def _check_signs(self) -> None:
+        for name in POSITIVE:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}; set {name} > 0")
+        for name in NON_NEGATIVE:
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}; set {name} >= 0 (0 disables it)")
+
+    def _check_gate_and_layers(self) -> None:
+        if self.gate not in GATES:
+            raise ValueError(f"gate {self.gate!r} is not one of {GATES}")
+        if self.first_dense_layers > self.n_layers:
+            raise ValueError(
+                f"first_dense_layers ({self.first_dense_layers}) exceeds n_layers ({self.n_layers}); "
+                f"set first_dense_layers <= {self.n_layers}"
+            )
+
+    def _check_groups(self) -> None:
+        g, limit = self.expert_groups, self.route_group_limit
+        if self.n_experts % g:
+            raise ValueError(
+                f"n_experts ({self.n_experts}) is not divisible by expert_groups ({g}); "
+                f"choose expert_groups among {divisors(self.n_experts)}"
+            )
+        if g == 1 and limit != 1:
+            raise ValueError(
+                f"route_group_limit ({limit}) needs expert_groups > 1 to choose groups from; set expert_groups"
+            )
+        if limit > g:
+            raise ValueError(f"route_group_limit ({limit}) exceeds expert_groups ({g}); set route_group_limit <= {g}")
+        if g > 1 and self.top_k > limit * (self.n_experts // g):
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the {limit * (self.n_experts // g)} experts in "
+                f"route_group_limit={limit} groups of {self.n_experts // g}; raise route_group_limit"
+            )
 
     # ----- derived sizes -------------------------------------------------
 

@@ -365,9 +365,7 @@ def build_model(
 ) -> Transformer:
     """Validate, construct on the meta device, materialize on ``device`` and
     initialize from ``seed``. ``device="meta"`` gives a shape-only model."""
-    from fivecut.checks import check_model  # the checks live above the model; imported when building
-
-    check_model(args)
+    args.check()
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)

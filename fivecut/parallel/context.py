@@ -35,6 +35,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
+from fivecut.model.transformer import Attention
 
 
 def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group, mode: str = "ulysses"):
@@ -155,8 +156,6 @@ class RingAttention(nn.Module):
 def apply_context_parallel(model: nn.Module, group: Group, mode: str = "ulysses") -> list[str]:
     """Ulysses around, or ring attention instead of, every attention core of `model` (a model or
     a pipeline stage). Returns the paths of the attention modules changed."""
-    from fivecut.model.transformer import Attention
-
     changed = []
     for path, attention in model.named_modules():
         if isinstance(attention, Attention):

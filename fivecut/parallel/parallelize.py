@@ -32,6 +32,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
+from fivecut.model.transformer import Attention, build_model
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Held, Kinds, Piece
 from fivecut.parallel.expert import (
@@ -266,8 +267,6 @@ def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
     """Ulysses or ring attention over the cp group (when cp > 1); no parameter changes."""
     if mesh.dims.cp == 1:
         return {}
-    from fivecut.model.transformer import Attention
-
     expected = [path for path, m in stage.named_modules() if isinstance(m, Attention)]
     require("context", apply_context_parallel(stage, mesh.group("cp"), mesh.dims.cp_mode), expected)
     return {}
@@ -407,8 +406,6 @@ def norm_groups(mesh: Mesh) -> list[Group]:
 
 def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
     """This rank's part of the model `args`, built from the seed, every cut of `mesh.dims` applied."""
-    from fivecut.model import build_model
-
     dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
     model = build_model(args, device="meta")
     return parallelize(

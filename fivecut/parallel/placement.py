@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivecut import comm
+
 # groups whose members include every tensor-parallel rank (see `fivecut.mesh.Mesh`)
 SPANS_TP = ("dp_cp_tp", "expert_dp")
 
@@ -199,8 +201,6 @@ def check_local_shapes(placements: dict[str, Placement], params: dict[str, nn.Pa
 def gather_full(pl: Placement, local: torch.Tensor, groups: dict[str, object]) -> torch.Tensor:
     """The global tensor of `pl` from every rank's `local` part (a collective over each cut's group
     in `groups`, e.g. `Mesh.groups`): slices gathered, put at their global indices, padding dropped."""
-    from fivecut import comm
-
     full = local
     for s in reversed(pl.slices):
         group = groups[s.group]

@@ -8,6 +8,11 @@ come from the model built on the meta device: no memory, exact shapes.
 from __future__ import annotations
 
 from fivecut.ledger import ring_factor
+from fivecut.mesh import Mesh
+from fivecut.model.transformer import build_model
+from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.pipeline.schedule import build_schedule
+from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.parallel.placement import Placement
 
 BYTES = {"fp32": 4, "bf16": 2}
@@ -187,9 +192,6 @@ def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, i
 
 
 def pipeline_plan(args, cfg):
-    from fivecut.parallel.pipeline.schedule import build_schedule
-    from fivecut.parallel.pipeline.split import stage_layers
-
     dims = cfg.parallel
     sched = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
     return sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
@@ -327,10 +329,6 @@ def group_reduction_volume(cfg, records: list[Placement], n: int) -> tuple[float
 def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     """The placement records of the rank at pipeline position `pp_rank` (index 0 on dp, cp, tp):
     the real cuts applied to the model on the meta device, under a mesh with no process groups."""
-    from fivecut.mesh import Mesh
-    from fivecut.model import build_model
-    from fivecut.parallel.parallelize import parallelize
-
     dims, t = cfg.parallel, cfg.train
     mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
     model = build_model(args, device="meta")

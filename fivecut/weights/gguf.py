@@ -32,6 +32,7 @@ import torch
 from gguf import GGUFValueType
 
 from fivecut.model.args import ModelArgs
+from fivecut.train.tokenizer import FileTokenizer
 from fivecut.weights.names import from_gguf
 from fivecut.weights.source import Box, WeightsError, expected_shapes
 
@@ -217,8 +218,6 @@ class GGUFSource:
     def tokenizer(self):
         """The byte-level BPE tokenizer the metadata describes, None when it describes none."""
         if self._tokenizer is None and "tokenizer.ggml.model" in self._fields:
-            from fivecut.train.tokenizer import FileTokenizer
-
             try:
                 tok = self._build_tokenizer()
             except WeightsError:

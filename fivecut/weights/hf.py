@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fivecut.model.args import ModelArgs
-from fivecut.train.tokenizer import TOKENIZERS, get_tokenizer
+from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
 from fivecut.weights.names import from_hf
 from fivecut.weights.source import WeightsError
 
@@ -260,8 +260,6 @@ def folder_tokenizer(folder: Path):
     if not path.is_file():
         return None
     from tokenizers import Tokenizer
-
-    from fivecut.train.tokenizer import FileTokenizer
 
     try:
         tok = Tokenizer.from_file(str(path))

