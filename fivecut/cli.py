@@ -473,24 +473,8 @@ def spawned(what: str, fn, world_size: int, *args, timeout_s: float, **options) 
     except RankFailure as err:
         with tempfile.NamedTemporaryFile("w", prefix="fivecut-ranks-", suffix=".txt", delete=False) as report:
             report.write(f"{what}\n{err}\n")
-        summary = rank_summary(err)
-        hint = " (raise --timeout)" if "did not finish" in summary else ""
-        raise RunFailed(f"{what}: {summary}{hint}; every rank's report: {report.name}") from None
-
-
-def rank_summary(err: Exception) -> str:
-    """One line of what went wrong on which ranks: the failure's own `summary` where it has one,
-    else read from its message, whose blocks start `--- rank R raised:` (then the traceback),
-    `--- rank R died: ...` or `--- rank R did not finish within Ns; its stack:`."""
-    summary = getattr(err, "summary", None)
-    if summary:
-        return summary
-    parts = []
-    for block in str(err).split("--- ")[1:]:
-        head, *rest = block.strip().splitlines()
-        last = next((line.strip() for line in reversed(rest) if line.strip()), "")
-        parts.append(f"{head.removesuffix(':')} {last}" if head.endswith("raised:") else head.split("; its stack")[0])
-    return "; ".join(parts) or (str(err).splitlines() or ["a rank failed"])[0]
+        hint = " (raise --timeout)" if "did not finish" in err.summary else ""
+        raise RunFailed(f"{what}: {err.summary}{hint}; every rank's report: {report.name}") from None
 
 
 def train_quietly(cfg: Config, measure_activations: bool = False):
