@@ -84,6 +84,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     dtype: str = "fp32"  # "fp32" | "bf16" (autocast compute, fp32 master weights and optimizer state)
     reduce_dtype: str = "fp32"  # dtype of gradient reductions: "fp32" | "bf16"
+    recompute: str = "none"  # activation recomputation: "none" | "full" (a block keeps its input) | "selective"
+    recompute_every: int = 1  # recompute every k-th transformer block (1: all of them)
+    compile: bool = False  # torch.compile each transformer block
     seed: int = 0
     eval_every: int = 50  # 0 disables periodic validation
     eval_batches: int = 8

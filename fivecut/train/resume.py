@@ -29,7 +29,8 @@ FREE_ON_RESUME = {
     # steps: extending (or shortening) a run; the cosine schedule then decays to min_lr at the new end.
     # accumulate and bucket_mb split the same sums differently. The fault policy decides only what
     # happens after a non-finite value, so a resume may switch to "skip" to get past one.
-    "train": "steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite max_skipped",
+    "train": "steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite max_skipped "
+    "recompute recompute_every compile",  # recomputation and compilation change when, not what, is computed
     "moe": "eplb_slots eplb_move eplb_interval eplb_window",  # EPLB places expert copies; it changes no number
     "data": "cache_dir",  # the token cache is keyed and checked by its tokenizer and sha256
     "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",
