@@ -15,7 +15,7 @@ from test_faults import records, sets
 
 import fivecut.launch
 from fivecut.cli import main
-from fivecut.config import Config, ConfigError, load_config
+from fivecut.config import Config, ConfigError, load_config, preset_args
 from fivecut.train import checkpoint
 from fivecut.train.optim import lr_at
 from fivecut.train.resume import FREE_ON_RESUME, REFUSED_ON_RESUME, config_keys, resume_changes
@@ -84,6 +84,14 @@ def test_a_key_an_older_checkpoint_lacks_counts_as_its_default():
     assert changes(meta).changes == []
     with pytest.raises(ConfigError, match=r"train.beta2 0.95 -> 0.99"):
         changes(meta, "train.beta2=0.99")
+
+
+def test_the_same_model_written_another_way_is_no_change():
+    dim = preset_args(load_config(None, []).model).dim  # the default preset's own dim
+    assert changes(saved_meta(), 'model.preset="tiny"').changes == []
+    assert changes(saved_meta('model.preset="tiny"'), f"model.dim={dim}").changes == []
+    with pytest.raises(ConfigError, match=rf"model.dim None -> {2 * dim}"):  # another shape is still refused
+        changes(saved_meta(), f"model.dim={2 * dim}")
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fivecut.config import Config, ConfigError, closest
+from fivecut.config import Config, ConfigError, ModelConfig, closest, preset_args
 
 FREE, REFUSED = "free", "refused"
 
@@ -104,7 +104,22 @@ def config_changes(saved: dict, cfg: Config) -> list[Change]:
     """The keys whose value differs from the checkpoint's saved config, in config order. Both are
     compared as JSON values (the saved config went through JSON)."""
     new, old = flat(json.loads(json.dumps(cfg.to_dict()))), saved_values(saved)
-    return [Change(key, old[key], value) for key, value in new.items() if old[key] != value]
+    changes = [Change(key, old[key], value) for key, value in new.items() if old[key] != value]
+    if same_shape(saved.get("model", {}), cfg.model):
+        changes = [c for c in changes if not c.key.startswith("model.")]
+    return changes
+
+
+def same_shape(saved_model: dict, model: ModelConfig) -> bool:
+    """Two model sections written differently that name the same architecture (the preset left
+    unset and named "tiny"; a field set to its preset's own value). A model from a file
+    (`init_from`) is compared as written: its shape is read above this module."""
+    if saved_model.get("init_from") or model.init_from:
+        return False
+    try:
+        return preset_args(ModelConfig(**saved_model)) == preset_args(model)
+    except (TypeError, ValueError):  # a key or a preset this fivecut does not know: compare as written
+        return False
 
 
 def saved_values(saved: dict) -> dict[str, object]:
