@@ -107,7 +107,7 @@ class NonFiniteGuard:
         if self.in_a_row < self.max_skipped:
             return None
         return TrainingStopped(
-            f"{self.in_a_row} non-finite steps in a row up to step {step} (train.max_skipped={self.max_skipped}); "
+            f"{self.in_a_row} non-finite step{'s' if self.in_a_row > 1 else ''} in a row up to step {step} (train.max_skipped={self.max_skipped}); "
             "stopped",
             NONFINITE_EXIT,
         )
