@@ -299,7 +299,7 @@ def validate_layout(
         problems.append(f"train.accumulate={accumulate} must be >= 1")
     sizes = [getattr(dims, n) for n in MESH_DIMS + COUNTS] + [accumulate]
     if min(sizes) < 1:  # the checks below divide by these numbers
-        refuse("invalid layout " + dims.describe(), problems, LayoutError)
+        refuse("invalid layout " + dims.settings(), problems, LayoutError)
     problems += (
         pipeline_problems(dims, model, seq_len)
         + model_layout_problems(dims, model)
@@ -307,7 +307,7 @@ def validate_layout(
         + batch_problems(dims, seq_len, global_batch, accumulate)
         + world_problems(dims, world_size)
     )
-    refuse("invalid layout " + dims.describe(), problems, LayoutError)
+    refuse("invalid layout " + dims.settings(), problems, LayoutError)
     refuse("not implemented yet in this version of fivecut", unimplemented(dims), LayoutError)
 
 
@@ -321,7 +321,9 @@ def schedule_rule_problems(name: str, pp: int, microbatches: int, virtual: int) 
     out = []
     if name not in PP_SCHEDULES:
         out.append(f"parallel.pp_schedule={name!r}; choose one of {', '.join(PP_SCHEDULES)}")
-    if pp > 1 and microbatches < pp and name != "gpipe":
+    if pp > 1 and name == "dualpipev" and microbatches < 2 * pp:
+        out.append(f"dualpipev with pp={pp} needs microbatches >= 2*pp (the V fills with 2*pp); got {microbatches}")
+    elif pp > 1 and microbatches < pp and name != "gpipe":
         out.append(f"{name} with pp={pp} needs microbatches >= pp; got {microbatches}")
     if virtual > 1 and name not in ("interleaved", "dualpipev"):
         out.append(f"pp_virtual={virtual} only applies to interleaved or dualpipev, not {name}")
@@ -336,17 +338,24 @@ def built_schedule(name: str, pp: int, microbatches: int, virtual: int):
 
 
 def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
-    """Build the schedule and the stage split now, so that a bad pipeline never starts."""
+    """Build the schedule (unless a rule of `schedule_rule_problems` already refused it) and the
+    stage split now, so that a bad pipeline never starts; each problem is said once."""
     if dims.pp == 1:
         return []
     from fivecut.parallel.pipeline.split import stage_layers  # imports torch: only for a pipeline
 
+    out = []
+    if not schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual):
+        try:
+            built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+        except ValueError as err:
+            out.append(str(err))
+    stages = dims.pp * (2 if dims.pp_schedule == "dualpipev" else dims.pp_virtual)  # DualPipeV: two per rank
     try:
-        schedule = built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
-        stage_layers(model, schedule.n_stages, seq_len, dims.pp_layers)
+        stage_layers(model, stages, seq_len, dims.pp_layers)
     except ValueError as err:
-        return [str(err)]
-    return []
+        out.append(str(err))
+    return out
 
 
 def model_layout_problems(dims: ParallelDims, model) -> list[str]:
@@ -360,9 +369,6 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
         out.append(
             f"n_kv_heads={model.n_kv_heads} and tp={dims.tp}: one must divide the other to split or replicate kv heads"
         )
-    stages = dims.pp * (2 if dims.pp_schedule == "dualpipev" else dims.pp_virtual)  # DualPipeV: two per rank
-    if dims.pp > 1 and model.n_layers < stages:
-        out.append(f"n_layers={model.n_layers} is fewer than the {stages} pipeline stages; lower pp or pp_virtual")
     if dims.cp > 1 and dims.cp_mode == "ulysses" and (model.n_heads // dims.tp) % dims.cp:
         out.append(
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "

@@ -94,14 +94,14 @@ def test_seq_len_not_divisible_by_2cp():
 
 def test_fewer_layers_than_stages():
     msg = problems(ParallelDims(pp=8, microbatches=8), world_size=8)
-    assert "n_layers=4" in msg and "8 pipeline stages" in msg and "lower pp" in msg
+    assert "4 layers cannot fill 8 pipeline stages; lower pp" in msg and msg.count("pipeline stages") == 1  # said once
 
 
 def test_dualpipev_counts_two_stages_per_rank():
     msg = problems(
         ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4), model=dataclasses.replace(TINY, n_layers=3)
     )
-    assert "n_layers=3" in msg and "4 pipeline stages" in msg
+    assert "3 layers cannot fill 4 pipeline stages" in msg and msg.count("pipeline stages") == 1
     validate_layout(
         ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=4), TINY, 128, 8, 1, 2
     )  # 4 layers fill 4 stages
@@ -112,6 +112,13 @@ def test_microbatches_fewer_than_stages():
     assert "1f1b with pp=2 needs microbatches >= pp; got 1" in msg
     # gpipe has no such rule
     validate_layout(ParallelDims(pp=2, microbatches=1, pp_schedule="gpipe"), TINY, 128, 8, 1, 2)
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_dualpipev_needs_twice_the_stages_in_microbatches_said_once(microbatches):
+    msg = problems(ParallelDims(pp=2, pp_schedule="dualpipev", microbatches=microbatches))
+    assert f"dualpipev with pp=2 needs microbatches >= 2*pp (the V fills with 2*pp); got {microbatches}" in msg
+    assert msg.count("needs microbatches") == 1 and "the V needs" not in msg  # the rule, not the build, says it
 
 
 def test_virtual_stages_need_an_interleaved_schedule():
