@@ -106,8 +106,9 @@ class NonFiniteGuard:
         """After `max_skipped` skipped steps in a row, the reason to stop."""
         if self.in_a_row < self.max_skipped:
             return None
+        steps = "step" if self.in_a_row == 1 else "steps"
         return TrainingStopped(
-            f"{self.in_a_row} non-finite step{'s' if self.in_a_row > 1 else ''} in a row up to step {step} (train.max_skipped={self.max_skipped}); "
+            f"{self.in_a_row} non-finite {steps} in a row up to step {step} (train.max_skipped={self.max_skipped}); "
             "stopped",
             NONFINITE_EXIT,
         )
