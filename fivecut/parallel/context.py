@@ -17,15 +17,28 @@ sends the rest) and four backward. H must divide by cp; with grouped-query atten
 kv heads are split too when they divide by cp, and otherwise repeated up to the query heads
 first. Under tensor parallelism H is a rank's local heads.
 
+The attention core (`CausalSDPA`, F.scaled_dot_product_attention) already runs PyTorch's fused
+flash kernel on CPU (`_scaled_dot_product_flash_attention_for_cpu`, GQA included) and keeps only
+q, k, v, the output and one log-sum-exp per query, so Ulysses wraps it unchanged.
+
 Ring attention keeps the sequence cut. Causal attention gives later tokens more work, so the
-sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r (load balance). Each
-rank attends its queries to its own K/V block, then passes the block to the next rank of the
-ring and receives the previous rank's, cp-1 times; the partial results are merged with their
-log-sum-exps (online softmax), the causal mask taken from the blocks' positions. Backward
-sends the K/V gradients the reverse way round the ring. Each pass moves one K/V block per
-rank: 2*(cp-1) blocks sent and received per layer, forward and backward. The blocks are
-computed with plain tensor ops (no fused kernel returns the log-sum-exp on CPU), so autograd
-keeps each block's scores for backward: O(s^2/cp) per rank rather than a flash kernel's O(s).
+sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r (zigzag, load balance).
+Each rank attends its queries to its own K/V block, then passes the block to the next rank of
+the ring and receives the previous rank's, cp-1 times (the next block is posted before the
+current one is computed, so the pass overlaps the kernel). Every block pair runs the same fused
+flash kernel, which returns the pair's output and log-sum-exp; the outputs are merged with
+their log-sum-exps (online softmax). Which part of a pair is visible follows from the chunks'
+places (`BlockPair`): the diagonal pair is causal, after it exactly half of each pair is
+wholly visible and the other half wholly hidden, so every later step is half a diagonal's work.
+
+One autograd Function spans the ring (`_Ring`): forward keeps q, k, v, the merged output and
+its log-sum-exp for the rank's own chunk, O(s/cp) per rank like one device's flash attention,
+and no block's scores. Backward passes the K/V blocks round the ring again (cp-1 passes) and
+recomputes each pair's gradient with the fused backward from (q, k_j, v_j, out, lse, grad_out):
+given the merged output and log-sum-exp, the kernel rebuilds each pair's share of the whole
+row's softmax. Block j's dK/dV accumulator (fp32) travels with it, each rank adding its part,
+and one last pass takes it home: cp passes. Per layer: cp-1 block passes forward, 2cp-1
+backward, each sent and received.
 """
 
 from __future__ import annotations
