@@ -163,8 +163,8 @@ class BlockPair:
     After step 0 each pair is half the work of the diagonal."""
 
     causal: bool
-    q_half: slice  # [sq] rows of my queries (and of out, lse, grad_out)
-    kv_half: slice  # [sk] rows of the block
+    queries: slice  # [sq] rows of my queries (and of out, lse, grad_out)
+    keys: slice  # [sk] rows of the block
 
     @staticmethod
     def at(rank: int, step: int, size: int, local: int) -> BlockPair:
@@ -212,11 +212,11 @@ class _Ring(torch.autograd.Function):
         for step in range(c):
             nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
             pair = BlockPair.at(r, step, c, local)
-            o_blk, lse_blk = kernel.forward(q[:, :, pair.q_half], *kv[:, :, :, pair.kv_half], pair.causal)
+            o_blk, lse_blk = kernel.forward(q[:, :, pair.queries], *kv[:, :, :, pair.keys], pair.causal)
             if out is None:
                 out, lse = o_blk.float(), lse_blk.float()  # out [b, H, s/c, hd] laid out [b, s/c, H, hd]
             else:
-                merge_into(out[:, :, pair.q_half], lse[:, :, pair.q_half], o_blk, lse_blk)
+                merge_into(out[:, :, pair.queries], lse[:, :, pair.queries], o_blk, lse_blk)
             _finish(works, group)
             kv = nxt
         out = out.to(q.dtype)  # keeps the [b, s/c, H, hd] layout: merging heads after is a view
@@ -236,7 +236,7 @@ class _Ring(torch.autograd.Function):
             nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
             arriving, grad_works = _post_shift(dkv, group, GRAD_TAG) if step > 0 else (None, [])
             pair = BlockPair.at(r, step, c, local)
-            rows, keys = pair.q_half, pair.kv_half
+            rows, keys = pair.queries, pair.keys
             dq_blk, dk_blk, dv_blk = kernel.backward(
                 grad_out[:, :, rows], q[:, :, rows], *kv[:, :, :, keys], out[:, :, rows], lse[:, :, rows], pair.causal
             )
