@@ -32,7 +32,8 @@ tensor bytes over forward + backward above the start (the profiler's memory even
 --memory: the acceptance figure of issue 17: the saved bytes per layer of ring and Ulysses at
 cp=2 and cp=4 (one spawn each, one run each) and of one device, with ring/Ulysses and the fall
 from cp=2 to cp=4. The last lines printed are `ratio_ring_ulysses=<x>` (timing: step time) or
-`memory_ring_ulysses_cp2=<x>` and `memory_ring_cp2_cp4=<x>` (--memory).
+`memory_ring_ulysses_cp2=<x>` and `memory_ring_cp2_cp4=<x>` (--memory). On the 2-core CPU machine
+at a load average of 13, the defaults took 5 minutes and --memory 2.
 """
 
 from __future__ import annotations
