@@ -616,13 +616,6 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         )
         return
     last, moe = measured[layer], args.moe_layer(int(layer))
-    if dims.cp > 1 and dims.cp_mode == "ring":  # autograd keeps every K/V block and per-block softmax
-        print(
-            f"\nactivations saved for backward by layer {layer} (ring attention, b={rows}, s={seq}): "
-            f"{format_bytes(last)} "
-            f"({last:,} B); the closed form does not cover ring attention's blocks"
-        )
-        return
     if moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
         print(
             f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
@@ -630,17 +623,20 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         )
         return
     predicted = activation_bytes_per_layer(
-        args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp
+        args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp, cp_mode=dims.cp_mode
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
     print(
         f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, "
-        f"cp={dims.cp}):"
+        f"cp={dims.cp}{', ring' if dims.cp > 1 and dims.cp_mode == 'ring' else ''}):"
     )
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:
-        without, single = (activation_bytes_per_layer(args, rows, seq, dims.tp, sp, cp=dims.cp) for sp in (False, True))
+        without, single = (
+            activation_bytes_per_layer(args, rows, seq, dims.tp, sp, cp=dims.cp, cp_mode=dims.cp_mode)
+            for sp in (False, True)
+        )
         print(
             f"at tp={dims.tp} the formula gives {format_bytes(without)} without SP, {format_bytes(single)} with SP: "
             f"SP cuts activations by {without / single:.3f}x"

@@ -199,8 +199,7 @@ def test_ledger_context_parallel(byte_cache, mode):
     assert_every_cut_exact(run.stdout)
     assert "memory_ratio=1.000" in lines
     assert any(line.startswith("cp ") and mode in line for line in lines)
-    if mode == "ulysses":
-        assert "activation_ratio=1.000" in lines
+    assert "activation_ratio=1.000" in lines
 
 
 def test_bad_pipeline_is_refused_before_start():

@@ -17,18 +17,33 @@ sends the rest) and four backward. H must divide by cp; with grouped-query atten
 kv heads are split too when they divide by cp, and otherwise repeated up to the query heads
 first. Under tensor parallelism H is a rank's local heads.
 
+The attention core (`CausalSDPA`, F.scaled_dot_product_attention) already runs PyTorch's fused
+flash kernel on CPU (`_scaled_dot_product_flash_attention_for_cpu`, GQA included) and keeps only
+q, k, v, the output and one log-sum-exp per query, so Ulysses wraps it unchanged.
+
 Ring attention keeps the sequence cut. Causal attention gives later tokens more work, so the
-sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r (load balance). Each
-rank attends its queries to its own K/V block, then passes the block to the next rank of the
-ring and receives the previous rank's, cp-1 times; the partial results are merged with their
-log-sum-exps (online softmax), the causal mask taken from the blocks' positions. Backward
-sends the K/V gradients the reverse way round the ring. Each pass moves one K/V block per
-rank: 2*(cp-1) blocks sent and received per layer, forward and backward. The blocks are
-computed with plain tensor ops (no fused kernel returns the log-sum-exp on CPU), so autograd
-keeps each block's scores for backward: O(s^2/cp) per rank rather than a flash kernel's O(s).
+sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r (zigzag, load balance).
+Each rank attends its queries to its own K/V block, then passes the block to the next rank of
+the ring and receives the previous rank's, cp-1 times (the next block is posted before the
+current one is computed, so the pass overlaps the kernel). Every block pair runs the same fused
+flash kernel, which returns the pair's output and log-sum-exp; the outputs are merged with
+their log-sum-exps (online softmax). Which part of a pair is visible follows from the chunks'
+places (`BlockPair`): the diagonal pair is causal, after it exactly half of each pair is
+wholly visible and the other half wholly hidden, so every later step is half a diagonal's work.
+
+One autograd Function spans the ring (`_Ring`): forward keeps q, k, v, the merged output and
+its log-sum-exp for the rank's own chunk, O(s/cp) per rank like one device's flash attention,
+and no block's scores. Backward passes the K/V blocks round the ring again (cp-1 passes) and
+recomputes each pair's gradient with the fused backward from (q, k_j, v_j, out, lse, grad_out):
+given the merged output and log-sum-exp, the kernel rebuilds each pair's share of the whole
+row's softmax. Block j's dK/dV accumulator (fp32) travels with it, each rank adding its part,
+and one last pass takes it home: cp passes. Per layer: cp-1 block passes forward, 2cp-1
+backward, each sent and received.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -92,65 +107,171 @@ class UlyssesAttention(nn.Module):
         return sequence_to_heads(self.inner(q, k, v), self.group)  # [b, H, s/c, hd]
 
 
-class _RingPass(torch.autograd.Function):
-    """Send x to the next rank of the ring, return the previous rank's; backward: the reverse."""
+@dataclass
+class FlashKernel:
+    """PyTorch's fused attention for one device: forward returns the output [b, H, sq, hd]
+    (laid out [b, sq, H, hd]) and its log-sum-exp [b, H, sq] (fp32) without keeping the
+    scores; backward recomputes them from (q, k, v, out, lse). k, v may have fewer heads
+    than q (grouped-query attention: each kv head serves H/KV query heads)."""
+
+    device: str
+    cuda_state: tuple = ()  # CUDA: what the first forward returned besides (out, lse), given back to backward
+
+    def forward(self, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        out, lse, *state = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        # (cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask): dense inputs, no dropout
+        self.cuda_state = self.cuda_state or tuple(state[:6])
+        return out, lse
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, ...]:
+        """dq [b, H, sq, hd], dk and dv [b, KV, sk, hd] of one block pair, given the final
+        (merged) output and log-sum-exp: the softmax it rebuilds is the whole row's."""
+        if self.device == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, 0.0, causal
+            )
+        cum_q, cum_k, max_q, max_k, seed, offset = self.cuda_state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset
+        )
+
+
+def flash_kernel(q: torch.Tensor) -> FlashKernel:
+    """The fused kernel for q's device and dtype; a clear error where PyTorch has none."""
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(
+            f"ring attention on CUDA runs PyTorch's flash kernel, which needs bf16 or fp16, not {q.dtype}: "
+            "set train.dtype='bf16' or parallel.cp_mode='ulysses'"
+        )
+    if q.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"ring attention has no fused kernel on {q.device.type}: use parallel.cp_mode='ulysses'")
+    return FlashKernel(q.device.type)
+
+
+@dataclass(frozen=True)
+class BlockPair:
+    """Which part of my queries sees which part of the K/V block held `step` ranks back.
+
+    Rank r holds chunks r and 2c-1-r of the 2c chunks; the block of rank j = r - step holds
+    chunks j and 2c-1-j. Step 0 (j = r): my own block, causal on the pair (the positions of
+    the two chunks increase, so causal in index order is causal in position order). j < r:
+    chunk j is before both of mine, chunk 2c-1-j after both: all my queries see the first
+    half of the block. j > r: chunk r sees nothing of the block, chunk 2c-1-r (> c-1 >= j,
+    and > 2c-1-j) sees all of it: the second half of my queries sees the whole block.
+    After step 0 each pair is half the work of the diagonal."""
+
+    causal: bool
+    queries: slice  # [sq] rows of my queries (and of out, lse, grad_out)
+    keys: slice  # [sk] rows of the block
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _shift(x, group, 1)
+    def at(rank: int, step: int, size: int, local: int) -> BlockPair:
+        every, first, second = slice(0, local), slice(0, local // 2), slice(local // 2, local)
+        owner = (rank - step) % size
+        if step == 0:
+            return BlockPair(True, every, every)
+        return BlockPair(False, every, first) if owner < rank else BlockPair(False, second, every)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _shift(grad, ctx.group, -1), None
+
+def _post_shift(x: torch.Tensor, group: Group, tag: int) -> tuple[torch.Tensor, list]:
+    """Post: send x to the next rank of the ring, receive the previous rank's into a new
+    buffer. Returns (buffer, works); the buffer is valid after `_finish`."""
+    received = torch.empty_like(x)
+    nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    return received, comm.batch_send_recv([(x, nxt)], [(received, prev)], group, tag=tag)
 
 
-def _shift(x: torch.Tensor, group: Group, step: int) -> torch.Tensor:
-    out = torch.empty_like(x)
-    to, frm = (group.rank + step) % group.size, (group.rank - step) % group.size
-    for work in comm.batch_send_recv([(x.contiguous(), to)], [(out, frm)], group):
+def _finish(works: list, group: Group) -> None:
+    for work in works:
         comm.wait(work, "send/recv", group)
-    return out
 
 
-def block_attention(q, k, v, pos_q, pos_k) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of q [b, H, sq, hd] to one K/V block [b, KV, sk, hd] at positions pos_q,
-    pos_k: the block's output [b, H, sq, hd] and log-sum-exp [b, H, sq]. A query that sees no
-    key of the block gets a log-sum-exp near the dtype's minimum: its output weighs nothing."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H/KV query heads
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [b, H, sq, sk]
-    visible = pos_q.unsqueeze(1) >= pos_k.unsqueeze(0)  # [sq, sk]
-    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+KV_TAG, GRAD_TAG = 0, 1  # the K/V blocks and their gradients travel as separate messages
 
 
-def merge(o, lse, o_block, lse_block):
-    """Online softmax: combine two partial attentions over disjoint key sets."""
-    if o is None:
-        return o_block, lse_block
-    total = torch.logaddexp(lse, lse_block)  # [b, H, sq]
-    return o * (lse - total).exp().unsqueeze(-1) + o_block * (lse_block - total).exp().unsqueeze(-1), total
+class _Ring(torch.autograd.Function):
+    """Causal attention of my queries [b, H, s/c, hd] to every K/V block of the ring.
+
+    forward   c steps; at each, the next block is posted (sent on, the previous rank's
+              received) before this block's pair is computed, and the pair's output is
+              merged into the running one with the log-sum-exps (online softmax, in fp32).
+              Saved: q, k, v, out, lse of my chunk only: O(s/c) per rank.
+    backward  the K/V blocks go round again (c-1 passes) and each pair's gradient is
+              recomputed by the fused backward from (q, k_j, v_j, out, lse, grad_out); the
+              dK/dV of block j is an fp32 accumulator that follows the block round the ring,
+              each rank adding its part, and one last pass brings it home to rank j:
+              c passes of the gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        kernel, c, r, local = flash_kernel(q), group.size, group.rank, q.shape[2]
+        kv = torch.stack([k, v])  # [2, b, KV, s/c, hd]: one message per pass
+        out = lse = None
+        for step in range(c):
+            nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
+            pair = BlockPair.at(r, step, c, local)
+            o_blk, lse_blk = kernel.forward(q[:, :, pair.queries], *kv[:, :, :, pair.keys], pair.causal)
+            if out is None:
+                out, lse = o_blk.float(), lse_blk.float()  # out [b, H, s/c, hd] laid out [b, s/c, H, hd]
+            else:
+                merge_into(out[:, :, pair.queries], lse[:, :, pair.queries], o_blk, lse_blk)
+            _finish(works, group)
+            kv = nxt
+        out = out.to(q.dtype)  # keeps the [b, s/c, H, hd] layout: merging heads after is a view
+        ctx.group, ctx.kernel = group, kernel
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, kernel = ctx.group, ctx.kernel
+        c, r, local = group.size, group.rank, q.shape[2]
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv = torch.stack([k, v])  # [2, b, KV, s/c, hd]
+        dkv = None  # [2, b, KV, s/c, hd] fp32: the gradient of the block I hold, from the ranks before me
+        for step in range(c):
+            nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
+            arriving, grad_works = _post_shift(dkv, group, GRAD_TAG) if step > 0 else (None, [])
+            pair = BlockPair.at(r, step, c, local)
+            rows, keys = pair.queries, pair.keys
+            dq_blk, dk_blk, dv_blk = kernel.backward(
+                grad_out[:, :, rows], q[:, :, rows], *kv[:, :, :, keys], out[:, :, rows], lse[:, :, rows], pair.causal
+            )
+            dq[:, :, rows] += dq_blk
+            _finish(works + grad_works, group)
+            dkv = torch.zeros_like(kv, dtype=torch.float32) if arriving is None else arriving
+            dkv[0, :, :, keys] += dk_blk
+            dkv[1, :, :, keys] += dv_blk
+            kv = nxt
+        home, works = _post_shift(dkv, group, GRAD_TAG)  # the block of rank r+1, complete: to its owner
+        _finish(works, group)
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None
+
+
+def merge_into(out, lse, o_blk, lse_blk) -> None:
+    """Online softmax, in place: `out`, `lse` [b, H, sq(, hd)] (views of the running result)
+    become the attention over their keys and the block's, which are disjoint."""
+    total = torch.logaddexp(lse, lse_blk)
+    out.mul_((lse - total).exp().unsqueeze(-1)).add_(o_blk * (lse_blk - total).exp().unsqueeze(-1))
+    lse.copy_(total)
 
 
 class RingAttention(nn.Module):
-    """Causal attention over the whole sequence, K/V blocks passed around the cp ring."""
+    """Causal attention over the whole sequence, K/V blocks passed around the cp ring (`_Ring`).
+    Under autocast q, k, v are cast as autocast casts scaled_dot_product_attention's."""
 
     def __init__(self, group: Group):
         super().__init__()
         self.group = group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        c, r, local = self.group.size, self.group.rank, q.shape[2]
-        pos_q = zigzag_positions(r, c, local, q.device)
-        kv = torch.stack([k, v])  # [2, b, KV, s/cp, hd]: one message per pass
-        o = lse = None
-        for step in range(c):
-            if step > 0:
-                kv = _RingPass.apply(kv, self.group)  # now the block of rank r - step
-            pos_k = zigzag_positions((r - step) % c, c, local, q.device)
-            o, lse = merge(o, lse, *block_attention(q, kv[0], kv[1], pos_q, pos_k))
-        return o  # [b, H, s/cp, hd]
+        if torch.is_autocast_enabled(q.device.type):
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        return _Ring.apply(q, k, v, self.group)  # [b, H, s/cp, hd]
 
 
 def apply_context_parallel(model: nn.Module, group: Group, mode: str = "ulysses") -> list[str]:

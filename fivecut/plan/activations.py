@@ -30,13 +30,18 @@ def activation_bytes_per_layer(
     itemsize: int = 4,
     moe_rows: tuple[int, int] | None = None,
     cp: int = 1,
+    cp_mode: str = "ulysses",
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
     dispatch makes it a MoE block (see `moe_bytes`). Ulysses (cp > 1) keeps the same bytes per
     token, except that kv heads too few to split over cp are repeated to one per query head, and
     the attention output is kept twice: by the core ([b, H/cp, s, hd]) and, back in sequence
-    chunks, by the output projection."""
+    chunks, by the output projection. Ring attention keeps exactly what one device keeps for
+    its chunk: q, k, v, the output and the log-sum-exp of its own tokens (the K/V blocks of
+    the other ranks are passed round again in backward, not kept)."""
+    if cp_mode == "ring":
+        cp = 1
     h, hd = args.dim, args.head_dim
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if cp > 1 and kv_heads_per_rank % cp:

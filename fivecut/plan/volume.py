@@ -136,7 +136,9 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     Ulysses  all-to-alls of q, k, v and the attention output forward and of their gradients
              backward, each (c-1)/c of its tensor (kv heads repeated to the query heads when
              they do not divide by c);
-    ring     c-1 passes of the K/V block forward and of its gradient backward, each sent and
+    ring     c-1 passes of the K/V block forward; backward c-1 passes of the K/V block again
+             (each rank recomputes its block pairs) and c of its fp32 dK/dV accumulator (it
+             follows the block round the ring and one last pass takes it home); each sent and
              received (send and recv both count);
     MoE layers with capacity or the auxiliary loss also all-gather their slots per (sequence,
     expert) over c."""
@@ -148,18 +150,19 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     kv = max(args.n_kv_heads // dims.tp, 1)
     block = FP32 * b * (train.seq_len // c) * hd  # bytes of one head's block
     if dims.cp_mode == "ring":
-        per_layer = (c - 1) * 2 * (2 * kv) * block  # per direction: K and V, sent and received
+        pass_bytes = 2 * (2 * kv) * block  # one pass: K and V (or dK and dV), sent and received
+        forward, backward = (c - 1) * pass_bytes, (2 * c - 1) * pass_bytes
     else:
         kv = heads if kv % c else kv
-        per_layer = ring_factor("all_to_all", c) * block * (2 * heads + 2 * kv)
+        forward = backward = ring_factor("all_to_all", c) * block * (2 * heads + 2 * kv)
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
     per_micro = sum(
-        L * per_layer * (1 + passes) + (moe * counts if counted else 0)
+        L * (forward + backward * passes) + (moe * counts if counted else 0)
         for L, _, _, passes, moe in rank_stages(args, cfg)
     )
     what = (
-        "c-1 K/V passes forward + c-1 backward"
+        "c-1 K/V passes forward + c-1 K/V and c dK/dV backward"
         if dims.cp_mode == "ring"
         else "4 all-to-alls (q, k, v, o) forward + 4 backward"
     )
