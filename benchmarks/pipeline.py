@@ -174,6 +174,7 @@ class Fivecut:
             hidden_shape=(opts["batch"] // m, opts["seq"], args.dim),
             positions=torch.arange(opts["seq"]),
             forward_context=lambda microbatch: self.par.saved.forward(),  # the trainer's context, less autocast (fp32)
+            weight_grads=self.par.pipeline.weight_grads,
         )
         self.optimizer = build_optimizer(self.par.pieces, **ADAMW)
         self.m, self.denominator = m, opts["batch"] * opts["seq"]
