@@ -90,24 +90,29 @@ class WeightGrads:
 
 
 class _DeferredLinearFn(torch.autograd.Function):
-    """y = x W^T whose backward returns dx and leaves dW to W (when a record is open)."""
+    """y = x W^T whose backward returns dx and leaves dW to W (when a record is open).
+
+    The weight is reached through its layer, not passed as an input: autograd then has no edge
+    to the weight, so B neither accumulates into its `.grad` nor fires its post-accumulate hooks
+    (which fire on an edge even when the returned gradient is None). It is held as the Parameter
+    itself, not saved: what comes back from the saved-tensor hooks (sequence parallelism's)
+    may be another Tensor object, into which W would accumulate in vain."""
 
     @staticmethod
-    def forward(ctx, x, weight, grads):
-        ctx.grads = grads
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)  # [..., out]; autocast (if on) casts inside
+    def forward(ctx, x, layer, grads):
+        ctx.grads, ctx.weight = grads, layer.weight  # the Parameter itself: W accumulates into it
+        ctx.save_for_backward(x)
+        return F.linear(x, layer.weight)  # [..., out]; autocast (if on) casts inside
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dx = (dy @ weight.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None  # [..., in]
-        if not ctx.needs_input_grad[1]:
-            return dx, None, None
         deferred = Deferred(weight, x, dy)
-        if ctx.grads.current is None:  # a backward outside a split B: the full gradient now
-            return dx, deferred.weight_grad(), None
-        ctx.grads.current.append(deferred)
+        if ctx.grads.current is None:  # a backward outside a split B: accumulate dW now
+            torch.autograd.backward([weight], [deferred.weight_grad()])
+        else:
+            ctx.grads.current.append(deferred)
         return dx, None, None
 
 
@@ -122,7 +127,9 @@ class DeferredLinear(nn.Linear):
         self.grads = grads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _DeferredLinearFn.apply(x, self.weight, self.grads)
+        if not (x.requires_grad and self.weight.requires_grad and torch.is_grad_enabled()):
+            return F.linear(x, self.weight, self.bias)  # nothing to defer (or no edge to carry dW)
+        y = _DeferredLinearFn.apply(x, self, self.grads)
         return y if self.bias is None else y + self.bias  # the bias's gradient (a sum) comes in B
 
 
