@@ -5,7 +5,7 @@ bubbles against fivecut's own schedule simulator.
                                   [--warmup 2] [--batch 8] [--seq 128]
                                   [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
                                   [--bubble-microbatches 4] [--bubble-steps 10] [--bubble-repeats 3]
-                                  [--even-layers] [--no-compare] [--no-bubbles]
+                                  [--even-layers] [--vs-torch-zb] [--no-compare] [--no-bubbles]
 
 Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
 same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
@@ -75,6 +75,19 @@ four simulations of the same schedule:
 
 (the two simulations with per-stage costs replace `simulate.finish` in this process only).
 
+Part 3 (`--vs-torch-zb`), the zero-bubble schedules against torch.distributed.pipelining's,
+`--bubble-microbatches` microbatches: fivecut dualpipev vs torch `ScheduleDualPipeV`, and fivecut
+zb1p vs torch `ScheduleZBVZeroBubble` (torch's zero-bubble schedule for this placement; its
+`ScheduleInterleavedZeroBubble` loops stages instead). Both torch schedules place 2*pp stages in
+a V (stages r and 2pp-1-r on rank r), as fivecut's dualpipev does, cut by fivecut's layer
+balance for 4 stages; each stage is the single-device model from the same seed with the other
+layers deleted (as in part 1), the tied embedding shared by stages 0 and 3 on rank 0. Before
+timing, every gradient after one step of each torch schedule is compared with fivecut
+dualpipev's (the same parameters on each rank) and the largest relative difference reported
+(not enforced: in torch 2.13 `ScheduleZBVZeroBubble`'s gradients differ from the single
+device's on this model, `ScheduleDualPipeV`'s agree). zb1p keeps 2 stages, so its row
+compares step time only. Steps as in part 1 (zero_grad, schedule, AdamW), interleaved.
+
 Waits: the executor posts every receive when `run` starts and waits for it just before the F or
 B that consumes it; the wait is timed (`PipelineStep.wait` is wrapped too) and recorded as that
 receive (RECV_F before an F, RECV_B before a B), the consuming action's time starting after it,
@@ -99,7 +112,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+)
 
 from benchmarks.common import (  # noqa: E402
     ADAMW,
@@ -133,6 +151,7 @@ from fivecut.parallel.pipeline import executor  # noqa: E402
 from fivecut.parallel.pipeline import simulate as simulate_module  # noqa: E402
 from fivecut.parallel.pipeline.schedule import Action, build_schedule, partner  # noqa: E402
 from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa: E402
+from fivecut.parallel.pipeline.split import stage_layers  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
 FIVECUT, TORCH = "fivecut 1F1B", "torch Schedule1F1B"
@@ -245,6 +264,133 @@ class Torch:
         self.model.zero_grad()  # set_to_none=True, torch's default
         self.run(inputs, targets)
         self.optimizer.step()
+
+
+class TorchV:
+    """The V placement (stages r and 2pp-1-r on rank r) under a torch V schedule
+    (`ScheduleDualPipeV` or `ScheduleZBVZeroBubble`), layers cut as fivecut's dualpipev cuts them."""
+
+    def __init__(self, args, group, opts: dict, m: int, schedule_class):
+        rank, n_stages = dist.get_rank(), 2 * PP
+        layers = stage_layers(args, n_stages, opts["seq"], None)  # stage -> its range of layer ids
+        self.ids = [rank, n_stages - 1 - rank]
+        self.models = [self.stage_model(args, s, layers) for s in self.ids]
+        if rank == 0 and args.tie_embeddings:  # stages 0 and 2pp-1 on rank 0: one tied Parameter
+            self.models[1].output.weight = self.models[0].tok_embeddings.weight
+        stages = [
+            PipelineStage(mod, s, n_stages, torch.device("cpu"), group=group) for s, mod in zip(self.ids, self.models)
+        ]
+        tokens = opts["batch"] * opts["seq"]
+        self.schedule = schedule_class(
+            stages, m, loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / tokens, scale_grads=False
+        )
+        params = list({id(p): p for mod in self.models for p in mod.parameters()}.values())
+        self.optimizer = build_optimizer([Piece(p, decays(p)) for p in params], **ADAMW)
+        self.rank = rank
+
+    @staticmethod
+    def stage_model(args, s: int, layers: list[range]):
+        model = build_model(args, seed=0)
+        for name in [k for k in model.layers if int(k) not in layers[s]]:
+            del model.layers[name]
+        if s > 0:
+            model.tok_embeddings = None
+        if s < len(layers) - 1:
+            model.norm, model.output = None, None
+        return model
+
+    def named_parameters(self):
+        return [(n, p) for mod in self.models for n, p in mod.named_parameters(remove_duplicate=False)]
+
+    def run(self, inputs, targets) -> float:
+        if self.rank != 0:  # the V: rank 0 holds the first and the last stage
+            self.schedule.step(return_outputs=False)
+            return 0.0
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        return float(sum(loss.detach() for loss in losses))
+
+    def zero_grad(self) -> None:
+        for mod in self.models:
+            mod.zero_grad()
+
+    def forward_backward(self, inputs, targets) -> float:
+        self.zero_grad()
+        return self.run(inputs, targets)
+
+    def step(self, inputs, targets) -> None:
+        self.zero_grad()
+        self.run(inputs, targets)
+        self.optimizer.step()
+
+
+def fivecut_named(side: Fivecut):
+    """Parameters by stage, each stage's own names (a tied Parameter under both of its names)."""
+    stages = side.par.pipeline.stages
+    return [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters(remove_duplicate=False)]
+
+
+# ---------------------------------------------------------------- part 3
+
+ZB_PAIRS = (("dualpipev", ScheduleDualPipeV), ("zb1p", ScheduleZBVZeroBubble))
+
+
+def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
+    m = opts["bubble_microbatches"]
+    inputs, targets = batch(args, opts)
+    micro = list(zip(inputs.chunk(m), targets.chunk(m)))
+    reference = Fivecut(args, mesh, opts, "dualpipev", m)
+    reference.forward_backward(micro)
+    named_ref = dict(fivecut_named(reference))
+    out = {}
+    for name, schedule_class in ZB_PAIRS:
+        ours = reference if name == "dualpipev" else Fivecut(args, mesh, opts, name, m)
+        theirs = TorchV(args, torch_group, opts, m, schedule_class)
+        theirs.forward_backward(inputs, targets)
+        named = dict(theirs.named_parameters())
+        if named.keys() != named_ref.keys():
+            raise AssertionError(f"{schedule_class.__name__}: parameters {sorted(named)} vs {sorted(named_ref)}")
+        ref, got = [named_ref[k].grad for k in named], [p.grad for p in named.values()]
+        diff, bitwise = max_rel_diff(ref, got), all(torch.equal(x, y) for x, y in zip(ref, got))
+        steps = {
+            f"fivecut {name}": lambda o=ours: o.step(micro),
+            f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
+        }
+        out[name] = dict(runs=interleave_pair(steps, opts, prefix=f"{name} "), grad_diff=diff, grad_bitwise=bitwise)
+    return out
+
+
+def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict[str, float]]:
+    m, tokens = opts["bubble_microbatches"], opts["batch"] * opts["seq"]
+    lines = [
+        f"### Zero-bubble schedules vs torch.distributed.pipelining: pp={PP}, {m} microbatches of "
+        f"{opts['batch'] // m} x {opts['seq']} tokens",
+        "",
+    ]
+    ratios = {}
+    for name, schedule_class in ZB_PAIRS:
+        runs = results[0]["zero_bubble"][name]["runs"]
+        a, b = list(runs)
+        cmp = compare(runs, a, b)
+        ratios[name] = cmp.ratio
+        per_rank = [r["zero_bubble"][name] for r in results]
+        same = (
+            "bitwise equal"
+            if all(r["grad_bitwise"] for r in per_rank)
+            else f"max rel diff {max(r['grad_diff'] for r in per_rank):.2e}"
+        )
+        rows = [[n, *timing_cells(runs[n], tokens)] for n in (a, b)]
+        rows.append([f"ratio {a} / {b}", *ratio_cells(runs, a, b), ""])
+        lines += [
+            f"{schedule_class.__name__}'s gradients after one step vs fivecut dualpipev's: {same} (both ranks; "
+            f"fivecut's equal the single device's, see tests/test_pipeline.py)",
+            "",
+            markdown_table(["", *TIMING_COLUMNS, "tokens/s (at median)"], rows),
+            "",
+            f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
+            "",
+        ]
+    return lines, ratios
 
 
 def batch(args, opts: dict):
@@ -488,9 +634,11 @@ def rank_main(opts: dict) -> dict:
     args = get_preset(opts["model"])
     mesh = Mesh(ParallelDims(pp=PP, microbatches=PP), "cpu")
     torch_group = dist.new_group(list(range(PP)))  # torch's stages talk over their own group
-    out: dict = {"compare": [], "schedules": {}}
+    out: dict = {"compare": [], "schedules": {}, "zero_bubble": {}}
     if opts["compare"]:
         out["compare"] = [compare_1f1b(args, mesh, torch_group, opts, m) for m in opts["microbatches"]]
+    if opts["vs_torch_zb"]:
+        out["zero_bubble"] = compare_zero_bubble(args, mesh, torch_group, opts)
     if opts["bubbles"]:
         out["schedules"] = measure_schedules(args, mesh, opts)
     return out
@@ -688,9 +836,15 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         more, ratio = compare_report(opts, results, i)
         lines += more
         ratios.append((opts["microbatches"][i], ratio))
+    zb_ratios = {}
+    if opts["vs_torch_zb"]:
+        more, zb_ratios = zero_bubble_report(opts, results)
+        lines += more
     if opts["bubbles"]:
         lines += bubble_report(opts, results)
     lines.append(f"wall time {elapsed:.0f} s")
+    for name, ratio in zb_ratios.items():
+        lines.append(f"ratio_{name}_vs_torch={ratio:.3f}")
     for m, ratio in ratios[1:]:
         lines.append(f"ratio_1f1b_m{m}={ratio:.3f}")
     if ratios:
@@ -710,6 +864,9 @@ def parse(argv=None) -> dict:
         "--even-layers", action="store_true", help="part 2: n / stages layers per stage instead of fivecut's balance"
     )
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip part 1 (fivecut vs torch)")
+    p.add_argument(
+        "--vs-torch-zb", action="store_true", help="part 3: dualpipev / zb1p vs torch ScheduleDualPipeV / ZBVZeroBubble"
+    )
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
     opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
