@@ -80,6 +80,8 @@ class PipelineStep:
         """Execute every action of this rank; returns the sum of this rank's (last-stage) losses."""
         self.state, self.sends, self.posted = {}, [], set()
         self.batches, self.denominator = batches, denominator
+        if self.weight_grads is not None:
+            self.weight_grads.clear()  # what a step that raised half-way may have left
         total = torch.zeros((), device=self.positions.device)
         actions = self.schedule.actions[self.group.rank]
         for action in actions:  # every receive, as early as can be: nothing it needs is computed here
