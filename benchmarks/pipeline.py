@@ -5,13 +5,12 @@ bubbles against fivecut's own schedule simulator.
                                   [--warmup 2] [--batch 8] [--seq 128]
                                   [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
                                   [--bubble-microbatches 4] [--bubble-steps 10] [--bubble-repeats 3]
-                                  [--patched-split] [--no-compare] [--no-bubbles]
+                                  [--even-layers] [--vs-torch-zb] [--no-compare] [--no-bubbles]
 
 Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
 same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
 the last the targets). On the 2-core CPU machine at a load average of about 5.5, the defaults
-take about 1.5 minutes (part 1: 25 s per microbatch count; part 2: 40 s), and 1.7 minutes
-with `--patched-split`.
+take about 1.5 minutes (part 1: 25 s per microbatch count; part 2: 40 s).
 
 Part 1, fivecut 1F1B vs torch `Schedule1F1B`, for each `--microbatches` count:
 
@@ -46,13 +45,15 @@ the load on a shared machine disturbs less than wall time.
 
 Part 2, measured idle per rank vs `simulate`: fivecut alone under every schedule, pp=2,
 `--bubble-microbatches` microbatches (dualpipev needs >= 2 pp = 4; interleaved a multiple of
-pp). gpipe, 1f1b and zb1p cut the layers [n/2, n/2]; interleaved (pp_virtual 2) and dualpipev
-(pp_virtual 1: it always holds 2 stages per rank) hold 4 stages of n/4 layers. The schedules
+pp). gpipe, 1f1b and zb1p have 2 stages; interleaved (pp_virtual 2) and dualpipev (pp_virtual 1:
+it always holds 2 stages per rank) 4 stages (layers: see below). The schedules
 take turns, rotating the order each repeat. `PipelineStep.execute` is wrapped (in this process
 only) with perf_counter, which on Linux is CLOCK_MONOTONIC, one clock for both processes, so
 the two ranks' records form one timeline. For each timed step:
 
     makespan       first rank's start of `run` (after a barrier) to the last rank's end
+    vs 1f1b        the median over the k-th timed steps of (this schedule's makespan / 1f1b's),
+                   step k of both taken in the same repeat (interleaved)
     busy(rank)     its F, B, W actions' time
     idle(rank)     1 - busy / makespan       (the simulator's definition), split into the time
                    in RECV (posting, waiting for the message), in SEND (posting), before its
@@ -74,10 +75,28 @@ four simulations of the same schedule:
 
 (the two simulations with per-stage costs replace `simulate.finish` in this process only).
 
-`--patched-split` adds zb1p and dualpipev run by `SavedGradSplit` (marked `*`): the split
-backward as proposed for fivecut, W from the gradients B saved at the weights' consumers instead
-of a second backward through the stage; its gradients are checked against the unpatched
-schedule's before timing.
+Part 3 (`--vs-torch-zb`), the zero-bubble schedules against torch.distributed.pipelining's,
+`--bubble-microbatches` microbatches: fivecut dualpipev vs torch `ScheduleDualPipeV`, and fivecut
+zb1p vs torch `ScheduleZBVZeroBubble` (torch's zero-bubble schedule for this placement; its
+`ScheduleInterleavedZeroBubble` loops stages instead). Both torch schedules place 2*pp stages in
+a V (stages r and 2pp-1-r on rank r), as fivecut's dualpipev does, cut by fivecut's layer
+balance for 4 stages; each stage is the single-device model from the same seed with the other
+layers deleted (as in part 1), the tied embedding shared by stages 0 and 3 on rank 0. Before
+timing, every gradient after one step of each torch schedule is compared with fivecut
+dualpipev's (the same parameters on each rank) and the largest relative difference reported
+(not enforced: in torch 2.13 `ScheduleZBVZeroBubble`'s gradients differ from the single
+device's on this model, `ScheduleDualPipeV`'s agree). zb1p keeps 2 stages, so its row
+compares step time only. Steps as in part 1 (zero_grad, schedule, AdamW), interleaved.
+
+Waits: the executor posts every receive when `run` starts and waits for it just before the F or
+B that consumes it; the wait is timed (`PipelineStep.wait` is wrapped too) and recorded as that
+receive (RECV_F before an F, RECV_B before a B), the consuming action's time starting after it,
+so busy time is compute only. The RECV actions themselves only mark where the schedule's
+deadlock proof lets a receive block at the latest; they are not timed.
+
+Layers: part 2 lets fivecut balance the layers over the stages (`pp_layers` unset, the cost
+model of `split.stage_layers` weighing the embedding and the head), as a user gets them;
+with `--even-layers` every stage gets n / stages layers (n must divide).
 """
 
 from __future__ import annotations
@@ -93,8 +112,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+)
 
 from benchmarks.common import (  # noqa: E402
     ADAMW,
@@ -128,6 +151,7 @@ from fivecut.parallel.pipeline import executor  # noqa: E402
 from fivecut.parallel.pipeline import simulate as simulate_module  # noqa: E402
 from fivecut.parallel.pipeline.schedule import Action, build_schedule, partner  # noqa: E402
 from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa: E402
+from fivecut.parallel.pipeline.split import stage_layers  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
 FIVECUT, TORCH = "fivecut 1F1B", "torch Schedule1F1B"
@@ -138,13 +162,6 @@ PP = 2
 # build_schedule accepts virtual 1 or 2 for it, but checks.validate_layout counts pp_virtual=2
 # twice (pp * virtual * 2 = 8 stages) and refuses 4 layers, so it is given pp_virtual=1 here.
 LAYOUTS = {"gpipe": (1, 2), "1f1b": (1, 2), "zb1p": (1, 2), "interleaved": (2, 4), "dualpipev": (1, 4)}
-PATCHED = "*"  # suffix of a split-backward schedule run with `SavedGradSplit` (--patched-split)
-
-
-def base_name(name: str) -> str:
-    return name.removesuffix(PATCHED)
-
-
 # ---------------------------------------------------------------- the two sides
 
 
@@ -152,9 +169,9 @@ class Fivecut:
     """fivecut's pipeline as the trainer runs it: build_parallel, PipelineStep, reduce, AdamW."""
 
     def __init__(self, args, mesh: Mesh, opts: dict, name: str, m: int):
-        schedule = base_name(name)
+        schedule = name
         virtual, n_stages = LAYOUTS[schedule]
-        layers = [args.n_layers // n_stages] * n_stages
+        layers = [args.n_layers // n_stages] * n_stages if opts["even_layers"] else None
         dims = dataclasses.replace(
             mesh.dims, pp_schedule=schedule, microbatches=m, pp_virtual=virtual, pp_layers=layers
         )
@@ -165,8 +182,7 @@ class Fivecut:
         train = TrainConfig(seq_len=opts["seq"], global_batch=opts["batch"])
         self.par = build_parallel(args, view, torch.device("cpu"), seed=0, train=train)
         self.schedule = self.par.pipeline.schedule
-        runner = SavedGradSplit if name.endswith(PATCHED) else executor.PipelineStep
-        self.runner = runner(
+        self.runner = executor.PipelineStep(
             self.schedule,
             self.par.pipeline.stages,
             view.group("pp"),
@@ -174,6 +190,7 @@ class Fivecut:
             hidden_shape=(opts["batch"] // m, opts["seq"], args.dim),
             positions=torch.arange(opts["seq"]),
             forward_context=lambda microbatch: self.par.saved.forward(),  # the trainer's context, less autocast (fp32)
+            weight_grads=self.par.pipeline.weight_grads,
         )
         self.optimizer = build_optimizer(self.par.pieces, **ADAMW)
         self.m, self.denominator = m, opts["batch"] * opts["seq"]
@@ -205,31 +222,6 @@ class Fivecut:
         self.zero_grad()
         self.run(micro)
         self.optimizer.step()
-
-
-class SavedGradSplit(executor.PipelineStep):
-    """The split backward as proposed for fivecut (--patched-split): B runs torch.distributed.pipelining's
-    `stage_backward_input`, which also keeps the gradients arriving at the nodes that feed the
-    weights, and W runs `stage_backward_weight` from those, instead of a second backward through
-    the whole stage (`backward(output, inputs=params)`). Stage 0 has no input gradient: its B
-    does nothing and its W is the whole backward, as before."""
-
-    def backward(self, action, mb) -> None:
-        if not self.schedule.split_backward or action.stage == 0:
-            return super().backward(action, mb)
-        grad = None if action.stage == self.schedule.n_stages - 1 else mb.grad_output
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        (mb.grad_input,), mb.param_groups = stage_backward_input(
-            [mb.output], None if grad is None else [grad], [mb.input], iter(params)
-        )
-        self.hand_back(action, mb.grad_input)
-
-    def weight_grad(self, action, mb) -> None:
-        if action.stage == 0:
-            return super().weight_grad(action, mb)
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        stage_backward_weight(iter(params), mb.param_groups)
-        mb.param_groups = None
 
 
 class Torch:
@@ -272,6 +264,133 @@ class Torch:
         self.model.zero_grad()  # set_to_none=True, torch's default
         self.run(inputs, targets)
         self.optimizer.step()
+
+
+class TorchV:
+    """The V placement (stages r and 2pp-1-r on rank r) under a torch V schedule
+    (`ScheduleDualPipeV` or `ScheduleZBVZeroBubble`), layers cut as fivecut's dualpipev cuts them."""
+
+    def __init__(self, args, group, opts: dict, m: int, schedule_class):
+        rank, n_stages = dist.get_rank(), 2 * PP
+        layers = stage_layers(args, n_stages, opts["seq"], None)  # stage -> its range of layer ids
+        self.ids = [rank, n_stages - 1 - rank]
+        self.models = [self.stage_model(args, s, layers) for s in self.ids]
+        if rank == 0 and args.tie_embeddings:  # stages 0 and 2pp-1 on rank 0: one tied Parameter
+            self.models[1].output.weight = self.models[0].tok_embeddings.weight
+        stages = [
+            PipelineStage(mod, s, n_stages, torch.device("cpu"), group=group) for s, mod in zip(self.ids, self.models)
+        ]
+        tokens = opts["batch"] * opts["seq"]
+        self.schedule = schedule_class(
+            stages, m, loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / tokens, scale_grads=False
+        )
+        params = list({id(p): p for mod in self.models for p in mod.parameters()}.values())
+        self.optimizer = build_optimizer([Piece(p, decays(p)) for p in params], **ADAMW)
+        self.rank = rank
+
+    @staticmethod
+    def stage_model(args, s: int, layers: list[range]):
+        model = build_model(args, seed=0)
+        for name in [k for k in model.layers if int(k) not in layers[s]]:
+            del model.layers[name]
+        if s > 0:
+            model.tok_embeddings = None
+        if s < len(layers) - 1:
+            model.norm, model.output = None, None
+        return model
+
+    def named_parameters(self):
+        return [(n, p) for mod in self.models for n, p in mod.named_parameters(remove_duplicate=False)]
+
+    def run(self, inputs, targets) -> float:
+        if self.rank != 0:  # the V: rank 0 holds the first and the last stage
+            self.schedule.step(return_outputs=False)
+            return 0.0
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        return float(sum(loss.detach() for loss in losses))
+
+    def zero_grad(self) -> None:
+        for mod in self.models:
+            mod.zero_grad()
+
+    def forward_backward(self, inputs, targets) -> float:
+        self.zero_grad()
+        return self.run(inputs, targets)
+
+    def step(self, inputs, targets) -> None:
+        self.zero_grad()
+        self.run(inputs, targets)
+        self.optimizer.step()
+
+
+def fivecut_named(side: Fivecut):
+    """Parameters by stage, each stage's own names (a tied Parameter under both of its names)."""
+    stages = side.par.pipeline.stages
+    return [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters(remove_duplicate=False)]
+
+
+# ---------------------------------------------------------------- part 3
+
+ZB_PAIRS = (("dualpipev", ScheduleDualPipeV), ("zb1p", ScheduleZBVZeroBubble))
+
+
+def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
+    m = opts["bubble_microbatches"]
+    inputs, targets = batch(args, opts)
+    micro = list(zip(inputs.chunk(m), targets.chunk(m)))
+    reference = Fivecut(args, mesh, opts, "dualpipev", m)
+    reference.forward_backward(micro)
+    named_ref = dict(fivecut_named(reference))
+    out = {}
+    for name, schedule_class in ZB_PAIRS:
+        ours = reference if name == "dualpipev" else Fivecut(args, mesh, opts, name, m)
+        theirs = TorchV(args, torch_group, opts, m, schedule_class)
+        theirs.forward_backward(inputs, targets)
+        named = dict(theirs.named_parameters())
+        if named.keys() != named_ref.keys():
+            raise AssertionError(f"{schedule_class.__name__}: parameters {sorted(named)} vs {sorted(named_ref)}")
+        ref, got = [named_ref[k].grad for k in named], [p.grad for p in named.values()]
+        diff, bitwise = max_rel_diff(ref, got), all(torch.equal(x, y) for x, y in zip(ref, got))
+        steps = {
+            f"fivecut {name}": lambda o=ours: o.step(micro),
+            f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
+        }
+        out[name] = dict(runs=interleave_pair(steps, opts, prefix=f"{name} "), grad_diff=diff, grad_bitwise=bitwise)
+    return out
+
+
+def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict[str, float]]:
+    m, tokens = opts["bubble_microbatches"], opts["batch"] * opts["seq"]
+    lines = [
+        f"### Zero-bubble schedules vs torch.distributed.pipelining: pp={PP}, {m} microbatches of "
+        f"{opts['batch'] // m} x {opts['seq']} tokens",
+        "",
+    ]
+    ratios = {}
+    for name, schedule_class in ZB_PAIRS:
+        runs = results[0]["zero_bubble"][name]["runs"]
+        a, b = list(runs)
+        cmp = compare(runs, a, b)
+        ratios[name] = cmp.ratio
+        per_rank = [r["zero_bubble"][name] for r in results]
+        same = (
+            "bitwise equal"
+            if all(r["grad_bitwise"] for r in per_rank)
+            else f"max rel diff {max(r['grad_diff'] for r in per_rank):.2e}"
+        )
+        rows = [[n, *timing_cells(runs[n], tokens)] for n in (a, b)]
+        rows.append([f"ratio {a} / {b}", *ratio_cells(runs, a, b), ""])
+        lines += [
+            f"{schedule_class.__name__}'s gradients after one step vs fivecut dualpipev's: {same} (both ranks; "
+            f"fivecut's equal the single device's, see tests/test_pipeline.py)",
+            "",
+            markdown_table(["", *TIMING_COLUMNS, "tokens/s (at median)"], rows),
+            "",
+            f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
+            "",
+        ]
+    return lines, ratios
 
 
 def batch(args, opts: dict):
@@ -332,31 +451,50 @@ _RECORD: list | None = None  # (kind, stage, microbatch, start, end) of each act
 _execute = executor.PipelineStep.execute
 
 
+_wait = executor.PipelineStep.wait
+_WAITED: list[float] = []  # the receive waits inside the running action
+
+
+def _timed_wait(self, posted, op):
+    start = time.perf_counter()
+    out = _wait(self, posted, op)
+    _WAITED.append(time.perf_counter() - start)
+    return out
+
+
 def _timed_execute(self, action):
+    if action.kind.startswith("RECV"):  # posted when `run` began, waited for inside the F or B (not timed)
+        return _execute(self, action)
+    _WAITED.clear()
     start = time.perf_counter()
     out = _execute(self, action)
+    end = time.perf_counter()
     if _RECORD is not None:
-        _RECORD.append((action.kind, action.stage, action.microbatch, start, time.perf_counter()))
+        waited = sum(_WAITED)
+        if _WAITED:  # the wait for the consumed message first, as that receive
+            kind = "RECV_F" if action.kind == "F" else "RECV_B"
+            _RECORD.append((kind, action.stage, action.microbatch, start, start + waited))
+        _RECORD.append((action.kind, action.stage, action.microbatch, start + waited, end))
     return out
 
 
 def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
     """Every schedule of `--schedules`, interleaved; per timed step this rank's (start, end, actions)."""
     global _RECORD
-    executor.PipelineStep.execute = _timed_execute
+    executor.PipelineStep.execute, executor.PipelineStep.wait = _timed_execute, _timed_wait
     m = opts["bubble_microbatches"]
     inputs, targets = batch(args, opts)
     micro = list(zip(inputs.chunk(m), targets.chunk(m)))
     sides = {name: Fivecut(args, mesh, opts, name, m) for name in opts["schedules"]}
     steps: dict[str, list] = {name: [] for name in sides}
     checks = {}
-    for name in [n for n in sides if n.endswith(PATCHED)]:  # the patched split computes the same gradients
-        base = sides.get(base_name(name)) or Fivecut(args, mesh, opts, base_name(name), m)
-        base.forward_backward(micro), sides[name].forward_backward(micro)
-        grads = [p.grad for _, p in sides[name].named_parameters()], [p.grad for _, p in base.named_parameters()]
-        checks[name] = (max_rel_diff(*grads), all(torch.equal(a, b) for a, b in zip(*grads)))
-        if checks[name][0] > GRAD_RTOL:
-            raise AssertionError(f"{name}: gradients differ from {base_name(name)}'s by {checks[name][0]:.3g}")
+    if "zb1p" in sides and "1f1b" in sides:  # same stages: the split backward computes 1F1B's gradients
+        base, split = sides["1f1b"], sides["zb1p"]
+        base.forward_backward(micro), split.forward_backward(micro)
+        grads = [p.grad for _, p in split.named_parameters()], [p.grad for _, p in base.named_parameters()]
+        checks["zb1p"] = (max_rel_diff(*grads), all(torch.equal(a, b) for a, b in zip(*grads)))
+        if checks["zb1p"][0] > GRAD_RTOL:
+            raise AssertionError(f"zb1p: gradients differ from 1f1b's by {checks['zb1p'][0]:.3g}")
 
     def one_step(side: Fivecut, record: bool):
         global _RECORD
@@ -382,7 +520,7 @@ def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
                 f"  schedules repeat {r + 1}/{opts['bubble_repeats']}  [{time.perf_counter() - started:.0f} s]",
                 flush=True,
             )
-    executor.PipelineStep.execute = _execute
+    executor.PipelineStep.execute, executor.PipelineStep.wait = _execute, _wait
     return {"steps": steps, "checks": checks}
 
 
@@ -413,8 +551,8 @@ def labelled(picture: str, label: str) -> str:
 
 def analyse(name: str, per_rank: list[list], m: int) -> dict:
     """Combine both ranks' records of one schedule: measured idle per rank vs the simulator."""
-    virtual, _ = LAYOUTS[base_name(name)]
-    schedule = build_schedule(base_name(name), PP, m, virtual)
+    virtual, _ = LAYOUTS[name]
+    schedule = build_schedule(name, PP, m, virtual)
     compute = {"F": [], "B": [], "W": []}
     by_stage: dict[tuple[str, int], list[float]] = {}
     idle, recv, send, outside = ([[] for _ in range(PP)] for _ in range(4))
@@ -469,6 +607,7 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
         latency=latency,
         latencies=len(latencies),
         makespan=median(makespans),
+        makespans=makespans,
         makespan_mean=statistics.fmean(makespans),
         idle=[statistics.fmean(x) for x in idle],  # means over steps, so that the parts add up
         recv=[statistics.fmean(x) for x in recv],
@@ -495,9 +634,11 @@ def rank_main(opts: dict) -> dict:
     args = get_preset(opts["model"])
     mesh = Mesh(ParallelDims(pp=PP, microbatches=PP), "cpu")
     torch_group = dist.new_group(list(range(PP)))  # torch's stages talk over their own group
-    out: dict = {"compare": [], "schedules": {}}
+    out: dict = {"compare": [], "schedules": {}, "zero_bubble": {}}
     if opts["compare"]:
         out["compare"] = [compare_1f1b(args, mesh, torch_group, opts, m) for m in opts["microbatches"]]
+    if opts["vs_torch_zb"]:
+        out["zero_bubble"] = compare_zero_bubble(args, mesh, torch_group, opts)
     if opts["bubbles"]:
         out["schedules"] = measure_schedules(args, mesh, opts)
     return out
@@ -553,8 +694,10 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
     analyses = [analyse(name, [p[name] for p in per_rank], m) for name in opts["schedules"]]
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     costs = []
+    base = next((a for a in analyses if a["name"] == "1f1b"), None)
     for a in analyses:
         c, sm = a["cost"], a["sim_makespan"]
+        paired = [x / y for x, y in zip(a["makespans"], base["makespans"])] if base else []
         costs.append(
             [
                 a["name"],
@@ -565,6 +708,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
                 f"{c['B'] / c['F']:.2f}" + (f" / {c['W'] / c['F']:.2f}" if "W" in c else ""),
                 f"{ms(a['send_cost'])} / {ms(a['latency'])}",
                 f"{ms(a['makespan_mean'])} / {ms(a['makespan'])}",
+                f"{median(paired):.3f}" if paired else "-",
                 ms(sm["mean"]),
                 ms(sm["stage"]),
                 ms(sm["comm"]),
@@ -580,6 +724,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
             "B/F (/ W/F)",
             "send / latency",
             "step measured (mean / median)",
+            "vs 1f1b (median of ratios)",
             "simulated: mean costs",
             "per-stage costs",
             "per-stage + comm",
@@ -658,9 +803,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
         "",
         *(
             [
-                "`*` = split backward with W from saved gradients (`SavedGradSplit`, --patched-split); "
-                "gradients after one "
-                "step vs the unpatched schedule: "
+                "Gradients after one step vs 1f1b's (the same stages): "
                 + "; ".join(
                     f"{n} {'bitwise equal' if eq else f'max rel diff {d:.2e}'}" for n, (d, eq) in checks.items()
                 ),
@@ -693,9 +836,15 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         more, ratio = compare_report(opts, results, i)
         lines += more
         ratios.append((opts["microbatches"][i], ratio))
+    zb_ratios = {}
+    if opts["vs_torch_zb"]:
+        more, zb_ratios = zero_bubble_report(opts, results)
+        lines += more
     if opts["bubbles"]:
         lines += bubble_report(opts, results)
     lines.append(f"wall time {elapsed:.0f} s")
+    for name, ratio in zb_ratios.items():
+        lines.append(f"ratio_{name}_vs_torch={ratio:.3f}")
     for m, ratio in ratios[1:]:
         lines.append(f"ratio_1f1b_m{m}={ratio:.3f}")
     if ratios:
@@ -712,21 +861,20 @@ def parse(argv=None) -> dict:
     p.add_argument("--bubble-steps", type=int, default=10, help="timed steps per schedule per repeat (part 2)")
     p.add_argument("--bubble-repeats", type=int, default=3)
     p.add_argument(
-        "--patched-split",
-        action="store_true",
-        help="also run zb1p and dualpipev with W computed from gradients saved in B (SavedGradSplit), marked *",
+        "--even-layers", action="store_true", help="part 2: n / stages layers per stage instead of fivecut's balance"
     )
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip part 1 (fivecut vs torch)")
+    p.add_argument(
+        "--vs-torch-zb", action="store_true", help="part 3: dualpipev / zb1p vs torch ScheduleDualPipeV / ZBVZeroBubble"
+    )
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
     opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
     opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
-    if opts["patched_split"]:
-        opts["schedules"] += [s + PATCHED for s in opts["schedules"] if s in ("zb1p", "dualpipev")]
-    unknown = [s for s in opts["schedules"] if base_name(s) not in LAYOUTS]
+    unknown = [s for s in opts["schedules"] if s not in LAYOUTS]
     if unknown:
         p.error(f"unknown schedules {unknown}; choose from {', '.join(LAYOUTS)}")
-    if get_preset(opts["model"]).n_layers % 4:
+    if opts["even_layers"] and get_preset(opts["model"]).n_layers % 4:
         p.error(f"model {opts['model']} has {get_preset(opts['model']).n_layers} layers; 4 stages need a multiple of 4")
     for m in opts["microbatches"] + [opts["bubble_microbatches"]]:
         if opts["batch"] % m:

@@ -1,22 +1,28 @@
 """Pipeline parallelism parity: every schedule's gradients and losses against the single
-process, on the real ranks, plus compositions with DP, ZeRO-1 and TP.
+process, on the real ranks, plus compositions with DP, ZeRO-1 and TP, and the split
+backward of the zero-bubble schedules (W from what B kept, `pipeline/wgrad.py`) with each.
 
 Tolerances (fp32): microbatches sum their token losses in a different order than one
-batch does, so gradients rtol 1e-5, atol 1e-7 and losses over steps rtol 1e-5.
+batch does, so gradients rtol 1e-5, atol 1e-7 and losses over steps rtol 1e-5. The
+single-process W test compares B + W with one autograd backward of the same layers:
+the same products in the same order, so rtol 1e-6.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
 from test_ddp import GRAD_TOL, assert_same_run, single_process_run, small_config
+from torch import nn
 
 from fivecut.launch import spawn
+from fivecut.parallel.pipeline.wgrad import DeferredLinear, WeightGrads, defer_weight_grads
 from fivecut.train.run import forward_backward, setup
 
-pytestmark = pytest.mark.multirank
+W_TOL = dict(rtol=1e-6, atol=1e-8)
 
 
 def step_gradients(cfg):
@@ -44,6 +50,7 @@ def single_process_gradients(cache_dir: str) -> dict[str, torch.Tensor]:
     return gradients(small_config(cache_dir), 1)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -65,6 +72,7 @@ def test_every_schedule_reproduces_single_process_gradients(schedule, byte_cache
         torch.testing.assert_close(pipelined[name], g, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "layout",
     [
@@ -80,6 +88,7 @@ def test_losses_over_steps(layout, byte_cache, tmp_path):
     assert_same_run(cfg, single_process_run(byte_cache), ",".join(layout))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ['"1f1b"', '"dualpipev"'])
 def test_tied_embeddings_across_or_on_one_rank(schedule, tmp_path, byte_cache):
     """GPT-2 vocabulary, tied embedding: 1F1B keeps a copy on each end (gradients summed over the
@@ -102,3 +111,117 @@ def test_tied_embeddings_across_or_on_one_rank(schedule, tmp_path, byte_cache):
     )
     assert min(reference[1]) > 0.5  # the clip is active at every step
     assert_same_run(cfg, reference, schedule)
+
+
+# ---------------------------------------------------------------- the split backward (B, then W)
+
+
+def two_layers(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 4), nn.LayerNorm(4))
+
+
+def test_w_computes_what_b_deferred_and_fires_the_hooks_then():
+    """B gives the input's gradient and the gradients of what is not a linear weight (the
+    LayerNorm, a bias); the linear weights get theirs at W only, with their post-accumulate
+    hooks (the data cut's signal) firing then, and equal to one plain backward's."""
+    plain, split, grads = two_layers(0), two_layers(0), WeightGrads()
+    assert defer_weight_grads(split, grads) == 2 and isinstance(split[0], DeferredLinear)
+    fired = Counter()
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=name: fired.update([n]))
+    x = torch.randn(3, 5, 8)
+    x_plain, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(x_plain).square().sum().backward()
+    with grads.collecting(stage=0, microbatch=0):  # B
+        split(x_split).square().sum().backward()
+    torch.testing.assert_close(x_split.grad, x_plain.grad, **W_TOL)
+    assert split[0].weight.grad is None and split[2].weight.grad is None
+    assert set(fired) == {"2.bias", "3.weight", "3.bias"}
+    grads.apply(stage=0, microbatch=0)  # W
+    assert fired["0.weight"] == fired["2.weight"] == 1 and not grads.pending
+    for (name, p), q in zip(split.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **W_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_backward_outside_b_computes_every_gradient():
+    """Outside a split B (a full backward), a `DeferredLinear` is an `nn.Linear`."""
+    plain, split = two_layers(1), two_layers(1)
+    defer_weight_grads(split, WeightGrads())
+    x = torch.randn(2, 8)
+    plain(x).sum().backward()
+    split(x).sum().backward()
+    for p, q in zip(split.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **W_TOL)
+
+
+SPLIT = ("parallel.pp=2", "parallel.microbatches=4")
+
+
+@pytest.mark.multirank
+def test_split_backward_with_data_parallel_gives_every_gradient(byte_cache, tmp_path):
+    """dualpipev with DDP over dp=2: each rank's gradients after the reduction, which starts
+    after the last W, are the single process's (every parameter, both dp ranks)."""
+    reference = single_process_gradients(byte_cache)
+    cfg = small_config(
+        byte_cache, *SPLIT, 'parallel.pp_schedule="dualpipev"', "parallel.dp=2", f'log.out_dir="{tmp_path}/p"'
+    )
+    results = spawn(step_gradients, 4, cfg)  # each rank: its stage's parameters
+    assert set().union(*(grads.keys() for grads in results)) == reference.keys()
+    for grads in results:
+        for name, g in grads.items():
+            torch.testing.assert_close(g, reference[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ('parallel.pp_schedule="zb1p"', "parallel.tp=2", "parallel.sp=true"),
+        ('parallel.pp_schedule="dualpipev"', "parallel.dp=2", "parallel.zero=1"),
+    ],
+)
+def test_split_backward_composes(layout, byte_cache, tmp_path):
+    cfg = small_config(byte_cache, *SPLIT, *layout, f'log.out_dir="{tmp_path}/p"')
+    assert_same_run(cfg, single_process_run(byte_cache), ",".join(layout))
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+def test_split_backward_with_expert_parallel(byte_cache, tmp_path):
+    """tiny-moe, zb1p over pp=2 with ep=2 (dp=2): the experts' gradients come in B, the
+    projections' and the router's in W."""
+    moe = ('model.preset="tiny-moe"',)
+    cfg = small_config(
+        byte_cache, *moe, *SPLIT, 'parallel.pp_schedule="zb1p"', "parallel.dp=2", "parallel.ep=2",
+        f'log.out_dir="{tmp_path}/p"',
+    )  # fmt: skip
+    assert_same_run(cfg, single_process_run(byte_cache, *moe), "tiny-moe zb1p ep=2")
+
+
+def ledger_and_gradients(cfg) -> tuple[dict, dict]:
+    """One step's ledger rows, (cut, op, phase) -> (calls, bytes), and gradients on this rank."""
+    ctx = setup(cfg)
+    ctx.par.sync.zero_grad()
+    ctx.mesh.ledger.begin_step(1)
+    forward_backward(ctx, 1)
+    rows = {(r.cut, r.op, r.phase): (r.calls, r.bytes) for r in ctx.mesh.ledger.rows()}
+    return rows, {name: p.grad.clone() for name, p in ctx.par.module.named_parameters()}
+
+
+@pytest.mark.multirank
+def test_split_backward_repeats_no_collective(byte_cache, tmp_path):
+    """tp=2, sp, pp=2: zb1p's ledger (every rank) holds exactly 1F1B's rows, calls and bytes
+    (with W as a second backward through the stage, TP's backward collectives ran twice), and
+    its gradients (TP shards, every rank) are 1F1B's."""
+    layout, out = (*SPLIT, "parallel.tp=2", "parallel.sp=true"), f'log.out_dir="{tmp_path}/p"'
+    runs = {
+        name: spawn(ledger_and_gradients, 4, small_config(byte_cache, *layout, f"parallel.pp_schedule={name}", out))
+        for name in ('"1f1b"', '"zb1p"')
+    }
+    assert any(cut == "tp" and phase == "backward" for cut, _, phase in runs['"1f1b"'][0][0])
+    for (rows, grads), (rows_1f1b, grads_1f1b) in zip(runs['"zb1p"'], runs['"1f1b"']):
+        assert rows == rows_1f1b
+        for name, g in grads_1f1b.items():
+            torch.testing.assert_close(grads[name], g, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,6 +1,8 @@
 """`parallelize`: apply the cuts to a single-device model, in one fixed order.
 
-    1. pipeline split      this rank's stages of the model (without a pipeline: one stage, the model)
+    1. pipeline split      this rank's stages of the model (without a pipeline: one stage, the model);
+                           a split-backward schedule (zb1p, dualpipev) defers the linear layers'
+                           weight gradients to W (`pipeline.wgrad`)
     then on each stage, in this order:
     2. EP                  experts over the ep group, and the MoE runtime (capacity, balancing, statistics)
     3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms)
@@ -45,6 +47,7 @@ from fivecut.parallel.expert import (
 )
 from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
 from fivecut.parallel.pipeline.split import cut_stage, stage_layers
+from fivecut.parallel.pipeline.wgrad import WeightGrads, defer_weight_grads
 from fivecut.parallel.placement import (
     Change,
     FlatSlot,
@@ -82,6 +85,7 @@ class Pipeline:
     stages: dict[int, nn.Module]
     ends: Group  # the first and the last pipeline rank (tied embeddings)
     tied: nn.Parameter | None  # this rank's copy of a tied embedding held on both ends
+    weight_grads: WeightGrads | None = None  # split backward: the weight gradients B defers to W
 
     def sum_tied_grads(self) -> None:
         if self.tied is not None and self.ends.size > 1 and self.tied.grad is not None:
@@ -160,6 +164,7 @@ def parallelize(
     `seq_len` balances the pipeline stages."""
     dims, args = mesh.dims, model.args
     schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
+    weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
     saved, runtimes = SavedActivations(), {}
     for stage in stages.values():
@@ -168,7 +173,7 @@ def parallelize(
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
-    pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params)
+    pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params, weight_grads)
     kinds = {params[name]: pl.kind(dims.tp, dims.ep, dims.zero) for name, pl in placements.items()}
     sync = data_parallel(module, mesh, kinds, bucket_mb, reduce_dtype)
     record_flat_slots(placements, params, sync.flat_slots())
@@ -202,6 +207,15 @@ def materialized(stage: nn.Module, seed: int, device) -> nn.Module:
         stage.to_empty(device=device)
         stage.init_weights(seed)
     return stage
+
+
+def split_backward(schedule: Schedule | None, stages: dict[int, nn.Module]) -> WeightGrads | None:
+    """Zero-bubble schedules: every linear layer of this rank's stages leaves its weight gradient to W."""
+    if schedule is None or not schedule.split_backward:
+        return None
+    grads = WeightGrads()
+    require("pipeline", [s for s in sorted(stages) if defer_weight_grads(stages[s], grads)], sorted(stages))
+    return grads
 
 
 def initial_records(stages: dict[int, nn.Module], schedule: Schedule | None) -> dict[str, Placement]:
@@ -285,7 +299,7 @@ def require(step: str, applied: list, expected: list) -> None:
 # ---------------------------------------------------------------- tying and the data cut
 
 
-def tie_pipeline_ends(schedule, stages, mesh: Mesh, placements, params) -> Pipeline | None:
+def tie_pipeline_ends(schedule, stages, mesh: Mesh, placements, params, weight_grads=None) -> Pipeline | None:
     """Tied embeddings: one Parameter when the first and the last stage share a rank; otherwise each
     end keeps a copy, gradients summed over `pp_ends` (its record says `ends`: it counts half in the norm)."""
     if schedule is None:
@@ -299,7 +313,7 @@ def tie_pipeline_ends(schedule, stages, mesh: Mesh, placements, params) -> Pipel
     if apart and "tok_embeddings.weight" in params and placements["tok_embeddings.weight"].aliases:
         placements["tok_embeddings.weight"] = dataclasses.replace(placements["tok_embeddings.weight"], ends=True)
         tied = params["tok_embeddings.weight"]
-    return Pipeline(schedule, stages, mesh.group("pp_ends"), tied)
+    return Pipeline(schedule, stages, mesh.group("pp_ends"), tied, weight_grads)
 
 
 def data_parallel(module: nn.Module, mesh: Mesh, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:

@@ -190,6 +190,7 @@ def pipeline_step(
         hidden_shape=(rows, seq // dims.cp // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
         positions=positions if positions is not None else torch.arange(seq, device=ctx.device),
         forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
+        weight_grads=ctx.par.pipeline.weight_grads,
     )
 
 

@@ -5,4 +5,5 @@ simulate.py   the same lists timed with per-action costs: timelines, bubble, in-
 draw.py       Gantt charts of simulated timelines
 split.py      balancing layers into stages, building a rank's stage modules
 executor.py   running a rank's action list with torch.distributed point-to-point
+wgrad.py      the zero-bubble split of backward: B keeps each linear layer's (x, dy), W computes dW
 """

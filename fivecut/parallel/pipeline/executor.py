@@ -1,20 +1,28 @@
 """Running a rank's schedule: the action list, executed with point-to-point messages.
 
 Shapes are known in advance (hidden states [b_mb, s (/t with SP), h]), so receives are
-posted into preallocated buffers. Sends are asynchronous (their completion is awaited at
-the end of the step); a receive blocks just before the action that consumes it, the
-execution model under which `schedule.check` proved the lists deadlock-free. Each message
-carries a tag derived from (direction, stage, microbatch), so messages between the same
-two ranks can never be confused.
+posted into preallocated buffers. Every message is asynchronous: all of a step's receives
+are posted when `run` starts (in the list's order, so between two ranks they are posted in
+the order the peer sends), each is waited for just before the F or B that consumes it, and
+the sends are awaited at the end of the step. `schedule.check` proves the lists
+deadlock-free under a stricter model (a receive blocks at its own place in the list, sends
+never block); waiting later, at the consumer, only lets a rank run further ahead and post
+its sends sooner, so the proof still holds. Each message carries a tag derived from
+(direction, stage, microbatch), so messages between the same two ranks can never be
+confused. (This relies on a transport that matches tagged messages out of order, as gloo
+does; one that matches in posting order, such as NCCL, would need the receives posted at
+their places in the list.)
 
 The loss is computed on the last stage as the sum of token losses divided by the token
 count of the global batch, so microbatches, stages and data-parallel ranks add up to the
-single-device loss and gradient. With a split backward (zero-bubble schedules), B computes
-the gradient of the stage's input only (keeping the graph) and W the weights' gradients.
+single-device loss and gradient. With a split backward (zero-bubble schedules), B is the
+stage's one backward with the linear layers' weight gradients left out, and W computes those
+from what B kept (`wgrad.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +31,7 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.parallel.pipeline.schedule import Action, Schedule
+from fivecut.parallel.pipeline.wgrad import WeightGrads
 
 
 @dataclass
@@ -31,6 +40,16 @@ class MicrobatchState:
     output: torch.Tensor | None = None  # hidden state sent on, or the loss on the last stage
     grad_output: torch.Tensor | None = None  # received from the next stage
     grad_input: torch.Tensor | None = None  # sent to the previous stage
+    arriving_input: Posted | None = None  # the posted receive of `input`
+    arriving_grad: Posted | None = None  # the posted receive of `grad_output`
+
+
+@dataclass
+class Posted:
+    """A receive in flight: its buffer fills when the works complete."""
+
+    buffer: torch.Tensor  # [b_mb, s_local, h]
+    works: list
 
 
 @dataclass
@@ -45,15 +64,31 @@ class PipelineStep:
     positions: torch.Tensor  # [s] positions of the full sequence (stages after the first get hidden states)
     forward_context: object  # (microbatch) -> context manager around each forward (saved tensors, autocast)
     dtype: torch.dtype = torch.float32
+    weight_grads: WeightGrads | None = None  # split backward: what B keeps for W (`parallelize` makes it)
     state: dict[tuple[int, int], MicrobatchState] = field(default_factory=dict)
     sends: list = field(default_factory=list)
+    posted: set[Action] = field(default_factory=set)  # the receives posted in this step
+
+    def __post_init__(self):
+        if self.schedule.split_backward and self.weight_grads is None:
+            raise ValueError(
+                f"{self.schedule.name} splits the backward: PipelineStep needs the stages' WeightGrads "
+                "(Parallelized.pipeline.weight_grads, from parallelize)"
+            )
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], denominator: int, ledger) -> torch.Tensor:
         """Execute every action of this rank; returns the sum of this rank's (last-stage) losses."""
-        self.state, self.sends = {}, []
+        self.state, self.sends, self.posted = {}, [], set()
         self.batches, self.denominator = batches, denominator
+        if self.weight_grads is not None:
+            self.weight_grads.clear()  # what a step that raised half-way may have left
         total = torch.zeros((), device=self.positions.device)
-        for action in self.schedule.actions[self.group.rank]:
+        actions = self.schedule.actions[self.group.rank]
+        for action in actions:  # every receive, as early as can be: nothing it needs is computed here
+            if action.kind.startswith("RECV"):
+                with ledger.phase("forward" if action.kind == "RECV_F" else "backward"):
+                    self.post(action)
+        for action in actions:
             phase = "forward" if action.kind in ("F", "SEND_F", "RECV_F") else "backward"
             with ledger.phase(phase):
                 loss = self.execute(action)
@@ -62,12 +97,14 @@ class PipelineStep:
         for work, _ in self.sends:
             comm.wait(work, "send", self.group)
         self.state, self.sends = {}, []  # the graphs were freed by backward; drop the boundary tensors
+        if self.weight_grads is not None and self.weight_grads.pending:
+            raise RuntimeError(f"W never ran for {sorted(self.weight_grads.pending)}")
         return total
 
     @torch.no_grad()
     def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]], denominator: int) -> torch.Tensor:
         """Evaluation: every microbatch through the stages in order (no backward, nothing kept)."""
-        self.state, self.sends = {}, []
+        self.state, self.sends, self.posted = {}, [], set()
         self.batches, self.denominator = batches, denominator
         total = torch.zeros((), device=self.positions.device)
         mine = set(self.schedule.stages_of(self.group.rank))
@@ -101,10 +138,8 @@ class PipelineStep:
             self.send(mb.output.detach(), action.stage + 1, action, forward=True)
         elif action.kind == "SEND_B":
             self.send(mb.grad_input, action.stage - 1, action, forward=False)
-        elif action.kind == "RECV_F":
-            mb.input = self.receive(action.stage - 1, action, forward=True).requires_grad_()
-        elif action.kind == "RECV_B":
-            mb.grad_output = self.receive(action.stage + 1, action, forward=False)
+        elif action.kind.startswith("RECV"):
+            self.post(action)  # already posted when `run` began; `forward_only` posts here
         else:
             raise ValueError(f"unknown pipeline action {action}")
         return None
@@ -116,6 +151,9 @@ class PipelineStep:
         stage = self.stages[action.stage]
         if action.stage == 0:
             mb.input = inputs
+        if mb.arriving_input is not None:
+            mb.input = self.wait(mb.arriving_input, "recv").requires_grad_()
+            mb.arriving_input = None
         with self.forward_context(action.microbatch):
             out = stage(mb.input, positions=self.positions)
             if action.stage == self.schedule.n_stages - 1:
@@ -138,22 +176,23 @@ class PipelineStep:
             self.state.setdefault((action.stage - 1, action.microbatch), MicrobatchState()).grad_output = grad_input
 
     def backward(self, action: Action, mb: MicrobatchState) -> None:
+        """The stage's backward, once (the graph is freed). Split (zero-bubble): the linear layers'
+        weight gradients are kept for W (`wgrad`); the rest of the stage's gradients come now."""
+        if mb.arriving_grad is not None:
+            mb.grad_output = self.wait(mb.arriving_grad, "recv")
+            mb.arriving_grad = None
         grad = None if action.stage == self.schedule.n_stages - 1 else mb.grad_output
-        needs_input = action.stage > 0
-        if self.schedule.split_backward:  # B: the input's gradient only; W follows
-            if needs_input:
-                (mb.grad_input,) = torch.autograd.grad(mb.output, [mb.input], grad, retain_graph=True)
-                self.hand_back(action, mb.grad_input)
-            return
-        torch.autograd.backward(mb.output, grad)
-        if needs_input:
+        split = self.schedule.split_backward
+        with self.weight_grads.collecting(action.stage, action.microbatch) if split else contextlib.nullcontext():
+            torch.autograd.backward(mb.output, grad)
+        mb.output = None
+        if action.stage > 0:
             mb.grad_input = mb.input.grad
             self.hand_back(action, mb.grad_input)
 
     def weight_grad(self, action: Action, mb: MicrobatchState) -> None:
-        grad = None if action.stage == self.schedule.n_stages - 1 else mb.grad_output
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        torch.autograd.backward(mb.output, grad, inputs=params)
+        """W: the deferred dW = dy^T x of the stage's linear layers for this microbatch."""
+        self.weight_grads.apply(action.stage, action.microbatch)
 
     # ------------------------------------------------------------ messages
 
@@ -168,11 +207,25 @@ class PipelineStep:
         works = comm.batch_send_recv([(tensor, peer)], [], self.group, tag=self.tag(action, forward, boundary))
         self.sends += [(work, tensor) for work in works]  # the tensor stays alive until the send completes
 
-    def receive(self, from_stage: int, action: Action, forward: bool) -> torch.Tensor:
+    def post(self, action: Action) -> None:
+        """Post the receive `action` (once per step) into a fresh buffer; its consumer waits for it."""
+        if action in self.posted:
+            return
+        self.posted.add(action)
+        mb = self.state.setdefault((action.stage, action.microbatch), MicrobatchState())
+        forward = action.kind == "RECV_F"
+        from_stage = action.stage - 1 if forward else action.stage + 1
         boundary = min(action.stage, from_stage)
         peer = self.schedule.stage_rank[from_stage]
         buffer = torch.empty(self.hidden_shape, dtype=self.dtype, device=self.positions.device)
         works = comm.batch_send_recv([], [(buffer, peer)], self.group, tag=self.tag(action, forward, boundary))
-        for work in works:
-            comm.wait(work, "recv", self.group)
-        return buffer
+        if forward:
+            mb.arriving_input = Posted(buffer, works)
+        else:
+            mb.arriving_grad = Posted(buffer, works)
+
+    def wait(self, posted: Posted, op: str) -> torch.Tensor:
+        """Block until a posted receive has arrived (just before the action that consumes it)."""
+        for work in posted.works:
+            comm.wait(work, op, self.group)
+        return posted.buffer

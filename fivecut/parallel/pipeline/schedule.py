@@ -29,9 +29,10 @@ before the direction: `sF2.5` sends stage 2's output of microbatch 5 to stage 3,
 `rB2.5` receives it there.
 
 Memory: `peak_in_flight` counts microbatch-stages whose activations are held: from F
-until B (not split) or until W (split, since W still needs the saved inputs of the
-stage's layers). With several stages per rank (interleaved, DualPipeV) each stage is a
-fraction of a rank's layers, so the counts are in those smaller units.
+until B (not split) or until W (split: B frees the stage's graph, but W still needs each
+linear layer's input and output gradient, `wgrad.py`). With several stages per rank
+(interleaved, DualPipeV) each stage is a fraction of a rank's layers, so the counts are in
+those smaller units.
 """
 
 from __future__ import annotations

@@ -1,0 +1,146 @@
+"""The zero-bubble split of a stage's backward into B and W (Qi et al., "Zero Bubble Pipeline
+Parallelism"), done at the linear layers.
+
+For a linear layer y = x W^T the backward has two independent products:
+
+    B   dx = dy @ W             [..., in]    on the critical path: the previous stage waits for it
+    W   dW = dy^T @ x           [out, in]    no one waits for it: it fills the bubbles
+
+While a split-backward schedule runs, every `nn.Linear` of the stage (the attention and MLP
+projections, TP-cut or not, the head, the router) computes through `DeferredLinear`, whose
+backward returns dx and, when a `WeightGrads.collecting` block is open, keeps (W, x, dy) in
+that (stage, microbatch)'s record instead of computing dW. The executor's B is then one plain
+backward of the stage: every collective inside it (TP's all-reduces and re-gathers, CP's, EP's
+all-to-alls) runs exactly once, and the graph is freed. W pops the record and computes the
+deferred products; nothing is walked again.
+
+Parameters that are not the weight of an `nn.Linear` get their gradients in B, as in a full
+backward: norm weights, embeddings, the replicated kv projections of `ReplicatedKV` (their
+gradient passes through a tp all-reduce), and the experts of a MoE layer (`GroupedExperts`
+computes its grouped matmuls itself). All are cheap next to the projections, or would need
+their own collective in W.
+
+W accumulates with `torch.autograd.backward(weights, dWs)` on the leaves: autograd adds into
+`.grad` exactly as a full backward would (the data cut's flat bucket views stay in place) and
+the post-accumulate-grad hooks of DDP / ZeRO-1 fire. The pipeline runs under `no_sync`; the
+gradients are reduced after the schedule, i.e. after every microbatch's W.
+
+Mixed precision: under autocast the forward casts x and W to the autocast dtype; backward
+(which autocast does not cover) computes dx and dW in the dtype of dy and returns them in
+the dtypes of x and W.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Deferred:
+    """What one linear layer's weight gradient needs, kept by B for W."""
+
+    weight: nn.Parameter  # [out, in]
+    input: torch.Tensor  # x  [..., in]
+    grad_output: torch.Tensor  # dy [..., out]
+
+    def weight_grad(self) -> torch.Tensor:
+        """dW = dy^T @ x, over every token: [out, in], in the weight's dtype."""
+        dy = self.grad_output.reshape(-1, self.grad_output.shape[-1])  # [T, out]
+        x = self.input.reshape(-1, self.input.shape[-1]).to(dy.dtype)  # [T, in]
+        return (dy.t() @ x).to(self.weight.dtype)
+
+
+@dataclass
+class WeightGrads:
+    """The deferred weight gradients of this rank's stages, one record per (stage, microbatch)."""
+
+    pending: dict[tuple[int, int], list[Deferred]] = field(default_factory=dict)
+    current: list[Deferred] | None = None  # the record the running B appends to
+
+    @contextmanager
+    def collecting(self, stage: int, microbatch: int):
+        """B of (stage, microbatch): the linear layers' backward keeps (W, x, dy) here."""
+        if (stage, microbatch) in self.pending:
+            raise RuntimeError(f"B of stage {stage}, microbatch {microbatch} ran twice before its W")
+        self.current = self.pending[(stage, microbatch)] = []
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def apply(self, stage: int, microbatch: int) -> None:
+        """W of (stage, microbatch): every deferred dW, accumulated into `.grad` (hooks fire)."""
+        record = self.pending.pop((stage, microbatch))
+        grads: dict[nn.Parameter, torch.Tensor] = {}
+        for d in record:  # a weight used twice (tied) gets one summed gradient
+            dw = d.weight_grad()
+            grads[d.weight] = grads[d.weight] + dw if d.weight in grads else dw
+        if grads:
+            torch.autograd.backward(list(grads), list(grads.values()))
+
+    def clear(self) -> None:
+        """Drop what an interrupted step left (nothing is left after a complete one)."""
+        self.pending.clear()
+        self.current = None
+
+
+class _DeferredLinearFn(torch.autograd.Function):
+    """y = x W^T whose backward returns dx and leaves dW to W (when a record is open).
+
+    The weight is reached through its layer, not passed as an input: autograd then has no edge
+    to the weight, so B neither accumulates into its `.grad` nor fires its post-accumulate hooks
+    (which fire on an edge even when the returned gradient is None). It is held as the Parameter
+    itself, not saved: what comes back from the saved-tensor hooks (sequence parallelism's)
+    may be another Tensor object, into which W would accumulate in vain."""
+
+    @staticmethod
+    def forward(ctx, x, layer, grads):
+        ctx.grads, ctx.weight = grads, layer.weight  # the Parameter itself: W accumulates into it
+        ctx.save_for_backward(x)
+        return F.linear(x, layer.weight)  # [..., out]; autocast (if on) casts inside
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        dx = (dy @ weight.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None  # [..., in]
+        deferred = Deferred(weight, x, dy)
+        if ctx.grads.current is None:  # a backward outside a split B: accumulate dW now
+            torch.autograd.backward([weight], [deferred.weight_grad()])
+        else:
+            ctx.grads.current.append(deferred)
+        return dx, None, None
+
+
+class DeferredLinear(nn.Linear):
+    """An `nn.Linear` (same Parameters, same hooks' place) whose weight gradient W computes."""
+
+    def __init__(self, linear: nn.Linear, grads: WeightGrads):
+        nn.Module.__init__(self)  # no new weight: the layer's own Parameters move over
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.grads = grads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.requires_grad and self.weight.requires_grad and torch.is_grad_enabled()):
+            return F.linear(x, self.weight, self.bias)  # nothing to defer (or no edge to carry dW)
+        y = _DeferredLinearFn.apply(x, self, self.grads)
+        return y if self.bias is None else y + self.bias  # the bias's gradient (a sum) comes in B
+
+
+def defer_weight_grads(stage: nn.Module, grads: WeightGrads) -> int:
+    """Replace every `nn.Linear` of `stage` by a `DeferredLinear` on `grads`; returns how many."""
+    found = [
+        (parent, name, child)
+        for parent in stage.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and not isinstance(child, DeferredLinear)
+    ]
+    for parent, name, child in found:
+        setattr(parent, name, DeferredLinear(child, grads))
+    return len(found)
