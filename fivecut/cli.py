@@ -429,9 +429,11 @@ def layout_config(ns) -> Config:
 
 
 def reference_of(cfg: Config) -> Config:
-    """The single-process run `cfg` must reproduce (EPLB copies need ranks; they change no number)."""
+    """The single-process run `cfg` must reproduce (EPLB copies need ranks and recomputation keeps
+    less; neither changes a number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
+    ref.train = dataclasses.replace(ref.train, recompute="none", recompute_every=1)
     ref.moe = dataclasses.replace(
         ref.moe,
         eplb_slots=0,

@@ -16,6 +16,12 @@ the MLP term by what its router, dispatch, experts, combine and shared experts k
 figure for GPT (fp16, dropout, 4h GeLU MLP) is sbh(10 + 24/t + 5as/(ht)) with TP and
 sbh(34/t + 5as/(ht)) with TP+SP: the same split between what TP leaves replicated and
 what it cuts, which SP then cuts too.
+
+Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it picks:
+    full       only the block's input: 1 (/t with SP), the residual stream
+    selective  no log-sum-exps (the attention core keeps only q, k, v, which it saved
+               anyway; under Ulysses no second copy of the output); MLP 2F/(h t): w1 out
+               and w3 out, the product recomputed (routed and shared experts: 2H per row, not 4H)
 """
 
 from __future__ import annotations
@@ -30,28 +36,34 @@ def activation_bytes_per_layer(
     itemsize: int = 4,
     moe_rows: tuple[int, int] | None = None,
     cp: int = 1,
+    recompute: str = "none",
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
     dispatch makes it a MoE block (see `moe_bytes`). Ulysses (cp > 1) keeps the same bytes per
     token, except that kv heads too few to split over cp are repeated to one per query head, and
     the attention output is kept twice: by the core ([b, H/cp, s, hd]) and, back in sequence
-    chunks, by the output projection."""
+    chunks, by the output projection. `recompute`: the block's mode ("none" for a block that
+    `recompute_every` leaves out)."""
     h, hd = args.dim, args.head_dim
+    if recompute == "full":
+        return itemsize * batch * seq * h / (tp if sp else 1)
+    plain = recompute == "none"
+    swiglu = 4 if plain else 2  # tensors of [tokens, hidden] a SwiGLU keeps
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if cp > 1 and kv_heads_per_rank % cp:
         kv_heads_per_rank = args.n_heads // tp
     norms = 6 / (tp if sp else 1)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += 1 / tp - 1
-    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if cp > 1 else 0)
-    mlp = 4 * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
-    per_token = 2 / (tp if sp else 1) + args.n_heads / tp
+    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if cp > 1 and plain else 0)
+    mlp = swiglu * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
+    per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if plain else 0)
     dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
-    return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize)
+    return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu)
 
 
-def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4) -> float:
+def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
     (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
@@ -60,9 +72,10 @@ def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4) ->
         dispatch   N row indices (int64)
         experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates
         combine    T*k slot indices (int64), T*k*h results per slot, T*k weights
-        shared     4*T*H_shared (a SwiGLU on every token)"""
+        shared     4*T*H_shared (a SwiGLU on every token)
+    (`swiglu` = 2 under selective recomputation: two intermediates instead of four)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
-    floats = t * e + renormalize + received * (h + 4 * args.expert_dim) + t * k * h + t * k
-    floats += 4 * t * args.expert_dim * args.n_shared_experts
+    floats = t * e + renormalize + received * (h + swiglu * args.expert_dim) + t * k * h + t * k
+    floats += swiglu * t * args.expert_dim * args.n_shared_experts
     return itemsize * floats + 8 * (t * k + sent + t * k)
