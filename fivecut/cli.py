@@ -36,7 +36,7 @@ from fivecut.ledger import format_rows
 from fivecut.model.presets import SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
-from fivecut.plan.activations import activation_bytes_per_layer
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
@@ -618,27 +618,34 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         )
         return
     last, moe = measured[layer], args.moe_layer(int(layer))
-    if dims.cp > 1 and dims.cp_mode == "ring":  # autograd keeps every K/V block and per-block softmax
+    mode = layer_mode(int(layer), t.recompute, t.recompute_every)  # full: the block keeps its input, whatever is in it
+    if (
+        dims.cp > 1 and dims.cp_mode == "ring" and mode != "full"
+    ):  # autograd keeps every K/V block and per-block softmax
         print(
             f"\nactivations saved for backward by layer {layer} (ring attention, b={rows}, s={seq}): "
             f"{format_bytes(last)} "
             f"({last:,} B); the closed form does not cover ring attention's blocks"
         )
         return
-    if moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
+    if (
+        moe
+        and mode != "full"
+        and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0)
+    ):
         print(
             f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
             f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss"
         )
         return
     predicted = activation_bytes_per_layer(
-        args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp
+        args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp, recompute=mode
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
     print(
         f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, "
-        f"cp={dims.cp}):"
+        f"cp={dims.cp}, recompute={mode}):"
     )
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:

@@ -23,8 +23,7 @@ from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import parallelize
 from fivecut.parallel.placement import gather_full
-from fivecut.parallel.recompute import recomputed
-from fivecut.plan.activations import activation_bytes_per_layer
+from fivecut.plan.activations import activation_bytes_per_layer, recomputed
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -129,8 +128,8 @@ def test_recomputed_moe_counts_each_token_once(byte_cache, tmp_path):
 
 SWEEP = [
     ("parallel.dp=2", "parallel.zero=3"),
-    ("parallel.pp=2", 'parallel.pp_schedule="1f1b"'),
-    ("parallel.pp=2", 'parallel.pp_schedule="zb1p"'),
+    ("parallel.pp=2", "parallel.microbatches=2", 'parallel.pp_schedule="1f1b"'),
+    ("parallel.pp=2", "parallel.microbatches=2", 'parallel.pp_schedule="zb1p"'),
     ("parallel.cp=2", 'parallel.cp_mode="ring"'),
     ("parallel.cp=2", 'parallel.cp_mode="ulysses"'),
     ("parallel.tp=2", "parallel.sp=true"),

@@ -32,13 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fivecut.model.transformer import Attention, CausalSDPA, FeedForward, MoE
 from fivecut.parallel.saved import SavedActivations
-
-MODES = ("none", "full", "selective")
-
-
-def recomputed(layer_id: int, every: int) -> bool:
-    """The rule: block `layer_id` (its id in the whole model) is recomputed when id % every == 0."""
-    return layer_id % every == 0
+from fivecut.plan.activations import recomputed
 
 
 def apply_recompute(stage: nn.Module, mode: str, every: int, saved: SavedActivations) -> tuple[list[str], list[str]]:

@@ -27,6 +27,17 @@ Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it
 from __future__ import annotations
 
 
+def recomputed(layer_id: int, every: int) -> bool:
+    """Recomputation's rule (`train.recompute_every`): block `layer_id`, its id in the whole model,
+    is recomputed when id % every == 0 (every=1: all; 2: blocks 0, 2, 4, ...)."""
+    return layer_id % every == 0
+
+
+def layer_mode(layer_id: int, recompute: str, every: int) -> str:
+    """The recomputation mode block `layer_id` runs in."""
+    return recompute if recomputed(layer_id, every) else "none"
+
+
 def activation_bytes_per_layer(
     args,
     batch: int,
