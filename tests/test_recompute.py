@@ -23,7 +23,7 @@ from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import parallelize
 from fivecut.parallel.placement import gather_full
-from fivecut.plan.activations import activation_bytes_per_layer, recomputed
+from fivecut.plan.activations import activation_bytes_per_layer, recomputed, stage_activation_bytes
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -80,6 +80,20 @@ def test_every_kth_block_counts_model_layer_ids():
     assert [recomputed(i, 2) for i in range(4)] == [True, False, True, False]
     assert kept["2"] == 4 * b * s * args.dim
     assert kept["3"] == activation_bytes_per_layer(args, b, s, 1, False)  # the old formula
+
+
+def test_planner_memory_follows_the_mode():
+    """Full recomputation keeps the block inputs and adds one block's activations in backward."""
+    args = get_preset("small")
+    none, full, half = (
+        stage_activation_bytes(args, range(args.n_layers), 4, 512, recompute=mode, every=every)
+        for mode, every in (("none", 1), ("full", 1), ("full", 2))
+    )
+    one = activation_bytes_per_layer(args, 4, 512, 1, False)
+    assert none == {"kept": args.n_layers * one, "transient": 0.0, "peak": args.n_layers * one}
+    assert full["kept"] == args.n_layers * 4 * 4 * 512 * args.dim
+    assert full["transient"] == one - 4 * 4 * 512 * args.dim
+    assert full["peak"] < half["peak"] < none["peak"]
 
 
 @pytest.mark.multirank

@@ -90,3 +90,32 @@ def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, sw
     floats = t * e + renormalize + received * (h + swiglu * args.expert_dim) + t * k * h + t * k
     floats += swiglu * t * args.expert_dim * args.n_shared_experts
     return itemsize * floats + 8 * (t * k + sent + t * k)
+
+
+def stage_activation_bytes(
+    args,
+    layer_ids,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    itemsize: int = 4,
+    cp: int = 1,
+    recompute: str = "none",
+    every: int = 1,
+) -> dict[str, float]:
+    """The planner's activation memory of a rank holding blocks `layer_ids`, in a recompute mode:
+    `kept`, what its blocks keep for backward through one forward; `transient`, what backward
+    adds on top while it recomputes a block (the block's activations less what the mode kept
+    of them; one block at a time); `peak` = kept + transient. MoE blocks assume uniform
+    routing (this rank's T*k rows sent and received)."""
+
+    def block(i: int, mode: str) -> float:
+        rows = batch * seq // tp * args.top_k
+        moe = (rows, rows) if args.moe_layer(i) else None
+        return activation_bytes_per_layer(args, batch, seq, tp, sp, itemsize, moe, cp, mode)
+
+    modes = {i: layer_mode(i, recompute, every) for i in layer_ids}
+    kept = sum(block(i, mode) for i, mode in modes.items())
+    transient = max((block(i, "none") - block(i, mode) for i, mode in modes.items() if mode != "none"), default=0.0)
+    return {"kept": kept, "transient": transient, "peak": kept + transient}

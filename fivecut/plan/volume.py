@@ -146,8 +146,8 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     ring     c-1 passes of the K/V block forward and of its gradient backward, each sent and
              received (send and recv both count);
     MoE layers with capacity or the auxiliary loss also all-gather their slots per (sequence,
-    expert) over c. A fully recomputed block repeats its forward part (half of the layer's
-    volume, and the slot counts) in each backward pass: `forward_repeats`."""
+    expert) over c. A fully recomputed block repeats its forward part (`per_layer`, and the slot
+    counts) in each backward pass: `forward_repeats`."""
     dims, train = cfg.parallel, cfg.train
     c, hd = dims.cp, args.head_dim
     micro = dims.microbatches if dims.pp > 1 else 1
@@ -165,7 +165,7 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     per_micro = sum(
         L * per_layer * (1 + passes)
         + (moe * counts if counted else 0)
-        + forward_repeats(passes, full) * per_layer / 2
+        + forward_repeats(passes, full) * per_layer
         + (forward_repeats(passes, full_moe) * counts if counted else 0)
         for (L, _, _, passes, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg))
     )
