@@ -68,7 +68,7 @@ def rank_main(opts: dict) -> dict:
             logits = par.module(inputs)
         loss = par.loss_sum(logits, targets) / targets.numel()
         loss.backward()
-        return loss
+        return loss.detach()
 
     first = {m: (float(step(pars[m], measure=True)), dict(pars[m].saved.bytes_per_layer)) for m in MODES}
     grads = {m: [p.grad.clone() for p in pars[m].module.parameters()] for m in MODES}
