@@ -31,9 +31,11 @@ from common import (
     benchmark_parser,
     compare,
     format_bytes,
+    format_seconds,
     interleave,
     machine,
     markdown_table,
+    median,
     parse_options,
     ratio_cells,
     run,
@@ -76,9 +78,13 @@ def rank_main(opts: dict) -> dict:
         all(torch.equal(a, b) for a, b in zip(grads[m], grads["none"], strict=True)) for m in MODES
     )
     del grads
-    runs = interleave(
-        {m: (lambda par=pars[m]: step(par)) for m in MODES}, opts["steps"], opts["repeats"], opts["warmup"]
-    )
+
+    def progress(r: int, order: list[str], runs: dict) -> None:
+        medians = ", ".join(f"{m} {format_seconds(median(runs[m][-1]))}" for m in MODES)
+        print(f"  repeat {r + 1}/{opts['repeats']} ({' then '.join(order)}): {medians}", flush=True)
+
+    candidates = {m: (lambda par=pars[m]: step(par)) for m in MODES}
+    runs = interleave(candidates, opts["steps"], opts["repeats"], opts["warmup"], on_repeat=progress)
     return {"runs": runs, "kept": {m: first[m][1] for m in MODES}, "equal": equal, "args": args}
 
 
