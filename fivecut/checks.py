@@ -31,6 +31,7 @@ from fivecut.train.tokenizer import AUTO_TOKENIZER, TOKENIZERS
 
 DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")  # train.on_nonfinite
+RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (fivecut.parallel.recompute)
 RUN_FILES = ("metrics.jsonl", "config.json", "loss.png")  # what a training run leaves in log.out_dir
 
 
@@ -159,7 +160,7 @@ def train_problems(t) -> list[str]:
     out = not_finite("train", t, floats)
     if out:
         return out
-    out += at_least("train", t, ("steps", "global_batch", "seq_len", "accumulate"), 1)
+    out += at_least("train", t, ("steps", "global_batch", "seq_len", "accumulate", "recompute_every"), 1)
     out += at_least("train", t, ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "eval_every"), 0)
     out += schedule_of_lr_problems(t) + adam_problems(t)
     if t.eval_every > 0 and t.eval_batches < 1:
@@ -172,6 +173,8 @@ def train_problems(t) -> list[str]:
     for key in ("dtype", "reduce_dtype"):
         if getattr(t, key) not in DTYPES:
             out.append(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
+    if t.recompute not in RECOMPUTE_MODES:
+        out.append(f"train.recompute={t.recompute!r}; choose {', '.join(RECOMPUTE_MODES)}")
     return out + fault_problems(t)
 
 

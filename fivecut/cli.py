@@ -36,7 +36,7 @@ from fivecut.ledger import format_rows
 from fivecut.model.presets import SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
-from fivecut.plan.activations import activation_bytes_per_layer
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
@@ -429,9 +429,11 @@ def layout_config(ns) -> Config:
 
 
 def reference_of(cfg: Config) -> Config:
-    """The single-process run `cfg` must reproduce (EPLB copies need ranks; they change no number)."""
+    """The single-process run `cfg` must reproduce (EPLB copies need ranks and recomputation keeps
+    less; neither changes a number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
+    ref.train = dataclasses.replace(ref.train, recompute="none", recompute_every=1)
     ref.moe = dataclasses.replace(
         ref.moe,
         eplb_slots=0,
@@ -616,20 +618,33 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         )
         return
     last, moe = measured[layer], args.moe_layer(int(layer))
-    if moe and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0):
+    mode = layer_mode(int(layer), t.recompute, t.recompute_every)  # full: the block keeps its input, whatever is in it
+    if (
+        moe
+        and mode != "full"
+        and (moe_rows is None or cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0)
+    ):
         print(
             f"\nactivations saved for backward by layer {layer} (MoE, b={rows}, s={t.seq_len}): {format_bytes(last)} "
             f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss"
         )
         return
     predicted = activation_bytes_per_layer(
-        args, rows, seq, dims.tp, dims.sp, moe_rows=moe_rows if moe else None, cp=dims.cp, cp_mode=dims.cp_mode
+        args,
+        rows,
+        seq,
+        dims.tp,
+        dims.sp,
+        moe_rows=moe_rows if moe else None,
+        cp=dims.cp,
+        recompute=mode,
+        cp_mode=dims.cp_mode,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
     print(
         f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, "
-        f"cp={dims.cp}{', ring' if dims.cp > 1 and dims.cp_mode == 'ring' else ''}):"
+        f"cp={dims.cp}{', ring' if dims.cp > 1 and dims.cp_mode == 'ring' else ''}, recompute={mode}):"
     )
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:

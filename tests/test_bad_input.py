@@ -94,6 +94,9 @@ OPTIONS = [
     ('data.source=""', "data.source"),
     ('data.source="  "', "data.source"),
     ('log.sample_prompt=""', "log.sample_prompt"),
+    ('train.recompute="some"', "train.recompute"),
+    ("train.recompute=true", "train.recompute"),
+    ("train.recompute_every=0", "train.recompute_every"),
 ]
 
 

@@ -270,6 +270,8 @@ class ExpertParallelMoE:
         self.stats = self._zero_stats()
         self.first_rows: tuple[int, int] | None = None  # (sent, received) rows of the step's first forward
         self.recording = False  # whether the current forward is a training one (its loads are counted)
+        self.replaying = False  # a forward recomputed in backward (fivecut.parallel.recompute): not counted again
+        self.expert_fn = swiglu_expert  # one expert's SwiGLU (recomputation swaps in its selective form)
 
     def set_placement(self, placement: SlotMap) -> None:
         self.placement = placement
@@ -295,13 +297,14 @@ class ExpertParallelMoE:
         moe = self.moe
         sliced = self.tp.size > 1 and not self.sp
         x = comm.scatter_along(x, 1, self.tp) if sliced else x  # [b, s/tp, dim]: this tp rank's tokens
-        self.recording = torch.is_grad_enabled()  # training forward: count loads (not evaluation)
+        training = torch.is_grad_enabled()
+        self.recording = training and not self.replaying  # a first training forward counts loads
         b, s, dim = x.shape
         x_flat = x.reshape(b * s, dim)  # [T, dim]
         topk_idx, topk_weight, scores = moe.route(x_flat)  # [T, k], [T, k], [T, E]
-        keep, counts_full = self._capacity(topk_idx, b, s)
+        keep, counts_full = self._capacity(topk_idx, b, s, training)
         out = self._dispatch_combine(x_flat, topk_idx, topk_weight, keep)  # [T, dim]
-        if self.options.aux_loss_coef > 0 and self.recording:
+        if self.options.aux_loss_coef > 0 and training:
             aux = self._aux_loss(scores, counts_full, b, s)
             out = _AttachLoss.apply(out, aux)
         if moe.shared is not None:
@@ -325,9 +328,9 @@ class ExpertParallelMoE:
         """Ranks a sequence is cut over in this layer (tp slices within cp chunks)."""
         return self.tp.size * self.cp.size
 
-    def _capacity(self, topk_idx: torch.Tensor, b: int, s: int):
+    def _capacity(self, topk_idx: torch.Tensor, b: int, s: int, training: bool):
         """keep [T, k] (None when dropless) and the slots per (sequence, expert) of whole sequences."""
-        need_counts = self.options.capacity_factor is not None or (self.options.aux_loss_coef > 0 and self.recording)
+        need_counts = self.options.capacity_factor is not None or (self.options.aux_loss_coef > 0 and training)
         if not need_counts:
             return None, None
         parts = self._sequence_parts(sequence_counts(topk_idx, b, self.n_experts))  # [tp, b, E]
@@ -343,7 +346,8 @@ class ExpertParallelMoE:
     def _aux_loss(self, scores, counts_full, b: int, s: int) -> torch.Tensor:
         part = aux_loss_part(scores, counts_full, b, s * self.chunks, self.moe.top_k, self.moe.gate == "sigmoid")
         aux = part * (self.options.aux_loss_coef * self.aux_scale)
-        self.stats.aux += aux.detach()
+        if self.recording:
+            self.stats.aux += aux.detach()
         return aux
 
     def _count(self, topk_idx: torch.Tensor, keep: torch.Tensor | None) -> None:
@@ -409,7 +413,7 @@ class ExpertParallelMoE:
             rows = [blocks[s * p.slots + j] for s in range(p.ep)]
             if weights[j] is None:  # an empty slot receives nothing
                 continue
-            y = swiglu_expert(torch.cat(rows), *weights[j])
+            y = self.expert_fn(torch.cat(rows), *weights[j])
             for s, piece in enumerate(torch.split(y, [r.shape[0] for r in rows])):
                 blocks[s * p.slots + j] = piece
         return torch.cat(blocks)

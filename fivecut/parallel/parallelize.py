@@ -7,7 +7,8 @@
     2. EP                  experts over the ep group, and the MoE runtime (capacity, balancing, statistics)
     3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms)
     4. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
-    5. recomputation       activation recomputation: the slot is here, the step comes in a later version
+    5. recomputation       full or selective activation recomputation of every k-th block
+                           (fivecut.parallel.recompute), around what the cuts above put in a block
     then over all of this rank's stages:
     6. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
                            for most, `expert_dp` for experts, dp x cp x tp for the router and shared
@@ -57,6 +58,7 @@ from fivecut.parallel.placement import (
     logical_name,
     params_by_name,
 )
+from fivecut.parallel.recompute import apply_recompute
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
@@ -157,19 +159,25 @@ def parallelize(
     seq_len: int | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    recompute: str = "none",
+    recompute_every: int = 1,
 ) -> Parallelized:
     """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
     device (then this rank's part is materialized on `device` and initialized from `seed`).
     `moe` and `global_batch` (sequences per optimizer step) matter for MoE models only;
-    `seq_len` balances the pipeline stages."""
+    `seq_len` balances the pipeline stages; `recompute` ("none" | "full" | "selective") applies to
+    the blocks whose layer id is a multiple of `recompute_every`."""
     dims, args = mesh.dims, model.args
     schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
     saved, runtimes = SavedActivations(), {}
+    recompute_options = (recompute, recompute_every)
     for stage in stages.values():
         saved.track_layers(stage.layers)
-        for _step_name, step in stage_steps(mesh, saved, moe or MoEOptions(), global_batch, runtimes):
+        for _step_name, step in stage_steps(
+            mesh, saved, moe or MoEOptions(), global_batch, runtimes, recompute_options
+        ):
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
@@ -233,13 +241,16 @@ StepResult = dict[str, Change]  # parameter path in the stage -> what the step d
 Step = Callable[[nn.Module], StepResult]
 
 
-def stage_steps(mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict) -> list:
+def stage_steps(
+    mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict, recompute=("none", 1)
+) -> list:
     """The ordered cuts applied to each stage (see the module doc)."""
+    mode, every = recompute
     return [
         ("expert", lambda stage: expert_parallel(stage, mesh, moe, global_batch, runtimes)),
         ("tensor", lambda stage: tensor_parallel(stage, mesh, saved)),
         ("context", lambda stage: context_parallel(stage, mesh)),
-        ("recompute", recompute),
+        ("recompute", lambda stage: recompute_blocks(stage, saved, mode, every)),
     ]
 
 
@@ -286,8 +297,12 @@ def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
     return {}
 
 
-def recompute(stage: nn.Module) -> StepResult:
-    """Activation recomputation's place in the order; no layout asks for it in this version."""
+def recompute_blocks(stage: nn.Module, saved: SavedActivations, mode: str, every: int) -> StepResult:
+    """Full or selective recomputation of the stage's blocks with layer id % every == 0 (a stage
+    may hold none of them); no parameter changes."""
+    done, expected = apply_recompute(stage, mode, every, saved)
+    if expected:
+        require("recompute", done, expected)
     return {}
 
 
@@ -423,5 +438,15 @@ def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions |
     dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
     model = build_model(args, device="meta")
     return parallelize(
-        model, mesh, train.bucket_mb, dtype, moe, train.global_batch, train.seq_len, seed=seed, device=device
+        model,
+        mesh,
+        train.bucket_mb,
+        dtype,
+        moe,
+        train.global_batch,
+        train.seq_len,
+        seed=seed,
+        device=device,
+        recompute=train.recompute,
+        recompute_every=train.recompute_every,
     )

@@ -8,7 +8,9 @@ cannot be separate):
   all-gathers it again when it is first needed. Without this the gathered input would
   be saved whole and SP would not cut the activations inside the regions.
 * Measurement: when `measure()` is on, the bytes each transformer layer keeps are
-  counted (each storage once per layer; parameters are not activations).
+  counted (each storage once per layer; parameters are not activations). Inside a
+  checkpoint (activation recomputation) the checkpoint's own hook is the innermost one:
+  what it holds by closure, its inputs, is reported with `count_kept`.
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ class SavedActivations:
         self.bytes_per_layer: dict[str, int] = defaultdict(int)
         self._seen: set[int] = set()
         self.regathers = False  # set by sequence parallelism: some region keeps only its local slice
+        self._in_forward = False  # inside `forward()`: a recomputation in backward keeps nothing here
 
     def keep_local(self, full: torch.Tensor, local: torch.Tensor, dim: int, group: Group) -> None:
         """`full` was all-gathered from `local`: if backward needs it, keep `local` and gather again."""
+        if not self._in_forward:  # a forward recomputed in backward: its saved tensors are transient
+            return
         self._gathered[full.untyped_storage().data_ptr()] = (full, Regathered(local, dim, group))
 
     def track_layers(self, layers: nn.ModuleDict) -> None:
@@ -89,11 +94,20 @@ class SavedActivations:
         if not self.regathers:
             yield
             return
+        self._in_forward = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             try:
                 yield
             finally:
                 self._gathered.clear()
+                self._in_forward = False
+
+    def count_kept(self, *tensors: torch.Tensor) -> None:
+        """Tensors a checkpoint keeps for backward by closure (its hook hides them from `_pack`)."""
+        if self._measuring and self._layer is not None:
+            for t in tensors:
+                if not _is_parameter(t):
+                    self._count(t)
 
     def _pack(self, t: torch.Tensor):
         kept = self._stand_in(t)

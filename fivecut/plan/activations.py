@@ -16,9 +16,26 @@ the MLP term by what its router, dispatch, experts, combine and shared experts k
 figure for GPT (fp16, dropout, 4h GeLU MLP) is sbh(10 + 24/t + 5as/(ht)) with TP and
 sbh(34/t + 5as/(ht)) with TP+SP: the same split between what TP leaves replicated and
 what it cuts, which SP then cuts too.
+
+Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it picks:
+    full       only the block's input: 1 (/t with SP), the residual stream
+    selective  no log-sum-exps (the attention core keeps only q, k, v, which it saved
+               anyway; under Ulysses no second copy of the output); MLP 2F/(h t): w1 out
+               and w3 out, the product recomputed (routed and shared experts: 2H per row, not 4H)
 """
 
 from __future__ import annotations
+
+
+def recomputed(layer_id: int, every: int) -> bool:
+    """Recomputation's rule (`train.recompute_every`): block `layer_id`, its id in the whole model,
+    is recomputed when id % every == 0 (every=1: all; 2: blocks 0, 2, 4, ...)."""
+    return layer_id % every == 0
+
+
+def layer_mode(layer_id: int, recompute: str, every: int) -> str:
+    """The recomputation mode block `layer_id` runs in."""
+    return recompute if recomputed(layer_id, every) else "none"
 
 
 def activation_bytes_per_layer(
@@ -30,6 +47,7 @@ def activation_bytes_per_layer(
     itemsize: int = 4,
     moe_rows: tuple[int, int] | None = None,
     cp: int = 1,
+    recompute: str = "none",
     cp_mode: str = "ulysses",
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
@@ -39,24 +57,32 @@ def activation_bytes_per_layer(
     the attention output is kept twice: by the core ([b, H/cp, s, hd]) and, back in sequence
     chunks, by the output projection. Ring attention keeps exactly what one device keeps for
     its chunk: q, k, v, the output and the log-sum-exp of its own tokens (the K/V blocks of
-    the other ranks are passed round again in backward, not kept)."""
-    if cp_mode == "ring":
+    the other ranks are passed round again in backward, not kept); selective recomputation
+    leaves the ring's core as it is (recomputing it would repeat its passes to save only the
+    log-sum-exps). `recompute`: the block's mode ("none" for a block that `recompute_every`
+    leaves out)."""
+    ring = cp > 1 and cp_mode == "ring"
+    if ring:
         cp = 1
     h, hd = args.dim, args.head_dim
+    if recompute == "full":
+        return itemsize * batch * seq * h / (tp if sp else 1)
+    plain = recompute == "none"
+    swiglu = 4 if plain else 2  # tensors of [tokens, hidden] a SwiGLU keeps
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if cp > 1 and kv_heads_per_rank % cp:
         kv_heads_per_rank = args.n_heads // tp
     norms = 6 / (tp if sp else 1)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += 1 / tp - 1
-    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if cp > 1 else 0)
-    mlp = 4 * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
-    per_token = 2 / (tp if sp else 1) + args.n_heads / tp
+    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if cp > 1 and plain else 0)
+    mlp = swiglu * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
+    per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if plain or ring else 0)  # rstd; lse unless recomputed
     dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
-    return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize)
+    return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu)
 
 
-def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4) -> float:
+def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
     (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
@@ -65,9 +91,39 @@ def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4) ->
         dispatch   N row indices (int64)
         experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates
         combine    T*k slot indices (int64), T*k*h results per slot, T*k weights
-        shared     4*T*H_shared (a SwiGLU on every token)"""
+        shared     4*T*H_shared (a SwiGLU on every token)
+    (`swiglu` = 2 under selective recomputation: two intermediates instead of four)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
-    floats = t * e + renormalize + received * (h + 4 * args.expert_dim) + t * k * h + t * k
-    floats += 4 * t * args.expert_dim * args.n_shared_experts
+    floats = t * e + renormalize + received * (h + swiglu * args.expert_dim) + t * k * h + t * k
+    floats += swiglu * t * args.expert_dim * args.n_shared_experts
     return itemsize * floats + 8 * (t * k + sent + t * k)
+
+
+def stage_activation_bytes(
+    args,
+    layer_ids,
+    batch: int,
+    seq: int,
+    tp: int = 1,
+    sp: bool = False,
+    itemsize: int = 4,
+    cp: int = 1,
+    recompute: str = "none",
+    every: int = 1,
+) -> dict[str, float]:
+    """The planner's activation memory of a rank holding blocks `layer_ids`, in a recompute mode:
+    `kept`, what its blocks keep for backward through one forward; `transient`, what backward
+    adds on top while it recomputes a block (the block's activations less what the mode kept
+    of them; one block at a time); `peak` = kept + transient. MoE blocks assume uniform
+    routing (this rank's T*k rows sent and received)."""
+
+    def block(i: int, mode: str) -> float:
+        rows = batch * seq // tp * args.top_k
+        moe = (rows, rows) if args.moe_layer(i) else None
+        return activation_bytes_per_layer(args, batch, seq, tp, sp, itemsize, moe, cp, mode)
+
+    modes = {i: layer_mode(i, recompute, every) for i in layer_ids}
+    kept = sum(block(i, mode) for i, mode in modes.items())
+    transient = max((block(i, "none") - block(i, mode) for i, mode in modes.items() if mode != "none"), default=0.0)
+    return {"kept": kept, "transient": transient, "peak": kept + transient}

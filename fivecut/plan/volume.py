@@ -14,6 +14,7 @@ from fivecut.parallel.parallelize import parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
 from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.parallel.placement import Placement
+from fivecut.plan.activations import layer_mode
 
 BYTES = {"fp32": 4, "bf16": 2}
 FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `fivecut ledger` runs
@@ -94,7 +95,12 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     without SP its input is sliced (backward: all-gather of E) and its output all-gathered
     (E); with capacity or the auxiliary loss, each chunk's slots per (sequence, expert) are
     all-gathered (t*b*E_experts int64).
-    Under pipeline parallelism the embedding and the head count only on the ranks holding them."""
+    Under pipeline parallelism the embedding and the head count only on the ranks holding them.
+    Full recomputation: each backward pass runs a recomputed block's forward again up to its last
+    saved tensor (non-reentrant checkpoints stop there, before the block's last g): one more
+    all-reduce of E without SP (the attention region's); with SP two all-gathers and one
+    reduce-scatter of E, but no regathers of the regions' inputs (the recomputation keeps them
+    whole): one E more; and again the slot counts of a MoE layer with capacity or the aux loss."""
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
@@ -106,7 +112,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     counts = (
         ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
     )
-    for L, emb, head, passes, moe in rank_stages(args, cfg):
+    for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
+        per_micro += full * (ag if dims.sp else ar) * FP32 * e + full_moe * counts
         loss = 3 * b * s * head
         kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
         regions = 2 * L - moe
@@ -114,13 +121,11 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         if dims.sp:
             forward = (emb + regions) + (regions + head)  # reduce-scatters, all-gathers
             backward = forward + (regions + head)  # their transposes, and the regathered inputs
-            per_micro += ag * FP32 * (forward + passes * backward) * e + ar * FP32 * (
-                loss + passes * ((2 * L + head) * h + kv)
-            )
+            per_micro += ag * FP32 * (forward + backward) * e + ar * FP32 * (loss + (2 * L + head) * h + kv)
         else:
-            per_micro += ar * FP32 * ((emb + regions) * e + loss + passes * ((regions + head) * e + kv))
-            per_micro += ag * FP32 * moe * (1 + passes) * e  # MoE output gathered; input's gradient gathered
-        calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}{' x2 backward' if passes == 2 else ''}")
+            per_micro += ar * FP32 * ((emb + regions) * e + loss + (regions + head) * e + kv)
+            per_micro += ag * FP32 * moe * 2 * e  # MoE output gathered; input's gradient gathered
+        calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
     total = train.accumulate * micro * per_micro + clip
     how = "SP: all-gather/reduce-scatter of E" if dims.sp else "all-reduce of E"
@@ -141,7 +146,8 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
              follows the block round the ring and one last pass takes it home); each sent and
              received (send and recv both count);
     MoE layers with capacity or the auxiliary loss also all-gather their slots per (sequence,
-    expert) over c."""
+    expert) over c. A fully recomputed block repeats its forward part (`forward`, and the slot
+    counts) in each backward pass: `forward_repeats`."""
     dims, train = cfg.parallel, cfg.train
     c, hd = dims.cp, args.head_dim
     micro = dims.microbatches if dims.pp > 1 else 1
@@ -158,8 +164,11 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
     per_micro = sum(
-        L * (forward + backward * passes) + (moe * counts if counted else 0)
-        for L, _, _, passes, moe in rank_stages(args, cfg)
+        L * (forward + backward)
+        + (moe * counts if counted else 0)
+        + full * forward
+        + (full_moe * counts if counted else 0)
+        for (L, _, _, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg))
     )
     what = (
         "c-1 K/V passes forward + c-1 K/V and c dK/dV backward"
@@ -172,14 +181,14 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     )
 
 
-def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, int]]:
-    """(blocks, embedding 0/1, head 0/1, backward passes, MoE blocks) of each stage on the rank at pipeline
-    position `pp_rank`. A split backward (zero-bubble schedules) runs the stage's backward twice,
-    B for the input's gradient and W for the weights' (autograd with inputs=weights), so its
-    backward collectives run twice -- except on the first stage, whose input needs no gradient."""
+def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int]]:
+    """(blocks, embedding 0/1, head 0/1, MoE blocks) of each stage on the rank at pipeline position
+    `pp_rank`. Every schedule runs a stage's backward once per microbatch: a split backward's W
+    computes the deferred weight gradients without walking the graph again (`pipeline.wgrad`),
+    so no collective of backward repeats."""
     dims = cfg.parallel
     if dims.pp == 1:
-        return [(args.n_layers, 1, 1, 1, args.n_moe_layers)]
+        return [(args.n_layers, 1, 1, args.n_moe_layers)]
     sched, layers = pipeline_plan(args, cfg)
     last = sched.n_stages - 1
     return [
@@ -187,11 +196,23 @@ def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int, i
             len(layers[s]),
             int(s == 0),
             int(s == last),
-            2 if sched.split_backward and s > 0 else 1,
             sum(args.moe_layer(i) for i in layers[s]),
         )
         for s in sched.stages_of(pp_rank)
     ]
+
+
+def recomputed_blocks(args, cfg, pp_rank: int = 0) -> list[tuple[int, int]]:
+    """(fully recomputed blocks, of which MoE) of each stage on the rank at `pp_rank`, in the order
+    of `rank_stages` (selective recomputation repeats no collective)."""
+    t = cfg.train
+    if cfg.parallel.pp == 1:
+        ids = [range(args.n_layers)]
+    else:
+        sched, layers = pipeline_plan(args, cfg)
+        ids = [layers[s] for s in sched.stages_of(pp_rank)]
+    full = [[i for i in stage if layer_mode(i, t.recompute, t.recompute_every) == "full"] for stage in ids]
+    return [(len(f), sum(args.moe_layer(i) for i in f)) for f in full]
 
 
 def pipeline_plan(args, cfg):
@@ -209,7 +230,9 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
     EPLB     copies of expert weights sent (forward) and their gradients returned (backward);
              experts moved to other ranks after the optimizer step (weights and Adam moments)
     per step: all-reduce of the load statistics (2E + 1 + ep x slots per MoE layer, fp32)
-    over dp x cp (x tp) and pp, and the clip norm over ep (without ZeRO)."""
+    over dp x cp (x tp) and pp, and the clip norm over ep (without ZeRO).
+    A fully recomputed layer runs its forward all-to-alls again (counts, dispatch, combine,
+    copies) in each backward pass; its rows are counted once in the statistics."""
     dims, train, moe = cfg.parallel, cfg.train, cfg.moe
     ep, e = dims.ep, args.n_experts
     slots = e // ep + moe.eplb_slots
@@ -218,10 +241,12 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
     volume = 0.0
     if ep > 1:
         expert_bytes = 3 * args.dim * args.expert_dim * FP32
-        volume += forwards * len(layers) * (ep - 1) * slots * 8
+        again = recomputed_moe_layers(args, cfg)
         for i in layers:
+            volume += forwards * (1 + (i in again)) * (ep - 1) * slots * 8
             sent, received, copies_out, copies_in = _routing_of(args, cfg, routing, i)
             volume += 2 * (sent + received) * args.dim * FP32 + (copies_out + copies_in) * expert_bytes
+            volume += (i in again) * ((sent + received) * args.dim * FP32 + copies_out * expert_bytes)
             volume += _moved_elements(routing, i) * FP32
     stats_n = dims.dp * dims.cp * dims.tp
     per_layer = 2 * e + 1 + ep * slots
@@ -236,6 +261,14 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
         f"{len(layers)} MoE layers x {forwards} forwards: counts + 2x(dispatch + combine) rows from {source}, "
         f"ep={ep} + load-statistics all-reduce",
     )
+
+
+def recomputed_moe_layers(args, cfg) -> set[int]:
+    """The MoE layers whose forward backward runs again (full recomputation)."""
+    t = cfg.train
+    return {
+        i for i in range(args.n_layers) if args.moe_layer(i) and layer_mode(i, t.recompute, t.recompute_every) == "full"
+    }
 
 
 def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, float, float, float]:
