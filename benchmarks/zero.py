@@ -2,6 +2,7 @@
 
     python benchmarks/zero.py [--model tiny|tiny-gpt2|small] [--world 2] [--steps 10] [--repeats 5]
                               [--batch 8] [--seq 128] [--bucket-mb 25] [--only zero3,zero0,zero12] [--profile]
+                              [--dtype fp32|bf16]
 
 Candidates, each built in every rank from the same seed (so with the same weights):
 
@@ -50,6 +51,14 @@ Memory, per rank (CPU, so no allocator statistics):
 The last two lines are `ratio_zero3_vs_fsdp2=<x>` and `ratio_zero0_vs_ddp=<x>` (each only when
 its pair runs).
 
+With `--dtype bf16` (the zero3 group only) both sides compute in bf16 from fp32 master shards:
+fivecut's ZeRO-3 as train.dtype = "bf16" builds it (parallelize(param_dtype=bf16): bf16 gathers,
+reduce-scatter in fp32), FSDP2 with `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`;
+both run forward and loss under bf16 autocast, as fivecut's trainer does, so the ops are the same.
+bf16 losses are not bit-exact across implementations (each rounds its gradients to bf16 before its
+own sums), so they must agree to BF16_LOSS_RTOL (2^-7, two bf16 roundings) instead of 1e-5. The
+report adds fivecut's all-gather bytes per element (2 under bf16, 4 under fp32) from its ledger.
+
 The default model is `tiny` (0.85M parameters): the defaults take about 75 s on the 2-core
 machine when it is quiet (7 candidates x 5 repeats x 12 steps of about 0.11 s), 2-4 min when
 it is shared. A step of `tiny-gpt2` takes about 0.85 s and one of `small` 3.5-4 s there
@@ -60,6 +69,7 @@ activations dominate memory (`--only zero3 --steps 4 --repeats 4`: about 100 s).
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -74,7 +84,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
@@ -127,6 +137,8 @@ ORDER = [Z3, FSDP2, Z0, DDP, Z1, ZRO, Z2]  # table order
 # expected model-state bytes per rank (fp32 parameters and gradients, two fp32 Adam moments)
 FORMULA = {Z3: "16Ψ/n", FSDP2: "16Ψ/n", Z0: "16Ψ", DDP: "16Ψ", Z1: "8Ψ + 8Ψ/n", ZRO: "8Ψ + 8Ψ/n", Z2: "4Ψ + 12Ψ/n"}
 LOSS_RTOL = 1e-5
+BF16_LOSS_RTOL = 2.0**-7  # --dtype bf16: see the module doc
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 CHECK_STEPS = 3  # losses before the first update, after one step, after two steps
 
 
@@ -140,9 +152,11 @@ class Candidate:
     loss_scale: float  # 1 when gradients are summed over ranks, world size when averaged
     state_bytes: Callable[[], dict[str, int]]
     ledger: object | None = None  # fivecut's communication ledger
+    autocast: Callable[[], object] = contextlib.nullcontext  # --dtype bf16: bf16 autocast
 
     def forward_backward(self, inputs, targets, global_tokens) -> torch.Tensor:
-        loss = token_loss_sum(self.module(inputs), targets) / global_tokens  # this rank's share
+        with self.autocast():
+            loss = token_loss_sum(self.module(inputs), targets) / global_tokens  # this rank's share
         (loss * self.loss_scale).backward()
         return loss.detach()
 
@@ -169,9 +183,13 @@ def adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
     return torch.optim.AdamW(adamw_groups(params), lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"])
 
 
-def build_fivecut(name: str, stage: int, args, world: int, bucket_mb: float) -> Candidate:
+def autocast_to(dtype) -> Callable[[], object]:
+    return contextlib.nullcontext if dtype is None else lambda: torch.autocast("cpu", dtype=dtype)
+
+
+def build_fivecut(name: str, stage: int, args, world: int, bucket_mb: float, dtype=None) -> Candidate:
     mesh = Mesh(ParallelDims(dp=world, zero=stage, reshard_after_forward=True), "cpu")
-    par = parallelize(build_model(args, seed=0), mesh, bucket_mb=bucket_mb)
+    par = parallelize(build_model(args, seed=0), mesh, bucket_mb=bucket_mb, param_dtype=dtype)
     optimizer = build_optimizer(par.pieces, **ADAMW)
 
     def zero_grad():
@@ -179,22 +197,24 @@ def build_fivecut(name: str, stage: int, args, world: int, bucket_mb: float) -> 
         par.sync.zero_grad()
 
     state = lambda: model_state_bytes(*par.state_tensors(), optimizer)  # noqa: E731
-    return Candidate(name, par.module, optimizer, zero_grad, par.sync.after_step, 1.0, state, mesh.ledger)
+    cast = autocast_to(dtype)
+    return Candidate(name, par.module, optimizer, zero_grad, par.sync.after_step, 1.0, state, mesh.ledger, cast)
 
 
-def build_fsdp2(args, world: int) -> Candidate:
+def build_fsdp2(args, world: int, dtype=None) -> Candidate:
     mesh = init_device_mesh("cpu", (world,))
     model = build_model(args, seed=0)
+    policy = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(dtype, torch.float32)  # param, reduce
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root unit: embedding, final norm, head
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root unit: embedding, final norm, head
     for module in model.modules():
         if isinstance(module, FSDPModule):  # sum gradients over ranks, as fivecut does
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     optimizer = adamw(list(model.parameters()))
     state = lambda: fsdp2_state_bytes(model, optimizer)  # noqa: E731
-    return Candidate(FSDP2, model, optimizer, optimizer.zero_grad, lambda: None, 1.0, state)
+    return Candidate(FSDP2, model, optimizer, optimizer.zero_grad, lambda: None, 1.0, state, None, autocast_to(dtype))
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -231,10 +251,10 @@ def build_ddp(args, world: int, bucket_mb: float, zero_redundancy: bool) -> Cand
     return Candidate(ZRO if zero_redundancy else DDP, ddp, optimizer, zero, lambda: None, float(world), state)
 
 
-def build_all(args, world: int, bucket_mb: float, names: list[str]) -> dict[str, Candidate]:
+def build_all(args, world: int, bucket_mb: float, names: list[str], dtype=None) -> dict[str, Candidate]:
     builders = {
-        Z3: lambda: build_fivecut(Z3, 3, args, world, bucket_mb),
-        FSDP2: lambda: build_fsdp2(args, world),
+        Z3: lambda: build_fivecut(Z3, 3, args, world, bucket_mb, dtype),
+        FSDP2: lambda: build_fsdp2(args, world, dtype),
         Z0: lambda: build_fivecut(Z0, 0, args, world, bucket_mb),
         DDP: lambda: build_ddp(args, world, bucket_mb, zero_redundancy=False),
         Z1: lambda: build_fivecut(Z1, 1, args, world, bucket_mb),
@@ -255,15 +275,15 @@ def global_loss(loss: torch.Tensor) -> float:
     return float(total)
 
 
-def check_same_work(candidates: dict[str, Candidate], batch) -> dict[str, list[float]]:
+def check_same_work(candidates: dict[str, Candidate], batch, rtol: float = LOSS_RTOL) -> dict[str, list[float]]:
     """Train every candidate CHECK_STEPS steps on the same batches; its global losses must match its
-    counterpart's (and the torch DDP reference's) to LOSS_RTOL."""
+    counterpart's (and the torch DDP reference's) to `rtol`."""
     losses = {name: [global_loss(c.step(*batch)) for _ in range(CHECK_STEPS)] for name, c in candidates.items()}
     reference = [(n, DDP) for n in candidates if n != DDP and DDP in candidates]
     for name, against in [*pairs(candidates).items(), *reference]:
         for step, (x, y) in enumerate(zip(losses[name], losses[against])):
-            if abs(x - y) > LOSS_RTOL * abs(y):
-                raise AssertionError(f"{name} vs {against}: loss {step} is {x!r} vs {y!r} (rel diff > {LOSS_RTOL})")
+            if abs(x - y) > rtol * abs(y):
+                raise AssertionError(f"{name} vs {against}: loss {step} is {x!r} vs {y!r} (rel diff > {rtol})")
     return losses
 
 
@@ -310,6 +330,7 @@ def measure_memory(candidates, batch, opts) -> dict[str, dict]:
             rss=rss,
             collectives=prof["collectives"],
             wire=c.ledger.wire_bytes() if c.ledger is not None else None,
+            gathers=gather_rows(c.ledger) if c.ledger is not None else None,
         )
         if opts["profile"] and dist.get_rank() == 0 and name in (Z3, FSDP2):
             print(f"--- {name}: one step, ops by self CPU time (rank 0)")
@@ -317,14 +338,21 @@ def measure_memory(candidates, batch, opts) -> dict[str, dict]:
     return out
 
 
+def gather_rows(ledger) -> tuple[int, int, float]:
+    """(elements, bytes, wire bytes) of one step's all-gathers in fivecut's ledger."""
+    rows = [r for r in ledger.rows() if r.op == "all_gather"]
+    return sum(r.elements for r in rows), sum(r.bytes for r in rows), sum(r.wire_bytes for r in rows)
+
+
 def rank_main(opts: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     args = get_preset(opts["model"])
-    candidates = build_all(args, world, opts["bucket_mb"], [n for key in opts["only"] for n in GROUPS[key]])
+    names = [n for key in opts["only"] for n in GROUPS[key]]
+    candidates = build_all(args, world, opts["bucket_mb"], names, DTYPES[opts["dtype"]])
     inputs, targets = token_batch(args.vocab_size, opts["batch"], opts["seq"], seed=1234 + rank)  # [b, s] each
     batch = (inputs, targets, world * opts["batch"] * opts["seq"])
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    losses = check_same_work(candidates, batch)
+    losses = check_same_work(candidates, batch, LOSS_RTOL if opts["dtype"] == "fp32" else BF16_LOSS_RTOL)
     runs = time_interleaved(candidates, batch, opts, rank)
     memory = measure_memory(candidates, batch, opts)
     return dict(
@@ -423,11 +451,13 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         f"model {opts['model']} ({psi / 1e6:.2f}M parameters = Ψ, {format_bytes(4 * psi)} in fp32), "
         f"{opts['world']} gloo ranks x 1 thread, "
         f"batch {opts['batch']} x {opts['seq']} tokens per rank, bucket {opts['bucket_mb']} MB, "
-        f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate",
+        f"{opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate, "
+        f"{opts['dtype']} compute from fp32 masters",
         f"machine: {before} before, {load_average()} after",
         "same work: global loss before/after 1/after 2 steps: "
         + "; ".join(f"{SHORT[n]} " + "/".join(f"{x:.6f}" for x in losses[n]) for n in names),
-        f"  largest relative difference from the counterpart: {worst_loss:.2e} (tolerance {LOSS_RTOL:.0e})",
+        f"  largest relative difference from the counterpart: {worst_loss:.2e} "
+        f"(tolerance {LOSS_RTOL if opts['dtype'] == 'fp32' else BF16_LOSS_RTOL:.1e})",
         "",
         timing,
         "",
@@ -438,6 +468,12 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
         f"ru_maxrss (monotonic, all candidates together): rank 0 {format_bytes(r0['maxrss'][0])} after building, "
         f"{format_bytes(r0['maxrss'][1])} at the end; wall time {elapsed:.0f} s",
     ]
+    if Z3 in names:
+        elements, nbytes, wire = r0["memory"][Z3]["gathers"]
+        lines.append(
+            f"fivecut ZeRO-3 all-gathers, one step (rank 0): {elements:,} elements, {nbytes / elements:.0f} B each, "
+            f"{format_bytes(wire)} on the wire"
+        )
     lines += [
         f"ratio_{key}={comparisons[a].ratio:.3f}"
         for a, key in ((Z3, "zero3_vs_fsdp2"), (Z0, "zero0_vs_ddp"))
@@ -458,12 +494,17 @@ def parse(argv=None) -> dict:
         help="comma-separated groups to run: zero3 (ZeRO-3, FSDP2), zero0 (ZeRO-0, DDP), zero12 (ZeRO-1/2, "
         "ZeroRedundancyOptimizer)",
     )
+    p.add_argument(
+        "--dtype", default="fp32", choices=list(DTYPES), help="bf16: compute on bf16 copies of fp32 masters (zero3)"
+    )
     p.add_argument("--profile", action="store_true", help="print rank 0's op table of one ZeRO-3 and one FSDP2 step")
     p.add_argument("--profile-rows", type=int, default=25)
     opts = parse_options(p, argv)
     unknown = [key for key in opts["only"] if key not in GROUPS]
     if unknown:
         p.error(f"--only: unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
+    if opts["dtype"] != "fp32" and opts["only"] != ["zero3"]:
+        p.error(f"--dtype {opts['dtype']}: only with --only zero3 (fivecut's ZeRO-0/1/2 autocast fp32 parameters)")
     return opts
 
 

@@ -491,7 +491,7 @@ def cmd_verify(ns) -> int:
     layout = cfg.parallel.settings()
     print(
         f"verify: {model_label(cfg.model)}, layout {layout} vs single process, {cfg.train.steps} steps, "
-        f"fp32 on {device} ({backend}); loss, gradient norm before clipping, validation loss at step "
+        f"{cfg.train.dtype} on {device} ({backend}); loss, gradient norm before clipping, validation loss at step "
         f"{cfg.train.eval_every}"
     )
     print(tolerance_line(cfg.train.steps, ns.rtol))

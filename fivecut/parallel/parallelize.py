@@ -161,12 +161,15 @@ def parallelize(
     device: torch.device | str = "cpu",
     recompute: str = "none",
     recompute_every: int = 1,
+    param_dtype: torch.dtype | None = None,
 ) -> Parallelized:
     """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
     device (then this rank's part is materialized on `device` and initialized from `seed`).
     `moe` and `global_batch` (sequences per optimizer step) matter for MoE models only;
     `seq_len` balances the pipeline stages; `recompute` ("none" | "full" | "selective") applies to
-    the blocks whose layer id is a multiple of `recompute_every`."""
+    the blocks whose layer id is a multiple of `recompute_every`. `param_dtype` (bf16 under
+    train.dtype = "bf16"): what ZeRO-3 gathers and computes in, from fp32 master shards; other
+    layouts keep fp32 parameters."""
     dims, args = mesh.dims, model.args
     schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
     weight_grads = split_backward(schedule, stages)
@@ -183,7 +186,7 @@ def parallelize(
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
     pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params, weight_grads)
     kinds = {params[name]: pl.kind(dims.tp, dims.ep, dims.zero) for name, pl in placements.items()}
-    sync = data_parallel(module, mesh, kinds, bucket_mb, reduce_dtype)
+    sync = data_parallel(module, mesh, kinds, bucket_mb, reduce_dtype, param_dtype)
     record_flat_slots(placements, params, sync.flat_slots())
     check_local_shapes(placements, params)
     experts = expert_balancer(args, mesh, moe or MoEOptions(), runtimes, module)
@@ -331,7 +334,9 @@ def tie_pipeline_ends(schedule, stages, mesh: Mesh, placements, params, weight_g
     return Pipeline(schedule, stages, mesh.group("pp_ends"), tied, weight_grads)
 
 
-def data_parallel(module: nn.Module, mesh: Mesh, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:
+def data_parallel(
+    module: nn.Module, mesh: Mesh, kinds: Kinds, bucket_mb: float, reduce_dtype, param_dtype=None
+) -> GradSync:
     """One gradient reduction per group that parameters are replicated on (see the module doc)."""
     by_group: dict[str, list[nn.Parameter]] = {}
     for p in unique_params(module):
@@ -340,7 +345,7 @@ def data_parallel(module: nn.Module, mesh: Mesh, kinds: Kinds, bucket_mb: float,
     if dims.zero == 3:  # units of modules, each part sharded over its own group
         others = {name: mesh.group(name) for name in by_group if name != "dp_cp"}
         return FullyShardedDataParallel(
-            module, mesh.group("dp_cp"), dims.reshard_after_forward, reduce_dtype, kinds, others
+            module, mesh.group("dp_cp"), dims.reshard_after_forward, reduce_dtype, kinds, others, param_dtype
         )
     syncs = [
         reduce_over(module, params, mesh, name, kinds, bucket_mb, reduce_dtype) for name, params in by_group.items()
@@ -436,6 +441,7 @@ def norm_groups(mesh: Mesh) -> list[Group]:
 def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
     """This rank's part of the model `args`, built from the seed, every cut of `mesh.dims` applied."""
     dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
+    param_dtype = torch.bfloat16 if train.dtype == "bf16" else None  # ZeRO-3's gathers; the rest autocasts
     model = build_model(args, device="meta")
     return parallelize(
         model,
@@ -449,4 +455,5 @@ def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions |
         device=device,
         recompute=train.recompute,
         recompute_every=train.recompute_every,
+        param_dtype=param_dtype,
     )

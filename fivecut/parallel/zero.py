@@ -38,6 +38,13 @@ backward reads the re-gathered values. (Pointing parameters at a fresh buffer pe
 would leave every forward buffer alive through autograd's saved views until backward.)
 At most one reduce-scatter is in flight: launching a unit's waits for the previous one,
 whose full-size gradient buffer the collective holds until then.
+
+Mixed precision (`param_dtype`, train.dtype = "bf16"; FSDP2's MixedPrecisionPolicy): the
+shards stay fp32 masters, which the optimizer updates; `full` is a bf16 buffer, and each
+gather casts the rank's shard to bf16 and all-gathers that, so the wire carries 2 bytes a
+parameter instead of 4 and forward and backward compute on bf16 parameters. Their gradients
+arrive in bf16; they are flattened into the reduce dtype (`reduce_dtype`, fp32 unless
+train.reduce_dtype = "bf16"), reduce-scattered, and added to the fp32 shard gradients.
 """
 
 from __future__ import annotations
@@ -74,9 +81,10 @@ class FlatShard:
         self.grad: torch.Tensor | None = None  # [size] this rank's reduced gradient
         self._pieces: list[tuple[_Span, Piece]] | None = None  # the optimizer's views, made once
 
-    def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-        """[padded] the tensors (parameters or gradients, in `params` order; None = zeros) end to end."""
-        flat = like.new_zeros(self.padded)
+    def flatten(self, tensors: list[torch.Tensor | None], like: torch.Tensor, dtype=None) -> torch.Tensor:
+        """[padded] the tensors (parameters or gradients, in `params` order; None = zeros) end to end,
+        on `like`'s device, in `dtype` (default `like`'s)."""
+        flat = like.new_zeros(self.padded, dtype=dtype)
         offset = 0
         for t, shape in zip(tensors, self.shapes):
             if t is not None:
@@ -287,8 +295,10 @@ class FullyShardedDataParallel:
         reduce_dtype=None,
         kinds: Kinds | None = None,
         other_groups: dict[str, Group] | None = None,
+        param_dtype: torch.dtype | None = None,
     ):
         self.model = model
+        self.param_dtype = param_dtype  # None: gather and compute in the masters' dtype
         self.kinds = kinds if kinds is not None else plain_kinds(list(model.parameters()))
         self.groups = {"dp_cp": group, **(other_groups or {})}
         self.reshard_after_forward = reshard_after_forward
@@ -308,17 +318,20 @@ class FullyShardedDataParallel:
         by_group: dict[str, list[nn.Parameter]] = {}
         for p in unique_params(modules):
             by_group.setdefault(self.kinds[p].reduce, []).append(p)
-        parts = [self._make_part(params, self.groups[name], self.kinds) for name, params in by_group.items()]
+        dtype = self.param_dtype
+        parts = [self._make_part(params, self.groups[group], self.kinds, dtype) for group, params in by_group.items()]
         unit = Unit(name, modules, parts)
         self._free(unit)
         return unit
 
     @staticmethod
-    def _make_part(params: list[nn.Parameter], group: Group, kinds: Kinds) -> UnitPart:
+    def _make_part(params: list[nn.Parameter], group: Group, kinds: Kinds, param_dtype) -> UnitPart:
         shard = FlatShard(params, group, kinds)
-        full = shard.flatten([p.detach() for p in shard.params], like=params[0])
-        shard.local = full[shard.lo : shard.lo + shard.size].clone()
+        full = shard.flatten([p.detach() for p in shard.params], like=params[0])  # [padded] masters' dtype
+        shard.local = full[shard.lo : shard.lo + shard.size].clone()  # [padded / n] the master shard
         shard.grad = torch.zeros_like(shard.local)
+        if param_dtype is not None:  # the compute copy: gathered (and used) in param_dtype
+            full = full.to(param_dtype)
         shard.point_params_into(full)  # once: the parameters stay views of `full`
         return UnitPart(shard, full)
 
@@ -363,6 +376,11 @@ class FullyShardedDataParallel:
     def shard_grads(self) -> list[torch.Tensor]:
         return [shard.grad for shard in self.shards]
 
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """What gradients are reduce-scattered in: `reduce_dtype`, else the master shards' dtype."""
+        return self.reduce_dtype or self.shards[0].local.dtype
+
     # ------------------------------------------------------------ gather / free
 
     def _prefetch(self, unit: Unit | None) -> None:
@@ -372,7 +390,8 @@ class FullyShardedDataParallel:
             part.full.untyped_storage().resize_(part.full.numel() * part.full.element_size())
             # autograd saved views of `full` in forward; refilling it in place is what backward must read
             with torch.autograd._unsafe_preserve_version_counter(part.full):
-                part.gather_work = comm.all_gather_into(part.full, part.shard.local, part.group, async_op=True)
+                mine = part.shard.local.to(part.full.dtype)  # [padded / n] cast before the wire (bf16: half the bytes)
+                part.gather_work = comm.all_gather_into(part.full, mine, part.group, async_op=True)
         unit.gathered = True
 
     def _gather(self, unit: Unit) -> None:
@@ -429,10 +448,10 @@ class FullyShardedDataParallel:
         self._reducing = unit
         for part in unit.parts:
             params = part.shard.params
-            flat = part.shard.flatten([p.grad for p in params], like=part.shard.local)
+            # [padded] in the reduce dtype (default: the masters', so bf16 gradients are upcast first)
+            wire = part.shard.flatten([p.grad for p in params], like=part.shard.local, dtype=self.wire_dtype)
             for p in params:
                 p.grad = None
-            wire = flat if self.reduce_dtype in (None, flat.dtype) else flat.to(self.reduce_dtype)
             part.reduce_out = wire.new_empty(part.shard.size)
             part.reduce_work = comm.reduce_scatter_into(part.reduce_out, wire, part.group, async_op=True)
         unit.reduced = True

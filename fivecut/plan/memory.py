@@ -5,6 +5,9 @@ DDP     4Psi     4Psi     8Psi               16Psi
 ZeRO-1  4Psi     4Psi     8Psi/n             8Psi + 8Psi/n
 ZeRO-2  4Psi     4Psi/n   8Psi/n             4Psi + 12Psi/n
 ZeRO-3  4Psi/n   4Psi/n   8Psi/n             16Psi/n   (+ the units gathered at the time)
+
+Under train.dtype = "bf16" the masters, gradient shards and moments stay fp32, so the table holds;
+only ZeRO-3's gathered units (freed between steps, not counted here) are bf16: 2 bytes a parameter.
 """
 
 from __future__ import annotations

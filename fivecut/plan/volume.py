@@ -18,7 +18,7 @@ from fivecut.plan.activations import layer_mode
 
 BYTES = {"fp32": 4, "bf16": 2}
 FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `fivecut ledger` runs
-PARAM_BYTES = FP32  # parameters are kept (and gathered) in fp32
+PARAM_BYTES = FP32  # parameters are kept in fp32 (ZeRO-1/2 gather them so); ZeRO-3 gathers in train.dtype
 
 
 def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, str]]:
@@ -354,11 +354,12 @@ def group_reduction_volume(cfg, records: list[Placement], n: int) -> tuple[float
             f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}",
         )
     gathers = 2 if dims.reshard_after_forward else 1
-    volume = acc * (gathers * ag * PARAM_BYTES * flat + rs * g * flat)
+    p = BYTES[train.dtype]  # the compute copy: bf16 from the fp32 masters under train.dtype = "bf16"
+    volume = acc * (gathers * ag * p * flat + rs * g * flat)
     return (
         volume,
-        f"{acc} x ({gathers} all-gathers + 1 reduce-scatter) of Phi'={flat:,} (Phi={phi:,} padded per unit) "
-        f"x (n-1)/n, n={n}",
+        f"{acc} x ({gathers} all-gathers at {p}B + 1 reduce-scatter at {g}B) of Phi'={flat:,} "
+        f"(Phi={phi:,} padded per unit) x (n-1)/n, n={n}",
     )
 
 

@@ -158,10 +158,11 @@ def state_table(par, optimizer: torch.optim.Optimizer) -> Table:
     """Every tensor of this rank's training state as chunks of global tensors, by checkpoint key.
     Where each parameter's values and optimizer state live is the data cut's answer (`GradSync.held`)."""
     table: Table = {}
+    master = par.pieces[0].tensor.dtype  # what the optimizer updates (fp32; ZeRO-3 may compute on a bf16 copy)
     for name, pl in par.placements.items():
         held = par.sync.held(par.params[name], 0, pl.local_numel())
         chunks = [c for flat, at in held.values for c in global_chunks(pl, flat, at)]
-        table[f"model.{name}"] = Entry(pl.shape, par.params[name].dtype, chunks)
+        table[f"model.{name}"] = Entry(pl.shape, master, chunks)
         for key in MOMENTS:
             moments = [(optimizer.state[t][key].view(-1)[a:b], at) for t, a, b, at in held.optimized]
             table[f"optim.{key}.{name}"] = Entry(
