@@ -429,9 +429,10 @@ def layout_config(ns) -> Config:
 
 
 def reference_of(cfg: Config) -> Config:
-    """The single-process run `cfg` must reproduce (EPLB copies need ranks; they change no number)."""
+    """The single-process run `cfg` must reproduce, eagerly (EPLB copies need ranks; they change no number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
+    ref.train = dataclasses.replace(ref.train, compile=False)  # the eager reference
     ref.moe = dataclasses.replace(
         ref.moe,
         eplb_slots=0,

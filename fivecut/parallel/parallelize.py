@@ -6,8 +6,10 @@
     3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms)
     4. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
     5. recomputation       activation recomputation: the slot is here, the step comes in a later version
+    6. compile             train.compile: torch.compile of the forward of each block as the steps above left it
+                           (`fivecut.parallel.compile`; graph breaks at the collectives, MoE feed-forwards eager)
     then over all of this rank's stages:
-    6. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
+    7. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
                            for most, `expert_dp` for experts, dp x cp x tp for the router and shared
                            experts under tp; DDP (zero=0) or ZeRO-1/2/3
 
@@ -33,6 +35,7 @@ from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
 from fivecut.model.transformer import Attention, build_model
+from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Held, Kinds, Piece
 from fivecut.parallel.expert import (
@@ -58,7 +61,7 @@ from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 
-STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "data")  # the order, as applied below
+STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data")  # the order, as applied below
 
 # parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
@@ -100,6 +103,7 @@ class Parallelized:
     params: dict[str, nn.Parameter]  # logical name -> this rank's tensor
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
     experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
+    compiled: CompileRecord | None = None  # train.compile: the blocks compiled, Dynamo's counts
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -153,18 +157,19 @@ def parallelize(
     seq_len: int | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    compile: bool = False,
 ) -> Parallelized:
     """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
     device (then this rank's part is materialized on `device` and initialized from `seed`).
     `moe` and `global_batch` (sequences per optimizer step) matter for MoE models only;
-    `seq_len` balances the pipeline stages."""
+    `seq_len` balances the pipeline stages; `compile` compiles each block (`fivecut.parallel.compile`)."""
     dims, args = mesh.dims, model.args
     schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
     placements = initial_records(stages, schedule)
-    saved, runtimes = SavedActivations(), {}
+    saved, runtimes, compiled = SavedActivations(), {}, start_record() if compile else None
     for stage in stages.values():
         saved.track_layers(stage.layers)
-        for _step_name, step in stage_steps(mesh, saved, moe or MoEOptions(), global_batch, runtimes):
+        for _step_name, step in stage_steps(mesh, saved, moe or MoEOptions(), global_batch, runtimes, compiled):
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
@@ -176,7 +181,7 @@ def parallelize(
     experts = expert_balancer(args, mesh, moe or MoEOptions(), runtimes, module)
     loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
     return Parallelized(
-        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts
+        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled
     )
 
 
@@ -213,19 +218,23 @@ def initial_records(stages: dict[int, nn.Module], schedule: Schedule | None) -> 
     return out
 
 
-# ---------------------------------------------------------------- 2-5. the cuts of each stage
+# ---------------------------------------------------------------- 2-6. the cuts of each stage
 
 StepResult = dict[str, Change]  # parameter path in the stage -> what the step did to it
 Step = Callable[[nn.Module], StepResult]
 
 
-def stage_steps(mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict) -> list:
-    """The ordered cuts applied to each stage (see the module doc)."""
+def stage_steps(
+    mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict, compiled=None
+) -> list:
+    """The ordered cuts applied to each stage (see the module doc); `compiled`: the record of
+    train.compile (None: no compilation)."""
     return [
         ("expert", lambda stage: expert_parallel(stage, mesh, moe, global_batch, runtimes)),
         ("tensor", lambda stage: tensor_parallel(stage, mesh, saved)),
         ("context", lambda stage: context_parallel(stage, mesh)),
         ("recompute", recompute),
+        ("compile", lambda stage: compile_stage(stage, compiled)),
     ]
 
 
@@ -274,6 +283,16 @@ def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
 
 def recompute(stage: nn.Module) -> StepResult:
     """Activation recomputation's place in the order; no layout asks for it in this version."""
+    return {}
+
+
+def compile_stage(stage: nn.Module, compiled: CompileRecord | None) -> StepResult:
+    """torch.compile of each block's forward (train.compile); no parameter changes."""
+    if compiled is None or not stage.layers:  # a pipeline stage may hold no block
+        return {}
+    done = len(compiled.blocks)
+    compile_blocks(stage, compiled)
+    require("compile", compiled.blocks[done:], [f"layers.{name}" for name in stage.layers])
     return {}
 
 
@@ -409,5 +428,14 @@ def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions |
     dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
     model = build_model(args, device="meta")
     return parallelize(
-        model, mesh, train.bucket_mb, dtype, moe, train.global_batch, train.seq_len, seed=seed, device=device
+        model,
+        mesh,
+        train.bucket_mb,
+        dtype,
+        moe,
+        train.global_batch,
+        train.seq_len,
+        seed=seed,
+        device=device,
+        compile=train.compile,
     )
