@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     ADAMW,
@@ -33,6 +34,7 @@ from benchmarks.common import (  # noqa: E402
     interleave,
     markdown_table,
     max_rel_diff,
+    median,
     parse_options,
     ratio_cells,
     run,
@@ -81,6 +83,23 @@ def first_step(side: Side) -> tuple[float, float, list[torch.Tensor]]:
     return seconds, float(loss), [p.grad.detach().clone() for p in side.par.module.parameters()]
 
 
+def progress(repeats: int):
+    """Rank 0 prints each repeat's medians as it ends (a loaded machine makes a run long)."""
+    started = time.perf_counter()
+
+    def line(r: int, order: list[str], runs: dict[str, list[list[float]]]) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        e, c = median(runs[EAGER][-1]), median(runs[COMPILED][-1])
+        print(
+            f"  repeat {r + 1}/{repeats} ({' then '.join(order)}): eager {format_seconds(e)}, compiled "
+            f"{format_seconds(c)}, ratio {format_ratio(c / e)}  [{time.perf_counter() - started:.0f} s]",
+            flush=True,
+        )
+
+    return line
+
+
 def rank_main(opts: dict) -> dict:
     torch.manual_seed(0)
     torch._inductor.config.fx_graph_cache = False  # a cold compile, as on a fresh machine: no on-disk
@@ -93,7 +112,8 @@ def rank_main(opts: dict) -> dict:
     loss_diff, grad_diff = abs(lc - le) / abs(le), max_rel_diff(gc, ge)
     if loss_diff > LOSS_RTOL or grad_diff > GRAD_RTOL:
         raise AssertionError(f"compiled and eager differ: loss {loss_diff:.3g}, gradients {grad_diff:.3g}")
-    runs = interleave({name: side.step for name, side in sides.items()}, opts["steps"], opts["repeats"], opts["warmup"])
+    steps = {name: side.step for name, side in sides.items()}
+    runs = interleave(steps, opts["steps"], opts["repeats"], opts["warmup"], on_repeat=progress(opts["repeats"]))
     counts = sides[COMPILED].par.compiled.counts()
     return {"runs": runs, "compile_s": tc - te, "loss_diff": loss_diff, "grad_diff": grad_diff, "counts": counts}
 
