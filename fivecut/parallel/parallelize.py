@@ -225,7 +225,12 @@ Step = Callable[[nn.Module], StepResult]
 
 
 def stage_steps(
-    mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict, compiled=None
+    mesh: Mesh,
+    saved: SavedActivations,
+    moe: MoEOptions,
+    global_batch: int,
+    runtimes: dict,
+    compiled: CompileRecord | None = None,
 ) -> list:
     """The ordered cuts applied to each stage (see the module doc); `compiled`: the record of
     train.compile (None: no compilation)."""
