@@ -14,7 +14,9 @@ the per-repeat ratios of median step times. The last line printed is `ratio_comp
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,8 +104,10 @@ def progress(repeats: int):
 
 def rank_main(opts: dict) -> dict:
     torch.manual_seed(0)
-    torch._inductor.config.fx_graph_cache = False  # a cold compile, as on a fresh machine: no on-disk
-    torch._functorch.config.enable_autograd_cache = False  # graph caches from earlier runs
+    # a cold compile, as on a fresh machine: no graph caches, and the kernels built into a new folder
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fivecut-inductor-")
     mesh = Mesh(ParallelDims(tp=opts["tp"], sp=opts["sp"] and opts["tp"] > 1), "cpu")
     inputs, targets = token_batch(get_preset(opts["model"]).vocab_size, opts["batch"], opts["seq"])
     sides = {name: Side(opts, mesh, name == COMPILED, inputs, targets) for name in (EAGER, COMPILED)}
