@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -114,7 +115,9 @@ def check_preset(name: str, key: str = "model.preset") -> None:
 
 
 def option_problems(cfg: Config) -> list[str]:
-    sections = train_problems(cfg.train) + data_problems(cfg) + log_problems(cfg.log)
+    sections = (
+        train_problems(cfg.train) + compile_problems(cfg.train.compile) + data_problems(cfg) + log_problems(cfg.log)
+    )
     return path_problems(cfg) + sections + checkpoint_problems(cfg.checkpoint)
 
 
@@ -204,6 +207,29 @@ def adam_problems(t) -> list[str]:
     out = [f"train.{k}={getattr(t, k)} must be in [0, 1)" for k in ("beta1", "beta2") if not 0 <= getattr(t, k) < 1]
     if not t.eps > 0:
         out.append(f"train.eps={t.eps} must be > 0 (it keeps Adam's division finite), e.g. 1e-8")
+    return out
+
+
+def compile_problems(compile: bool, path: str | None = None, dynamo_check=None) -> list[str]:
+    """train.compile where torch cannot compile: no C++ compiler on `path` (default $PATH) for the code
+    inductor writes (it looks for $CXX, else g++: torch._inductor.config.cpp.cxx), or a Python that
+    Dynamo does not run on. `dynamo_check` raises with Dynamo's reason (default: torch's own check;
+    torch is imported here, only when compile is asked for)."""
+    if not compile:
+        return []
+    out = []
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx, path=path) is None:
+        out.append(
+            f"train.compile=true needs a C++ compiler for inductor's code and {cxx!r} is not on PATH; "
+            "install g++ (or point CXX at a C++ compiler), or set train.compile=false"
+        )
+    if dynamo_check is None:
+        from torch._dynamo.eval_frame import check_if_dynamo_supported as dynamo_check
+    try:
+        dynamo_check()
+    except RuntimeError as err:
+        out.append(f"train.compile=true but torch.compile cannot run here: {err}; set train.compile=false")
     return out
 
 

@@ -429,11 +429,11 @@ def layout_config(ns) -> Config:
 
 
 def reference_of(cfg: Config) -> Config:
-    """The single-process run `cfg` must reproduce (EPLB copies need ranks and recomputation keeps
-    less; neither changes a number)."""
+    """The single-process run `cfg` must reproduce: eager, without recomputation or EPLB copies
+    (copies need ranks; none of the three changes a number)."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelDims()
-    ref.train = dataclasses.replace(ref.train, recompute="none", recompute_every=1)
+    ref.train = dataclasses.replace(ref.train, recompute="none", recompute_every=1, compile=False)
     ref.moe = dataclasses.replace(
         ref.moe,
         eplb_slots=0,

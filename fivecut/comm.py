@@ -96,6 +96,13 @@ def missing_ranks(group: Group, me: int) -> str:
 # ---------------------------------------------------------------- plain collectives
 
 
+def opaque(fn):
+    """A collective is opaque to torch.compile (train.compile): Dynamo ends its graph at the call and
+    runs it, and its ledger record, eagerly; a TP/CP/EP autograd Function around it runs eagerly too."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+@opaque
 def all_reduce(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce of `x`; returns the Work when `async_op`."""
     if group.size == 1:
@@ -104,6 +111,7 @@ def all_reduce(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
     return _run("all_reduce", group, dist.all_reduce, x, op=op, group=group.pg, async_op=async_op)
 
 
+@opaque
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: bool = False):
     """`out` [n * x.shape[0], ...] receives every rank's `x`, stacked along dim 0."""
     if group.size == 1:
@@ -113,6 +121,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, async_op: 
     return _run("all_gather", group, _all_gather_single, out, x, group=group.pg, async_op=async_op)
 
 
+@opaque
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """`out` [x.shape[0] / n, ...] receives this rank's slice (dim 0) of the sum of every rank's `x`."""
     if group.size == 1:
@@ -122,6 +131,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group, op=dis
     return _run("reduce_scatter", group, _reduce_scatter_single, out, x, op=op, group=group.pg, async_op=async_op)
 
 
+@opaque
 def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (one copy when dim > 0, none for dim 0)."""
     if group.size == 1:
@@ -132,6 +142,7 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
+@opaque
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's slice along `dim` (one copy when dim > 0)."""
     if group.size == 1:
@@ -145,6 +156,7 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out
 
 
+@opaque
 def all_to_all_single(
     x: torch.Tensor, group: Group, out_splits: list[int] | None = None, in_splits: list[int] | None = None
 ) -> torch.Tensor:
@@ -166,12 +178,14 @@ def all_to_all_single(
     return out
 
 
+@opaque
 def wait(work, op: str, group: Group) -> None:
     """Wait for an asynchronous collective, naming it if it fails or times out."""
     if work is not None:
         _run(op, group, work.wait)
 
 
+@opaque
 def batch_send_recv(
     sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group, tag: int = 0
 ):

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import fivecut.launch
+from fivecut import checks
 from fivecut.cli import LOSS_RTOL, main, verdict
 from fivecut.config import Config
 from fivecut.layout import ParallelDims
@@ -190,6 +191,25 @@ def test_config_that_is_not_utf8(capsys, tmp_path):
     path.write_bytes('[log]\nout_dir = "caf\xe9"\n'.encode("latin-1"))
     err = refused(capsys, ["train", "--config", str(path)])
     assert str(path) in err and "UTF-8" in err
+
+
+def test_compile_without_a_cxx_compiler_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ here: inductor's CPU code could not be built
+    err = refused(capsys, train_argv(tmp_path, "train.compile=true"))
+    assert "train.compile=true" in err and "'g++' is not on PATH" in err and "train.compile=false" in err
+
+
+def test_compile_where_dynamo_cannot_run_refused():
+    def unsupported():
+        raise RuntimeError("Python 3.15+ not yet supported for torch.compile")
+
+    problems = checks.compile_problems(True, dynamo_check=unsupported)
+    assert problems == [
+        "train.compile=true but torch.compile cannot run here: Python 3.15+ not yet supported for torch.compile; "
+        "set train.compile=false"
+    ]
+    assert checks.compile_problems(False, path="") == []  # nothing is asked of an eager run
 
 
 # ---------------------------------------------------------------- verify / ledger

@@ -9,8 +9,10 @@
     4. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
     5. recomputation       full or selective activation recomputation of every k-th block
                            (fivecut.parallel.recompute), around what the cuts above put in a block
+    6. compile             train.compile: torch.compile of the forward of each block as the steps above left it
+                           (`fivecut.parallel.compile`; graph breaks at the collectives, MoE feed-forwards eager)
     then over all of this rank's stages:
-    6. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
+    7. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
                            for most, `expert_dp` for experts, dp x cp x tp for the router and shared
                            experts under tp; DDP (zero=0) or ZeRO-1/2/3
 
@@ -36,6 +38,7 @@ from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
 from fivecut.model.transformer import Attention, build_model
+from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Held, Kinds, Piece
 from fivecut.parallel.expert import (
@@ -63,7 +66,7 @@ from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 
-STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "data")  # the order, as applied below
+STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data")  # the order, as applied below
 
 # parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
@@ -106,6 +109,7 @@ class Parallelized:
     params: dict[str, nn.Parameter]  # logical name -> this rank's tensor
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
     experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
+    compiled: CompileRecord | None = None  # train.compile: the blocks compiled, Dynamo's counts
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -162,6 +166,7 @@ def parallelize(
     recompute: str = "none",
     recompute_every: int = 1,
     param_dtype: torch.dtype | None = None,
+    compile: bool = False,
 ) -> Parallelized:
     """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
     device (then this rank's part is materialized on `device` and initialized from `seed`).
@@ -169,17 +174,17 @@ def parallelize(
     `seq_len` balances the pipeline stages; `recompute` ("none" | "full" | "selective") applies to
     the blocks whose layer id is a multiple of `recompute_every`. `param_dtype` (bf16 under
     train.dtype = "bf16"): what ZeRO-3 gathers and computes in, from fp32 master shards; other
-    layouts keep fp32 parameters."""
+    layouts keep fp32 parameters. `compile` compiles each block (`fivecut.parallel.compile`)."""
     dims, args = mesh.dims, model.args
     schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
-    saved, runtimes = SavedActivations(), {}
+    saved, runtimes, compiled = SavedActivations(), {}, start_record() if compile else None
     recompute_options = (recompute, recompute_every)
     for stage in stages.values():
         saved.track_layers(stage.layers)
         for _step_name, step in stage_steps(
-            mesh, saved, moe or MoEOptions(), global_batch, runtimes, recompute_options
+            mesh, saved, moe or MoEOptions(), global_batch, runtimes, recompute_options, compiled
         ):
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
@@ -192,7 +197,7 @@ def parallelize(
     experts = expert_balancer(args, mesh, moe or MoEOptions(), runtimes, module)
     loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
     return Parallelized(
-        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts
+        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled
     )
 
 
@@ -238,22 +243,30 @@ def initial_records(stages: dict[int, nn.Module], schedule: Schedule | None) -> 
     return out
 
 
-# ---------------------------------------------------------------- 2-5. the cuts of each stage
+# ---------------------------------------------------------------- 2-6. the cuts of each stage
 
 StepResult = dict[str, Change]  # parameter path in the stage -> what the step did to it
 Step = Callable[[nn.Module], StepResult]
 
 
 def stage_steps(
-    mesh: Mesh, saved: SavedActivations, moe: MoEOptions, global_batch: int, runtimes: dict, recompute=("none", 1)
+    mesh: Mesh,
+    saved: SavedActivations,
+    moe: MoEOptions,
+    global_batch: int,
+    runtimes: dict,
+    recompute: tuple[str, int] = ("none", 1),
+    compiled: CompileRecord | None = None,
 ) -> list:
-    """The ordered cuts applied to each stage (see the module doc)."""
+    """The ordered cuts applied to each stage (see the module doc); `recompute`: (mode, every);
+    `compiled`: the record of train.compile (None: no compilation)."""
     mode, every = recompute
     return [
         ("expert", lambda stage: expert_parallel(stage, mesh, moe, global_batch, runtimes)),
         ("tensor", lambda stage: tensor_parallel(stage, mesh, saved)),
         ("context", lambda stage: context_parallel(stage, mesh)),
         ("recompute", lambda stage: recompute_blocks(stage, saved, mode, every)),
+        ("compile", lambda stage: compile_stage(stage, compiled)),
     ]
 
 
@@ -306,6 +319,16 @@ def recompute_blocks(stage: nn.Module, saved: SavedActivations, mode: str, every
     done, expected = apply_recompute(stage, mode, every, saved)
     if expected:
         require("recompute", done, expected)
+    return {}
+
+
+def compile_stage(stage: nn.Module, compiled: CompileRecord | None) -> StepResult:
+    """torch.compile of each block's forward (train.compile); no parameter changes."""
+    if compiled is None or not stage.layers:  # a pipeline stage may hold no block
+        return {}
+    done = len(compiled.blocks)
+    compile_blocks(stage, compiled)
+    require("compile", compiled.blocks[done:], [f"layers.{name}" for name in stage.layers])
     return {}
 
 
@@ -456,4 +479,5 @@ def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions |
         recompute=train.recompute,
         recompute_every=train.recompute_every,
         param_dtype=param_dtype,
+        compile=train.compile,
     )

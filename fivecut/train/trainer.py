@@ -34,6 +34,7 @@ class RunResult:
     activations: dict[str, int] = field(default_factory=dict)  # layer -> bytes saved for backward (step 1)
     loss_plot: str | None = None
     moe: list[dict] = field(default_factory=list)  # MoE models: per step, expert loads and balance
+    compile: dict = field(default_factory=dict)  # train.compile: graphs and graph breaks after step 1
 
 
 def balance_experts(ctx: Context, step: int) -> dict | None:
@@ -187,6 +188,9 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
     if step == 1:
         result.memory = model_state_bytes(*ctx.par.state_tensors(), ctx.optimizer)
         log.memory(result.memory)
+    if step == 1 and ctx.par.compiled is not None:  # Dynamo's counts once step 1 has compiled every graph
+        record["compile"] = result.compile = ctx.par.compiled.counts()
+        log.print(ctx.par.compiled.line())
     if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
         record["val_loss"] = result.val_losses[step] = evaluate(ctx)
     log.step(record, elapsed)
