@@ -66,6 +66,21 @@ def test_one_process_compiled_matches_eager(byte_cache, tmp_path):
     assert "torch.compile: 4 blocks" in log
 
 
+@pytest.mark.sweep
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compile_with_recomputation_matches_eager(byte_cache, tmp_path, mode):
+    """Compiled blocks under recomputation: a full checkpoint runs a compiled forward (Dynamo
+    cannot trace the checkpoint's bookkeeping itself, and would leave the block eager)."""
+    eager, _ = train_records(byte_cache, tmp_path / "eager")
+    compiled, _ = train_records(byte_cache, tmp_path / mode, "train.compile=true", f'train.recompute="{mode}"')
+    for step, (a, b) in enumerate(zip(eager, compiled, strict=True), start=1):
+        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL)
+        rtol = FIRST_GRAD_NORM_RTOL if step == 1 else LATER_GRAD_NORM_RTOL
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rtol)
+    counts = compiled[0]["compile"]
+    assert counts["graphs"] >= 1 and counts["graph_breaks"] == 0, counts
+
+
 # each layout of the acceptance list once (minutes of compilation on 2 cores: a sweep)
 LAYOUTS = [
     ("tiny", "dp=2,zero=3"),

@@ -16,6 +16,12 @@ the module's `__call__` stays eager. So:
   specialize on each microbatch's counts and recompile every time. The attention, norms and
   residuals of the block are compiled; the graph breaks at the MoE call.
 
+Under full recomputation the block's forward is a `BlockCheckpoint`: what is compiled is the
+forward inside it, so the checkpoint (eager, with its bookkeeping of what it keeps and of MoE
+replays) runs the compiled forward once in forward and again in backward. Dynamo cannot trace
+that bookkeeping into a checkpoint of its own ("unsafe side effect") and would leave the whole
+block eager.
+
 Shapes are fixed (`dynamic=False`): every microbatch of a run has the same shape, so one graph
 serves every block of a stage (they share `Block.forward`), plus one for evaluation (no grad).
 On the CPU inductor emits C++ (a C++ compiler must be on PATH: `fivecut.checks` refuses
@@ -31,6 +37,7 @@ import torch
 from torch import nn
 
 from fivecut.model.transformer import MoE
+from fivecut.parallel.recompute import BlockCheckpoint
 
 
 @dataclass
@@ -79,5 +86,8 @@ def compile_blocks(stage: nn.Module, record: CompileRecord) -> None:
             if isinstance(module, MoE):
                 module.forward = torch.compiler.disable(module.forward, recursive=True)
                 record.eager.append(path)
-        block.forward = torch.compile(block.forward, dynamic=False)
+        if isinstance(block.forward, BlockCheckpoint):  # full recomputation: compile inside the checkpoint
+            block.forward.forward = torch.compile(block.forward.forward, dynamic=False)
+        else:
+            block.forward = torch.compile(block.forward, dynamic=False)
         record.blocks.append(f"layers.{name}")
