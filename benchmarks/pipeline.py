@@ -5,7 +5,7 @@ bubbles against fivecut's own schedule simulator.
                                   [--warmup 2] [--batch 8] [--seq 128]
                                   [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
                                   [--bubble-microbatches 4] [--bubble-steps 10] [--bubble-repeats 3]
-                                  [--even-layers] [--vs-torch-zb] [--no-compare] [--no-bubbles]
+                                  [--even-layers] [--vs-torch-zb] [--untied] [--no-compare] [--no-bubbles]
 
 Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
 same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
@@ -84,9 +84,13 @@ balance for 4 stages; each stage is the single-device model from the same seed w
 layers deleted (as in part 1), the tied embedding shared by stages 0 and 3 on rank 0. Before
 timing, every gradient after one step of each torch schedule is compared with fivecut
 dualpipev's (the same parameters on each rank) and the largest relative difference reported
-(not enforced: in torch 2.13 `ScheduleZBVZeroBubble`'s gradients differ from the single
-device's on this model, `ScheduleDualPipeV`'s agree). zb1p keeps 2 stages, so its row
-compares step time only. Steps as in part 1 (zero_grad, schedule, AdamW), interleaved.
+(not enforced: with `small`'s tied embedding torch's zero-bubble schedules do not compute the
+single device's gradients, and `ScheduleZBVZeroBubble`'s differ on `small` even untied; on
+`tiny` all three torch schedules are bitwise equal to fivecut's; `--untied` unties the preset). zb1p keeps 2 stages, so that row
+compares step time only. The like-for-like peer of zb1p is the third pair: torch's
+`ScheduleInterleavedZeroBubble` with one stage per rank, the same 2-stage cut (fivecut's layer
+balance), its gradients compared with fivecut zb1p's. Steps as in part 1 (zero_grad, schedule,
+AdamW), interleaved.
 
 Waits: the executor posts every receive when `run` starts and waits for it just before the F or
 B that consumes it; the wait is timed (`PipelineStep.wait` is wrapped too) and recorded as that
@@ -116,6 +120,7 @@ from torch.distributed.pipelining import (  # noqa: E402
     PipelineStage,
     Schedule1F1B,
     ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 
@@ -225,11 +230,13 @@ class Fivecut:
 
 
 class Torch:
-    """The same cut of the same model under torch.distributed.pipelining.Schedule1F1B."""
+    """The same cut of the same model under torch.distributed.pipelining.Schedule1F1B (even layers),
+    or under another one-stage-per-rank schedule class with the layers cut as given (`layers`:
+    stage -> its range of layer ids)."""
 
-    def __init__(self, args, group, opts: dict, m: int):
+    def __init__(self, args, group, opts: dict, m: int, schedule_class=Schedule1F1B, layers=None):
         rank, n = dist.get_rank(), args.n_layers
-        mine = range(rank * n // PP, (rank + 1) * n // PP)
+        mine = range(rank * n // PP, (rank + 1) * n // PP) if layers is None else layers[rank]
         model = build_model(args, seed=0)
         for name in [k for k in model.layers if int(k) not in mine]:
             del model.layers[name]
@@ -240,8 +247,12 @@ class Torch:
         self.model, self.rank = model, rank
         self.stage = PipelineStage(model, rank, PP, torch.device("cpu"), group=group)
         tokens = opts["batch"] * opts["seq"]
-        self.schedule = Schedule1F1B(
-            self.stage, m, loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / tokens, scale_grads=False
+        multi = schedule_class is ScheduleInterleavedZeroBubble  # a schedule over a list of local stages
+        self.schedule = schedule_class(
+            [self.stage] if multi else self.stage,
+            m,
+            loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / tokens,
+            scale_grads=False,
         )
         self.optimizer = build_optimizer([Piece(p, decays(p)) for p in model.parameters()], **ADAMW)
 
@@ -332,7 +343,12 @@ def fivecut_named(side: Fivecut):
 
 # ---------------------------------------------------------------- part 3
 
-ZB_PAIRS = (("dualpipev", ScheduleDualPipeV), ("zb1p", ScheduleZBVZeroBubble))
+ZB_PAIRS = (("dualpipev", ScheduleDualPipeV), ("zb1p", ScheduleZBVZeroBubble), ("zb1p", ScheduleInterleavedZeroBubble))
+LOOP = ScheduleInterleavedZeroBubble  # one stage per rank, fivecut zb1p's cut: gradients compared with zb1p's
+
+
+def pair_key(name: str, schedule_class) -> str:
+    return f"{name} vs {schedule_class.__name__}"
 
 
 def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
@@ -345,18 +361,26 @@ def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
     out = {}
     for name, schedule_class in ZB_PAIRS:
         ours = reference if name == "dualpipev" else Fivecut(args, mesh, opts, name, m)
-        theirs = TorchV(args, torch_group, opts, m, schedule_class)
+        if schedule_class is LOOP:
+            layers = stage_layers(args, PP, opts["seq"], None)  # fivecut's 2-stage cut
+            theirs = Torch(args, torch_group, opts, m, LOOP, layers)
+            ours.forward_backward(micro)
+            against = dict(ours.named_parameters())
+        else:
+            theirs, against = TorchV(args, torch_group, opts, m, schedule_class), named_ref
         theirs.forward_backward(inputs, targets)
         named = dict(theirs.named_parameters())
-        if named.keys() != named_ref.keys():
-            raise AssertionError(f"{schedule_class.__name__}: parameters {sorted(named)} vs {sorted(named_ref)}")
-        ref, got = [named_ref[k].grad for k in named], [p.grad for p in named.values()]
+        if named.keys() != against.keys():
+            raise AssertionError(f"{schedule_class.__name__}: parameters {sorted(named)} vs {sorted(against)}")
+        ref, got = [against[k].grad for k in named], [p.grad for p in named.values()]
         diff, bitwise = max_rel_diff(ref, got), all(torch.equal(x, y) for x, y in zip(ref, got))
         steps = {
             f"fivecut {name}": lambda o=ours: o.step(micro),
             f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
         }
-        out[name] = dict(runs=interleave_pair(steps, opts, prefix=f"{name} "), grad_diff=diff, grad_bitwise=bitwise)
+        out[pair_key(name, schedule_class)] = dict(
+            runs=interleave_pair(steps, opts, prefix=f"{name} "), grad_diff=diff, grad_bitwise=bitwise
+        )
     return out
 
 
@@ -369,11 +393,13 @@ def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict
     ]
     ratios = {}
     for name, schedule_class in ZB_PAIRS:
-        runs = results[0]["zero_bubble"][name]["runs"]
+        key = pair_key(name, schedule_class)
+        runs = results[0]["zero_bubble"][key]["runs"]
         a, b = list(runs)
         cmp = compare(runs, a, b)
-        ratios[name] = cmp.ratio
-        per_rank = [r["zero_bubble"][name] for r in results]
+        ratios[key] = cmp.ratio
+        per_rank = [r["zero_bubble"][key] for r in results]
+        versus = "fivecut zb1p's (the same 2 stages)" if schedule_class is LOOP else "fivecut dualpipev's"
         same = (
             "bitwise equal"
             if all(r["grad_bitwise"] for r in per_rank)
@@ -382,7 +408,7 @@ def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict
         rows = [[n, *timing_cells(runs[n], tokens)] for n in (a, b)]
         rows.append([f"ratio {a} / {b}", *ratio_cells(runs, a, b), ""])
         lines += [
-            f"{schedule_class.__name__}'s gradients after one step vs fivecut dualpipev's: {same} (both ranks; "
+            f"{schedule_class.__name__}'s gradients after one step vs {versus}: {same} (both ranks; "
             f"fivecut's equal the single device's, see tests/test_pipeline.py)",
             "",
             markdown_table(["", *TIMING_COLUMNS, "tokens/s (at median)"], rows),
@@ -630,8 +656,16 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
 # ---------------------------------------------------------------- the ranks
 
 
-def rank_main(opts: dict) -> dict:
+def model_args(opts: dict):
+    """The preset, with its embedding and head untied under `--untied` (torch's zero-bubble
+    schedules neither sum a tied weight's gradient over the pipeline ends nor, in a V, accumulate
+    it once for the two stages of one rank that share it: their gradients then differ)."""
     args = get_preset(opts["model"])
+    return dataclasses.replace(args, tie_embeddings=False) if opts["untied"] else args
+
+
+def rank_main(opts: dict) -> dict:
+    args = model_args(opts)
     mesh = Mesh(ParallelDims(pp=PP, microbatches=PP), "cpu")
     torch_group = dist.new_group(list(range(PP)))  # torch's stages talk over their own group
     out: dict = {"compare": [], "schedules": {}, "zero_bubble": {}}
@@ -819,9 +853,10 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
 
 
 def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
-    args = get_preset(opts["model"])
+    args = model_args(opts)
     lines = [
-        f"model {opts['model']} ({args.n_layers} layers), pp={PP} gloo ranks x 1 thread, fp32, batch {opts['batch']} x "
+        f"model {opts['model']}{' (untied)' if opts['untied'] else ''} ({args.n_layers} layers), pp={PP} gloo ranks "
+        f"x 1 thread, fp32, batch {opts['batch']} x "
         f"{opts['seq']} tokens per step"
         + (
             f", {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate"
@@ -843,8 +878,8 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     if opts["bubbles"]:
         lines += bubble_report(opts, results)
     lines.append(f"wall time {elapsed:.0f} s")
-    for name, ratio in zb_ratios.items():
-        lines.append(f"ratio_{name}_vs_torch={ratio:.3f}")
+    for key, ratio in zb_ratios.items():
+        lines.append(f"ratio_{key.replace(' vs ', '_vs_')}={ratio:.3f}")
     for m, ratio in ratios[1:]:
         lines.append(f"ratio_1f1b_m{m}={ratio:.3f}")
     if ratios:
@@ -868,6 +903,7 @@ def parse(argv=None) -> dict:
         "--vs-torch-zb", action="store_true", help="part 3: dualpipev / zb1p vs torch ScheduleDualPipeV / ZBVZeroBubble"
     )
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
+    p.add_argument("--untied", action="store_true", help="untie the preset's embedding and head (see model_args)")
     opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
     opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
