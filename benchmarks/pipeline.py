@@ -86,8 +86,8 @@ timing, every gradient after one step of each torch schedule is compared with fi
 dualpipev's (the same parameters on each rank) and the largest relative difference reported
 (not enforced: with `small`'s tied embedding torch's zero-bubble schedules do not compute the
 single device's gradients, and `ScheduleZBVZeroBubble`'s differ on `small` even untied; on
-`tiny` all three torch schedules are bitwise equal to fivecut's; `--untied` unties the preset). zb1p keeps 2 stages, so that row
-compares step time only. The like-for-like peer of zb1p is the third pair: torch's
+`tiny` all three torch schedules are bitwise equal to fivecut's; `--untied` unties the preset).
+zb1p keeps 2 stages, so that row compares step time only. The like-for-like peer of zb1p is the third pair: torch's
 `ScheduleInterleavedZeroBubble` with one stage per rank, the same 2-stage cut (fivecut's layer
 balance), its gradients compared with fivecut zb1p's. Steps as in part 1 (zero_grad, schedule,
 AdamW), interleaved.
