@@ -114,19 +114,22 @@ def test_zero3_gathers_each_unit_once_for_the_recomputed_forward(byte_cache, tmp
     assert_same_run(cfg, single_process_run(byte_cache), ",".join(layout))
 
 
+def balanced_moe_runs(byte_cache, tmp_path, mode: str):
+    """tiny-moe dp=2, ep=2 with aux-free balancing for 4 steps, recomputed in `mode` and not:
+    each rank's (losses, norms, MoE statistics, biases per step), for both runs."""
+    short = ("train.steps=4", "train.global_batch=4", "train.lr=3e-4", "train.min_lr=3e-5")
+    balance = (*MOE, "moe.bias_update_rate=0.01", *short, "parallel.dp=2", "parallel.ep=2")
+    plain = spawn(run_moe_with_biases, 2, small_config(byte_cache, *balance, f'log.out_dir="{tmp_path}/a"'))
+    recomputed = small_config(byte_cache, *balance, f'train.recompute="{mode}"', f'log.out_dir="{tmp_path}/b"')
+    return spawn(run_moe_with_biases, 2, recomputed), plain
+
+
 @pytest.mark.multirank
 def test_recomputed_moe_counts_each_token_once(byte_cache, tmp_path):
     """tiny-moe dp=2, ep=2, aux-free balancing: a recomputed MoE forward repeats its all-to-alls
     but not its load statistics, so the loads and the bias trajectory are exactly those of the
     run without recomputation (and the losses those of one process)."""
-    short = ("train.steps=4", "train.global_batch=4", "train.lr=3e-4", "train.min_lr=3e-5")
-    balance = (*MOE, "moe.bias_update_rate=0.01", *short, "parallel.dp=2", "parallel.ep=2")
-    plain = spawn(run_moe_with_biases, 2, small_config(byte_cache, *balance, f'log.out_dir="{tmp_path}/a"'))
-    again = spawn(
-        run_moe_with_biases,
-        2,
-        small_config(byte_cache, *balance, 'train.recompute="full"', f'log.out_dir="{tmp_path}/b"'),
-    )
+    again, plain = balanced_moe_runs(byte_cache, tmp_path, "full")
     for (losses, norms, moe, biases), (losses0, norms0, moe0, biases0) in zip(again, plain):
         assert losses == losses0 and norms == norms0
         assert moe == moe0  # loads, rows sent and received per rank, slot rows, copies: every statistic
@@ -159,14 +162,7 @@ def test_losses_over_steps_under_each_cut(layout, mode, byte_cache, tmp_path):
 @pytest.mark.sweep
 @pytest.mark.multirank
 def test_selective_moe_keeps_the_bias_trajectory(byte_cache, tmp_path):
-    short = ("train.steps=4", "train.global_batch=4", "train.lr=3e-4", "train.min_lr=3e-5")
-    balance = (*MOE, "moe.bias_update_rate=0.01", *short, "parallel.dp=2", "parallel.ep=2")
-    plain = spawn(run_moe_with_biases, 2, small_config(byte_cache, *balance, f'log.out_dir="{tmp_path}/a"'))
-    again = spawn(
-        run_moe_with_biases,
-        2,
-        small_config(byte_cache, *balance, 'train.recompute="selective"', f'log.out_dir="{tmp_path}/b"'),
-    )
+    again, plain = balanced_moe_runs(byte_cache, tmp_path, "selective")
     for (losses, _, moe, biases), (losses0, _, moe0, biases0) in zip(again, plain):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses0), rtol=1e-5, atol=0)
         assert moe == moe0
