@@ -47,7 +47,7 @@ from fivecut.layout import ParallelDims  # noqa: E402
 from fivecut.mesh import Mesh  # noqa: E402
 from fivecut.model.presets import get_preset  # noqa: E402
 from fivecut.model.transformer import build_model  # noqa: E402
-from fivecut.parallel.parallelize import parallelize  # noqa: E402
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
 EAGER, COMPILED = "eager", "compiled"
@@ -58,7 +58,9 @@ class Side:
     """One candidate: fivecut's model under `parallelize`, with or without train.compile."""
 
     def __init__(self, opts: dict, mesh: Mesh, compiled: bool, inputs, targets):
-        self.par = parallelize(build_model(get_preset(opts["model"]), seed=0), mesh, compile=compiled)
+        self.par = parallelize(
+            build_model(get_preset(opts["model"]), seed=0), mesh, ParallelizeOptions(compile=compiled)
+        )
         self.optimizer = build_optimizer(self.par.pieces, **ADAMW)
         self.mesh, self.inputs, self.targets = mesh, inputs, targets
 

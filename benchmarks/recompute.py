@@ -4,7 +4,7 @@
                                    [--warmup 1] [--every 1]
 
 One process (a gloo rank of its own, fivecut.launch.spawn, one thread) builds the same model
-from the same seed three times, through `parallelize(..., recompute=mode, recompute_every=k)`:
+from the same seed three times, through `parallelize(..., ParallelizeOptions(recompute=mode, recompute_every=k))`:
 
     none       every block keeps what autograd saves
     selective  the attention core keeps q, k, v only and the SwiGLU product is recomputed
@@ -47,7 +47,7 @@ from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
-from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
 
 MODES = ("none", "selective", "full")
@@ -59,7 +59,9 @@ def rank_main(opts: dict) -> dict:
     inputs, targets = token_batch(args.vocab_size, opts["batch"], opts["seq"])
     mesh = Mesh(ParallelDims(), "cpu")
     pars = {
-        m: parallelize(build_model(args, device="meta"), mesh, recompute=m, recompute_every=opts["every"])
+        m: parallelize(
+            build_model(args, device="meta"), mesh, ParallelizeOptions(recompute=m, recompute_every=opts["every"])
+        )
         for m in MODES
     }
 

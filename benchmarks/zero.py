@@ -114,7 +114,7 @@ from fivecut.mesh import Mesh  # noqa: E402
 from fivecut.model.presets import get_preset  # noqa: E402
 from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import decays  # noqa: E402
-from fivecut.parallel.parallelize import parallelize, token_loss_sum  # noqa: E402
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize, token_loss_sum  # noqa: E402
 from fivecut.train.memory import model_state_bytes  # noqa: E402
 from fivecut.train.optim import build_optimizer  # noqa: E402
 
@@ -189,7 +189,7 @@ def autocast_to(dtype) -> Callable[[], object]:
 
 def build_fivecut(name: str, stage: int, args, world: int, bucket_mb: float, dtype=None) -> Candidate:
     mesh = Mesh(ParallelDims(dp=world, zero=stage, reshard_after_forward=True), "cpu")
-    par = parallelize(build_model(args, seed=0), mesh, bucket_mb=bucket_mb, param_dtype=dtype)
+    par = parallelize(build_model(args, seed=0), mesh, ParallelizeOptions(bucket_mb=bucket_mb, param_dtype=dtype))
     optimizer = build_optimizer(par.pieces, **ADAMW)
 
     def zero_grad():

@@ -39,7 +39,7 @@ from fivecut.parallel.expert import (
     plan_placement,
     sequence_counts,
 )
-from fivecut.parallel.parallelize import parallelize, token_loss_sum
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize, token_loss_sum
 from fivecut.parallel.placement import gather_full
 from fivecut.train.trainer import train
 
@@ -167,7 +167,7 @@ def moe_step(layout: str, options: dict, model: dict, eplb_load: list[float] | N
     mesh = Mesh(dims, "cpu", moe=True)
     model = build_model(args, seed=0)
     inputs, targets = batch()
-    par = parallelize(model, mesh, bucket_mb=0.05, moe=MoEOptions(**options), global_batch=ROWS)
+    par = parallelize(model, mesh, ParallelizeOptions(bucket_mb=0.05, moe=MoEOptions(**options), global_batch=ROWS))
     if eplb_load is not None:
         for moe in moe_layers(model):
             moe.runtime.set_placement(plan_placement(eplb_load, dims.ep, options["eplb_slots"]))

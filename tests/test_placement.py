@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from fivecut.launch import spawn
-from fivecut.layout import MoEOptions, ParallelDims
+from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
-from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.placement import ParamKind
 
 
@@ -56,7 +56,7 @@ def rank_view(preset: str, dims: ParallelDims, rank: int) -> dict:
     """What rank `rank` holds of each logical parameter: {name: (global flat indices, values)}."""
     args = get_preset(preset)
     mesh = Mesh.virtual(dims, rank, moe=args.is_moe)
-    par = parallelize(build_model(args, device="meta"), mesh, bucket_mb=0.05, moe=MoEOptions(), global_batch=8, seed=0)
+    par = parallelize(build_model(args, device="meta"), mesh, ParallelizeOptions(bucket_mb=0.05, global_batch=8))
     out = {}
     for name, pl in par.placements.items():
         index = pl.global_index().flatten()
@@ -108,7 +108,9 @@ def test_slices_cover_the_single_device_tensors(preset, layout):
 def real_placements(preset: str, layout: str):
     args = get_preset(preset)
     mesh = Mesh(dims_of(layout), "cpu", moe=args.is_moe)
-    return parallelize(build_model(args, device="meta"), mesh, bucket_mb=0.05, global_batch=8, seed=0).placements
+    return parallelize(
+        build_model(args, device="meta"), mesh, ParallelizeOptions(bucket_mb=0.05, global_batch=8)
+    ).placements
 
 
 @pytest.mark.multirank

@@ -21,7 +21,7 @@ from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
-from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.placement import gather_full
 from fivecut.plan.activations import activation_bytes_per_layer, recomputed, stage_activation_bytes
 
@@ -33,7 +33,7 @@ def recomputed_step(preset: str, dims: ParallelDims, mode: str, every: int = 1):
     the bytes each layer kept for backward."""
     mesh = Mesh(dims, "cpu")
     model = build_model(get_preset(preset), seed=0)
-    par = parallelize(model, mesh, recompute=mode, recompute_every=every)
+    par = parallelize(model, mesh, ParallelizeOptions(recompute=mode, recompute_every=every))
     inputs, targets = batch(model.args.vocab_size)
     with par.saved.forward(), par.saved.measure() as kept:
         logits = par.module(inputs)

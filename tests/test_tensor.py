@@ -21,7 +21,7 @@ from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
-from fivecut.parallel.parallelize import ParallelizeError, parallelize, token_loss_sum
+from fivecut.parallel.parallelize import ParallelizeError, ParallelizeOptions, parallelize, token_loss_sum
 from fivecut.parallel.placement import gather_full
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -142,4 +142,4 @@ def test_parallelize_refuses_a_layer_tensor_parallelism_missed(monkeypatch):
     monkeypatch.setattr(tensor, "parallelize_mlp", skip_layer_1)
     model = build_model(get_preset("tiny"), device="meta")
     with pytest.raises(ParallelizeError, match="layers.1.feed_forward.w1.weight"):
-        parallelize(model, Mesh.virtual(ParallelDims(tp=2)), device="meta")
+        parallelize(model, Mesh.virtual(ParallelDims(tp=2)), ParallelizeOptions(device="meta"))

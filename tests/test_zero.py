@@ -36,7 +36,7 @@ from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
-from fivecut.parallel.parallelize import parallelize, token_loss_sum
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize, token_loss_sum
 from fivecut.train import checkpoint
 from fivecut.train.data import BatchSampler
 
@@ -49,7 +49,9 @@ def sharded_step_gradients(stage: int, dp: int, accumulate: int, reshard: bool, 
     mesh = Mesh(ParallelDims(dp=dp, zero=stage, reshard_after_forward=reshard), "cpu")
     model = build_model(get_preset("tiny"), seed=0)
     names = {id(p): name for name, p in model.named_parameters()}
-    par = parallelize(model, mesh, bucket_mb=0.05, reduce_dtype=reduce_dtype, param_dtype=param_dtype)  # buckets: 1/2
+    par = parallelize(
+        model, mesh, ParallelizeOptions(bucket_mb=0.05, reduce_dtype=reduce_dtype, param_dtype=param_dtype)
+    )  # buckets: 1/2
     sampler = BatchSampler(TOKENS, seq_len=32, global_batch=8, seed=3)
     batches = sampler.local_batches(1, mesh.coordinate("dp"), dp, accumulate)
     par.sync.zero_grad()

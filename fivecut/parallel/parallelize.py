@@ -153,48 +153,64 @@ class Parallelized:
             )
 
 
-def parallelize(
-    model: nn.Module,
-    mesh: Mesh,
-    bucket_mb: float = 25.0,
-    reduce_dtype: torch.dtype | None = None,
-    moe: MoEOptions | None = None,
-    global_batch: int = 1,
-    seq_len: int | None = None,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    recompute: str = "none",
-    recompute_every: int = 1,
-    param_dtype: torch.dtype | None = None,
-    compile: bool = False,
-) -> Parallelized:
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What `parallelize` needs besides the model and the mesh (`from_train`: as a run sets it)."""
+
+    bucket_mb: float = 25.0  # DDP / ZeRO-1/2 gradient buckets
+    reduce_dtype: torch.dtype | None = None  # gradient reduction dtype (None: the gradients' own)
+    moe: MoEOptions = dataclasses.field(default_factory=MoEOptions)  # MoE models only
+    global_batch: int = 1  # sequences per optimizer step (MoE capacity and statistics)
+    seq_len: int | None = None  # balances the pipeline stages (None: the model's max_seq_len)
+    seed: int = 0  # initializes a model built on the meta device
+    device: torch.device | str = "cpu"  # where a meta model's part is materialized
+    recompute: str = "none"  # "none" | "full" | "selective"
+    recompute_every: int = 1  # recompute the blocks whose layer id is a multiple of this
+    param_dtype: torch.dtype | None = None  # bf16 under train.dtype = "bf16": what ZeRO-3 gathers
+    compile: bool = False  # torch.compile each block (`fivecut.parallel.compile`)
+
+    @classmethod
+    def from_train(cls, train, moe: MoEOptions | None, seed: int, device) -> ParallelizeOptions:
+        """The options a run's `[train]` table gives (bf16 ZeRO-3 gathers under train.dtype = "bf16")."""
+        return cls(
+            bucket_mb=train.bucket_mb,
+            reduce_dtype=torch.bfloat16 if train.reduce_dtype == "bf16" else None,
+            moe=moe or MoEOptions(),
+            global_batch=train.global_batch,
+            seq_len=train.seq_len,
+            seed=seed,
+            device=device,
+            recompute=train.recompute,
+            recompute_every=train.recompute_every,
+            param_dtype=torch.bfloat16 if train.dtype == "bf16" else None,
+            compile=train.compile,
+        )
+
+
+def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None = None) -> Parallelized:
     """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
-    device (then this rank's part is materialized on `device` and initialized from `seed`).
-    `moe` and `global_batch` (sequences per optimizer step) matter for MoE models only;
-    `seq_len` balances the pipeline stages; `recompute` ("none" | "full" | "selective") applies to
-    the blocks whose layer id is a multiple of `recompute_every`. `param_dtype` (bf16 under
-    train.dtype = "bf16"): what ZeRO-3 gathers and computes in, from fp32 master shards; other
-    layouts keep fp32 parameters. `compile` compiles each block (`fivecut.parallel.compile`)."""
+    device (then this rank's part is materialized on `options.device` and initialized from
+    `options.seed`). `options.param_dtype`: what ZeRO-3 gathers and computes in, from fp32 master
+    shards; other layouts keep fp32 parameters."""
+    o = options or ParallelizeOptions()
     dims, args = mesh.dims, model.args
-    schedule, stages = split_pipeline(model, mesh, seq_len or args.max_seq_len, seed, device)
+    schedule, stages = split_pipeline(model, mesh, o.seq_len or args.max_seq_len, o.seed, o.device)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
-    saved, runtimes, compiled = SavedActivations(), {}, start_record() if compile else None
-    recompute_options = (recompute, recompute_every)
+    saved, runtimes, compiled = SavedActivations(), {}, start_record() if o.compile else None
+    recompute_options = (o.recompute, o.recompute_every)
     for stage in stages.values():
         saved.track_layers(stage.layers)
-        for _step_name, step in stage_steps(
-            mesh, saved, moe or MoEOptions(), global_batch, runtimes, recompute_options, compiled
-        ):
+        for _step_name, step in stage_steps(mesh, saved, o.moe, o.global_batch, runtimes, recompute_options, compiled):
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
     pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params, weight_grads)
     kinds = {params[name]: pl.kind(dims.tp, dims.ep, dims.zero) for name, pl in placements.items()}
-    sync = data_parallel(module, mesh, kinds, bucket_mb, reduce_dtype, param_dtype)
+    sync = data_parallel(module, mesh, kinds, o.bucket_mb, o.reduce_dtype, o.param_dtype)
     record_flat_slots(placements, params, sync.flat_slots())
     check_local_shapes(placements, params)
-    experts = expert_balancer(args, mesh, moe or MoEOptions(), runtimes, module)
+    experts = expert_balancer(args, mesh, o.moe, runtimes, module)
     loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
     return Parallelized(
         module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled
@@ -463,21 +479,4 @@ def norm_groups(mesh: Mesh) -> list[Group]:
 
 def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
     """This rank's part of the model `args`, built from the seed, every cut of `mesh.dims` applied."""
-    dtype = torch.bfloat16 if train.reduce_dtype == "bf16" else None
-    param_dtype = torch.bfloat16 if train.dtype == "bf16" else None  # ZeRO-3's gathers; the rest autocasts
-    model = build_model(args, device="meta")
-    return parallelize(
-        model,
-        mesh,
-        train.bucket_mb,
-        dtype,
-        moe,
-        train.global_batch,
-        train.seq_len,
-        seed=seed,
-        device=device,
-        recompute=train.recompute,
-        recompute_every=train.recompute_every,
-        param_dtype=param_dtype,
-        compile=train.compile,
-    )
+    return parallelize(build_model(args, device="meta"), mesh, ParallelizeOptions.from_train(train, moe, seed, device))

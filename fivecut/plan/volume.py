@@ -10,7 +10,7 @@ from __future__ import annotations
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
 from fivecut.model.transformer import build_model
-from fivecut.parallel.parallelize import parallelize
+from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
 from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.parallel.placement import Placement
@@ -369,7 +369,9 @@ def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     dims, t = cfg.parallel, cfg.train
     mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
     model = build_model(args, device="meta")
-    par = parallelize(model, mesh, t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    par = parallelize(
+        model, mesh, ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    )
     return par.placements
 
 
