@@ -172,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--cost-comm", type=float, default=0.0, help="send-to-receive latency")
     schedule.add_argument("--out", help="write the Gantt chart to this PNG")
     schedule.set_defaults(func=cmd_schedule)
+
+    plan = sub.add_parser("plan", help="plan layouts for a cluster (calibrate: this machine as a cluster file)")
+    plan_sub = plan.add_subparsers(dest="action", required=True)
+    calibrate = plan_sub.add_parser(
+        "calibrate", help="measure this machine's matmul rate and gloo/NCCL link; write it as a cluster TOML"
+    )
+    calibrate.add_argument("--ranks", type=int, default=2, help="ranks to measure at once (default 2)")
+    calibrate.add_argument("--out", default="cluster-local.toml", help="the cluster file to write (a new file)")
+    calibrate.add_argument("--force", action="store_true", help="replace --out if it exists")
+    calibrate.set_defaults(func=cmd_plan_calibrate)
     return parser
 
 
@@ -701,6 +711,29 @@ def cmd_ledger(ns) -> int:
     if unpredicted:
         print(f"no closed form for: {', '.join(sorted(unpredicted))}")
     print(f"ratio={measured_total / predicted_total:.3f}" if predicted_total else "ratio=nan (nothing predicted)")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+
+def cmd_plan_calibrate(ns) -> int:
+    if ns.ranks < 1:
+        raise ConfigError(f"--ranks {ns.ranks}: give at least 1 rank")
+    checks.check_new_file("--out", ns.out, ".toml")
+    if Path(ns.out).exists() and not ns.force:
+        raise ConfigError(f"--out {ns.out} exists; give another file name, or --force to replace it")
+    from fivecut.plan.calibrate import calibrate
+    from fivecut.plan.cluster import cluster_toml
+
+    cluster, raw = calibrate(ns.ranks)
+    Path(ns.out).write_text(cluster_toml(cluster, f"written by fivecut plan calibrate --ranks {ns.ranks}"))
+    rates = ", ".join(f"{f / 1e9:.1f}" for f in raw["flops"])
+    print(f"matmul GFLOP/s per rank: {rates} (the slowest is the device's)")
+    times = ", ".join(f"{size:,} B {t * 1e6:.0f} us" for size, t in raw["all_reduce_s"].items())
+    print(f"all-reduce over {ns.ranks} ranks: {times}")
+    print(cluster.describe())
+    print(f"wrote {ns.out}")
     return 0
 
 
