@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_bad_input import layout_argv, refused
-from test_context import GRAD_TOL, LOGIT_TOL, batch, reference
+from test_context import GRAD_TOL, LENGTHS, LOGIT_TOL, batch, reference, whole_logits_under
+from test_ddp import small_config
 
 from fivecut import comm
 from fivecut.cli import main
@@ -75,6 +76,23 @@ def test_usp_forward_and_gradients_match_single_device(cp, u, tp):
             torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.multirank
+@pytest.mark.sweep
+def test_full_logits_under_usp_equal_one_process(byte_cache, tmp_path):
+    """`full_logits` pads to USP's multiple (lcm(2R, cp) = 4 at cp=4, U=2: 13 -> 16), runs each
+    rank's piece and puts the logits back in position order: the single-device model's."""
+    tokens = [torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(s)) for s in LENGTHS]
+    layout = ("parallel.cp=4", 'parallel.cp_mode="usp"', "parallel.cp_ulysses=2", f'log.out_dir="{tmp_path}"')
+    cfg = small_config(byte_cache, *layout)
+    model = build_model(get_preset("tiny"), seed=cfg.train.seed)
+    with torch.no_grad():
+        expected = [model(t) for t in tokens]  # [b, s, V]
+    for rank, (logits,) in enumerate(spawn(whole_logits_under, 4, [cfg], tokens)):
+        for got, want in zip(logits, expected):
+            assert got.shape == want.shape, f"rank {rank}"
+            torch.testing.assert_close(got, want, **LOGIT_TOL, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
 def verify(capsys, byte_cache, layout: str, *sets: str) -> str:
     argv = ["verify", "--model", "tiny", "--layout", layout, "--steps", "5", "--set", f'data.cache_dir="{byte_cache}"']
     for s in sets:
@@ -106,6 +124,11 @@ USP_REFUSED = [
     ("cp=4,cp_mode=usp,cp_ulysses=0", "parallel.cp_ulysses=0 must be >= 1"),
     ("cp=4,tp=2,cp_mode=usp,cp_ulysses=4", "USP cuts each tp rank's 2 query heads over cp_ulysses=4"),
     ("cp=4,cp_mode=usp,cp_ulysses=2 --set train.seq_len=34", "seq_len=34 must divide by 4 under USP"),
+    ("cp=4,cp_mode=usp --set train.seq_len=36", "seq_len=36 must divide by 8 under USP"),  # U=1: the ring's 2cp
+    (
+        "cp=4,cp_mode=usp,cp_ulysses=2 --model tiny-moe --set moe.capacity_factor=1.0",
+        "moe.capacity_factor with cp_mode='usp'",
+    ),
 ]
 
 
