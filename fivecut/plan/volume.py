@@ -157,9 +157,9 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     heads = args.n_heads // dims.tp
     kv = max(args.n_kv_heads // dims.tp, 1)
     token = FP32 * b * hd  # bytes of one head's row per token of a sequence
-    u = {"ring": 1, "ulysses": c}.get(dims.cp_mode, dims.cp_ulysses)  # Ulysses degree; the ring runs over c/u
-    (forward, backward), kv = ulysses_bytes(u, heads, kv, token * train.seq_len // c)
-    ring = ring_bytes(c // u, kv // u, token * train.seq_len // (c // u))
+    r = dims.cp_ring  # the ring's degree (c under ring, 1 under Ulysses); Ulysses' is c/r
+    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, token * train.seq_len // c)
+    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r)
     forward, backward = forward + ring[0], backward + ring[1]
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
@@ -173,7 +173,7 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     what = {
         "ring": f"c-1 K/V passes forward + c-1 K/V and c dK/dV backward, c={c}",
         "ulysses": f"4 all-to-alls (q, k, v, o) forward + 4 backward, c={c}",
-        "usp": f"4 all-to-alls over U={u} each way + ring over R={c // u}: R-1 K/V passes forward, R-1 K/V and R "
+        "usp": f"4 all-to-alls over U={c // r} each way + ring over R={r}: R-1 K/V passes forward, R-1 K/V and R "
         "dK/dV backward",
     }[dims.cp_mode]
     return (
