@@ -6,6 +6,7 @@ across the R = cp/U groups. Parity against one process from the same seed, fp32:
     every gradient equal the single-device model's (LOGIT_TOL, GRAD_TOL of test_context);
   - `fivecut verify` over 5 steps (losses rtol 1e-5, first gradient norm 1e-5) at cp=4, U=2;
     sweep: with dp=2 (8 processes), tp=2 with SP, selective and full recomputation;
+  - sweep: `fivecut ledger` ratio=1.000 and activation_ratio=1.000 (plain, recomputed, tp=2);
   - refusals before any process starts (exit 2), each problem once.
 """
 
@@ -16,6 +17,7 @@ import torch
 from test_bad_input import layout_argv, refused
 from test_context import GRAD_TOL, LENGTHS, LOGIT_TOL, batch, reference, whole_logits_under
 from test_ddp import small_config
+from test_e2e import assert_every_cut_exact
 
 from fivecut import comm
 from fivecut.cli import main
@@ -116,6 +118,31 @@ def verify(capsys, byte_cache, layout: str, *sets: str) -> str:
 )
 def test_verify_usp_passes(capsys, byte_cache, layout, sets):
     print(layout, *sets, verify(capsys, byte_cache, layout, *sets))
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+@pytest.mark.parametrize(
+    "layout,sets",
+    [
+        ("cp=4,cp_mode=usp,cp_ulysses=2", ()),
+        ("cp=4,cp_mode=usp,cp_ulysses=2", ('train.recompute="selective"',)),
+        ("cp=4,cp_mode=usp,cp_ulysses=2", ('train.recompute="full"',)),
+        ("cp=4,cp_mode=usp,cp_ulysses=2,tp=2,sp=true", ()),
+    ],
+)
+def test_ledger_counts_usp_exactly(capsys, byte_cache, layout, sets):
+    """Both parts of USP's communication (all-to-alls over U, ring passes over R) and its saved
+    activations equal the closed forms (`fivecut ledger`: ratio=1.000, activation_ratio=1.000)."""
+    argv = ["ledger", "--model", "tiny", "--layout", layout, "--set", f'data.cache_dir="{byte_cache}"']
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert_every_cut_exact(out)
+    lines = out.strip().splitlines()
+    assert "activation_ratio=1.000" in lines and "memory_ratio=1.000" in lines
+    assert any(line.startswith("cp ") and "(usp)" in line for line in lines)
 
 
 USP_REFUSED = [
