@@ -44,6 +44,16 @@ def test_ulysses_groups_gather_their_ring_positions_zigzag_pair(cp, u, seq):
     assert torch.equal(torch.cat(held).sort().values, torch.arange(seq))
 
 
+def test_usp_groups_are_consecutive_ulysses_ranks_and_rings_across_them():
+    # grid [pp, dp, cp, tp] = [1, 2, 4, 2]: global rank = 8 dp + 2 cp + tp; rank 11 is dp=1, cp=1, tp=1
+    mesh = Mesh.virtual(ParallelDims(dp=2, cp=4, tp=2, cp_mode="usp", cp_ulysses=2), rank=11)
+    assert mesh.group("cp").ranks == (9, 11, 13, 15)
+    assert mesh.group("cp_ulysses").ranks == (9, 11) and mesh.group("cp_ulysses").rank == 1  # u = 1
+    assert mesh.group("cp_ring").ranks == (11, 15) and mesh.group("cp_ring").rank == 0  # ring position g = 0
+    assert {mesh.group(n).cut for n in ("cp_ulysses", "cp_ring")} == {"cp"}  # the ledger counts them as cp
+    assert "cp_ring" not in Mesh.virtual(ParallelDims(dp=2, cp=4, tp=2, cp_mode="ring"), rank=11).groups
+
+
 def usp_step(cp: int, u: int, tp: int):
     """One forward + backward under cp (x tp) ranks, USP of degree u: logits [b, s, V], full gradients."""
     dims = ParallelDims(cp=cp, cp_mode="usp", cp_ulysses=u, tp=tp, sp=tp > 1)
