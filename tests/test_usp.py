@@ -1,12 +1,13 @@
 """USP (cp_mode="usp"): Ulysses over groups of U consecutive cp ranks around the fused ring
 across the R = cp/U groups. Parity against one process from the same seed, fp32:
   - the token order: after Ulysses' all-to-all a group holds exactly its ring position's
-    zigzag pair, in the ring's order (no processes);
+    zigzag pair, in the ring's order; the mesh's cp_ulysses and cp_ring groups (no processes);
   - one forward + backward at cp=4, U=2 (x tp=2, sweep): logits put back in sequence order and
     every gradient equal the single-device model's (LOGIT_TOL, GRAD_TOL of test_context);
   - `fivecut verify` over 5 steps (losses rtol 1e-5, first gradient norm 1e-5) at cp=4, U=2;
     sweep: with dp=2 (8 processes), tp=2 with SP, selective and full recomputation;
   - sweep: `fivecut ledger` ratio=1.000 and activation_ratio=1.000 (plain, recomputed, tp=2);
+    `full_logits` (padding to USP's multiple, logits back in position order);
   - refusals before any process starts (exit 2), each problem once.
 """
 
