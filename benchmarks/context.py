@@ -1,9 +1,10 @@
-"""Context parallelism: fivecut's ring attention (fused flash blocks) against Ulysses, one
-device's SDPA and PyTorch's `context_parallel`, step time and activation memory.
+"""Context parallelism: fivecut's ring attention (fused flash blocks) against Ulysses, USP (both),
+one device's SDPA and PyTorch's `context_parallel`, step time and activation memory.
 
-    python benchmarks/context.py [--model small] [--cp 2] [--seq 1024] [--batch 1]
+    python benchmarks/context.py [--model small] [--cp 2] [--ulysses 2] [--seq 1024] [--batch 1]
                                  [--steps 3] [--repeats 5] [--warmup 1]
-    python benchmarks/context.py --memory [--model small] [--seq 1024] [--batch 1]
+    python benchmarks/context.py --memory [--model small] [--seq 1024] [--batch 1] [--ulysses 2]
+    python benchmarks/context.py --cp 4 --ulysses 2      # USP vs ring and Ulysses alone, same shape
 
 Timing (default): `cp` gloo ranks (fivecut.launch.spawn, one thread per rank) each build the
 same model from the same seed once per candidate and see the same batch [batch, seq]:
@@ -13,6 +14,9 @@ same model from the same seed once per candidate and see the same batch [batch, 
                 PyTorch's fused flash kernel; backward passes K/V again (fivecut/parallel/context.py)
     ulysses     the same with cp_mode="ulysses": all-to-alls of q, k, v, o around the model's
                 own SDPA core (flash on CPU)
+    usp         cp_mode="usp", cp_ulysses=U (--ulysses; only where 1 < U < cp, as U = 1 is the
+                ring and U = cp is Ulysses): all-to-alls over U consecutive ranks around the
+                fused ring over cp/U (each rank its piece of its ring position's zigzag pair)
     one device  the unparallelized model on the whole sequence, on every rank at once (each rank
                 is one device of one thread: what the step costs without cutting the sequence)
     torch       torch.distributed.tensor.experimental.context_parallel over a "cp" DeviceMesh
@@ -31,9 +35,10 @@ tensor bytes over forward + backward above the start (the profiler's memory even
 
 --memory: the acceptance figure of issue 17: the saved bytes per layer of ring and Ulysses at
 cp=2 and cp=4 (one spawn each, one run each) and of one device, with ring/Ulysses and the fall
-from cp=2 to cp=4. The last lines printed are `ratio_ring_ulysses=<x>` (timing: step time) or
-`memory_ring_ulysses_cp2=<x>` and `memory_ring_cp2_cp4=<x>` (--memory). On the 2-core CPU machine
-at a load average of 13, the defaults took 5 minutes and --memory 2.
+from cp=2 to cp=4, and USP's at cp=4. The last lines printed are `ratio_ring_ulysses=<x>` (timing:
+step time; with USP also `ratio_usp_ring=<x>` and `ratio_usp_ulysses=<x>`) or
+`memory_ring_ulysses_cp2=<x>` and `memory_ring_cp2_cp4=<x>` (--memory, and `memory_usp_ring_cp4=<x>`).
+On the 2-core CPU machine at a load average of 13, the defaults took 5 minutes and --memory 2.
 """
 
 from __future__ import annotations
@@ -75,7 +80,11 @@ from fivecut.parallel.parallelize import parallelize, token_loss_sum  # noqa: E4
 from fivecut.parallel.saved import SavedActivations  # noqa: E402
 
 LOSS_RTOL = 1e-5
-CUTS = ("ring", "ulysses")
+
+
+def cuts(opts: dict, cp: int) -> tuple[str, ...]:
+    """fivecut's cp modes compared at this cp: USP where its Ulysses degree is neither 1 nor cp."""
+    return ("ring", "ulysses") + (("usp",) if 1 < opts["ulysses"] < cp and cp % opts["ulysses"] == 0 else ())
 
 
 def model_args(opts: dict):
@@ -100,11 +109,12 @@ class Candidate:
     last_layer: str
 
 
-def fivecut_candidate(args, mode: str, cp: int, inputs, targets) -> Candidate:
-    mesh = Mesh(ParallelDims(cp=cp, cp_mode=mode), "cpu")
+def fivecut_candidate(args, mode: str, cp: int, inputs, targets, ulysses: int = 1) -> Candidate:
+    u = ulysses if mode == "usp" else 1  # the USP degree (the field is usp's only)
+    mesh = Mesh(ParallelDims(cp=cp, cp_mode=mode, cp_ulysses=u), "cpu")
     par = parallelize(build_model(args, seed=0), mesh)
     total = targets.numel()
-    x, y, positions = sequence_chunk(inputs, targets, mesh.group("cp"), mode)  # [b, s/cp] and [s/cp]
+    x, y, positions = sequence_chunk(inputs, targets, mesh.group("cp"), mode, u)  # [b, s/cp] and [s/cp]
 
     def step() -> torch.Tensor:
         par.sync.zero_grad()
@@ -178,7 +188,7 @@ def memory_of(c: Candidate) -> dict:
 def build_candidates(opts: dict) -> tuple[dict[str, Candidate], str | None]:
     args, cp = model_args(opts), opts["cp"]
     inputs, targets = batch(args, opts)
-    candidates = {mode: fivecut_candidate(args, mode, cp, inputs, targets) for mode in CUTS}
+    candidates = {mode: fivecut_candidate(args, mode, cp, inputs, targets, opts["ulysses"]) for mode in cuts(opts, cp)}
     candidates["one device"] = one_device_candidate(args, inputs, targets)
     try:
         theirs = torch_candidate(args, cp, inputs, targets)
@@ -191,7 +201,7 @@ def build_candidates(opts: dict) -> tuple[dict[str, Candidate], str | None]:
 
 def rank_main(opts: dict) -> dict:
     candidates, torch_error = build_candidates(opts)
-    losses = {name: cp_loss(c.step(), name in CUTS) for name, c in candidates.items()}
+    losses = {name: cp_loss(c.step(), name in cuts(opts, opts["cp"])) for name, c in candidates.items()}
     reference = losses["one device"]
     for name, loss in losses.items():
         if abs(loss - reference) > LOSS_RTOL * abs(reference):
@@ -231,7 +241,15 @@ def report(opts: dict, results: list[dict], seconds: float, before: str) -> str:
     for n in others:
         saved, peak = memory["ring"]["saved"] / memory[n]["saved"], memory["ring"]["peak"] / memory[n]["peak"]
         lines.append(f"ring / {n}: saved per layer {format_ratio(saved)}, peak {format_ratio(peak)}")
+    if "usp" in runs:
+        rows = [[f"usp / {n}", *ratio_cells(runs, "usp", n)] for n in ("ring", "ulysses")]
+        lines += ["", markdown_table(["step time", "median of ratios", "fastest", "per repeat"], rows)]
+        for n in ("ring", "ulysses"):
+            saved, peak = memory["usp"]["saved"] / memory[n]["saved"], memory["usp"]["peak"] / memory[n]["peak"]
+            lines.append(f"usp / {n}: saved per layer {format_ratio(saved)}, peak {format_ratio(peak)}")
     lines.append(f"ratio_ring_ulysses={ratio_cells(runs, 'ring', 'ulysses')[0].rstrip('x')}")
+    if "usp" in runs:
+        lines += [f"ratio_usp_{n}={ratio_cells(runs, 'usp', n)[0].rstrip('x')}" for n in ("ring", "ulysses")]
     return "\n".join(lines)
 
 
@@ -239,10 +257,10 @@ def report(opts: dict, results: list[dict], seconds: float, before: str) -> str:
 
 
 def memory_rank(opts: dict, cp: int) -> dict[str, int]:
-    """Saved bytes of the last layer under ring and Ulysses at this cp (and one device on cp=2)."""
+    """Saved bytes of the last layer under ring, Ulysses (and USP) at this cp (and one device on cp=2)."""
     args = model_args(opts)
     inputs, targets = batch(args, opts)
-    candidates = {mode: fivecut_candidate(args, mode, cp, inputs, targets) for mode in CUTS}
+    candidates = {mode: fivecut_candidate(args, mode, cp, inputs, targets, opts["ulysses"]) for mode in cuts(opts, cp)}
     if cp == 2:
         candidates["one device"] = one_device_candidate(args, inputs, targets)
     out = {}
@@ -257,7 +275,9 @@ def memory_main(opts: dict) -> None:
     print(f"context.py {' '.join(sys.argv[1:])}".rstrip(), flush=True)
     saved = {cp: spawn(memory_rank, cp, opts, cp, timeout_s=opts["timeout"])[0] for cp in (2, 4)}
     rows = [
-        [f"{mode}, cp={cp}", format_bytes(saved[cp][mode]), f"{saved[cp][mode]:,}"] for cp in (2, 4) for mode in CUTS
+        [f"{mode}, cp={cp}", format_bytes(saved[cp][mode]), f"{saved[cp][mode]:,}"]
+        for cp in (2, 4)
+        for mode in cuts(opts, cp)
     ]
     rows.append(["one device", format_bytes(saved[2]["one device"]), f"{saved[2]['one device']:,}"])
     print(
@@ -267,12 +287,15 @@ def memory_main(opts: dict) -> None:
     print(f"memory_ring_ulysses_cp2={saved[2]['ring'] / saved[2]['ulysses']:.3f}")
     print(f"memory_ring_ulysses_cp4={saved[4]['ring'] / saved[4]['ulysses']:.3f}")
     print(f"memory_ring_cp2_cp4={saved[2]['ring'] / saved[4]['ring']:.3f}")
+    if "usp" in saved[4]:
+        print(f"memory_usp_ring_cp4={saved[4]['usp'] / saved[4]['ring']:.3f}")
 
 
 def main(argv=None) -> None:
     parser = benchmark_parser(__doc__)
     parser.set_defaults(model="small")
     parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--ulysses", type=int, default=2, help="USP's Ulysses degree (USP runs where 1 < it < cp)")
     parser.add_argument("--memory", action="store_true", help="saved bytes per layer at cp=2 and cp=4, no timing")
     add_common_arguments(parser, steps=3, repeats=5)
     parser.set_defaults(batch=1, seq=1024, warmup=1)

@@ -403,7 +403,21 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
         )
-    return out + expert_layout_problems(dims, model)
+    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model)
+
+
+def usp_head_problems(dims: ParallelDims, model) -> list[str]:
+    """USP cuts each tp rank's query heads over its Ulysses group; kv heads too few to cut are
+    repeated to one per query head first, as under Ulysses alone (counted by the ledger)."""
+    if dims.cp_mode != "usp" or dims.cp % dims.cp_ulysses or model.n_heads % dims.tp:  # said once elsewhere
+        return []
+    heads, u = model.n_heads // dims.tp, dims.cp_ulysses
+    if heads % u:
+        return [
+            f"USP cuts each tp rank's {heads} query heads over cp_ulysses={u}; choose cp_ulysses from "
+            f"{[d for d in divisors(heads) if dims.cp % d == 0]}"
+        ]
+    return []
 
 
 def expert_layout_problems(dims: ParallelDims, model) -> list[str]:
@@ -431,7 +445,15 @@ def batch_problems(dims: ParallelDims, seq_len: int, global_batch: int, accumula
     out = []
     if dims.cp > 1 and dims.cp_mode == "ring" and seq_len % (2 * dims.cp):
         out.append(f"seq_len={seq_len} must divide by 2*cp={2 * dims.cp} (load-balanced causal chunks)")
-    if dims.cp > 1 and seq_len % (dims.cp * (dims.tp if dims.sp else 1)):
+    cut = dims.cp * (dims.tp if dims.sp else 1)
+    usp = dims.cp_mode == "usp" and dims.cp % dims.cp_ulysses == 0 and dims.cp_ring > 1
+    if usp and seq_len % math.lcm(2 * dims.cp_ring, cut):
+        out.append(
+            f"seq_len={seq_len} must divide by {math.lcm(2 * dims.cp_ring, cut)} under USP: 2*{dims.cp_ring} zigzag "
+            f"chunks for the ring (cp/cp_ulysses) and cp={dims.cp} pieces"
+            + (f" x tp={dims.tp} (sequence parallelism)" if dims.sp else "")
+        )
+    if dims.cp > 1 and not usp and seq_len % cut:
         out.append(
             f"seq_len={seq_len} must divide by cp={dims.cp}"
             + (f" x tp={dims.tp} (sequence parallelism)" if dims.sp else "")
@@ -486,10 +508,10 @@ def moe_problems(opts: MoEOptions, args: ModelArgs, dims: ParallelDims) -> list[
             f"(n_experts=0); remove {'them' if len(given) > 1 else 'it'}, or pick a MoE model (model.n_experts >= 1)"
         ]
     out = opts.problems() + eplb_problems(opts, args, dims.ep)
-    if opts.capacity_factor is not None and dims.cp > 1 and dims.cp_mode == "ring":
+    if opts.capacity_factor is not None and dims.cp_ring > 1:  # ring, or USP with a ring of 2 or more
         out.append(
-            "moe.capacity_factor with cp_mode='ring' is not in this version (ring ranks hold two chunks of a "
-            + "sequence out of order); use cp_mode='ulysses' or leave the capacity unset"
+            f"moe.capacity_factor with cp_mode={dims.cp_mode!r} is not in this version (ring ranks hold two chunks "
+            + "of a sequence out of order); use cp_mode='ulysses' or leave the capacity unset"
         )
     return out
 

@@ -659,17 +659,20 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         cp=dims.cp,
         recompute=mode,
         cp_mode=dims.cp_mode,
+        cp_ulysses=dims.cp_ulysses,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
     print(
         f"\nactivations saved for backward by layer {layer} (b={rows}, s={seq}, tp={dims.tp}, sp={dims.sp}, "
-        f"cp={dims.cp}{', ring' if dims.cp > 1 and dims.cp_mode == 'ring' else ''}, recompute={mode}):"
+        f"cp={dims.cp}{cp_label(dims)}, recompute={mode}):"
     )
     print(f"measured {format_bytes(last)} ({last:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
     if dims.tp > 1:
         without, single = (
-            activation_bytes_per_layer(args, rows, seq, dims.tp, sp, cp=dims.cp, cp_mode=dims.cp_mode)
+            activation_bytes_per_layer(
+                args, rows, seq, dims.tp, sp, cp=dims.cp, cp_mode=dims.cp_mode, cp_ulysses=dims.cp_ulysses
+            )
             for sp in (False, True)
         )
         print(
@@ -677,6 +680,12 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
             f"SP cuts activations by {without / single:.3f}x"
         )
     print(f"activation_ratio={last / predicted:.3f}")
+
+
+def cp_label(dims) -> str:
+    if dims.cp == 1 or dims.cp_mode == "ulysses":
+        return ""
+    return ", ring" if dims.cp_mode == "ring" else f", usp U={dims.cp_ulysses}"
 
 
 def first_forward_rows(result) -> tuple[int, int] | None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
-CP_MODES = ("ring", "ulysses")
-COUNTS = ("ep", "pp_virtual", "microbatches")  # the other fields that count something, each >= 1
+CP_MODES = ("ring", "ulysses", "usp")
+COUNTS = ("ep", "pp_virtual", "microbatches", "cp_ulysses")  # the other fields that count something, each >= 1
 
 
 @dataclass
@@ -29,7 +29,8 @@ class ParallelDims:
     microbatches: int = 1  # pipeline microbatches per step
     pp_layers: list[int] | None = None  # layers per pipeline stage; None: balanced by cost
     cp: int = 1  # context-parallel ranks (sequence split inside attention)
-    cp_mode: str = "ring"  # "ring" | "ulysses"
+    cp_mode: str = "ring"  # "ring" | "ulysses" | "usp"
+    cp_ulysses: int = 1  # usp: the Ulysses degree U (groups of U consecutive cp ranks); the ring runs over cp/U
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
 
     @property
@@ -47,6 +48,7 @@ class ParallelDims:
             out.append(f"parallel.zero={self.zero}; ZeRO stages are 0, 1, 2, 3")
         if self.cp_mode not in CP_MODES:
             out.append(f"parallel.cp_mode={self.cp_mode!r}; choose one of {', '.join(CP_MODES)}")
+        out += self._usp_problems()
         if self.sp and self.tp == 1:
             out.append("parallel.sp=true needs tensor parallelism; set parallel.tp >= 2 or sp=false")
         if self.zero and self.dp == 1:
@@ -59,6 +61,28 @@ class ParallelDims:
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
         return out
+
+    def _usp_problems(self) -> list[str]:
+        if self.cp_ulysses < 1:  # said with the other counts
+            return []
+        if self.cp_ulysses != 1 and self.cp_mode != "usp":
+            return [
+                f"parallel.cp_ulysses={self.cp_ulysses} is the Ulysses degree of cp_mode='usp', but cp_mode="
+                f"{self.cp_mode!r}; set parallel.cp_mode='usp' or remove cp_ulysses"
+            ]
+        if self.cp % self.cp_ulysses:
+            return [
+                f"parallel.cp_ulysses={self.cp_ulysses} must divide cp={self.cp} (the ring runs over cp/cp_ulysses "
+                f"groups); choose cp_ulysses from {[u for u in range(1, self.cp + 1) if self.cp % u == 0]}"
+            ]
+        return []
+
+    @property
+    def cp_ring(self) -> int:
+        """USP's ring degree R = cp / U (1 under Ulysses; cp under ring)."""
+        if self.cp_mode == "usp":
+            return self.cp // self.cp_ulysses
+        return self.cp if self.cp_mode == "ring" else 1
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep",) if getattr(self, name) > 1]

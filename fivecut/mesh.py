@@ -5,6 +5,8 @@ group is made of neighbouring ranks (one node). Derived groups:
     dp_cp      gradient reduction of non-expert parameters (dp x cp)
     ep         expert-parallel ranks, borrowed from dp x cp
     expert_dp  the remaining (dp x cp) / ep ranks that replicate the same experts
+    cp_ulysses USP only: U consecutive ranks of a cp group (Ulysses' all-to-alls)
+    cp_ring    USP only: the cp/U ranks with the same place in their Ulysses group (the ring)
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Mesh:
             self.groups[name] = self._mesh_group(name)
         self.groups["dp_cp"] = self._derived_group("dp", ("dp", "cp"))
         self.groups["pp_ends"] = self._pipeline_ends()
+        if dims.cp_mode == "usp":
+            self._usp_groups()
         if moe and (dims.ep > 1 or dims.tp > 1):
             self._expert_groups()
         else:  # one rank per ep group; experts replicated like everything else
@@ -117,6 +121,16 @@ class Mesh:
         self.groups["ep"] = self._keyed_group("ep", lambda c: (c["pp"], c["tp"], inner(c) // ep))
         self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep))
         self.groups["dp_cp_tp"] = self._keyed_group("dp", lambda c: (c["pp"],))
+
+    def _usp_groups(self) -> None:
+        """cp rank c = g*U + u: Ulysses group g (ranks g*U .. g*U+U-1), ring position g of ring u."""
+        u = self.dims.cp_ulysses
+
+        def outside(c: dict) -> tuple:  # the coordinates that name this rank's cp group
+            return (c["pp"], c["dp"], c["tp"])
+
+        self.groups["cp_ulysses"] = self._keyed_group("cp", lambda c: (*outside(c), c["cp"] // u))
+        self.groups["cp_ring"] = self._keyed_group("cp", lambda c: (*outside(c), c["cp"] % u))
 
     def _keyed_group(self, cut: str, key) -> Group:
         """Ranks whose coordinates give the same `key` form a group; every rank creates all of them."""

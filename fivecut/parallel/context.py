@@ -39,6 +39,21 @@ given the merged output and log-sum-exp, the kernel rebuilds each pair's share o
 row's softmax. Block j's dK/dV accumulator (fp32) travels with it, each rank adding its part,
 and one last pass takes it home: cp passes. Per layer: cp-1 block passes forward, 2cp-1
 backward, each sent and received.
+
+USP (unified sequence parallelism) runs both: cp = U x R ranks, cp rank c = g*U + u. Ulysses'
+all-to-alls run inside each group of U consecutive ranks (`cp_ulysses`, g fixed), the ring
+across the R groups (`cp_ring`, u fixed: ring position g):
+
+    q, k, v [b, H, s/cp, hd]  --all-to-all over U-->  [b, H/U, s/R, hd]   (ring position g's tokens)
+    ring attention over R for H/U heads: R-1 K/V passes forward, 2R-1 backward
+    o [b, H/U, s/R, hd]       --all-to-all over U-->  [b, H, s/cp, hd]
+
+The ring balances causal work with its zigzag: position g holds chunks g and 2R-1-g of 2R.
+Ulysses' all-to-all puts its U ranks' tokens one after the other in rank order, so rank u of
+Ulysses group g is fed the u-th of U equal contiguous pieces of that pair (chunk g, then chunk
+2R-1-g): after the all-to-all each rank of the group holds exactly the pair the ring expects,
+in the ring's order, with no copy besides the all-to-all's own. U = 1 is ring attention over
+cp; U = cp is Ulysses around the fused kernel (a ring of one: no passes, contiguous chunks).
 """
 
 from __future__ import annotations
@@ -53,16 +68,24 @@ from fivecut.comm import Group
 from fivecut.model.transformer import Attention
 
 
-def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group, mode: str = "ulysses"):
+def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group, mode: str = "ulysses", ulysses: int = 1):
     """This cp rank's part of a batch [b, s] -> inputs, targets [b, s/cp] and their positions
-    [s/cp]: one contiguous chunk (Ulysses) or chunks r and 2cp-1-r of 2cp (ring)."""
-    s = inputs.shape[1]
-    if mode == "ring":
-        positions = zigzag_positions(group.rank, group.size, s // group.size, inputs.device)
-    else:
-        size = s // group.size
-        positions = torch.arange(group.rank * size, (group.rank + 1) * size, device=inputs.device)
+    [s/cp]: one contiguous chunk (Ulysses), chunks r and 2cp-1-r of 2cp (ring), or under USP
+    (Ulysses degree `ulysses`) its piece of its ring position's pair of chunks (`chunk_positions`)."""
+    degree = {"ring": 1, "ulysses": group.size}.get(mode, ulysses)
+    positions = chunk_positions(group.rank, group.size, inputs.shape[1], degree, inputs.device)
     return inputs[:, positions], targets[:, positions], positions
+
+
+def chunk_positions(rank: int, cp: int, seq: int, ulysses: int, device=None) -> torch.Tensor:
+    """Positions [s/cp] of cp rank `rank` = g*U + u (U = `ulysses`, R = cp/U ring positions):
+    piece u of U of ring position g's zigzag pair (chunks g and 2R-1-g of 2R). U = 1: the ring's
+    zigzag pair; U = cp: the contiguous chunk `rank` (Ulysses)."""
+    ring, (g, u) = cp // ulysses, divmod(rank, ulysses)
+    local = seq // cp
+    if ring == 1:  # no zigzag: seq need not be even
+        return torch.arange(rank * local, (rank + 1) * local, device=device)
+    return zigzag_positions(g, ring, seq // ring, device)[u * local : (u + 1) * local]
 
 
 def zigzag_positions(rank: int, cp: int, local: int, device=None) -> torch.Tensor:
@@ -274,12 +297,22 @@ class RingAttention(nn.Module):
         return _Ring.apply(q, k, v, self.group)  # [b, H, s/cp, hd]
 
 
-def apply_context_parallel(model: nn.Module, group: Group, mode: str = "ulysses") -> list[str]:
-    """Ulysses around, or ring attention instead of, every attention core of `model` (a model or
-    a pipeline stage). Returns the paths of the attention modules changed."""
+def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str = "ulysses") -> list[str]:
+    """Ulysses around, ring attention instead of, or (USP) Ulysses around ring attention instead
+    of, every attention core of `model` (a model or a pipeline stage); `groups`: the mesh's
+    (cp; under USP cp_ulysses and cp_ring). Returns the paths of the attention modules changed."""
     changed = []
     for path, attention in model.named_modules():
         if isinstance(attention, Attention):
-            attention.core = UlyssesAttention(attention.core, group) if mode == "ulysses" else RingAttention(group)
+            attention.core = context_core(attention.core, groups, mode)
             changed.append(path)
     return changed
+
+
+def context_core(core: nn.Module, groups: dict[str, Group], mode: str) -> nn.Module:
+    if mode == "ulysses":
+        return UlyssesAttention(core, groups["cp"])
+    if mode == "ring":
+        return RingAttention(groups["cp"])
+    ring = RingAttention(groups["cp_ring"])  # usp; with U = 1, the ring alone
+    return ring if groups["cp_ulysses"].size == 1 else UlyssesAttention(ring, groups["cp_ulysses"])

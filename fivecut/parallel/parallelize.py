@@ -321,11 +321,11 @@ def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> St
 
 
 def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
-    """Ulysses or ring attention over the cp group (when cp > 1); no parameter changes."""
+    """Ulysses, ring attention or both (USP) over the cp group (when cp > 1); no parameter changes."""
     if mesh.dims.cp == 1:
         return {}
     expected = [path for path, m in stage.named_modules() if isinstance(m, Attention)]
-    require("context", apply_context_parallel(stage, mesh.group("cp"), mesh.dims.cp_mode), expected)
+    require("context", apply_context_parallel(stage, mesh.groups, mesh.dims.cp_mode), expected)
     return {}
 
 

@@ -49,6 +49,7 @@ def activation_bytes_per_layer(
     cp: int = 1,
     recompute: str = "none",
     cp_mode: str = "ulysses",
+    cp_ulysses: int = 1,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -59,25 +60,30 @@ def activation_bytes_per_layer(
     its chunk: q, k, v, the output and the log-sum-exp of its own tokens (the K/V blocks of
     the other ranks are passed round again in backward, not kept); selective recomputation
     leaves the ring's core as it is (recomputing it would repeat its passes to save only the
-    log-sum-exps). `recompute`: the block's mode ("none" for a block that `recompute_every`
-    leaves out)."""
+    log-sum-exps). USP (Ulysses degree `cp_ulysses` = U) keeps the same bytes per token as
+    Ulysses over U around the ring: kv heads repeated when too few to split over U, the output
+    twice (the ring's and the output projection's input) and the log-sum-exps, in every mode but
+    full (the ring's core is never recomputed); with U = 1 it is the ring. `recompute`: the
+    block's mode ("none" for a block that `recompute_every` leaves out)."""
+    usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
-    if ring:
-        cp = 1
+    u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
     h, hd = args.dim, args.head_dim
     if recompute == "full":
         return itemsize * batch * seq * h / (tp if sp else 1)
     plain = recompute == "none"
     swiglu = 4 if plain else 2  # tensors of [tokens, hidden] a SwiGLU keeps
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
-    if cp > 1 and kv_heads_per_rank % cp:
+    if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
     norms = 6 / (tp if sp else 1)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += 1 / tp - 1
-    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if cp > 1 and plain else 0)
+    twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
+    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if twice else 0)
     mlp = swiglu * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
-    per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if plain or ring else 0)  # rstd; lse unless recomputed
+    lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
+    per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if lse else 0)  # rstd; lse
     dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
     return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu)
 

@@ -145,6 +145,8 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
              (each rank recomputes its block pairs) and c of its fp32 dK/dV accumulator (it
              follows the block round the ring and one last pass takes it home); each sent and
              received (send and recv both count);
+    USP      both: Ulysses over U with [b, heads, s/c, hd] blocks, then the ring over R = c/U
+             with blocks [b, kv/U, s/R, hd] (kv: after Ulysses' repetition, if any);
     MoE layers with capacity or the auxiliary loss also all-gather their slots per (sequence,
     expert) over c. A fully recomputed block repeats its forward part (`forward`, and the slot
     counts) in each backward pass: `forward_repeats`."""
@@ -154,13 +156,11 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     heads = args.n_heads // dims.tp
     kv = max(args.n_kv_heads // dims.tp, 1)
-    block = FP32 * b * (train.seq_len // c) * hd  # bytes of one head's block
-    if dims.cp_mode == "ring":
-        pass_bytes = 2 * (2 * kv) * block  # one pass: K and V (or dK and dV), sent and received
-        forward, backward = (c - 1) * pass_bytes, (2 * c - 1) * pass_bytes
-    else:
-        kv = heads if kv % c else kv
-        forward = backward = ring_factor("all_to_all", c) * block * (2 * heads + 2 * kv)
+    token = FP32 * b * hd  # bytes of one head's row per token of a sequence
+    r = dims.cp_ring  # the ring's degree (c under ring, 1 under Ulysses); Ulysses' is c/r
+    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, token * train.seq_len // c)
+    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r)
+    forward, backward = forward + ring[0], backward + ring[1]
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
     per_micro = sum(
@@ -170,15 +170,32 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
         + (full_moe * counts if counted else 0)
         for (L, _, _, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg))
     )
-    what = (
-        "c-1 K/V passes forward + c-1 K/V and c dK/dV backward"
-        if dims.cp_mode == "ring"
-        else "4 all-to-alls (q, k, v, o) forward + 4 backward"
-    )
+    what = {
+        "ring": f"c-1 K/V passes forward + c-1 K/V and c dK/dV backward, c={c}",
+        "ulysses": f"4 all-to-alls (q, k, v, o) forward + 4 backward, c={c}",
+        "usp": f"4 all-to-alls over U={c // r} each way + ring over R={r}: R-1 K/V passes forward, R-1 K/V and R "
+        "dK/dV backward",
+    }[dims.cp_mode]
     return (
         train.accumulate * micro * per_micro,
-        f"{train.accumulate * micro} microbatches x layers x {what}, c={c} ({dims.cp_mode})",
+        f"{train.accumulate * micro} microbatches x layers x {what} ({dims.cp_mode})",
     )
+
+
+def ulysses_bytes(u: int, heads: int, kv: int, block: float) -> tuple[tuple[float, float], int]:
+    """Ulysses over u ranks, blocks [b, heads, s/cp, hd] of `block` bytes a head: (forward,
+    backward) bytes of a layer, and the kv heads each rank holds after (repeated to the query
+    heads first when they do not divide by u)."""
+    kv = heads if kv % u else kv
+    volume = ring_factor("all_to_all", u) * block * (2 * heads + 2 * kv)
+    return (volume, volume), kv
+
+
+def ring_bytes(r: int, kv: int, block: float) -> tuple[float, float]:
+    """Ring attention over r ranks with `kv` heads per block of `block` bytes a head ([b, kv,
+    s/r, hd]): (forward, backward) bytes of a layer; each pass sent and received."""
+    pass_bytes = 2 * (2 * kv) * block  # K and V (or dK and dV)
+    return (r - 1) * pass_bytes, (2 * r - 1) * pass_bytes if r > 1 else 0.0
 
 
 def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int]]:

@@ -20,8 +20,10 @@ from fivecut.train.run import evaluate, local_tokens, pipeline_step, setup
 
 
 def seq_multiple(dims) -> int:
-    """The sequence lengths a layout can run are multiples of this (ring CP: 2cp chunks; SP: tp)."""
-    return dims.cp * (2 if dims.cp > 1 and dims.cp_mode == "ring" else 1) * (dims.tp if dims.sp else 1)
+    """The sequence lengths a layout can run are multiples of this (ring CP: 2cp chunks; USP: 2R
+    zigzag chunks, their pairs cut over U; SP: tp)."""
+    chunks = math.lcm(2 * dims.cp_ring, dims.cp) if dims.cp_ring > 1 else dims.cp
+    return chunks * (dims.tp if dims.sp else 1)
 
 
 @torch.no_grad()

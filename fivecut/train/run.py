@@ -167,7 +167,8 @@ def local_tokens(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
     inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
     if ctx.mesh.dims.cp == 1:
         return inputs, targets, None
-    return sequence_chunk(inputs, targets, ctx.mesh.group("cp"), ctx.mesh.dims.cp_mode)
+    dims = ctx.mesh.dims
+    return sequence_chunk(inputs, targets, ctx.mesh.group("cp"), dims.cp_mode, dims.cp_ulysses)
 
 
 def pipeline_step(
