@@ -31,6 +31,7 @@ class ParallelDims:
     cp: int = 1  # context-parallel ranks (sequence split inside attention)
     cp_mode: str = "ring"  # "ring" | "ulysses"
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
+    etp: int = 1  # expert tensor parallelism: each routed expert's hidden size cut over etp ranks of the tp group
 
     @property
     def world_size(self) -> int:
@@ -58,10 +59,15 @@ class ParallelDims:
             )
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
+        if self.etp < 1 or (self.tp >= 1 and self.tp % self.etp):
+            out.append(
+                f"parallel.etp={self.etp} must divide tp={self.tp} (expert shards live on ranks of the tp group); "
+                f"set parallel.etp to 1 or a divisor of tp"
+            )
         return out
 
     def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep",) if getattr(self, name) > 1]
+        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep", "etp") if getattr(self, name) > 1]
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.sp:

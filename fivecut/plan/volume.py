@@ -310,7 +310,7 @@ def reduce_group_sizes(cfg) -> dict[str, int]:
     """How many ranks sum each kind of gradient (see `fivecut.mesh.Mesh._expert_groups`)."""
     dims = cfg.parallel
     n = dims.dp * dims.cp
-    return {"dp_cp": n, "expert_dp": n // dims.ep * dims.tp, "dp_cp_tp": n * dims.tp}
+    return {"dp_cp": n, "expert_dp": n // dims.ep * dims.tp // dims.etp, "dp_cp_tp": n * dims.tp}
 
 
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
