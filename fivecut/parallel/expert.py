@@ -350,6 +350,7 @@ class ExpertParallelMoE:
         choice = topk_idx if keep is None else torch.cat([topk_idx, keep.long()], 1)  # [T, k] or [T, 2k]
         choice = comm.all_gather(choice, etp)  # [etp*T, k or 2k]
         x_all, weight_all = rows.split([x_flat.shape[1], k], 1)
+        weight_all = weight_all.contiguous()  # its own storage: the combine keeps [etp*T, k], not all the rows
         keep_all = None if keep is None else choice[:, k:].bool()
         partial = self._dispatch_combine(x_all, choice[:, :k], weight_all.to(topk_weight.dtype), keep_all)
         return comm.reduce_scatter_along(partial, 0, etp)  # [T, dim]: the shards' partial sums added
