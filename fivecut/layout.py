@@ -59,7 +59,9 @@ class ParallelDims:
             )
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
-        if self.etp < 1 or (self.tp >= 1 and self.tp % self.etp):
+        if self.etp < 1:
+            out.append(f"parallel.etp={self.etp} must be >= 1 (1: whole experts on each rank)")
+        elif self.tp >= 1 and self.tp % self.etp:
             out.append(
                 f"parallel.etp={self.etp} must divide tp={self.tp} (expert shards live on ranks of the tp group); "
                 f"set parallel.etp to 1 or a divisor of tp"

@@ -10,16 +10,24 @@ gradients rtol 1e-5, atol 1e-7; losses over steps rtol 1e-5.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from test_expert import GRAD_TOL, LOGIT_TOL, ROWS, moe_step
+import torch.distributed as dist
+from test_ddp import GRAD_NORM_RTOL, LOSS_RTOL, small_config
+from test_expert import GRAD_TOL, LOGIT_TOL, ROWS, moe_step, run_moe_with_biases
 
+import fivecut.launch
+from fivecut.cli import main
 from fivecut.launch import spawn
 
 CASES = {
     "dp=2,ep=2,tp=2,etp=2,sp": ("dp=2,ep=2,tp=2,etp=2,sp=true", {}),
     "tp=2,etp=2 no sp, capacity + aux": ("tp=2,etp=2", {"capacity_factor": 1.0, "aux_loss_coef": 0.01}),
+    "dp=2,ep=2,tp=2,etp=2,sp, EPLB copies": ("dp=2,ep=2,tp=2,etp=2,sp=true", {"eplb_slots": 1}),
 }
+EPLB_LOAD = [50.0, 1, 1, 1, 30, 1, 1, 1]  # experts 0 and 4 hot: each gets a copy on the other rank
+SWEEP = ("tp=2,etp=2 no sp, capacity + aux", "dp=2,ep=2,tp=2,etp=2,sp, EPLB copies")
 
 
 def world_of(layout: str) -> tuple[int, int]:
@@ -29,13 +37,15 @@ def world_of(layout: str) -> tuple[int, int]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.sweep) if c in SWEEP else c for c in CASES])
 def test_forward_and_gradients_match_single_device(case):
     layout, options = CASES[case]
-    ref_logits, ref_grads = spawn(moe_step, 1, "", options, {})[0]
+    reference_options = {k: v for k, v in options.items() if k != "eplb_slots"}
+    ref_logits, ref_grads = spawn(moe_step, 1, "", reference_options, {})[0]
     world, dp = world_of(layout)
     rows = ROWS // dp
-    for rank, (logits, grads) in enumerate(spawn(moe_step, world, layout, options, {})):
+    eplb = EPLB_LOAD if "eplb_slots" in options else None
+    for rank, (logits, grads) in enumerate(spawn(moe_step, world, layout, options, {}, eplb)):
         dp_rank = rank // (world // dp)
         torch.testing.assert_close(logits, ref_logits[dp_rank * rows : (dp_rank + 1) * rows], **LOGIT_TOL)
         assert grads.keys() == ref_grads.keys()
@@ -43,3 +53,81 @@ def test_forward_and_gradients_match_single_device(case):
             torch.testing.assert_close(
                 g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}"
             )
+
+
+MOE = ('model.preset="tiny-moe"',)
+ETP = ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.sp=true")
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+def test_loads_biases_and_eplb_moves_match_one_process(byte_cache, tmp_path):
+    """Under dp=2,ep=2,tp=2,etp=2,sp with auxiliary-loss-free balancing and EPLB (copies and
+    moves, ZeRO-1): every (token, slot) is counted once although the etp ranks dispatch the same
+    gathered tokens (the loads sum to the batch's slots and equal one process's, exactly), the
+    biases move as in one process, experts move as their etp shards, and losses and gradient
+    norms stay the single process's (rtol 1e-5). Short and at lr 3e-4 so that no top-k choice
+    flips by rounding (see test_expert's bias test)."""
+    short = ("train.steps=4", "train.global_batch=4", "train.lr=3e-4", "train.min_lr=3e-5")
+    balance = (*MOE, "moe.bias_update_rate=0.01", *short, f'log.out_dir="{tmp_path}"')
+    eplb = ("moe.eplb_slots=1", "moe.eplb_move=true", "moe.eplb_interval=1", "moe.eplb_window=1")
+    reference = spawn(run_moe_with_biases, 1, small_config(byte_cache, *balance))[0]
+    ranks = spawn(run_moe_with_biases, 8 // 2, small_config(byte_cache, *balance, *ETP, *eplb, "parallel.zero=1"))
+    slots = 4 * 32 * 2  # global batch x seq_len x top_k
+    moved = copies = 0
+    for rank, (losses, norms, moe, biases) in enumerate(ranks):
+        np.testing.assert_allclose(losses, reference[0], rtol=LOSS_RTOL)
+        np.testing.assert_allclose(norms, reference[1], rtol=GRAD_NORM_RTOL)
+        for step, (got, want) in enumerate(zip(moe, reference[2]), start=1):
+            for layer, stats in got["layers"].items():
+                assert sum(stats["load"]) == slots, f"rank {rank} step {step} layer {layer}"
+                assert stats["load"] == want["layers"][layer]["load"], f"rank {rank} step {step} layer {layer}"
+            moved += sum(layer["moved_elements"] for layer in got["local"].values())
+            copies += sum(layer["copies_sent"] for layer in got["local"].values())
+        for step, (got, want) in enumerate(zip(biases, reference[3]), start=1):
+            for layer in got:
+                assert torch.equal(got[layer], want[layer]), f"rank {rank} step {step} layer {layer} biases"
+    assert moved > 0 and copies > 0  # experts changed ranks and hot ones were copied
+
+
+# ---------------------------------------------------------------- refused before any process starts
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("a process was started for a bad input")
+
+    monkeypatch.setattr(fivecut.launch, "spawn", started)
+    monkeypatch.setattr(fivecut.launch, "init_from_environment", started)
+
+
+REFUSALS = {  # (command, its arguments, what the message names)
+    "etp not dividing tp": (
+        "verify",
+        ["--model", "tiny-moe", "--layout", "tp=2,etp=3"],
+        "parallel.etp=3 must divide tp=2",
+    ),
+    "etp below 1": ("verify", ["--model", "tiny-moe", "--layout", "tp=2,etp=0"], "parallel.etp=0 must be >= 1"),
+    "etp on a dense model": ("verify", ["--model", "tiny", "--layout", "tp=2,etp=2"], "the model is dense"),
+    "etp not dividing the experts' hidden size": (
+        "train",
+        [f"--set={item}" for item in ('model.preset="tiny-moe"', "model.moe_ffn_dim=126", "parallel.tp=4")]
+        + ["--set=parallel.etp=4"],
+        "parallel.etp=4 must divide the experts' hidden size moe_ffn_dim=126",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_bad_etp_is_refused_before_any_process(case, capsys, tmp_path, no_processes):
+    command, args, message = REFUSALS[case]
+    argv = [command, "--set", f'data.cache_dir="{tmp_path / "cache"}"']
+    if command == "train":
+        argv += ["--set", f'log.out_dir="{tmp_path / "run"}"']
+    assert main(argv + args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and message in err
+    assert sum("etp" in line for line in err.splitlines()[1:] or [""]) <= 1  # said once
+    assert err.count(message) == 1
+    assert not dist.is_initialized()

@@ -28,8 +28,9 @@ def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, st
     dims = cfg.parallel
     out = {}
     n = dims.dp * dims.cp
-    if n > 1:
+    if n > 1 or (args.is_moe and dims.tp > 1):  # MoE under tp: the router's gradients are summed over tp too
         out["dp"] = data_parallel_volume(args, cfg, n)
+    if n > 1:
         out["metrics"] = (ring_factor("all_reduce", n) * 4, "all-reduce of the step's loss (one fp32)")
     if args.is_moe:
         ep = expert_parallel_volume(args, cfg, routing)
