@@ -14,12 +14,18 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from test_ddp import GRAD_NORM_RTOL, LOSS_RTOL, small_config
 from test_expert import GRAD_TOL, LOGIT_TOL, ROWS, moe_step, run_moe, run_moe_with_biases
+from test_export import run_config
 
 import fivecut.launch
 from fivecut.cli import main
 from fivecut.launch import spawn
+from fivecut.model.presets import get_preset
+from fivecut.train import checkpoint
+from fivecut.train.trainer import train
+from fivecut.weights import export as ex
 
 CASES = {
     "dp=2,ep=2,tp=2,etp=2,sp": ("dp=2,ep=2,tp=2,etp=2,sp=true", {}),
@@ -102,6 +108,32 @@ def test_moving_expert_shards_keeps_training_identical(byte_cache, tmp_path):
     assert moved > 0  # experts did change ranks
     np.testing.assert_allclose(losses, reference[0], rtol=LOSS_RTOL)
     np.testing.assert_allclose(norms, reference[2], rtol=GRAD_NORM_RTOL)
+
+
+def losses_and_norms(cfg):
+    result = train(cfg, quiet=True, resume="never")
+    return result.losses, result.grad_norms
+
+
+@pytest.mark.multirank
+def test_losses_over_steps_match_and_export_writes_whole_experts(byte_cache, tmp_path):
+    """dp=2,ep=2,tp=2,etp=2,sp trains as one process does (losses rtol 1e-5, gradient norms
+    test_ddp's tolerance); its checkpoint (each rank holding half of each expert's hidden size)
+    exports the global [E, dim, hidden] / [E, hidden, dim] experts, equal to its logical state."""
+    steps = ("train.steps=4", "train.global_batch=4")
+    reference = spawn(losses_and_norms, 1, run_config(byte_cache, tmp_path / "one", "tiny-moe", "byte", *steps))[0]
+    losses, norms = spawn(losses_and_norms, 4, run_config(byte_cache, tmp_path, "tiny-moe", "byte", *steps, *ETP))[0]
+    np.testing.assert_allclose(losses, reference[0], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(norms, reference[1], rtol=GRAD_NORM_RTOL)
+    out = ex.export(tmp_path / "ck", tmp_path / "hf")
+    saved = checkpoint.full_state(checkpoint.newest(tmp_path / "ck"))
+    exported = load_file(out / "model.safetensors")
+    args = get_preset("tiny-moe")
+    shapes = {"w1": (args.dim, args.expert_dim), "w3": (args.dim, args.expert_dim), "w2": (args.expert_dim, args.dim)}
+    for name, shape in shapes.items():
+        assert exported[f"layers.1.feed_forward.experts.{name}"].shape == (args.n_experts, *shape)
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 # ---------------------------------------------------------------- refused before any process starts
