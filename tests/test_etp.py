@@ -35,9 +35,14 @@ CASES = {
     "dp=2,ep=2,tp=2,etp=2,sp": ("dp=2,ep=2,tp=2,etp=2,sp=true", {}),
     "tp=2,etp=2 no sp, capacity + aux": ("tp=2,etp=2", {"capacity_factor": 1.0, "aux_loss_coef": 0.01}),
     "dp=2,ep=2,tp=2,etp=2,sp, EPLB copies": ("dp=2,ep=2,tp=2,etp=2,sp=true", {"eplb_slots": 1}),
+    "tp=4,etp=2,sp: two etp groups in a tp group": ("tp=4,etp=2,sp=true", {}),
 }
 EPLB_LOAD = [50.0, 1, 1, 1, 30, 1, 1, 1]  # experts 0 and 4 hot: each gets a copy on the other rank
-SWEEP = ("tp=2,etp=2 no sp, capacity + aux", "dp=2,ep=2,tp=2,etp=2,sp, EPLB copies")
+SWEEP = (
+    "tp=2,etp=2 no sp, capacity + aux",
+    "dp=2,ep=2,tp=2,etp=2,sp, EPLB copies",
+    "tp=4,etp=2,sp: two etp groups in a tp group",
+)
 
 
 def world_of(layout: str) -> tuple[int, int]:
