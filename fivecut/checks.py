@@ -426,6 +426,23 @@ def expert_layout_problems(dims: ParallelDims, model) -> list[str]:
     if dims.ep > 1 and model.n_experts % dims.ep:
         return [
             f"n_experts={model.n_experts} not divisible by ep={dims.ep}; choose ep from {divisors(model.n_experts)}"
+        ] + expert_tensor_problems(dims, model)
+    return expert_tensor_problems(dims, model)
+
+
+def expert_tensor_problems(dims: ParallelDims, model) -> list[str]:
+    """parallel.etp cuts each routed expert's hidden size (moe_ffn_dim) over etp ranks of the tp group."""
+    if dims.etp <= 1 or dims.tp % dims.etp:  # etp not dividing tp: `ParallelDims.problems` says so
+        return []
+    if not model.n_experts:
+        return [
+            f"parallel.etp={dims.etp} cuts routed experts, but the model is dense (n_experts=0); set parallel.etp=1 "
+            "(tp cuts the dense MLPs already)"
+        ]
+    if model.expert_dim % dims.etp:
+        return [
+            f"parallel.etp={dims.etp} must divide the experts' hidden size moe_ffn_dim={model.expert_dim}; choose "
+            f"etp from {[d for d in divisors(model.expert_dim) if dims.tp % d == 0]}"
         ]
     return []
 

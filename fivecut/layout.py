@@ -32,6 +32,7 @@ class ParallelDims:
     cp_mode: str = "ring"  # "ring" | "ulysses" | "usp"
     cp_ulysses: int = 1  # usp: the Ulysses degree U (groups of U consecutive cp ranks); the ring runs over cp/U
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
+    etp: int = 1  # expert tensor parallelism: each routed expert's hidden size cut over etp ranks of the tp group
 
     @property
     def world_size(self) -> int:
@@ -60,6 +61,13 @@ class ParallelDims:
             )
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
+        if self.etp < 1:
+            out.append(f"parallel.etp={self.etp} must be >= 1 (1: whole experts on each rank)")
+        elif self.tp >= 1 and self.tp % self.etp:
+            out.append(
+                f"parallel.etp={self.etp} must divide tp={self.tp} (expert shards live on ranks of the tp group); "
+                f"set parallel.etp to 1 or a divisor of tp"
+            )
         return out
 
     def _usp_problems(self) -> list[str]:
@@ -85,7 +93,7 @@ class ParallelDims:
         return self.cp if self.cp_mode == "ring" else 1
 
     def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep",) if getattr(self, name) > 1]
+        parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep", "etp") if getattr(self, name) > 1]
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.sp:

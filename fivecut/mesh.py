@@ -4,7 +4,8 @@ Mesh dimensions are ordered (pp, dp, cp, tp), tp innermost so that a tensor-para
 group is made of neighbouring ranks (one node). Derived groups:
     dp_cp      gradient reduction of non-expert parameters (dp x cp)
     ep         expert-parallel ranks, borrowed from dp x cp
-    expert_dp  the remaining (dp x cp) / ep ranks that replicate the same experts
+    expert_dp  the remaining (dp x cp) / ep ranks that replicate the same experts (x tp / etp)
+    etp        expert tensor parallelism: the etp ranks of a tp group that hold one expert's shards
     cp_ulysses USP only: U consecutive ranks of a cp group (Ulysses' all-to-alls)
     cp_ring    USP only: the cp/U ranks with the same place in their Ulysses group (the ring)
 """
@@ -61,7 +62,7 @@ class Mesh:
         if moe and (dims.ep > 1 or dims.tp > 1):
             self._expert_groups()
         else:  # one rank per ep group; experts replicated like everything else
-            self.groups["ep"] = self._group("ep", (self.rank,), None)
+            self.groups["ep"] = self.groups["etp"] = self._group("ep", (self.rank,), None)
             self.groups["expert_dp"] = self.groups["dp_cp_tp"] = self.groups["dp_cp"]
 
     @classmethod
@@ -112,14 +113,18 @@ class Mesh:
         i // ep = const (same pp and tp) form an `ep` group; an expert's replicas live on the ranks
         with the same i % ep, and its gradients are summed over them and over tp (the MoE layer
         runs on a tp rank's own slice of the tokens): `expert_dp`. The router and the shared
-        experts are data-parallel over dp x cp x tp: `dp_cp_tp`."""
+        experts are data-parallel over dp x cp x tp: `dp_cp_tp`. Expert tensor parallelism: the
+        etp neighbouring ranks tp // etp = const of a tp group hold the etp shards of the same
+        experts (`etp`); `expert_dp` then spans only the tp ranks with the same tp % etp (same shard)."""
         ep = self.dims.ep
 
         def inner(c: dict) -> int:  # the dp x cp index
             return c["dp"] * self.dims.cp + c["cp"]
 
+        etp = self.dims.etp
         self.groups["ep"] = self._keyed_group("ep", lambda c: (c["pp"], c["tp"], inner(c) // ep))
-        self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep))
+        self.groups["etp"] = self._keyed_group("etp", lambda c: (c["pp"], c["dp"], c["cp"], c["tp"] // etp))
+        self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep, c["tp"] % etp))
         self.groups["dp_cp_tp"] = self._keyed_group("dp", lambda c: (c["pp"],))
 
     def _usp_groups(self) -> None:

@@ -129,6 +129,11 @@ RESHARD = {  # (model, saved under, loaded into)
             "moe.bias_update_rate=0.01",
         ),
     ),
+    "moe dp=2,ep=2,tp=2,etp=2,sp -> dp=4,ep=4": (  # expert tensor parallelism: experts' hidden cut over etp
+        "tiny-moe",
+        ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.sp=true"),
+        ("parallel.dp=4", "parallel.ep=4"),
+    ),
 }
 
 
@@ -139,6 +144,7 @@ SWEEP = (
     "dp=2,tp=2,sp,zero=1 -> dp=2,cp=2 ring,zero=2",
     "dp=2,cp=2 ring -> pp=2 dualpipev",
     "moe dp=2,tp=2,ep=2,zero=3 -> dp=2,cp=2 ulysses,ep=2,zero=1",
+    "moe dp=2,ep=2,tp=2,etp=2,sp -> dp=4,ep=4",  # 91 s on 2 busy cores
 )
 
 

@@ -23,6 +23,22 @@ Under tensor parallelism the MoE layer runs on the tp rank's own slice of the se
 (sequence parallelism gives it that slice; without SP it is cut out and gathered back),
 so the router, the shared experts and the experts are data-parallel over tp as well.
 
+Expert tensor parallelism (`parallel.etp` = T, Megatron's ETP): each routed expert's w1/w3
+are cut by columns and w2 by rows (the hidden size) over T neighbouring ranks of the tp group
+(the `etp` group; `cut_expert_hidden`, applied by the tensor step of `parallelize`). Each
+rank routes its own tokens (so the router, the load statistics, capacity and the auxiliary
+loss see every token once), then around the experts:
+
+    f   all-gather over etp of the tokens and their combine weights [T_loc, dim + k] -> [T*T_loc, ...]
+        (and of the chosen experts and kept slots), backward reduce-scatter
+    ... dispatch, each slot's expert shard (a partial sum over hidden/T), combine, unpermute
+    g   reduce-scatter over etp of the partial outputs [T*T_loc, dim] -> [T_loc, dim], backward all-gather
+
+The T ranks dispatch the same rows, each over its own ep group (the ranks with its tp
+coordinate, which hold the same shard), so EPLB's copies and moves carry each rank's own
+shard. An expert's shard is replicated on the ranks with the same place in ep and in etp:
+`expert_dp` is (dp x cp) / ep x tp / T ranks.
+
 Balancing: the Switch/GShard auxiliary loss (computed per sequence, so that any layout
 gives the same number) and DeepSeek-V3's auxiliary-loss-free balancing (a per-expert bias
 added to the scores for selection only, moved by +-gamma towards the mean load after each
@@ -257,10 +273,19 @@ class ExpertParallelMoE:
     balancing and load statistics. Installed as `moe.runtime`."""
 
     def __init__(
-        self, moe: MoE, options: MoEOptions, ep: Group, tp: Group, sp: bool, aux_scale: float, cp: Group | None = None
+        self,
+        moe: MoE,
+        options: MoEOptions,
+        ep: Group,
+        tp: Group,
+        sp: bool,
+        aux_scale: float,
+        cp: Group | None = None,
+        etp: Group | None = None,
     ):
         self.moe, self.options = moe, options
         self.ep, self.tp, self.sp = ep, tp, sp
+        self.etp = etp if etp is not None else Group("etp", (0,), None, ep.ledger, index=0)  # expert shards
         self.cp = (
             cp if cp is not None else Group("cp", (0,), None, ep.ledger, index=0)
         )  # sequence chunks (context parallelism)
@@ -303,7 +328,7 @@ class ExpertParallelMoE:
         x_flat = x.reshape(b * s, dim)  # [T, dim]
         topk_idx, topk_weight, scores = moe.route(x_flat)  # [T, k], [T, k], [T, E]
         keep, counts_full = self._capacity(topk_idx, b, s, training)
-        out = self._dispatch_combine(x_flat, topk_idx, topk_weight, keep)  # [T, dim]
+        out = self._sharded_experts(x_flat, topk_idx, topk_weight, keep)  # [T, dim]
         if self.options.aux_loss_coef > 0 and training:
             aux = self._aux_loss(scores, counts_full, b, s)
             out = _AttachLoss.apply(out, aux)
@@ -313,6 +338,22 @@ class ExpertParallelMoE:
             self._count(topk_idx, keep)
         out = out.view(b, s, dim)
         return comm.gather_along(out, 1, self.tp) if sliced else out
+
+    def _sharded_experts(self, x_flat, topk_idx, topk_weight, keep) -> torch.Tensor:
+        """The routed experts on this rank's tokens x_flat [T, dim] -> [T, dim]; with expert tensor
+        parallelism on the etp group's tokens, each rank's expert shards giving partial sums."""
+        etp, k = self.etp, topk_idx.shape[1]
+        if etp.size == 1:
+            return self._dispatch_combine(x_flat, topk_idx, topk_weight, keep)
+        rows = torch.cat([x_flat, topk_weight.to(x_flat.dtype)], 1)  # [T, dim + k]
+        rows = comm.gather_along(rows, 0, etp, grad_reduce=True)  # [etp*T, dim + k]
+        choice = topk_idx if keep is None else torch.cat([topk_idx, keep.long()], 1)  # [T, k] or [T, 2k]
+        choice = comm.all_gather(choice, etp)  # [etp*T, k or 2k]
+        x_all, weight_all = rows.split([x_flat.shape[1], k], 1)
+        weight_all = weight_all.contiguous()  # its own storage: the combine keeps [etp*T, k], not all the rows
+        keep_all = None if keep is None else choice[:, k:].bool()
+        partial = self._dispatch_combine(x_all, choice[:, :k], weight_all.to(topk_weight.dtype), keep_all)
+        return comm.reduce_scatter_along(partial, 0, etp)  # [T, dim]: the shards' partial sums added
 
     def _sequence_parts(self, counts: torch.Tensor) -> torch.Tensor:
         """[b, E] this rank's slots per sequence -> [cp*tp, b, E] every chunk's, in sequence order
@@ -405,7 +446,7 @@ class ExpertParallelMoE:
     def _experts(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """x_recv [N_recv, dim] in (source, slot) blocks -> each slot's expert applied, same order."""
         p = self.placement
-        if self.recording:
+        if self.recording and self.etp.rank == 0:  # the etp ranks compute the same rows: count them once
             self.stats.slot_rows[self.ep.rank] += recv_counts.sum(0)
         blocks = list(torch.split(x_recv, recv_counts.flatten().tolist()))  # ep * slots blocks, source-major
         weights = self._slot_weights()
@@ -525,6 +566,20 @@ def shard_experts(moe: MoE, ep: Group) -> Slice:
         full = getattr(ex, name)
         setattr(ex, name, nn.Parameter(full.detach()[lo : lo + n_local].clone()))
     return expert_slice(n_experts, ep.size, list(range(lo, lo + n_local)))
+
+
+def cut_expert_hidden(moe: MoE, etp: Group) -> dict[str, Change]:
+    """Expert tensor parallelism: this rank keeps its etp slice of every local expert's hidden
+    size -- w1, w3 [E_loc, dim, hidden/etp] (columns), w2 [E_loc, hidden/etp, dim] (rows) -- cut
+    from the (EP-cut) weights. Returns the slices, by path inside the MoE module."""
+    ex, out = moe.experts, {}
+    hidden = ex.w1.shape[2]
+    length = hidden // etp.size
+    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        full = getattr(ex, name)
+        setattr(ex, name, nn.Parameter(full.detach().narrow(dim, etp.rank * length, length).clone()))
+        out[f"experts.{name}"] = Change(slice=Slice("etp", dim, etp.rank * length, length, hidden))
+    return out
 
 
 def reduce_groups(moe: MoE, ep: int, tp: int, cut: Slice | None) -> dict[str, Change]:
@@ -655,7 +710,14 @@ class ExpertBalancer:
 
 
 def apply_expert_parallel(
-    model: nn.Module, options: MoEOptions, ep: Group, tp: Group, sp: bool, global_batch: int, cp: Group | None = None
+    model: nn.Module,
+    options: MoEOptions,
+    ep: Group,
+    tp: Group,
+    sp: bool,
+    global_batch: int,
+    cp: Group | None = None,
+    etp: Group | None = None,
 ) -> tuple[dict[int, ExpertParallelMoE], dict[str, Change]]:
     """Cut the experts of every MoE layer of `model` (a model or a pipeline stage) over `ep` and
     install their runtime. Returns the runtimes by layer id, and what was done to each
@@ -668,5 +730,18 @@ def apply_expert_parallel(
         cut = shard_experts(moe, ep) if ep.size > 1 else None
         for name, change in reduce_groups(moe, ep.size, tp.size, cut).items():
             changes[f"layers.{path}.feed_forward.{name}"] = change
-        moe.runtime = runtimes[block.layer_id] = ExpertParallelMoE(moe, options, ep, tp, sp, 1.0 / global_batch, cp)
+        moe.runtime = runtimes[block.layer_id] = ExpertParallelMoE(
+            moe, options, ep, tp, sp, 1.0 / global_batch, cp, etp
+        )
     return runtimes, changes
+
+
+def apply_expert_tensor_parallel(model: nn.Module, etp: Group) -> dict[str, Change]:
+    """Cut the hidden size of the routed experts of every MoE layer of `model` over `etp`
+    (their runtimes, installed by `apply_expert_parallel`, already gather and reduce over it)."""
+    changes = {}
+    for path, block in model.layers.items():
+        if isinstance(block.feed_forward, MoE):
+            for name, change in cut_expert_hidden(block.feed_forward, etp).items():
+                changes[f"layers.{path}.feed_forward.{name}"] = change
+    return changes

@@ -5,7 +5,8 @@
                            weight gradients to W (`pipeline.wgrad`)
     then on each stage, in this order:
     2. EP                  experts over the ep group, and the MoE runtime (capacity, balancing, statistics)
-    3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms)
+    3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms);
+                           ETP: the routed experts' hidden size over the etp ranks of the tp group
     4. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
     5. recomputation       full or selective activation recomputation of every k-th block
                            (fivecut.parallel.recompute), around what the cuts above put in a block
@@ -47,6 +48,7 @@ from fivecut.parallel.expert import (
     ExpertParallelMoE,
     SlotMap,
     apply_expert_parallel,
+    apply_expert_tensor_parallel,
     expert_slice,
 )
 from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
@@ -299,7 +301,7 @@ def expert_parallel(stage: nn.Module, mesh: Mesh, moe: MoEOptions, global_batch:
     if not expected:
         return {}
     made, changes = apply_expert_parallel(
-        stage, moe, mesh.group("ep"), mesh.group("tp"), mesh.dims.sp, global_batch, mesh.group("cp")
+        stage, moe, mesh.group("ep"), mesh.group("tp"), mesh.dims.sp, global_batch, mesh.group("cp"), mesh.group("etp")
     )
     require("expert", sorted(made), expected)
     runtimes.update(made)
@@ -312,8 +314,11 @@ def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> St
     if dims.tp == 1:
         return {}
     changes = apply_tensor_parallel(stage, mesh.group("tp"), dims.sp, saved)
+    if dims.etp > 1:
+        changes |= apply_expert_tensor_parallel(stage, mesh.group("etp"))
     suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ())
     expected = [path for path, _ in stage.named_parameters() if path.endswith(suffixes) and ".experts." not in path]
+    expected += [path for path, _ in stage.named_parameters() if ".experts." in path and dims.etp > 1]
     if stage.output is not None and not (args.tie_embeddings and stage.tok_embeddings is not None):
         expected.append("output.weight")
     require("tensor", sorted(p for p, c in changes.items() if c.slice is not None), sorted(expected))

@@ -33,7 +33,7 @@ class Slice:
     (vocabulary padding rows are zeros, never looked up). EP: the logical experts
     `experts`, in local slot order (EPLB may move them, so they need not be contiguous)."""
 
-    group: str  # "tp" or "ep"
+    group: str  # "tp", "ep" or "etp" (an expert's hidden size, over etp ranks of the tp group)
     dim: int  # tensor dimension that is cut
     start: int
     length: int
@@ -123,7 +123,8 @@ class Placement:
         spans_tp = self.reduce in SPANS_TP
         copies = 2 if self.ends else 1
         if tp > 1 and self.slice_over("tp") is None and not (zero and spans_tp):
-            copies *= tp  # identical on every tp rank, and the norm sums over tp
+            etp = self.slice_over("etp")  # an expert's hidden cut over etp ranks of tp: tp / etp copies
+            copies *= tp // (etp.padded // etp.length) if etp else tp  # the norm sums over tp
         if ep > 1 and not zero and self.reduce != "expert_dp":
             copies *= ep  # replicated over ep, and the norm sums over ep (experts differ)
         return ParamKind(len(self.shape) >= 2, self.reduce, self.slice_over("tp") is not None, 1.0 / copies)

@@ -50,6 +50,7 @@ def activation_bytes_per_layer(
     recompute: str = "none",
     cp_mode: str = "ulysses",
     cp_ulysses: int = 1,
+    etp: int = 1,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -64,7 +65,8 @@ def activation_bytes_per_layer(
     Ulysses over U around the ring: kv heads repeated when too few to split over U, the output
     twice (the ring's and the output projection's input) and the log-sum-exps, in every mode but
     full (the ring's core is never recomputed); with U = 1 it is the ring. `recompute`: the
-    block's mode ("none" for a block that `recompute_every` leaves out)."""
+    block's mode ("none" for a block that `recompute_every` leaves out). `etp`: expert tensor
+    parallelism (see `moe_bytes`)."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -85,10 +87,12 @@ def activation_bytes_per_layer(
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if lse else 0)  # rstd; lse
     dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
-    return dense if moe_rows is None else dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu)
+    if moe_rows is None:
+        return dense
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu, etp)
 
 
-def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4) -> float:
+def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4, etp: int = 1) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
     (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
@@ -98,12 +102,17 @@ def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, sw
         experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates
         combine    T*k slot indices (int64), T*k*h results per slot, T*k weights
         shared     4*T*H_shared (a SwiGLU on every token)
-    (`swiglu` = 2 under selective recomputation: two intermediates instead of four)."""
+    (`swiglu` = 2 under selective recomputation: two intermediates instead of four).
+    Expert tensor parallelism (etp ranks): the router and the shared experts keep the same; the
+    dispatch and the combine work on the etp ranks' T_e = etp*T gathered tokens (N, R count
+    those rows), the experts' intermediates are R*4H/etp, and the combine keeps T_e*k slot
+    indices, T_e*k*h results and T_e*k weights."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
+    gathered = etp * t  # the tokens the dispatch and the combine see
     renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
-    floats = t * e + renormalize + received * (h + swiglu * args.expert_dim) + t * k * h + t * k
+    floats = t * e + renormalize + received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
     floats += swiglu * t * args.expert_dim * args.n_shared_experts
-    return itemsize * floats + 8 * (t * k + sent + t * k)
+    return itemsize * floats + 8 * (t * k + sent + gathered * k)
 
 
 def stage_activation_bytes(
@@ -117,6 +126,7 @@ def stage_activation_bytes(
     cp: int = 1,
     recompute: str = "none",
     every: int = 1,
+    etp: int = 1,
 ) -> dict[str, float]:
     """The planner's activation memory of a rank holding blocks `layer_ids`, in a recompute mode:
     `kept`, what its blocks keep for backward through one forward; `transient`, what backward
@@ -125,9 +135,9 @@ def stage_activation_bytes(
     routing (this rank's T*k rows sent and received)."""
 
     def block(i: int, mode: str) -> float:
-        rows = batch * seq // tp * args.top_k
+        rows = batch * seq // tp * args.top_k * etp  # etp: the etp ranks' tokens, gathered
         moe = (rows, rows) if args.moe_layer(i) else None
-        return activation_bytes_per_layer(args, batch, seq, tp, sp, itemsize, moe, cp, mode)
+        return activation_bytes_per_layer(args, batch, seq, tp, sp, itemsize, moe, cp, mode, etp=etp)
 
     modes = {i: layer_mode(i, recompute, every) for i in layer_ids}
     kept = sum(block(i, mode) for i, mode in modes.items())

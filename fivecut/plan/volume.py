@@ -28,13 +28,16 @@ def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, st
     dims = cfg.parallel
     out = {}
     n = dims.dp * dims.cp
-    if n > 1:
+    if n > 1 or (args.is_moe and dims.tp > 1):  # MoE under tp: the router's gradients are summed over tp too
         out["dp"] = data_parallel_volume(args, cfg, n)
+    if n > 1:
         out["metrics"] = (ring_factor("all_reduce", n) * 4, "all-reduce of the step's loss (one fp32)")
     if args.is_moe:
         ep = expert_parallel_volume(args, cfg, routing)
         if ep[0] > 0:
             out["ep"] = ep
+        if dims.etp > 1:
+            out["etp"] = expert_tensor_volume(args, cfg)
     if dims.tp > 1:
         out["tp"] = tensor_parallel_volume(args, cfg)
     if dims.cp > 1:
@@ -257,7 +260,7 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
     forwards = train.accumulate * (dims.microbatches if dims.pp > 1 else 1)
     volume = 0.0
     if ep > 1:
-        expert_bytes = 3 * args.dim * args.expert_dim * FP32
+        expert_bytes = 3 * args.dim * args.expert_dim // dims.etp * FP32  # an EPLB copy: this rank's shard
         again = recomputed_moe_layers(args, cfg)
         for i in layers:
             volume += forwards * (1 + (i in again)) * (ep - 1) * slots * 8
@@ -277,6 +280,33 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
         volume,
         f"{len(layers)} MoE layers x {forwards} forwards: counts + 2x(dispatch + combine) rows from {source}, "
         f"ep={ep} + load-statistics all-reduce",
+    )
+
+
+def expert_tensor_volume(args, cfg) -> tuple[float, str]:
+    """Expert tensor parallelism over n = etp ranks, per forward (accumulation micro-step or
+    pipeline microbatch) and MoE layer on rank 0, with T = b * s/(cp*tp) its tokens, k = top_k:
+        forward   all-gather of [n*T, dim + k] fp32 (tokens and combine weights) and of
+                  [n*T, k] int64 (chosen experts; [n*T, 2k] with capacity: and the kept slots),
+                  reduce-scatter of the partial outputs [n*T, dim] fp32
+        backward  all-gather of the outputs' gradient [n*T, dim], reduce-scatter of the
+                  gradient of the tokens and weights [n*T, dim + k]
+    each (n-1)/n of the full tensor. A fully recomputed layer runs its forward part again."""
+    dims, train = cfg.parallel, cfg.train
+    n, k, h = dims.etp, args.top_k, args.dim
+    micro = dims.microbatches if dims.pp > 1 else 1
+    rows = n * train.global_batch // (dims.dp * train.accumulate * micro) * (train.seq_len // dims.cp // dims.tp)
+    choice = 2 * k if cfg.moe.capacity_factor is not None else k
+    ring = ring_factor("all_gather", n)
+    forward = ring * rows * ((h + k) * FP32 + choice * 8 + h * FP32)
+    backward = ring * rows * (h + (h + k)) * FP32
+    layers = [i for i in rank_layer_ids(args, cfg) if args.moe_layer(i)]
+    again = recomputed_moe_layers(args, cfg)
+    volume = train.accumulate * micro * sum(forward + backward + (i in again) * forward for i in layers)
+    return (
+        volume,
+        f"{len(layers)} MoE layers x {train.accumulate * micro} forwards: all-gather [nT, dim+k] + indices, "
+        f"reduce-scatter [nT, dim]; backward the reverse, nT={rows}, n={n}",
     )
 
 
@@ -301,7 +331,7 @@ def _routing_of(args, cfg, routing: dict | None, layer: int) -> tuple[float, flo
             local["copies_received"],
         )
     dims, train = cfg.parallel, cfg.train
-    tokens = train.global_batch // dims.dp * train.seq_len // dims.cp // dims.tp  # per step, this rank's tokens
+    tokens = train.global_batch // dims.dp * train.seq_len // dims.cp // dims.tp * dims.etp  # per step, dispatched
     rows = tokens * args.top_k * (dims.ep - 1) / dims.ep
     return rows, rows, 0.0, 0.0
 
@@ -327,7 +357,7 @@ def reduce_group_sizes(cfg) -> dict[str, int]:
     """How many ranks sum each kind of gradient (see `fivecut.mesh.Mesh._expert_groups`)."""
     dims = cfg.parallel
     n = dims.dp * dims.cp
-    return {"dp_cp": n, "expert_dp": n // dims.ep * dims.tp, "dp_cp_tp": n * dims.tp}
+    return {"dp_cp": n, "expert_dp": n // dims.ep * dims.tp // dims.etp, "dp_cp_tp": n * dims.tp}
 
 
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
