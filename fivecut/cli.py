@@ -37,6 +37,7 @@ from fivecut.model.presets import SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
+from fivecut.plan.cluster import cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
@@ -742,7 +743,6 @@ def cmd_plan(ns) -> int:
         raise ConfigError(
             "fivecut plan needs --layout and --cluster (e.g. --cluster 32x8xH100 --layout dp=16,tp=4,pp=4)"
         )
-    from fivecut.plan.cluster import parse_cluster
     from fivecut.plan.cost import cost_layout
 
     cluster = parse_cluster(ns.cluster)
@@ -806,7 +806,6 @@ def cmd_plan_calibrate(ns) -> int:
     if Path(ns.out).exists() and not ns.force:
         raise ConfigError(f"--out {ns.out} exists; give another file name, or --force to replace it")
     from fivecut.plan.calibrate import calibrate
-    from fivecut.plan.cluster import cluster_toml
 
     cluster, raw = calibrate(ns.ranks)
     Path(ns.out).write_text(cluster_toml(cluster, f"written by fivecut plan calibrate --ranks {ns.ranks}"))
