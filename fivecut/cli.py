@@ -33,7 +33,7 @@ from fivecut.config import (
 )
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
-from fivecut.model.presets import SHAPE_ONLY, runnable_presets
+from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
@@ -758,8 +758,6 @@ def cmd_plan(ns) -> int:
 
 def plan_config(ns) -> tuple[Config, object]:
     """The run `ns` describes, for planning: any preset, the sequence, the batch, the dtype."""
-    from fivecut.model.presets import PRESETS
-
     if ns.model not in PRESETS:
         raise ConfigError(f"--model {ns.model!r} is not a model preset; presets: {', '.join(PRESETS)}")
     seq = ns.seq if ns.seq is not None else PRESETS[ns.model].max_seq_len
