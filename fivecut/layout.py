@@ -31,6 +31,7 @@ class ParallelDims:
     cp: int = 1  # context-parallel ranks (sequence split inside attention)
     cp_mode: str = "ring"  # "ring" | "ulysses"
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
+    zero_shard: int | None = None  # ZeRO shards over groups of this many dp x cp ranks, replicated across; None: all
 
     @property
     def world_size(self) -> int:
@@ -58,12 +59,43 @@ class ParallelDims:
             )
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are borrowed from dp x cp)")
-        return out
+        return out + self._zero_shard_problems()
+
+    def _zero_shard_problems(self) -> list[str]:
+        s, n = self.zero_shard, self.dp * self.cp
+        if s is None:
+            return []
+        if s < 1:
+            return [f"parallel.zero_shard={s} must be >= 1 (ranks per ZeRO shard group); leave it unset for all dp*cp"]
+        if not self.zero:
+            return [f"parallel.zero_shard={s} sets ZeRO's shard group but zero=0; set parallel.zero >= 1 or remove it"]
+        if n % s:
+            good = [d for d in range(1, n + 1) if n % d == 0]
+            return [f"parallel.zero_shard={s} must divide dp*cp={n}; choose one of {good}"]
+        if self.ep > 1 and s % self.ep and n % self.ep == 0:
+            fit = next(d for d in range(s, n + 1) if d % self.ep == 0 and n % d == 0)
+            return [
+                f"parallel.zero_shard={s} must be a multiple of ep={self.ep} (each shard group holds whole "
+                f"expert-parallel groups); e.g. zero_shard={fit}"
+            ]
+        return []
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of dp x cp in one ZeRO shard group (`zero_shard`, default all of them)."""
+        return self.zero_shard or self.dp * self.cp
+
+    @property
+    def hybrid(self) -> bool:
+        """ZeRO shards over part of dp x cp and replicates across the groups (HSDP)."""
+        return bool(self.zero) and self.shard_size < self.dp * self.cp
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep",) if getattr(self, name) > 1]
         if self.zero:
             parts.append(f"zero={self.zero}")
+        if self.hybrid:
+            parts.append(f"zero_shard={self.zero_shard}")
         if self.sp:
             parts.append("sp=true")
         return ",".join(parts) or "single"
