@@ -39,6 +39,13 @@ would leave every forward buffer alive through autograd's saved views until back
 At most one reduce-scatter is in flight: launching a unit's waits for the previous one,
 whose full-size gradient buffer the collective holds until then.
 
+Hybrid sharding (`parallel.zero_shard = S`, FSDP2's HSDP): every stage shards over a group
+of S consecutive dp x cp ranks (`Mesh.zero_groups`: the shard group is `group`, the groups
+given to FSDP) instead of all of them, and `Replicas` sums each reduced shard over the ranks
+holding the same shard in the other groups: reduce-scatter inside, then one all-reduce of the
+1/S shard across, once per step (after the step's last micro-step: `no_sync` defers it, and a
+pipeline's `reduce()` runs it). Gathers stay inside the shard group.
+
 Mixed precision (`param_dtype`, train.dtype = "bf16"; FSDP2's MixedPrecisionPolicy): the
 shards stay fp32 masters, which the optimizer updates; `full` is a bf16 buffer, and each
 gather casts the rank's shard to bf16 and all-gathers that, so the wire carries 2 bytes a
