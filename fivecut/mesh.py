@@ -129,11 +129,7 @@ class Mesh:
         with the same i % ep, and its gradients are summed over them and over tp (the MoE layer
         runs on a tp rank's own slice of the tokens): `expert_dp`. The router and the shared
         experts are data-parallel over dp x cp x tp: `dp_cp_tp`."""
-        ep = self.dims.ep
-
-        def inner(c: dict) -> int:  # the dp x cp index
-            return c["dp"] * self.dims.cp + c["cp"]
-
+        ep, inner = self.dims.ep, self._dp_cp_index
         self.groups["ep"] = self._keyed_group("ep", lambda c: (c["pp"], c["tp"], inner(c) // ep))
         self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep))
         self.groups["dp_cp_tp"] = self._keyed_group("dp", lambda c: (c["pp"],))
@@ -145,11 +141,7 @@ class Mesh:
         if not self.dims.hybrid:
             alone = self._group("dp", (self.rank,), None)
             return {name: ZeroGroups(self.groups[name], alone) for name in names}
-        s, ep = self.dims.shard_size, self.dims.ep
-
-        def inner(c: dict) -> int:  # the dp x cp index
-            return c["dp"] * self.dims.cp + c["cp"]
-
+        s, ep, inner = self.dims.shard_size, self.dims.ep, self._dp_cp_index
         replicate = self._keyed_group("dp", lambda c: (c["pp"], c["tp"], inner(c) % s))
         self.groups["zero_shard"] = self._keyed_group("dp", lambda c: (c["pp"], c["tp"], inner(c) // s))
         self.groups["zero_replicate"] = replicate
@@ -161,6 +153,10 @@ class Mesh:
         else:
             out |= {"expert_dp": out["dp_cp"], "dp_cp_tp": out["dp_cp"]}
         return out
+
+    def _dp_cp_index(self, coords: dict) -> int:
+        """A rank's place in dp x cp, i = dp_index * cp + cp_index (consecutive i: neighbouring ranks)."""
+        return coords["dp"] * self.dims.cp + coords["cp"]
 
     def _keyed_group(self, cut: str, key) -> Group:
         """Ranks whose coordinates give the same `key` form a group; every rank creates all of them."""
