@@ -129,8 +129,11 @@ def test_hybrid_losses_and_norms_over_steps(stage, byte_cache, tmp_path):
 
 @pytest.mark.sweep
 def test_hybrid_inside_a_pipeline_verifies(capsys):
-    """dp=4,zero=1,zero_shard=2,pp=2: eight processes."""
-    assert main(["verify", "--model", "tiny", "--layout", "dp=4,zero=1,zero_shard=2,pp=2", "--steps", "5"]) == 0
+    """dp=4,zero=1,zero_shard=2,pp=2 (1f1b needs microbatches >= pp): eight processes."""
+    assert (
+        main(["verify", "--model", "tiny", "--layout", "dp=4,zero=1,zero_shard=2,pp=2,microbatches=2", "--steps", "5"])
+        == 0
+    )
     assert "PASS" in capsys.readouterr().out
 
 
