@@ -606,12 +606,12 @@ def verdict(diffs: dict[str, dict[int, float]], loss_rtol: float) -> int:
 
 
 def print_memory(measured: dict[str, int], cfg: Config) -> None:
-    from fivecut.plan.volume import local_param_counts, reduce_group_sizes
+    from fivecut.plan.volume import local_param_counts, shard_group_sizes
     from fivecut.train.memory import format_bytes
 
     dims = cfg.parallel
     counts = local_param_counts(preset_args(cfg.model), cfg)  # {reduce group: Psi}
-    sizes = reduce_group_sizes(cfg)
+    sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
     groups = ", ".join(f"{name}: n={sizes[name]}, Psi={psi:,}" for name, psi in counts.items())

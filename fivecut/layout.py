@@ -33,6 +33,7 @@ class ParallelDims:
     cp_ulysses: int = 1  # usp: the Ulysses degree U (groups of U consecutive cp ranks); the ring runs over cp/U
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
     etp: int = 1  # expert tensor parallelism: each routed expert's hidden size cut over etp ranks of the tp group
+    zero_shard: int | None = None  # ZeRO shards over groups of this many dp x cp ranks, replicated across; None: all
 
     @property
     def world_size(self) -> int:
@@ -68,7 +69,36 @@ class ParallelDims:
                 f"parallel.etp={self.etp} must divide tp={self.tp} (expert shards live on ranks of the tp group); "
                 f"set parallel.etp to 1 or a divisor of tp"
             )
-        return out
+        return out + self._zero_shard_problems()
+
+    def _zero_shard_problems(self) -> list[str]:
+        s, n = self.zero_shard, self.dp * self.cp
+        if s is None:
+            return []
+        if s < 1:
+            return [f"parallel.zero_shard={s} must be >= 1 (ranks per ZeRO shard group); leave it unset for all dp*cp"]
+        if not self.zero:
+            return [f"parallel.zero_shard={s} sets ZeRO's shard group but zero=0; set parallel.zero >= 1 or remove it"]
+        if n % s:
+            good = [d for d in range(1, n + 1) if n % d == 0]
+            return [f"parallel.zero_shard={s} must divide dp*cp={n}; choose one of {good}"]
+        if self.ep > 1 and s % self.ep and n % self.ep == 0:
+            fit = next(d for d in range(s, n + 1) if d % self.ep == 0 and n % d == 0)
+            return [
+                f"parallel.zero_shard={s} must be a multiple of ep={self.ep} (each shard group holds whole "
+                f"expert-parallel groups); e.g. zero_shard={fit}"
+            ]
+        return []
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of dp x cp in one ZeRO shard group (`zero_shard`, default all of them)."""
+        return self.zero_shard or self.dp * self.cp
+
+    @property
+    def hybrid(self) -> bool:
+        """ZeRO shards over part of dp x cp and replicates across the groups (HSDP)."""
+        return bool(self.zero) and self.shard_size < self.dp * self.cp
 
     def _usp_problems(self) -> list[str]:
         if self.cp_ulysses < 1:  # said with the other counts
@@ -96,6 +126,8 @@ class ParallelDims:
         parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS + ("ep", "etp") if getattr(self, name) > 1]
         if self.zero:
             parts.append(f"zero={self.zero}")
+        if self.hybrid:
+            parts.append(f"zero_shard={self.zero_shard}")
         if self.sp:
             parts.append("sp=true")
         return ",".join(parts) or "single"

@@ -8,11 +8,21 @@ group is made of neighbouring ranks (one node). Derived groups:
     etp        expert tensor parallelism: the etp ranks of a tp group that hold one expert's shards
     cp_ulysses USP only: U consecutive ranks of a cp group (Ulysses' all-to-alls)
     cp_ring    USP only: the cp/U ranks with the same place in their Ulysses group (the ring)
+
+Hybrid sharding (`zero_shard = S` < dp x cp, ZeRO only; `ZeroGroups`): with i = dp_index * cp +
+cp_index, the ranks with the same i // S (same pp, tp) form a `zero_shard` group and the ranks with
+the same i % S (same pp, tp) a `zero_replicate` group: ZeRO shards inside the first and sums the
+shards across the second. As tp is innermost, consecutive i are neighbours in the rank order
+(stride tp), so a shard group of S * tp <= ranks per node stays inside one node and only the
+replicate group's all-reduce of 1/S of the gradients crosses nodes. The experts' and the router's
+groups (`expert_dp`, `dp_cp_tp`) are cut the same way: their members inside this rank's block of S
+(ep divides S, so a block holds whole ep groups), replicated across blocks by `zero_replicate`.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -23,6 +33,15 @@ from fivecut.comm import Group
 from fivecut.launch import backend_for
 from fivecut.layout import MESH_DIMS, ParallelDims
 from fivecut.ledger import Ledger
+
+
+@dataclass(frozen=True)
+class ZeroGroups:
+    """Where ZeRO cuts the parameters that one mesh group sums: sharded over `shard`, each shard
+    summed over `replicate` (one rank without hybrid sharding)."""
+
+    shard: Group
+    replicate: Group
 
 
 class Mesh:
@@ -64,6 +83,7 @@ class Mesh:
         else:  # one rank per ep group; experts replicated like everything else
             self.groups["ep"] = self.groups["etp"] = self._group("ep", (self.rank,), None)
             self.groups["expert_dp"] = self.groups["dp_cp_tp"] = self.groups["dp_cp"]
+        self.zero_groups = self._zero_groups(moe)
 
     @classmethod
     def virtual(cls, dims: ParallelDims, rank: int = 0, moe: bool = False) -> Mesh:
@@ -116,12 +136,7 @@ class Mesh:
         experts are data-parallel over dp x cp x tp: `dp_cp_tp`. Expert tensor parallelism: the
         etp neighbouring ranks tp // etp = const of a tp group hold the etp shards of the same
         experts (`etp`); `expert_dp` then spans only the tp ranks with the same tp % etp (same shard)."""
-        ep = self.dims.ep
-
-        def inner(c: dict) -> int:  # the dp x cp index
-            return c["dp"] * self.dims.cp + c["cp"]
-
-        etp = self.dims.etp
+        ep, etp, inner = self.dims.ep, self.dims.etp, self._dp_cp_index
         self.groups["ep"] = self._keyed_group("ep", lambda c: (c["pp"], c["tp"], inner(c) // ep))
         self.groups["etp"] = self._keyed_group("etp", lambda c: (c["pp"], c["dp"], c["cp"], c["tp"] // etp))
         self.groups["expert_dp"] = self._keyed_group("dp", lambda c: (c["pp"], inner(c) % ep, c["tp"] % etp))
@@ -136,6 +151,31 @@ class Mesh:
 
         self.groups["cp_ulysses"] = self._keyed_group("cp", lambda c: (*outside(c), c["cp"] // u))
         self.groups["cp_ring"] = self._keyed_group("cp", lambda c: (*outside(c), c["cp"] % u))
+
+    def _zero_groups(self, moe: bool) -> dict[str, ZeroGroups]:
+        """The shard and replicate group of each reduce group (see the module doc); the reduce group
+        itself and one rank when `zero_shard` is unset."""
+        names = ("dp_cp", "expert_dp", "dp_cp_tp")
+        if not self.dims.hybrid:
+            alone = self._group("dp", (self.rank,), None)
+            return {name: ZeroGroups(self.groups[name], alone) for name in names}
+        s, ep, inner = self.dims.shard_size, self.dims.ep, self._dp_cp_index
+        replicate = self._keyed_group("dp", lambda c: (c["pp"], c["tp"], inner(c) % s))
+        self.groups["zero_shard"] = self._keyed_group("dp", lambda c: (c["pp"], c["tp"], inner(c) // s))
+        self.groups["zero_replicate"] = replicate
+        out = {"dp_cp": ZeroGroups(self.groups["zero_shard"], replicate)}
+        if moe and (ep > 1 or self.dims.tp > 1):
+            etp = self.dims.etp  # an expert shard is summed only with the same shard (tp % etp)
+            experts = self._keyed_group("dp", lambda c: (c["pp"], inner(c) // s, inner(c) % ep, c["tp"] % etp))
+            router = self._keyed_group("dp", lambda c: (c["pp"], inner(c) // s))
+            out |= {"expert_dp": ZeroGroups(experts, replicate), "dp_cp_tp": ZeroGroups(router, replicate)}
+        else:
+            out |= {"expert_dp": out["dp_cp"], "dp_cp_tp": out["dp_cp"]}
+        return out
+
+    def _dp_cp_index(self, coords: dict) -> int:
+        """A rank's place in dp x cp, i = dp_index * cp + cp_index (consecutive i: neighbouring ranks)."""
+        return coords["dp"] * self.dims.cp + coords["cp"]
 
     def _keyed_group(self, cut: str, key) -> Group:
         """Ranks whose coordinates give the same `key` form a group; every rank creates all of them."""

@@ -386,10 +386,13 @@ def data_parallel(
     for p in unique_params(module):
         by_group.setdefault(kinds[p].reduce, []).append(p)
     dims = mesh.dims
-    if dims.zero == 3:  # units of modules, each part sharded over its own group
-        others = {name: mesh.group(name) for name in by_group if name != "dp_cp"}
+    if dims.zero == 3:  # units of modules, each part sharded over its own group (hybrid: a block of it)
+        shard = {name: mesh.zero_groups[name].shard for name in by_group}
+        others = {name: group for name, group in shard.items() if name != "dp_cp"}
+        main = shard.get("dp_cp", mesh.zero_groups["dp_cp"].shard)
+        replicate = mesh.zero_groups["dp_cp"].replicate  # the same ranks for every reduce group
         return FullyShardedDataParallel(
-            module, mesh.group("dp_cp"), dims.reshard_after_forward, reduce_dtype, kinds, others, param_dtype
+            module, main, dims.reshard_after_forward, reduce_dtype, kinds, others, param_dtype, replicate
         )
     syncs = [
         reduce_over(module, params, mesh, name, kinds, bucket_mb, reduce_dtype) for name, params in by_group.items()
@@ -402,11 +405,13 @@ def unique_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 def reduce_over(module, params, mesh: Mesh, name: str, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:
-    """DDP or ZeRO-1/2 of `params` over the mesh group `name`."""
+    """DDP or ZeRO-1/2 of `params` over the mesh group `name` (hybrid sharding: sharded over a block
+    of it, `Mesh.zero_groups`)."""
     group = mesh.group(name)
     if mesh.dims.zero == 0 or group.size == 1:
         return DataParallel(module, group, bucket_mb, reduce_dtype, params, kinds)
-    return ZeroDataParallel(module, group, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds)
+    cut = mesh.zero_groups[name]
+    return ZeroDataParallel(module, cut.shard, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds, cut.replicate)
 
 
 def record_flat_slots(placements: dict[str, Placement], params, slots: dict[nn.Parameter, FlatSlot]) -> None:
@@ -475,10 +480,11 @@ def expert_balancer(args, mesh: Mesh, moe: MoEOptions, runtimes: dict[int, Exper
 
 
 def norm_groups(mesh: Mesh) -> list[Group]:
-    """Where squared gradient norms are summed: over shards (ZeRO), expert-parallel ranks (their
-    experts differ; without ZeRO), tensor and pipeline ranks."""
+    """Where squared gradient norms are summed: over shards (ZeRO; hybrid sharding: one shard group,
+    not its replicas), expert-parallel ranks (their experts differ; without ZeRO), tensor and pipeline ranks."""
     dims = mesh.dims
-    on = (("dp_cp", dims.zero > 0), ("ep", dims.zero == 0 and dims.ep > 1), ("tp", dims.tp > 1), ("pp", dims.pp > 1))
+    shards = "zero_shard" if dims.hybrid else "dp_cp"
+    on = ((shards, dims.zero > 0), ("ep", dims.zero == 0 and dims.ep > 1), ("tp", dims.tp > 1), ("pp", dims.pp > 1))
     return [mesh.group(name) for name, wanted in on if wanted]
 
 

@@ -39,6 +39,13 @@ would leave every forward buffer alive through autograd's saved views until back
 At most one reduce-scatter is in flight: launching a unit's waits for the previous one,
 whose full-size gradient buffer the collective holds until then.
 
+Hybrid sharding (`parallel.zero_shard = S`, FSDP2's HSDP): every stage shards over a group
+of S consecutive dp x cp ranks (`Mesh.zero_groups`: the shard group is `group`, the groups
+given to FSDP) instead of all of them, and `Replicas` sums each reduced shard over the ranks
+holding the same shard in the other groups: reduce-scatter inside, then one all-reduce of the
+1/S shard across, once per step (after the step's last micro-step: `no_sync` defers it, and a
+pipeline's `reduce()` runs it). Gathers stay inside the shard group.
+
 Mixed precision (`param_dtype`, train.dtype = "bf16"; FSDP2's MixedPrecisionPolicy): the
 shards stay fp32 masters, which the optimizer updates; `full` is a bf16 buffer, and each
 gather casts the rank's shard to bf16 and all-gathers that, so the wire carries 2 bytes a
@@ -153,6 +160,34 @@ class _Span:
     kind: tuple[bool, float]  # (decays, norm_weight)
 
 
+class Replicas:
+    """Hybrid sharding: the ranks holding the same shard in the other shard groups (`Mesh.zero_groups`);
+    each reduced shard gradient is all-reduced over them, in the reduce dtype (1/S of the bytes the
+    shard group reduce-scattered). A group of one rank communicates nothing."""
+
+    def __init__(self, group: Group | None):
+        self.group = group  # None: no replicas (the shard group is all of the reduce group)
+        self._works: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+
+    @property
+    def size(self) -> int:
+        return self.group.size if self.group is not None else 1
+
+    def launch(self, grad: torch.Tensor, to_wire) -> None:
+        """Start summing `grad` [shard size] over the replicas; `to_wire` casts it to the reduce dtype."""
+        if self.size == 1:
+            return
+        wire = to_wire(grad)  # `grad` itself when it is already in the reduce dtype
+        self._works.append((grad, wire, comm.all_reduce(wire, self.group, async_op=True)))
+
+    def finish(self) -> None:
+        for grad, wire, work in self._works:
+            comm.wait(work, "all_reduce", self.group)
+            if wire is not grad:
+                grad.copy_(wire)
+        self._works = []
+
+
 # ---------------------------------------------------------------- ZeRO-1 and ZeRO-2
 
 
@@ -169,10 +204,12 @@ class ZeroDataParallel(DataParallel):
         reduce_dtype=None,
         params: list[nn.Parameter] | None = None,
         kinds: Kinds | None = None,
+        replicate: Group | None = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
+        self.replicas = Replicas(replicate)
         super().__init__(module, group, bucket_mb, reduce_dtype, params, kinds)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
@@ -209,7 +246,7 @@ class ZeroDataParallel(DataParallel):
         return [shard.grad for shard in self.shards]
 
     def reducing(self) -> bool:
-        return self.group.size > 1 and (self.sync or self.stage == 2)
+        return (self.group.size > 1 or self.replicas.size > 1) and (self.sync or self.stage == 2)
 
     def zero_grad(self) -> None:
         if self.stage == 1:
@@ -240,6 +277,12 @@ class ZeroDataParallel(DataParallel):
         else:
             shard.grad.add_(bucket.out)
         bucket.out = None
+        if self.sync:  # the step's last micro-step: sum the shard over the replicas (hybrid sharding)
+            self.replicas.launch(shard.grad, self.to_wire)
+
+    def _finish(self) -> None:
+        super()._finish()
+        self.replicas.finish()
 
     def after_step(self) -> None:
         """Every rank updated its shard; gather all shards back into the parameters."""
@@ -296,8 +339,11 @@ class FullyShardedDataParallel:
         kinds: Kinds | None = None,
         other_groups: dict[str, Group] | None = None,
         param_dtype: torch.dtype | None = None,
+        replicate: Group | None = None,
     ):
         self.model = model
+        self.replicas = Replicas(replicate)  # hybrid sharding: each shard summed over these ranks too
+        self.sync = True  # False inside `no_sync`: the replicas are summed at the step's last backward
         self.param_dtype = param_dtype  # None: gather and compute in the masters' dtype
         self.kinds = kinds if kinds is not None else plain_kinds(list(model.parameters()))
         self.groups = {"dp_cp": group, **(other_groups or {})}
@@ -346,8 +392,13 @@ class FullyShardedDataParallel:
 
     @contextmanager
     def no_sync(self):
-        """ZeRO-3 keeps no full gradients, so every micro-step reduce-scatters: nothing to suspend."""
-        yield
+        """ZeRO-3 keeps no full gradients, so every micro-step reduce-scatters inside the shard group;
+        only the sum over the replicas (hybrid sharding) waits for the step's last backward."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
 
     def zero_grad(self) -> None:
         for shard in self.shards:
@@ -357,7 +408,16 @@ class FullyShardedDataParallel:
         """Nothing to do: the next forward gathers the updated shards."""
 
     def reduce(self) -> None:
-        """Nothing to do: every backward reduce-scatters as it goes."""
+        """Every backward reduce-scattered as it went; what is left is the sum over the replicas."""
+        self._sum_replicas()
+
+    def _sum_replicas(self) -> None:
+        for shard in self.shards:
+            self.replicas.launch(shard.grad, self._to_wire)
+        self.replicas.finish()
+
+    def _to_wire(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad if grad.dtype == self.wire_dtype else grad.to(self.wire_dtype)
 
     @property
     def shards(self) -> list[FlatShard]:
@@ -466,6 +526,8 @@ class FullyShardedDataParallel:
         for unit in self.backward_order:
             unit.reduced, unit.ready = False, 0
         self._callback_queued = False
+        if self.sync:
+            self._sum_replicas()
 
     def _finish_reduce(self, unit: Unit) -> None:
         for part in unit.parts:

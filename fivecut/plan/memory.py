@@ -6,6 +6,9 @@ ZeRO-1  4Psi     4Psi     8Psi/n             8Psi + 8Psi/n
 ZeRO-2  4Psi     4Psi/n   8Psi/n             4Psi + 12Psi/n
 ZeRO-3  4Psi/n   4Psi/n   8Psi/n             16Psi/n   (+ the units gathered at the time)
 
+n is the ranks a state is sharded over: its reduce group, or with `parallel.zero_shard = S`
+(hybrid sharding) the part of it in one shard group (S for most parameters; `shard_group_sizes`).
+
 Under train.dtype = "bf16" the masters, gradient shards and moments stay fp32, so the table holds;
 only ZeRO-3's gathered units (freed between steps, not counted here) are bf16: 2 bytes a parameter.
 """

@@ -360,14 +360,28 @@ def reduce_group_sizes(cfg) -> dict[str, int]:
     return {"dp_cp": n, "expert_dp": n // dims.ep * dims.tp // dims.etp, "dp_cp_tp": n * dims.tp}
 
 
+def zero_replicas(cfg) -> int:
+    """Hybrid sharding (`parallel.zero_shard`): the shard groups that hold the same shard; else 1."""
+    dims = cfg.parallel
+    return dims.dp * dims.cp // dims.shard_size if dims.hybrid else 1
+
+
+def shard_group_sizes(cfg) -> dict[str, int]:
+    """How many ranks ZeRO shards each kind of gradient over: its reduce group, or under hybrid
+    sharding the part of it inside one block of `zero_shard` dp x cp ranks (`fivecut.mesh`)."""
+    r = zero_replicas(cfg)
+    return {name: size // r for name, size in reduce_group_sizes(cfg).items()}
+
+
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
     by_group: dict[str, list[Placement]] = {}
     for pl in local_placements(args, cfg).values():
         by_group.setdefault(pl.reduce, []).append(pl)
-    sizes = reduce_group_sizes(cfg)
-    parts = [group_reduction_volume(cfg, records, sizes[name]) for name, records in by_group.items()]
-    clip = ring_factor("all_reduce", n) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
+    sizes, r = shard_group_sizes(cfg), zero_replicas(cfg)
+    parts = [group_reduction_volume(cfg, records, sizes[name], r) for name, records in by_group.items()]
+    norm = cfg.parallel.shard_size  # the clip norm sums over one shard group, not its replicas
+    clip = ring_factor("all_reduce", norm) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
     volume = sum(v for v, _ in parts) + clip
     how = (
         parts[0][1]
@@ -380,17 +394,33 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
-def group_reduction_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
+def group_reduction_volume(cfg, records: list[Placement], n: int, r: int = 1) -> tuple[float, str]:
     """DDP or ZeRO-1/2/3 of the parameters of `records` over n ranks; ZeRO's flat buffers (padded
-    to a multiple of n) are read from the records' flat slots."""
+    to a multiple of n) are read from the records' flat slots. Hybrid sharding: ZeRO over n ranks
+    of each of r replicas, and each rank's 1/n of every buffer all-reduced over the r replicas once
+    per step, after the step's last reduce-scatter."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
     phi = sum(pl.local_numel() for pl in records)  # this rank's parameters (its stages, its TP and EP shards)
-    if n == 1:
+    if n * r == 1:
         return 0.0, f"one rank, nothing to reduce (Phi={phi:,})"
-    ar, ag, rs = ring_factor("all_reduce", n), ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
     if dims.zero == 0:
+        ar = ring_factor("all_reduce", n)
         return ar * g * phi, f"all-reduce of every gradient: 2(n-1)/n x {g}B x Phi, n={n}, Phi={phi:,}"
+    volume, how = zero_volume(cfg, records, n)
+    if r > 1:
+        shard = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records}) // n
+        volume += ring_factor("all_reduce", r) * g * shard
+        how += f" + all-reduce of the {shard:,}-element shard over r={r} replicas at {g}B"
+    return volume, how
+
+
+def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
+    """ZeRO-1/2/3 inside a shard group of n ranks (see `group_reduction_volume`)."""
+    dims, train = cfg.parallel, cfg.train
+    g = BYTES[train.reduce_dtype]
+    phi = sum(pl.local_numel() for pl in records)
+    ag, rs = ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
     acc = train.accumulate
     flat = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records})
     if dims.zero in (1, 2):

@@ -26,7 +26,7 @@ FREE, REFUSED = "free", "refused"
 FREE_ON_RESUME = {
     # the layout: any split of the work computes the same math (the parity tests, `fivecut verify`)
     "parallel": "dp zero reshard_after_forward tp sp pp pp_schedule pp_virtual microbatches pp_layers cp cp_mode ep "
-    "cp_ulysses etp",
+    "cp_ulysses etp zero_shard",
     # steps: extending (or shortening) a run; the cosine schedule then decays to min_lr at the new end.
     # accumulate and bucket_mb split the same sums differently. The fault policy decides only what
     # happens after a non-finite value, so a resume may switch to "skip" to get past one.
