@@ -400,12 +400,12 @@ def commit() -> str:
 
 
 def selected(only: list[str] | None, subset: str | None) -> list[Row]:
+    """The rows named by --only (all if None), of the --subset (all if None); ValueError for an unknown name."""
     names = {row.name for row in ROWS}
     unknown = sorted(set(only or ()) - names)
     if unknown:
-        raise SystemExit(f"error: --only {' '.join(unknown)}: no such row; rows: {' '.join(sorted(names))}")
-    rows = [row for row in ROWS if (only is None or row.name in only) and (subset is None or row.ci)]
-    return rows
+        raise ValueError(f"--only {' '.join(unknown)}: no such row; rows: {' '.join(sorted(names))}")
+    return [row for row in ROWS if (only is None or row.name in only) and (subset is None or row.ci)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="steps of every row (default: each row's own)")
     parser.add_argument("--out", type=Path, help="the table's file (default docs/parity.md for the whole matrix)")
     ns = parser.parse_args(argv)
-    rows = selected(ns.only, ns.subset)
+    try:
+        rows = selected(ns.only, ns.subset)
+    except ValueError as err:
+        parser.error(str(err))  # exit 2
     start = time.perf_counter()
     outcomes = run_rows(rows, ns.steps)
     seconds = time.perf_counter() - start
