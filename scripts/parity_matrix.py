@@ -186,7 +186,7 @@ ROWS: list[Row] = [
         MOE,
         ("model.gate=sigmoid", "model.expert_groups=4", "model.route_group_limit=2"),
         ci=True,
-    ),  # noqa: E501
+    ),
     Row("moe-shared2", "dp=2,ep=2", MOE, ("model.n_shared_experts=2",)),
     Row("moe-no-shared-no-dense", "dp=2,ep=2", MOE, ("model.n_shared_experts=0", "model.first_dense_layers=0")),
     Row("moe-first-dense2", "pp=2,dp=2,ep=2,microbatches=2", MOE, ("model.first_dense_layers=2",)),
