@@ -332,8 +332,8 @@ def validate_layout(
     problems += (
         pipeline_problems(dims, model, seq_len)
         + model_layout_problems(dims, model)
-        + moe_layout_problems(dims, model, seq_len)
-        + batch_problems(dims, seq_len, global_batch, accumulate)
+        + sequence_problems(dims, model, seq_len)
+        + batch_problems(dims, global_batch, accumulate)
         + world_problems(dims, world_size)
     )
     refuse("invalid layout " + dims.settings(), problems, LayoutError)
@@ -346,10 +346,13 @@ def structural_problems(dims: ParallelDims) -> list[str]:
 
 
 def schedule_rule_problems(name: str, pp: int, microbatches: int, virtual: int) -> list[str]:
-    """The pipeline rules every caller shares: `train` (parallel.*) and `fivecut schedule`."""
-    out = []
+    """The pipeline rules every caller shares: `train` (parallel.*) and `fivecut schedule`. Each
+    problem once: an unknown schedule has no rules yet, and a count under 1 is its caller's to name."""
     if name not in PP_SCHEDULES:
-        out.append(f"parallel.pp_schedule={name!r}; choose one of {', '.join(PP_SCHEDULES)}")
+        return [f"parallel.pp_schedule={name!r}; choose one of {', '.join(PP_SCHEDULES)}"]
+    out = []
+    if min(pp, microbatches, virtual) < 1:
+        return out
     if pp > 1 and name == "dualpipev" and microbatches < 2 * pp:
         out.append(f"dualpipev with pp={pp} needs microbatches >= 2*pp (the V fills with 2*pp); got {microbatches}")
     elif pp > 1 and microbatches < pp and name != "gpipe":
@@ -379,7 +382,7 @@ def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
             built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
         except ValueError as err:
             out.append(str(err))
-    stages = dims.pp * (2 if dims.pp_schedule == "dualpipev" else dims.pp_virtual)  # DualPipeV: two per rank
+    stages = dims.pp * stages_per_rank(dims.pp_schedule, dims.pp_virtual)
     try:
         stage_layers(model, stages, seq_len, dims.pp_layers)
     except ValueError as err:
@@ -387,18 +390,15 @@ def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
     return out
 
 
+def stages_per_rank(name: str, virtual: int) -> int:
+    """Model chunks a pipeline rank holds: DualPipeV two (its V), interleaved `virtual`, the others one
+    (a pp_virtual they do not use is refused by `schedule_rule_problems`, not counted again here)."""
+    return {"dualpipev": 2, "interleaved": virtual}.get(name, 1)
+
+
 def model_layout_problems(dims: ParallelDims, model) -> list[str]:
-    out = []
-    if model.n_heads % dims.tp:
-        out.append(
-            f"model has n_heads={model.n_heads}, not divisible by tp={dims.tp}; choose tp from "
-            f"{divisors(model.n_heads)}"
-        )
-    if not (model.n_kv_heads % dims.tp == 0 or dims.tp % model.n_kv_heads == 0):
-        out.append(
-            f"n_kv_heads={model.n_kv_heads} and tp={dims.tp}: one must divide the other to split or replicate kv heads"
-        )
-    if dims.cp > 1 and dims.cp_mode == "ulysses" and (model.n_heads // dims.tp) % dims.cp:
+    out = tp_head_problems(dims.tp, model)
+    if not out and dims.cp > 1 and dims.cp_mode == "ulysses" and (model.n_heads // dims.tp) % dims.cp:
         out.append(
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
@@ -418,6 +418,18 @@ def usp_head_problems(dims: ParallelDims, model) -> list[str]:
             f"{[d for d in divisors(heads) if dims.cp % d == 0]}"
         ]
     return []
+
+
+def tp_head_problems(tp: int, model) -> list[str]:
+    """tp cuts the query heads and splits or replicates the kv heads: one line when tp fits neither."""
+    kv = model.n_kv_heads
+    fits = [t for t in divisors(model.n_heads) if kv % t == 0 or t % kv == 0]
+    if tp in fits:
+        return []
+    return [
+        f"tp={tp} must divide n_heads={model.n_heads}, and divide or be a multiple of n_kv_heads={kv} (kv heads "
+        f"are split or replicated); choose tp from {fits}"
+    ]
 
 
 def expert_layout_problems(dims: ParallelDims, model) -> list[str]:
@@ -447,36 +459,45 @@ def expert_tensor_problems(dims: ParallelDims, model) -> list[str]:
     return []
 
 
-def moe_layout_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
-    """Under tp a MoE layer runs on each tp rank's slice of the (cp chunk of the) sequence."""
-    local = seq_len // dims.cp
-    if model.n_experts and dims.tp > 1 and local % dims.tp:
-        return [
-            f"a MoE layer under tp={dims.tp} cuts its {local} tokens per sequence over tp; make seq_len/cp "
-            f"divisible by tp"
-        ]
-    return []
-
-
-def batch_problems(dims: ParallelDims, seq_len: int, global_batch: int, accumulate: int) -> list[str]:
+def sequence_cuts(dims: ParallelDims, model) -> list[tuple[int, str]]:
+    """Each cut of a sequence, as a number its length must divide by and the cut that asks it."""
+    cp, tp = dims.cp, dims.tp
     out = []
-    if dims.cp > 1 and dims.cp_mode == "ring" and seq_len % (2 * dims.cp):
-        out.append(f"seq_len={seq_len} must divide by 2*cp={2 * dims.cp} (load-balanced causal chunks)")
-    cut = dims.cp * (dims.tp if dims.sp else 1)
-    usp = dims.cp_mode == "usp" and dims.cp % dims.cp_ulysses == 0 and dims.cp_ring > 1
-    if usp and seq_len % math.lcm(2 * dims.cp_ring, cut):
-        out.append(
-            f"seq_len={seq_len} must divide by {math.lcm(2 * dims.cp_ring, cut)} under USP: 2*{dims.cp_ring} zigzag "
-            f"chunks for the ring (cp/cp_ulysses) and cp={dims.cp} pieces"
-            + (f" x tp={dims.tp} (sequence parallelism)" if dims.sp else "")
-        )
-    if dims.cp > 1 and not usp and seq_len % cut:
-        out.append(
-            f"seq_len={seq_len} must divide by cp={dims.cp}"
-            + (f" x tp={dims.tp} (sequence parallelism)" if dims.sp else "")
-        )
-    if dims.sp and seq_len % dims.tp:
-        out.append(f"seq_len={seq_len} must divide by tp={dims.tp} for sequence parallelism")
+    if cp > 1:
+        out.append(context_cut(dims))
+    if dims.sp:
+        out.append((cp * tp, (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} for sequence parallelism"))
+    elif model.n_experts and tp > 1:  # under tp a MoE layer runs on each tp rank's slice of its cp chunk
+        out.append((cp * tp, (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}: a MoE layer cuts its tokens over tp"))
+    return out
+
+
+def context_cut(dims: ParallelDims) -> tuple[int, str]:
+    """What context parallelism asks of a sequence length: ring 2*cp zigzag chunks; USP 2*R zigzag
+    chunks for its ring of R = cp/cp_ulysses, each in cp pieces; Ulysses cp chunks."""
+    cp, ring = dims.cp, dims.cp_ring
+    if dims.cp_mode == "ring":
+        return 2 * cp, f"2*cp={2 * cp} load-balanced causal chunks"
+    if dims.cp_mode == "usp" and cp % dims.cp_ulysses == 0 and ring > 1:
+        return math.lcm(2 * ring, cp), f"under USP: 2*{ring} zigzag chunks for the ring (cp/cp_ulysses), {cp} pieces"
+    return cp, f"cp={cp} chunks"
+
+
+def sequence_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
+    """One line for a sequence length that some cuts of the sequence do not divide, naming each of them."""
+    cuts = sequence_cuts(dims, model)
+    unmet = [why for n, why in cuts if seq_len % n]
+    if not unmet:
+        return []
+    need = math.lcm(*(n for n, _ in cuts))
+    return [
+        f"seq_len={seq_len} must divide by {need} ({'; '.join(unmet)}); try train.seq_len="
+        f"{max(need, seq_len // need * need)}"
+    ]
+
+
+def batch_problems(dims: ParallelDims, global_batch: int, accumulate: int) -> list[str]:
+    out = []
     per_rank = dims.dp * accumulate * (dims.microbatches if dims.pp > 1 else 1)
     if global_batch % per_rank:
         good = per_rank * max(1, round(global_batch / per_rank))

@@ -170,9 +170,8 @@ class MoEOptions:
         return out + self._eplb_problems()
 
     def _eplb_problems(self) -> list[str]:
+        """Each problem once: an EPLB timing given without EPLB is refused as unused, whatever its value."""
         out = []
-        if self.eplb_interval < 1 or self.eplb_window < 1:
-            out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
         if self.eplb_slots < 0:
             out.append(f"moe.eplb_slots={self.eplb_slots} must be >= 0")
         defaults = (MoEOptions.eplb_interval, MoEOptions.eplb_window)
@@ -181,6 +180,8 @@ class MoEOptions:
                 "moe.eplb_interval and moe.eplb_window apply only to EPLB; set moe.eplb_slots >= 1 or "
                 "moe.eplb_move=true, or leave them"
             )
+        elif self.eplb_interval < 1 or self.eplb_window < 1:
+            out.append("moe.eplb_interval and moe.eplb_window must be >= 1")
         return out
 
     def changed(self) -> list[str]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fivecut.launch
 from fivecut import checks
-from fivecut.cli import LOSS_RTOL, main, verdict
+from fivecut.cli import LOSS_RTOL, main, verdict, verify_config
 from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.presets import PRESETS, runnable_presets
@@ -274,6 +274,56 @@ def test_layout_command_refuses_what_train_refuses(capsys, tmp_path, command):
     train_err = refused(capsys, train_argv(tmp_path, "parallel.pp=2", "parallel.pp_layers=[5,5]"))
     err = refused(capsys, layout_argv(command, tmp_path, "--set", "parallel.pp_layers=[5,5]", "--layout", "pp=2"))
     assert PP_LAYERS in train_err and PP_LAYERS in err
+
+
+# each bad layout, with a fragment of the one line each of its causes must give (and no other line)
+ONE_LINE_PER_CAUSE = [
+    ("tiny-gpt2", "tp=2,pp=2,sp=true,pp_schedule=dualpipev,microbatches=4", [], ["2 layers cannot fill 4"]),
+    ("tiny-gpt2", "tp=2,pp=2,sp=true,pp_schedule=dualpipev", [], ["microbatches >= 2*pp", "cannot fill 4"]),
+    ("tiny", "cp=3", [], ["seq_len=64 must divide by 6 (2*cp=6"]),  # not again as "by cp=3"
+    ("tiny", "cp=3,cp_mode=ulysses", [], ["Ulysses cuts each tp rank's 4 heads", "seq_len=64 must divide by 3"]),
+    ("tiny-moe", "tp=2,sp=true", ["train.seq_len=63"], ["seq_len=63 must divide by 2"]),  # SP and the MoE cut
+    ("tiny-moe", "tp=2,cp=2", ["train.seq_len=62"], ["seq_len=62 must divide by 4 (2*cp=4"]),  # ring and MoE
+    ("tiny", "tp=3", [], ["tp=3 must divide n_heads=4, and divide or be a multiple of n_kv_heads=2"]),
+    ("tiny", "tp=3,cp=2,cp_mode=ulysses", [], ["tp=3 must divide n_heads=4"]),  # no Ulysses line of a bad tp
+    ("tiny", "pp=2,pp_virtual=4,microbatches=2", [], ["pp_virtual=4 only applies"]),  # no 8 stages to fill
+    ("tiny", "pp=2,pp_schedule=foo,pp_virtual=2", [], ["pp_schedule='foo'"]),  # no rules of an unknown schedule
+    ("tiny", "pp=2,microbatches=0", [], ["parallel.microbatches=0 must be >= 1"]),  # not also "needs >= pp"
+    ("tiny", "pp=3,pp_schedule=interleaved,pp_virtual=2,microbatches=4", [], ["not a multiple of pp=3", "fill 6"]),
+    ("tiny-moe", "dp=2", ["moe.eplb_interval=0"], ["apply only to EPLB"]),  # not also "must be >= 1"
+    ("tiny-moe", "dp=3,ep=3", [], ["n_experts=8 not divisible by ep=3", "global_batch=8 must divide by"]),
+]
+
+
+def problem_lines(err: str) -> list[str]:
+    """The problems of a refusal: its one line, or the `  - ` lines under its title."""
+    lines = err.strip().splitlines()
+    return lines if len(lines) == 1 else [line for line in lines[1:] if line.startswith("  - ")]
+
+
+@pytest.mark.parametrize("model,layout,sets,causes", ONE_LINE_PER_CAUSE)
+def test_each_cause_is_said_once(capsys, tmp_path, model, layout, sets, causes):
+    argv = layout_argv(
+        "verify", tmp_path, "--model", model, "--layout", layout, *(a for s in sets for a in ("--set", s))
+    )
+    lines = problem_lines(refused(capsys, argv))
+    assert len(lines) == len(causes), lines
+    for cause in causes:
+        assert sum(cause in line for line in lines) == 1, (cause, lines)
+
+
+def test_a_sequence_every_cut_divides_passes(tmp_path):
+    """seq_len=60 under cp=2 x tp=2 with SP: 60 = 15 x 4, no refusal (the folded check still lets it through)."""
+    overrides = [f'data.cache_dir="{tmp_path / "cache"}"', "train.seq_len=60"]
+    ns = SimpleNamespace(
+        model="tiny", layout="tp=2,cp=2,sp=true", steps=2, timeout=60.0, rtol=LOSS_RTOL, overrides=overrides
+    )
+    assert verify_config(ns).train.seq_len == 60
+
+
+def test_schedule_command_says_a_count_once(capsys):
+    err = refused(capsys, ["schedule", "--schedule", "1f1b", "--pp", "2", "--microbatches", "0"])
+    assert problem_lines(err) == [line for line in problem_lines(err) if "--microbatches=0" in line]
 
 
 class Recorder:

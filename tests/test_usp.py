@@ -161,8 +161,8 @@ USP_REFUSED = [
     ("cp=4,cp_ulysses=2", "cp_ulysses=2 is the Ulysses degree of cp_mode='usp'"),
     ("cp=4,cp_mode=usp,cp_ulysses=0", "parallel.cp_ulysses=0 must be >= 1"),
     ("cp=4,tp=2,cp_mode=usp,cp_ulysses=4", "USP cuts each tp rank's 2 query heads over cp_ulysses=4"),
-    ("cp=4,cp_mode=usp,cp_ulysses=2 --set train.seq_len=34", "seq_len=34 must divide by 4 under USP"),
-    ("cp=4,cp_mode=usp --set train.seq_len=36", "seq_len=36 must divide by 8 under USP"),  # U=1: the ring's 2cp
+    ("cp=4,cp_mode=usp,cp_ulysses=2 --set train.seq_len=34", "seq_len=34 must divide by 4 (under USP"),
+    ("cp=4,cp_mode=usp --set train.seq_len=36", "seq_len=36 must divide by 8 (under USP"),  # U=1: the ring's 2cp
     (
         "cp=4,cp_mode=usp,cp_ulysses=2 --model tiny-moe --set moe.capacity_factor=1.0",
         "moe.capacity_factor with cp_mode='usp'",
