@@ -65,6 +65,7 @@ from fivecut.parallel.recompute import apply_recompute
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
+from fivecut.parallel.zero_pipeline import StagedSync
 
 STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data")  # the order, as applied below
 
@@ -91,6 +92,9 @@ class Pipeline:
     ends: Group  # the first and the last pipeline rank (tied embeddings)
     tied: nn.Parameter | None  # this rank's copy of a tied embedding held on both ends
     weight_grads: WeightGrads | None = None  # split backward: the weight gradients B defers to W
+    # ZeRO-2/3: the executor calls it after a stage's last B (or W) of the schedule; its gradients
+    # are then reduce-scattered, once per accumulation step (`fivecut.parallel.zero_pipeline`)
+    stage_done: Callable[[int], None] | None = None
 
     def sum_tied_grads(self) -> None:
         if self.tied is not None and self.ends.size > 1 and self.tied.grad is not None:
@@ -207,7 +211,11 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
     pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params, weight_grads)
     kinds = {params[name]: pl.kind(dims.tp, dims.ep, dims.zero) for name, pl in placements.items()}
-    sync = data_parallel(module, mesh, kinds, o.bucket_mb, o.reduce_dtype, o.param_dtype)
+    if pipeline is not None and dims.zero >= 2:
+        sync = staged_data_parallel(stages, pipeline, mesh, kinds, o)
+        pipeline.stage_done = sync.stage_done
+    else:
+        sync = data_parallel(module, mesh, kinds, o.bucket_mb, o.reduce_dtype, o.param_dtype)
     record_flat_slots(placements, params, sync.flat_slots())
     check_local_shapes(placements, params)
     experts = expert_balancer(args, mesh, o.moe, runtimes, module)
@@ -392,16 +400,52 @@ def data_parallel(
     return syncs[0] if len(syncs) == 1 else SyncSet(syncs)
 
 
+def staged_data_parallel(stages, pipeline: Pipeline, mesh: Mesh, kinds: Kinds, o: ParallelizeOptions) -> StagedSync:
+    """ZeRO-2/3 in a pipeline: one data cut per stage (and gradient group), reduced after the stage's
+    last backward or W; a parameter two stages share (a tied embedding on one rank) belongs to the
+    first. The ends holding a tied embedding wait for its sum (see `fivecut.parallel.zero_pipeline`)."""
+    dims, owned, cuts = mesh.dims, set(), {}
+    for s in sorted(stages):
+        params = [p for p in unique_params(stages[s]) if p not in owned]
+        owned.update(params)
+        if dims.zero == 3:
+            cuts[s] = [stage_fsdp(stages[s], params, mesh, kinds, o)]
+            continue
+        by_group: dict[str, list[nn.Parameter]] = {}
+        for p in params:
+            by_group.setdefault(kinds[p].reduce, []).append(p)
+        cuts[s] = [
+            reduce_over(stages[s], ps, mesh, name, kinds, o.bucket_mb, o.reduce_dtype, pipelined=True)
+            for name, ps in by_group.items()
+        ]
+    ends = {0, pipeline.schedule.n_stages - 1} if stages[min(stages)].args.tie_embeddings else set()
+    return StagedSync(cuts, ends & set(stages))
+
+
+def stage_fsdp(stage: nn.Module, params, mesh: Mesh, kinds: Kinds, o: ParallelizeOptions) -> FullyShardedDataParallel:
+    """ZeRO-3 over one stage's units (its parameters all its own: `params` must be every one of them)."""
+    if set(params) != set(unique_params(stage)):
+        raise ParallelizeError("parallelize: ZeRO-3 in a pipeline cannot share a parameter between two stages")
+    others = {kinds[p].reduce for p in params} - {"dp_cp"}
+    groups = {name: mesh.group(name) for name in others}
+    return FullyShardedDataParallel(
+        stage, mesh.group("dp_cp"), mesh.dims.reshard_after_forward, o.reduce_dtype, kinds, groups, o.param_dtype,
+        pipelined=True,
+    )  # fmt: skip
+
+
 def unique_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def reduce_over(module, params, mesh: Mesh, name: str, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:
-    """DDP or ZeRO-1/2 of `params` over the mesh group `name`."""
+def reduce_over(
+    module, params, mesh: Mesh, name: str, kinds: Kinds, bucket_mb: float, reduce_dtype, pipelined: bool = False
+) -> GradSync:
+    """DDP or ZeRO-1/2 of `params` over the mesh group `name` (`pipelined`: one pipeline stage's)."""
     group = mesh.group(name)
     if mesh.dims.zero == 0 or group.size == 1:
         return DataParallel(module, group, bucket_mb, reduce_dtype, params, kinds)
-    return ZeroDataParallel(module, group, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds)
+    return ZeroDataParallel(module, group, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds, pipelined)
 
 
 def record_flat_slots(placements: dict[str, Placement], params, slots: dict[nn.Parameter, FlatSlot]) -> None:

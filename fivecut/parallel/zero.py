@@ -169,10 +169,12 @@ class ZeroDataParallel(DataParallel):
         reduce_dtype=None,
         params: list[nn.Parameter] | None = None,
         kinds: Kinds | None = None,
+        pipelined: bool = False,
     ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
+        self.pipelined = pipelined  # one stage's parameters: reduced when `start_reduce` says (`zero_pipeline`)
         super().__init__(module, group, bucket_mb, reduce_dtype, params, kinds)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
@@ -209,7 +211,18 @@ class ZeroDataParallel(DataParallel):
         return [shard.grad for shard in self.shards]
 
     def reducing(self) -> bool:
-        return self.group.size > 1 and (self.sync or self.stage == 2)
+        return self.group.size > 1 and (self.sync or (self.stage == 2 and not self.pipelined))
+
+    def start_reduce(self) -> None:
+        """Pipeline: the stage's last backward (or W) of the schedule is done; launch every bucket
+        (ZeRO-2: each stage's full gradients, accumulated over the microbatches, then freed)."""
+        while self.group.size > 1 and self._next < len(self.buckets):
+            self._launch_next()
+
+    def reduce(self) -> None:
+        """Launch what `start_reduce` did not, and wait for every bucket."""
+        if self.group.size > 1:
+            self._finish()
 
     def zero_grad(self) -> None:
         if self.stage == 1:
@@ -296,17 +309,23 @@ class FullyShardedDataParallel:
         kinds: Kinds | None = None,
         other_groups: dict[str, Group] | None = None,
         param_dtype: torch.dtype | None = None,
+        pipelined: bool = False,
     ):
         self.model = model
+        # a pipeline stage (`zero_pipeline`): its units in the order its modules run, its gradients
+        # accumulated in full over the microbatches and reduce-scattered once, at `start_reduce`
+        self.pipelined = pipelined
         self.param_dtype = param_dtype  # None: gather and compute in the masters' dtype
         self.kinds = kinds if kinds is not None else plain_kinds(list(model.parameters()))
         self.groups = {"dp_cp": group, **(other_groups or {})}
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
-        self.units = [self._make_unit(name, modules) for name, modules in transformer_units(model)]
+        units = stage_units(model) if pipelined else transformer_units(model)
+        self.units = [self._make_unit(name, modules) for name, modules in units]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.forward_order = self.units  # root first (the embedding runs first), then the blocks
-        self.backward_order = [self.units[0]] + self.units[1:][::-1]  # the head runs backward first
+        # the head runs backward first (the root, which holds it; in a stage, the last unit)
+        self.backward_order = self.units[::-1] if pipelined else [self.units[0]] + self.units[1:][::-1]
         self._callback_queued = False
         self._reducing: Unit | None = None  # the unit whose reduce-scatter is in flight
         for unit in self.units:
@@ -357,7 +376,22 @@ class FullyShardedDataParallel:
         """Nothing to do: the next forward gathers the updated shards."""
 
     def reduce(self) -> None:
-        """Nothing to do: every backward reduce-scatters as it goes."""
+        """Outside a pipeline nothing to do: every backward reduce-scatters as it goes. In a stage:
+        wait for what `start_reduce` sent (starting it if it was not)."""
+        if not self.pipelined:
+            return
+        if not self.units[0].reduced:
+            self.start_reduce()
+        if self._reducing is not None:
+            self._finish_reduce(self._reducing)
+        for unit in self.units:
+            unit.reduced = False
+
+    def start_reduce(self) -> None:
+        """Pipeline: the stage's last backward (or W) of the schedule is done. Reduce-scatter each
+        unit's gradients (accumulated over the microbatches) into its shard, free them and the unit."""
+        for unit in self.backward_order:
+            self._reduce(unit)
 
     @property
     def shards(self) -> list[FlatShard]:
@@ -433,10 +467,16 @@ class FullyShardedDataParallel:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
+        if self.pipelined and self.reshard_after_forward:  # the unit that ran backward before this one is done
+            done = self._after(self.forward_order, unit)
+            if done is not None and done.gathered:
+                self._free(done)
         self._gather(unit)
         self._prefetch(self._after(self.backward_order, unit))
 
     def _grad_ready(self, unit: Unit) -> None:
+        if self.pipelined:  # reduced once, after the stage's last backward (or W): `start_reduce`
+            return
         unit.ready += 1
         if unit.ready == len(unit.params):
             self._reduce(unit)
@@ -458,6 +498,12 @@ class FullyShardedDataParallel:
         self._free(unit)
 
     def _end_of_backward(self) -> None:
+        if self.pipelined:  # one microbatch's backward of the stage: free what it gathered (or keep it)
+            for unit in self.units:
+                if self.reshard_after_forward and unit.gathered:
+                    self._free(unit)
+            self._callback_queued = False
+            return
         for unit in self.backward_order:
             if not unit.reduced:  # parameters that received no gradient this pass
                 self._reduce(unit)
@@ -489,3 +535,12 @@ def transformer_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     root = [m for m in (model.tok_embeddings, model.norm, model.output) if m is not None]
     blocks = [(f"layers.{name}", [block]) for name, block in model.layers.items()]
     return [("root", root)] + blocks
+
+
+def stage_units(stage: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """ZeRO-3 units of a pipeline stage, in the order its modules run: the embedding (first stage),
+    each block, the final norm and head (last stage). A tied embedding has a copy on each end."""
+    first = [("tok_embeddings", [stage.tok_embeddings])] if stage.tok_embeddings is not None else []
+    head = [m for m in (stage.norm, stage.output) if m is not None]
+    blocks = [(f"layers.{name}", [block]) for name, block in stage.layers.items()]
+    return first + blocks + ([("head", head)] if head else [])
