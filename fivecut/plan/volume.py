@@ -73,8 +73,9 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     ends = {owner[0], owner[-1]}
     if args.tie_embeddings and len(ends) == 2 and rank in ends:
         shard = -(-args.vocab_size // dims.tp) * args.dim
-        volume += ring_factor("all_reduce", 2) * FP32 * shard
-        how += " + tied embedding all-reduce over the two ends"
+        sums = train.accumulate if dims.zero >= 2 else 1  # ZeRO-2/3 reduce (so sum the tie) every micro-step
+        volume += sums * ring_factor("all_reduce", 2) * FP32 * shard
+        how += f" + {sums} x tied embedding all-reduce over the two ends"
     if train.grad_clip > 0:
         volume += ring_factor("all_reduce", dims.pp) * FP32
         how += " + clip norm"
@@ -353,7 +354,9 @@ def group_reduction_volume(cfg, records: list[Placement], n: int) -> tuple[float
             volume,
             f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}",
         )
-    gathers = 2 if dims.reshard_after_forward else 1
+    # resharding: each unit gathered for every forward and backward, of each pipeline microbatch too
+    # (a stage keeps its units gathered from its first forward to its last backward without it)
+    gathers = 2 * (dims.microbatches if dims.pp > 1 else 1) if dims.reshard_after_forward else 1
     p = BYTES[train.dtype]  # the compute copy: bf16 from the fp32 masters under train.dtype = "bf16"
     volume = acc * (gathers * ag * p * flat + rs * g * flat)
     return (
