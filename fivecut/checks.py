@@ -337,7 +337,7 @@ def validate_layout(
         + world_problems(dims, world_size)
     )
     refuse("invalid layout " + dims.settings(), problems, LayoutError)
-    refuse("not implemented yet in this version of fivecut", unimplemented(dims, model), LayoutError)
+    refuse("not implemented yet in this version of fivecut", unimplemented(dims), LayoutError)
 
 
 def structural_problems(dims: ParallelDims) -> list[str]:
@@ -463,19 +463,9 @@ def world_problems(dims: ParallelDims, world_size: int | None) -> list[str]:
     ]
 
 
-def unimplemented(dims: ParallelDims, model: ModelArgs | None = None) -> list[str]:
-    """ZeRO-3 in a pipeline makes units per stage; a tied embedding whose two ends share a rank
-    (one Parameter in two stages, as DualPipeV places them) would need a unit of two stages."""
-    if dims.pp == 1 or dims.zero != 3 or model is None or not model.tie_embeddings:
-        return []
-    owner = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual).stage_rank
-    if owner[0] != owner[-1]:
-        return []
-    return [
-        f"parallel.zero=3 with pp_schedule={dims.pp_schedule!r} and a tied embedding (model.tie_embeddings): "
-        f"both ends of the pipeline are on rank 0, which ZeRO-3's per-stage units cannot share; use "
-        f'parallel.zero=2, pp_schedule="1f1b" (or "zb1p", "interleaved"), or model.tie_embeddings=false'
-    ]
+def unimplemented(dims: ParallelDims) -> list[str]:
+    """Layouts this version refuses although they could work (none at present)."""
+    return []
 
 
 # ---------------------------------------------------------------- MoE options

@@ -108,11 +108,13 @@ GPT2 = ('model.preset="tiny-gpt2"', "model.n_layers=4", 'data.tokenizer="gpt2"',
     "zero,schedule",
     [pytest.param(3, "1f1b", marks=pytest.mark.sweep, id="zero=3,1f1b: a copy on each end")]
     + [pytest.param(2, "dualpipev", marks=pytest.mark.sweep, id="zero=2,dualpipev: both ends on rank 0")]
-    + [pytest.param(3, "interleaved", marks=pytest.mark.sweep, id="zero=3,interleaved")],
+    + [pytest.param(3, "interleaved", marks=pytest.mark.sweep, id="zero=3,interleaved")]
+    + [pytest.param(3, "dualpipev", marks=pytest.mark.sweep, id="zero=3,dualpipev: a unit borrowed by the head")],
 )
 def test_tied_embeddings(zero, schedule, byte_cache, tmp_path):
     """The tied copies' full gradients are summed over the two ends before their stages reduce;
-    with both ends on one rank (DualPipeV) the first stage's cut holds the one Parameter."""
+    with both ends on one rank (DualPipeV) the first stage's cut holds the one Parameter (ZeRO-3:
+    in its embedding unit, which the last stage's head unit gathers and frees with its own)."""
     reference = single_process_run(byte_cache, *GPT2)
     cfg = small_config(
         byte_cache, *GPT2, *PP, f"parallel.zero={zero}", *SCHEDULES[schedule], f'log.out_dir="{tmp_path}/p"'
@@ -121,8 +123,8 @@ def test_tied_embeddings(zero, schedule, byte_cache, tmp_path):
     assert_same_run(cfg, reference, f"tied, zero={zero} {schedule}")
 
 
-def ledger_lines(capsys, byte_cache: str, layout: str, *sets: str) -> list[str]:
-    args = ["ledger", "--layout", layout, "--set", f'data.cache_dir="{byte_cache}"']
+def ledger_lines(capsys, byte_cache: str, layout: str, *sets: str, model: str = "tiny") -> list[str]:
+    args = ["ledger", "--model", model, "--layout", layout, "--set", f'data.cache_dir="{byte_cache}"']
     for item in sets:
         args += ["--set", item]
     assert main(args) == 0
@@ -151,6 +153,17 @@ def test_ledger_counts_the_gathers_per_microbatch(layout, capsys, byte_cache):
 
 
 @pytest.mark.sweep
+@pytest.mark.sweep
+@pytest.mark.parametrize("reshard", ["true", "false"])
+def test_ledger_counts_the_borrowed_unit(reshard, capsys, byte_cache):
+    """DualPipeV, tied: rank 0's embedding unit is gathered for the head too (2M more with resharding)."""
+    layout = f"dp=2,pp=2,zero=3,microbatches=4,pp_schedule=dualpipev,reshard_after_forward={reshard}"
+    lines = ledger_lines(capsys, byte_cache, layout, "model.n_layers=4", 'data.tokenizer="gpt2"', model="tiny-gpt2")
+    assert lines[-1] == "ratio=1.000" and "memory_ratio=1.000" in lines
+    gathers = sum(int(row.split()[3]) for row in lines if row.split()[:2] == ["dp", "all_gather"])
+    assert gathers == (4 * 2 * 4 + 2 * 4 if reshard == "true" else 4)  # 4 units (+ the borrowed) x 2M, or once
+
+
 def test_checkpoint_of_zero3_in_a_pipeline_loads_under_dp4_zero3(byte_cache, tmp_path):
     """Saved at step 3 under dp=2,pp=2,zero=3 (per-stage flat shards), resumed under dp=4,zero=3:
     steps 4-6 give the losses the pipeline run itself gave."""
@@ -161,10 +174,3 @@ def test_checkpoint_of_zero3_in_a_pipeline_loads_under_dp4_zero3(byte_cache, tmp
     resumed = spawn(run_for_checkpoint, 4, b, str(checkpoint.step_dir(tmp_path / "a", 3)))[0]
     np.testing.assert_allclose(resumed[0], under_a[0][3:], rtol=1e-5)
     np.testing.assert_allclose(resumed[1], under_a[1][3:], rtol=1e-3)
-
-
-def test_zero3_with_both_tied_ends_on_one_rank_is_refused(capsys, byte_cache):
-    code = main(["verify", "--model", "tiny-gpt2", "--layout", "dp=2,pp=2,zero=3,microbatches=4,pp_schedule=dualpipev",
-                 "--set", "model.n_layers=4", "--set", f'data.cache_dir="{byte_cache}"'])  # fmt: skip
-    err = capsys.readouterr().err
-    assert code == 2 and "parallel.zero=3" in err and "tie_embeddings" in err and err.count("zero=3 with") == 1

@@ -404,13 +404,16 @@ def staged_data_parallel(stages, pipeline: Pipeline, mesh: Mesh, kinds: Kinds, o
     """ZeRO-2/3 in a pipeline: one data cut per stage (and gradient group), reduced after the stage's
     last backward or W; a parameter two stages share (a tied embedding on one rank) belongs to the
     first. The ends holding a tied embedding wait for its sum (see `fivecut.parallel.zero_pipeline`)."""
-    dims, owned, cuts = mesh.dims, set(), {}
+    dims, owned, cuts = mesh.dims, {}, {}
     for s in sorted(stages):
         params = [p for p in unique_params(stages[s]) if p not in owned]
-        owned.update(params)
         if dims.zero == 3:
-            cuts[s] = [stage_fsdp(stages[s], params, mesh, kinds, o)]
+            shared = {p: owned[p] for p in unique_params(stages[s]) if p in owned}  # dict: by identity
+            cut = stage_fsdp(stages[s], mesh, kinds, o, shared)
+            owned.update(cut.unit_of)
+            cuts[s] = [cut]
             continue
+        owned.update(dict.fromkeys(params))
         by_group: dict[str, list[nn.Parameter]] = {}
         for p in params:
             by_group.setdefault(kinds[p].reduce, []).append(p)
@@ -422,15 +425,13 @@ def staged_data_parallel(stages, pipeline: Pipeline, mesh: Mesh, kinds: Kinds, o
     return StagedSync(cuts, ends & set(stages))
 
 
-def stage_fsdp(stage: nn.Module, params, mesh: Mesh, kinds: Kinds, o: ParallelizeOptions) -> FullyShardedDataParallel:
-    """ZeRO-3 over one stage's units (its parameters all its own: `params` must be every one of them)."""
-    if set(params) != set(unique_params(stage)):
-        raise ParallelizeError("parallelize: ZeRO-3 in a pipeline cannot share a parameter between two stages")
-    others = {kinds[p].reduce for p in params} - {"dp_cp"}
+def stage_fsdp(stage: nn.Module, mesh: Mesh, kinds: Kinds, o: ParallelizeOptions, borrowed) -> FullyShardedDataParallel:
+    """ZeRO-3 over one stage's units; `borrowed`: its parameters that an earlier stage's units own."""
+    others = {kinds[p].reduce for p in unique_params(stage)} - {"dp_cp"}
     groups = {name: mesh.group(name) for name in others}
     return FullyShardedDataParallel(
         stage, mesh.group("dp_cp"), mesh.dims.reshard_after_forward, o.reduce_dtype, kinds, groups, o.param_dtype,
-        pipelined=True,
+        pipelined=True, borrowed=borrowed,
     )  # fmt: skip
 
 

@@ -50,7 +50,7 @@ train.reduce_dtype = "bf16"), reduce-scattered, and added to the fp32 shard grad
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -289,6 +289,9 @@ class Unit:
     gathered: bool = True  # `full` holds the parameters (or an all-gather into it is in flight)
     ready: int = 0  # parameters whose gradient this backward has produced
     reduced: bool = False
+    # units of another stage's cut whose parameters these modules use too (a tied embedding with
+    # both pipeline ends on this rank): gathered and freed with this one, reduced by their owner
+    borrowed: list[Unit] = field(default_factory=list)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -310,11 +313,13 @@ class FullyShardedDataParallel:
         other_groups: dict[str, Group] | None = None,
         param_dtype: torch.dtype | None = None,
         pipelined: bool = False,
+        borrowed: dict[nn.Parameter, Unit] | None = None,
     ):
         self.model = model
         # a pipeline stage (`zero_pipeline`): its units in the order its modules run, its gradients
         # accumulated in full over the microbatches and reduce-scattered once, at `start_reduce`
         self.pipelined = pipelined
+        self.borrowed = borrowed or {}  # parameters of this stage that another stage's cut owns
         self.param_dtype = param_dtype  # None: gather and compute in the masters' dtype
         self.kinds = kinds if kinds is not None else plain_kinds(list(model.parameters()))
         self.groups = {"dp_cp": group, **(other_groups or {})}
@@ -336,10 +341,13 @@ class FullyShardedDataParallel:
     def _make_unit(self, name: str, modules: list[nn.Module]) -> Unit:
         by_group: dict[str, list[nn.Parameter]] = {}
         for p in unique_params(modules):
-            by_group.setdefault(self.kinds[p].reduce, []).append(p)
+            if p not in self.borrowed:
+                by_group.setdefault(self.kinds[p].reduce, []).append(p)
         dtype = self.param_dtype
         parts = [self._make_part(params, self.groups[group], self.kinds, dtype) for group, params in by_group.items()]
-        unit = Unit(name, modules, parts)
+        used = {id(p) for p in unique_params(modules)}  # by identity: `in` on tensors compares their values
+        others = list({id(u): u for p, u in self.borrowed.items() if id(p) in used}.values())
+        unit = Unit(name, modules, parts, borrowed=others)
         self._free(unit)
         return unit
 
@@ -418,6 +426,8 @@ class FullyShardedDataParallel:
     # ------------------------------------------------------------ gather / free
 
     def _prefetch(self, unit: Unit | None) -> None:
+        for other in unit.borrowed if unit is not None else ():
+            self._prefetch(other)
         if unit is None or unit.gathered:
             return
         for part in unit.parts:
@@ -430,13 +440,15 @@ class FullyShardedDataParallel:
 
     def _gather(self, unit: Unit) -> None:
         self._prefetch(unit)
-        for part in unit.parts:
+        for part in [part for u in (unit, *unit.borrowed) for part in u.parts]:
             if part.gather_work is not None:
                 comm.wait(part.gather_work, "all_gather", part.group)
                 part.gather_work = None
 
     def _free(self, unit: Unit) -> None:
         """Release the gathered parameters, and with them the views autograd saved of them."""
+        for other in unit.borrowed:
+            self._free(other)
         for part in unit.parts:
             if part.gather_work is not None:  # prefetched but never used: the collective still writes into it
                 comm.wait(part.gather_work, "all_gather", part.group)

@@ -317,12 +317,14 @@ def reduce_group_sizes(cfg) -> dict[str, int]:
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
     by_group: dict[str, list[Placement]] = {}
-    for pl in local_placements(args, cfg).values():
+    placements = local_placements(args, cfg)
+    for pl in placements.values():
         by_group.setdefault(pl.reduce, []).append(pl)
     sizes = reduce_group_sizes(cfg)
     parts = [group_reduction_volume(cfg, records, sizes[name]) for name, records in by_group.items()]
     clip = ring_factor("all_reduce", n) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
-    volume = sum(v for v, _ in parts) + clip
+    again = tied_regathers(args, cfg, placements, n)
+    volume = sum(v for v, _ in parts + again) + clip
     how = (
         parts[0][1]
         if len(parts) == 1
@@ -331,6 +333,7 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
             for name, (_, how) in zip(by_group, parts)
         )
     )
+    how += "".join(f" + {what}" for _, what in again)
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
@@ -364,6 +367,22 @@ def group_reduction_volume(cfg, records: list[Placement], n: int) -> tuple[float
         f"{acc} x ({gathers} all-gathers at {p}B + 1 reduce-scatter at {g}B) of Phi'={flat:,} "
         f"(Phi={phi:,} padded per unit) x (n-1)/n, n={n}",
     )
+
+
+def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[tuple[float, str]]:
+    """ZeRO-3 with resharding, both pipeline ends on this rank (DualPipeV) and a tied embedding: the
+    first stage's embedding unit is gathered again for the last stage's head, forward and backward,
+    in every microbatch (`Unit.borrowed`)."""
+    dims, train = cfg.parallel, cfg.train
+    if dims.zero != 3 or dims.pp == 1 or not args.tie_embeddings or not dims.reshard_after_forward:
+        return []
+    owner = pipeline_plan(args, cfg)[0].stage_rank
+    if owner[0] != owner[-1] or owner[0] != 0:
+        return []
+    flat = placements["tok_embeddings.weight"].flat.padded
+    gathers = train.accumulate * 2 * dims.microbatches
+    volume = gathers * ring_factor("all_gather", n) * BYTES[train.dtype] * flat
+    return [(volume, f"{gathers} all-gathers of the tied embedding's unit ({flat:,}) for the head on the same rank")]
 
 
 def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
