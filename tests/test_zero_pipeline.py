@@ -174,3 +174,11 @@ def test_checkpoint_of_zero3_in_a_pipeline_loads_under_dp4_zero3(byte_cache, tmp
     resumed = spawn(run_for_checkpoint, 4, b, str(checkpoint.step_dir(tmp_path / "a", 3)))[0]
     np.testing.assert_allclose(resumed[0], under_a[0][3:], rtol=1e-5)
     np.testing.assert_allclose(resumed[1], under_a[1][3:], rtol=1e-3)
+
+
+@pytest.mark.sweep
+def test_zero3_with_tensor_parallelism_and_sp_in_a_pipeline(byte_cache, tmp_path):
+    """8 ranks: dp=2 x tp=2 (SP) x pp=2, ZeRO-3 units of TP shards in each stage."""
+    layout = ("parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *SCHEDULES["1f1b"])
+    cfg = small_config(byte_cache, *PP, *layout, f'log.out_dir="{tmp_path}/p"')
+    assert_same_run(cfg, single_process_run(byte_cache), ",".join(layout))
