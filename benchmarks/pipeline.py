@@ -71,6 +71,10 @@ four simulations of the same schedule:
                         nothing, its W is the whole backward)
     per-stage + comm    the same, a send occupying its rank for the mean measured send time and a
                         message arriving the median latency after its send was posted
+    + after the schedule  the same, followed by the measured mean time from the last rank's end
+                        of the schedule to the end of the step: the tied embedding's gradient
+                        sum over the pipeline ends and the data cut's reduction, which every
+                        step runs after its schedule and which no schedule models
     unit costs          the simulator's defaults (F = 1, B = 2 whole; B = W = 1 split)
 
 (the two simulations with per-stage costs replace `simulate.finish` in this process only).
@@ -214,6 +218,7 @@ class Fivecut:
         ledger = self.mesh.ledger
         with self.par.sync.no_sync():
             loss = self.runner.run(micro, self.denominator, ledger)
+        self.schedule_end = time.perf_counter()  # what follows (tied sum, reduction) is no schedule's
         with ledger.phase("backward"):
             self.par.pipeline.sum_tied_grads()
             self.par.sync.reduce()
@@ -532,7 +537,7 @@ def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
         end = time.perf_counter()
         actions, _RECORD = _RECORD, None
         side.optimizer.step()
-        return start, end, actions
+        return start, end, actions, side.schedule_end
 
     names, started = list(sides), time.perf_counter()
     for r in range(opts["bubble_repeats"]):
@@ -582,7 +587,7 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
     compute = {"F": [], "B": [], "W": []}
     by_stage: dict[tuple[str, int], list[float]] = {}
     idle, recv, send, outside = ([[] for _ in range(PP)] for _ in range(4))
-    makespans, steps, sends, latencies = [], [], [], []
+    makespans, steps, sends, latencies, tails = [], [], [], [], []
     for i in range(len(per_rank[0])):
         step = [per_rank[r][i] for r in range(PP)]
         start, end = min(s[0] for s in step), max(s[1] for s in step)
@@ -590,7 +595,8 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
         makespans.append(makespan)
         steps.append((makespan, start, step))
         when = {}  # action -> (start, end), both ranks (one clock: CLOCK_MONOTONIC)
-        for r, (own_start, own_end, actions) in enumerate(step):
+        tails.append(end - max(s[3] for s in step))  # the last schedule end -> the step's end
+        for r, (own_start, own_end, actions, _) in enumerate(step):
             busy = sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind in compute)
             idle[r].append(1 - busy / makespan)
             recv[r].append(sum(t1 - t0 for kind, _, _, t0, t1 in actions if kind.startswith("RECV")) / makespan)
@@ -613,17 +619,21 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
     per_stage = simulate_measured(schedule, table)
     send_cost, latency = statistics.fmean(sends), (median(latencies) if latencies else 0.0)
     with_comm = simulate_measured(schedule, table, send_cost, latency)
+    tail = statistics.fmean(tails)
+    busy = sum(with_comm.busy(r) for r in range(PP))
+    makespan = with_comm.makespan + tail  # the schedule, then what every step does after it
+    with_tail = dataclasses.replace(with_comm, makespan=makespan, bubble=1 - busy / (PP * makespan))
     unit = simulate(schedule)
 
     # the step with the median makespan, as a timeline (the simulator's picture of it)
     _, start, step = sorted(steps, key=lambda s: s[0])[len(steps) // 2]
     rows = [
         [(Action(kind, stage, mb), t0 - start, t1 - start) for kind, stage, mb, t0, t1 in actions]
-        for _, _, actions in step
+        for _, _, actions, _ in step
     ]
     measured = Timeline(schedule, rows, dict(predicted.costs), max(s[1] for s in step) - start, 0.0)
     cell = min(c for k, c in predicted.costs.items() if k in compute and c > 0)
-    sims = {"mean": predicted, "stage": per_stage, "comm": with_comm, "unit": unit}
+    sims = {"mean": predicted, "stage": per_stage, "comm": with_comm, "tail": with_tail, "unit": unit}
     return dict(
         name=name,
         stages=schedule.n_stages,
@@ -632,6 +642,7 @@ def analyse(name: str, per_rank: list[list], m: int) -> dict:
         send_cost=send_cost,
         latency=latency,
         latencies=len(latencies),
+        tail=tail,
         makespan=median(makespans),
         makespans=makespans,
         makespan_mean=statistics.fmean(makespans),
@@ -746,6 +757,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
                 ms(sm["mean"]),
                 ms(sm["stage"]),
                 ms(sm["comm"]),
+                ms(sm["tail"]),
             ]
         )
     cost_table = markdown_table(
@@ -762,6 +774,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
             "simulated: mean costs",
             "per-stage costs",
             "per-stage + comm",
+            "+ after the schedule",
         ],
         costs,
     )
@@ -779,6 +792,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
                     percent(si["mean"][r]),
                     percent(si["stage"][r]),
                     percent(si["comm"][r]),
+                    percent(si["tail"][r]),
                     percent(si["unit"][r]),
                 ]
             )
@@ -788,7 +802,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
                 "bubble",
                 f"**{percent(sum(a['idle']) / PP)}**",
                 "",
-                *(f"**{percent(a['sim_bubble'][k])}**" for k in ("mean", "stage", "comm", "unit")),
+                *(f"**{percent(a['sim_bubble'][k])}**" for k in ("mean", "stage", "comm", "tail", "unit")),
             ]
         )
     rank_table = markdown_table(
@@ -800,6 +814,7 @@ def bubble_report(opts: dict, results: list[dict]) -> list[str]:
             "simulated: mean costs",
             "per-stage costs",
             "per-stage + comm",
+            "+ after the schedule",
             "unit costs",
         ],
         ranks,

@@ -33,10 +33,11 @@ from fivecut.config import (
 )
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
-from fivecut.model.presets import SHAPE_ONLY, runnable_presets
+from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
+from fivecut.plan.cluster import cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
@@ -172,6 +173,26 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--cost-comm", type=float, default=0.0, help="send-to-receive latency")
     schedule.add_argument("--out", help="write the Gantt chart to this PNG")
     schedule.set_defaults(func=cmd_schedule)
+
+    plan = sub.add_parser(
+        "plan", help="what a layout costs on a cluster: memory, communication, time (calibrate: this machine)"
+    )
+    plan.add_argument("--layout", help="e.g. dp=16,tp=4,pp=4; keys are parallel.* fields")
+    plan.add_argument("--model", default="tiny", help="model preset, shape-only ones included (llama3-70b, ...)")
+    plan.add_argument("--cluster", help="NODESxGPUSxDEVICE (e.g. 32x8xH100) or a cluster TOML file")
+    plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    plan.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: world)")
+    plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="train.dtype (default bf16)")
+    add_overrides(plan)
+    plan.set_defaults(func=cmd_plan)
+    plan_sub = plan.add_subparsers(dest="action")
+    calibrate = plan_sub.add_parser(
+        "calibrate", help="measure this machine's matmul rate and gloo/NCCL link; write it as a cluster TOML"
+    )
+    calibrate.add_argument("--ranks", type=int, default=2, help="ranks to measure at once (default 2)")
+    calibrate.add_argument("--out", default="cluster-local.toml", help="the cluster file to write (a new file)")
+    calibrate.add_argument("--force", action="store_true", help="replace --out if it exists")
+    calibrate.set_defaults(func=cmd_plan_calibrate)
     return parser
 
 
@@ -701,6 +722,87 @@ def cmd_ledger(ns) -> int:
     if unpredicted:
         print(f"no closed form for: {', '.join(sorted(unpredicted))}")
     print(f"ratio={measured_total / predicted_total:.3f}" if predicted_total else "ratio=nan (nothing predicted)")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+
+def cmd_plan(ns) -> int:
+    if ns.layout is None or ns.cluster is None:
+        raise ConfigError(
+            "fivecut plan needs --layout and --cluster (e.g. --cluster 32x8xH100 --layout dp=16,tp=4,pp=4)"
+        )
+    from fivecut.plan.cost import cost_layout
+
+    cluster = parse_cluster(ns.cluster)
+    cfg, args = plan_config(ns)
+    if cfg.parallel.world_size != cluster.world_size:
+        raise ConfigError(
+            f"--layout {ns.layout} uses {cfg.parallel.world_size} ranks but --cluster {ns.cluster} has "
+            f"{cluster.world_size} GPUs; change dp (or another cut) so that the product is {cluster.world_size}"
+        )
+    print_plan(cost_layout(args, cfg, cluster), cfg, cluster)
+    return 0
+
+
+def plan_config(ns) -> tuple[Config, object]:
+    """The run `ns` describes, for planning: any preset, the sequence, the batch, the dtype."""
+    if ns.model not in PRESETS:
+        raise ConfigError(f"--model {ns.model!r} is not a model preset; presets: {', '.join(PRESETS)}")
+    seq = ns.seq if ns.seq is not None else PRESETS[ns.model].max_seq_len
+    base = [f"model.preset={ns.model!r}", f"train.seq_len={seq}", f"train.dtype={ns.dtype!r}", "train.warmup=0"]
+    cfg = with_layout(load_config(None, [o.replace("'", '"') for o in base]), ns.layout, ns.overrides, {})
+    world = cfg.parallel.world_size
+    cfg.train.global_batch = ns.global_batch if ns.global_batch is not None else world // cfg.parallel.tp
+    args = PRESETS[ns.model]
+    checks.refuse("invalid options", checks.option_problems(cfg))
+    checks.validate_layout(cfg.parallel, args, cfg.train.seq_len, cfg.train.global_batch, cfg.train.accumulate, world)
+    return cfg, args
+
+
+def print_plan(cost, cfg: Config, cluster) -> None:
+    from fivecut.train.memory import format_bytes
+
+    t = cfg.train
+    print(f"plan: {cfg.model.preset}, layout {cfg.parallel.settings()}, seq {t.seq_len}, global batch "
+          f"{t.global_batch} sequences, {t.dtype}")  # fmt: skip
+    print(cluster.describe())
+    m = cost.memory
+    print(f"\nmemory per rank (pipeline position {cost.memory_rank}, the fullest):")
+    for key in ("params", "grads", "optimizer", "activations", "total"):
+        print(f"  {key:<12} {format_bytes(m[key]):>12}")
+    verdict = (
+        "fits" if cost.fits else f"does NOT fit; the largest term is {max(m, key=lambda k: m[k] * (k != 'total'))}"
+    )
+    print(f"  device       {cluster.device.memory_gb:>9g} GB: {verdict}")
+    print(f"\n{'cut':<6} {'wire bytes/step':>16} {'link':>6} {'time':>10} {'exposed':>10}   overlap")
+    for c in cost.cuts:
+        times = f"{c.seconds * 1e3:>8.2f}ms {c.exposed * 1e3:>8.2f}ms"
+        print(f"{c.cut:<6} {c.wire_bytes:>16,.0f} {c.link:>6} {times}   {c.rule}")
+    pipeline = f"pipeline makespan {cost.makespan * 1e3:.2f} ms (bubble {cost.bubble:.3f})"
+    print(f"\ncompute {cost.compute * 1e3:.2f} ms, {pipeline}")
+    traffic = ", ".join(f"{link} {format_bytes(b)}" for link, b in sorted(cost.traffic.items()))
+    print(f"traffic per rank per step: {traffic or 'none'}")
+    print(f"step {cost.step * 1e3:.2f} ms, {cost.tokens_per_s:,.0f} tokens/s, MFU {cost.mfu:.1%}")
+
+
+def cmd_plan_calibrate(ns) -> int:
+    if ns.ranks < 1:
+        raise ConfigError(f"--ranks {ns.ranks}: give at least 1 rank")
+    checks.check_new_file("--out", ns.out, ".toml")
+    if Path(ns.out).exists() and not ns.force:
+        raise ConfigError(f"--out {ns.out} exists; give another file name, or --force to replace it")
+    from fivecut.plan.calibrate import calibrate
+
+    cluster, raw = calibrate(ns.ranks)
+    Path(ns.out).write_text(cluster_toml(cluster, f"written by fivecut plan calibrate --ranks {ns.ranks}"))
+    rates = ", ".join(f"{f / 1e9:.1f}" for f in raw["flops"])
+    print(f"matmul GFLOP/s per rank: {rates} (the slowest is the device's)")
+    times = ", ".join(f"{size:,} B {t * 1e6:.0f} us" for size, t in raw["all_reduce_s"].items())
+    print(f"all-reduce over {ns.ranks} ranks: {times}")
+    print(cluster.describe())
+    print(f"wrote {ns.out}")
     return 0
 
 

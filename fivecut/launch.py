@@ -150,9 +150,11 @@ def spawn(
 def rank_context():
     """Ranks start from a fork server that has imported torch and fivecut once (a fresh process
     each, no state of this one: CUDA untouched, no threads), not from a bare interpreter that
-    imports torch again for every rank: a spawned world of two starts in ~1 s instead of ~8."""
+    imports torch again for every rank: a spawned world of two starts in ~1 s instead of ~8.
+    torch._dynamo is preloaded too: `fivecut.comm` marks its collectives opaque to torch.compile,
+    which imports it, and that import alone takes as long as torch's."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "fivecut.launch"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "fivecut.launch"])
     return ctx
 
 

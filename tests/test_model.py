@@ -47,6 +47,12 @@ def test_small_size_and_shape_only_set():
     assert SHAPE_ONLY <= set(PRESETS)
 
 
+@pytest.mark.parametrize("name, billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3-405b", 405.85)])
+def test_shape_only_llama_presets_have_the_published_sizes(name, billions):
+    """Hugging Face's model cards of Meta-Llama-3(.1): 8.03B, 70.55B and 405.85B parameters."""
+    assert get_preset(name).num_params() / 1e9 == pytest.approx(billions, rel=1e-3)
+
+
 def test_active_params_and_flops():
     args = get_preset("tiny-moe")
     idle = args.n_experts - args.top_k

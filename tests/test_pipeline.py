@@ -144,6 +144,38 @@ def test_w_computes_what_b_deferred_and_fires_the_hooks_then():
         torch.testing.assert_close(p.grad, q.grad, **W_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+class TiedLookup(nn.Module):
+    """An embedding, a projection and a head tied to the embedding (dualpipev's rank 0 holds both ends)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding, self.proj, self.head = nn.Embedding(11, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 11)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.proj(self.embedding(ids))))  # [b, s, 11]
+
+
+def test_w_computes_the_embedding_rows_b_deferred():
+    """The embedding's gradient (rows hit by several tokens, and a head tied to it) comes at W
+    only, with its hook firing once, bitwise equal to one plain backward's (the same op)."""
+    plain, split, grads = TiedLookup(2), TiedLookup(2), WeightGrads()
+    assert defer_weight_grads(split, grads) == 3
+    fired = Counter()
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=name: fired.update([n]))
+    ids = torch.tensor([[1, 3, 3, 7], [0, 3, 10, 1]])  # [b, s], rows repeat
+    plain(ids).square().sum().backward()
+    with grads.collecting(stage=0, microbatch=0):  # B: nothing but the head's bias
+        split(ids).square().sum().backward()
+    assert split.embedding.weight.grad is None and set(fired) == {"head.bias"}
+    grads.apply(stage=0, microbatch=0)  # W
+    assert fired["embedding.weight"] == 1 and not grads.pending
+    for (name, p), q in zip(split.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_a_backward_outside_b_computes_every_gradient():
     """Outside a split B (a full backward), a `DeferredLinear` is an `nn.Linear`."""
     plain, split = two_layers(1), two_layers(1)

@@ -67,6 +67,17 @@ PRESETS: dict[str, ModelArgs] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    # Llama 3.1 405B (Llama 3 paper, table 3): 126 layers, dim 16,384, FFN 53,248, 128 heads, 8 kv heads
+    "llama3-405b": ModelArgs(
+        vocab_size=LLAMA3_VOCAB,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
     # DeepSeek-V3's multi-head latent attention (MLA) is modelled as plain
     # multi-head attention with 128 heads of dim 7168/128; its group-limited
     # routing and multi-token prediction are left out. The MoE part (256
@@ -91,7 +102,7 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 # Real-world shapes: the planner and shape tests use them; train, verify and ledger refuse them.
-SHAPE_ONLY = {"llama3-8b", "llama3-70b", "deepseek-v3"}
+SHAPE_ONLY = {"llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3"}
 
 
 def runnable_presets() -> list[str]:

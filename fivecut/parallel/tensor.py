@@ -37,6 +37,7 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.model.transformer import RMSNorm
+from fivecut.parallel.pipeline.wgrad import DeferredEmbedding, deferred_lookup
 from fivecut.parallel.placement import Change, Slice
 from fivecut.parallel.saved import SavedActivations
 
@@ -137,11 +138,17 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.slice.start
         self.group = group
         self.sequence_parallel = sequence_parallel
+        # a zero-bubble schedule's B leaves the rows' gradient to W (`wgrad.DeferredEmbedding`)
+        self.weight_grads = embedding.grads if isinstance(embedding, DeferredEmbedding) else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.start  # [b, s]
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [b, s, h]
+        local = local.masked_fill(outside, 0)
+        if self.weight_grads is None:
+            h = F.embedding(local, self.weight)  # [b, s, h]
+        else:
+            h = deferred_lookup(local, self, self.weight_grads)  # [b, s, h]
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_region(h, self.group, self.sequence_parallel)
 

@@ -14,11 +14,12 @@ backward of the stage: every collective inside it (TP's all-reduces and re-gathe
 all-to-alls) runs exactly once, and the graph is freed. W pops the record and computes the
 deferred products; nothing is walked again.
 
-Parameters that are not the weight of an `nn.Linear` get their gradients in B, as in a full
-backward: norm weights, embeddings, the replicated kv projections of `ReplicatedKV` (their
-gradient passes through a tp all-reduce), and the experts of a MoE layer (`GroupedExperts`
-computes its grouped matmuls itself). All are cheap next to the projections, or would need
-their own collective in W.
+The embedding is deferred the same way (`DeferredEmbedding`: B keeps the ids and dy, W scatters
+dy into its rows; on the first stage B then computes no [V, h] gradient at all). Parameters
+that are neither get their gradients in B, as in a full backward: norm weights, the
+replicated kv projections of `ReplicatedKV` (their gradient passes through a tp all-reduce),
+and the experts of a MoE layer (`GroupedExperts` computes its grouped matmuls itself). All
+are cheap next to the projections, or would need their own collective in W.
 
 W accumulates with `torch.autograd.backward(weights, dWs)` on the leaves: autograd adds into
 `.grad` exactly as a full backward would (the data cut's flat bucket views stay in place) and
@@ -56,11 +57,27 @@ class Deferred:
 
 
 @dataclass
+class DeferredLookup:
+    """What an embedding's weight gradient needs, kept by B for W: the ids and dy."""
+
+    weight: nn.Parameter  # [V, h] (under TP: this rank's rows)
+    ids: torch.Tensor  # [b, s] row of each token
+    grad_output: torch.Tensor  # dy [b, s, h]
+
+    def weight_grad(self) -> torch.Tensor:
+        """dW[v] = sum of dy over the tokens looked up at row v: [V, h], the op autograd's own
+        embedding backward runs (the same sums in the same order)."""
+        rows = self.weight.shape[0]
+        dw = torch.ops.aten.embedding_dense_backward(self.grad_output, self.ids, rows, -1, False)
+        return dw.to(self.weight.dtype)
+
+
+@dataclass
 class WeightGrads:
     """The deferred weight gradients of this rank's stages, one record per (stage, microbatch)."""
 
-    pending: dict[tuple[int, int], list[Deferred]] = field(default_factory=dict)
-    current: list[Deferred] | None = None  # the record the running B appends to
+    pending: dict[tuple[int, int], list[Deferred | DeferredLookup]] = field(default_factory=dict)
+    current: list[Deferred | DeferredLookup] | None = None  # the record the running B appends to
 
     @contextmanager
     def collecting(self, stage: int, microbatch: int):
@@ -108,11 +125,7 @@ class _DeferredLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         (x,), weight = ctx.saved_tensors, ctx.weight
         dx = (dy @ weight.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None  # [..., in]
-        deferred = Deferred(weight, x, dy)
-        if ctx.grads.current is None:  # a backward outside a split B: accumulate dW now
-            torch.autograd.backward([weight], [deferred.weight_grad()])
-        else:
-            ctx.grads.current.append(deferred)
+        keep_or_apply(Deferred(weight, x, dy), ctx.grads)
         return dx, None, None
 
 
@@ -133,14 +146,65 @@ class DeferredLinear(nn.Linear):
         return y if self.bias is None else y + self.bias  # the bias's gradient (a sum) comes in B
 
 
+def keep_or_apply(record: Deferred | DeferredLookup, grads: WeightGrads) -> None:
+    """Inside a split B: keep `record` for W; in any other backward: accumulate its dW now."""
+    if grads.current is None:
+        torch.autograd.backward([record.weight], [record.weight_grad()])
+    else:
+        grads.current.append(record)
+
+
+class _DeferredLookupFn(torch.autograd.Function):
+    """h = W[ids] whose backward leaves dW to W. The ids carry no gradient, so the output
+    would not require one: `anchor`, an empty leaf that requires grad, gives it one (and
+    receives none); the weight is reached through its holder, as in `_DeferredLinearFn`."""
+
+    @staticmethod
+    def forward(ctx, ids, anchor, holder, weight_grads):
+        ctx.weight_grads, ctx.weight = weight_grads, holder.weight
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, holder.weight)  # [b, s, h]
+
+    @staticmethod
+    def backward(ctx, dy):
+        (ids,) = ctx.saved_tensors
+        keep_or_apply(DeferredLookup(ctx.weight, ids, dy), ctx.weight_grads)
+        return None, None, None, None
+
+
+def deferred_lookup(ids: torch.Tensor, holder: nn.Module, weight_grads: WeightGrads) -> torch.Tensor:
+    """`F.embedding(ids, holder.weight)`, its weight gradient left to W when autograd is recording."""
+    if not (holder.weight.requires_grad and torch.is_grad_enabled()):
+        return F.embedding(ids, holder.weight)
+    anchor = torch.empty(0, device=ids.device, requires_grad=True)
+    return _DeferredLookupFn.apply(ids, anchor, holder, weight_grads)
+
+
+class DeferredEmbedding(nn.Embedding):
+    """An `nn.Embedding` (same Parameter) whose weight gradient W computes; tensor parallelism's
+    vocabulary cut keeps the deferral (`VocabParallelEmbedding` looks its rows up through it)."""
+
+    def __init__(self, embedding: nn.Embedding, grads: WeightGrads):
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx, self.max_norm, self.sparse = None, None, False
+        self.weight = embedding.weight
+        self.grads = grads
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return deferred_lookup(ids, self, self.grads)
+
+
 def defer_weight_grads(stage: nn.Module, grads: WeightGrads) -> int:
-    """Replace every `nn.Linear` of `stage` by a `DeferredLinear` on `grads`; returns how many."""
+    """Replace every `nn.Linear` of `stage` by a `DeferredLinear` and every plain `nn.Embedding`
+    by a `DeferredEmbedding`, on `grads`; returns how many."""
     found = [
         (parent, name, child)
         for parent in stage.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and not isinstance(child, DeferredLinear)
+        if (isinstance(child, nn.Linear) and not isinstance(child, DeferredLinear)) or type(child) is nn.Embedding
     ]
     for parent, name, child in found:
-        setattr(parent, name, DeferredLinear(child, grads))
+        deferred = DeferredLinear if isinstance(child, nn.Linear) else DeferredEmbedding
+        setattr(parent, name, deferred(child, grads))
     return len(found)

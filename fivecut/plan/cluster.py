@@ -1,0 +1,233 @@
+"""The cluster a plan is made for: nodes of GPUs, the device, and the two classes of link.
+
+A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
+
+    [cluster]
+    nodes = 32
+    gpus_per_node = 8
+    device = "H100"               # a preset below, or a [device] table
+    [device]                      # optional: overrides or defines the device
+    name = "H100"
+    peak_tflops = 989.4           # dense bf16 peak, no sparsity (calibrated: the measured rate)
+    memory_gb = 80
+    achievable = 0.7              # the fraction of the peak a large matmul reaches
+    [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
+    bandwidth_gbps = 450          # GB/s
+    latency_us = 3
+    [links.inter]                 # between nodes (InfiniBand / RoCE), per GPU, per direction
+    bandwidth_gbps = 50
+    latency_us = 10
+
+Each collective costs alpha + beta under the ring algorithms `fivecut.ledger` counts bytes by:
+a ring of n ranks takes n-1 (all-gather, reduce-scatter, all-to-all) or 2(n-1) (all-reduce)
+latency hops, and its wire bytes (`ring_factor` x tensor bytes) at the bandwidth of the slowest
+link it crosses: NVLink when the group lies in one node, the inter-node link otherwise.
+
+The device figures are NVIDIA's data sheets (dense bf16 tensor-core peak, memory, NVLink
+bandwidth halved to one direction); inter-node bandwidth is the network interface per GPU of
+the vendors' reference nodes (DGX A100: one 200 Gb/s HDR port per GPU; DGX H100/H200 and the
+H800 nodes of DeepSeek-V3: one 400 Gb/s NDR port per GPU). Latencies and `achievable` are
+not data-sheet figures: they are typical values (NCCL small-message latencies of a few
+microseconds inside a node and about ten across; large bf16 GEMMs at 60-75% of the dense
+peak) and are meant to be replaced by a calibration (`fivecut plan calibrate`).
+This file is torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fivecut.ledger import ring_factor
+
+GB = 1e9
+
+
+class ClusterError(ValueError):
+    """A cluster that cannot be planned for; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_tflops: float  # dense peak
+    memory_gb: float
+    achievable: float = 0.7  # fraction of the peak large matmuls reach
+    source: str = ""
+
+    @property
+    def flops(self) -> float:
+        """Achievable FLOP/s."""
+        return self.peak_tflops * 1e12 * self.achievable
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gbps: float  # GB/s per GPU, per direction
+    latency_us: float  # per hop of a ring
+
+    def seconds(self, op: str, tensor_bytes: float, n: int) -> float:
+        """alpha-beta time of `op` on a tensor of `tensor_bytes` over a ring of `n` ranks."""
+        if n <= 1 or tensor_bytes <= 0:
+            return 0.0
+        hops = {"all_reduce": 2 * (n - 1), "send": 1, "recv": 1}.get(op, n - 1)
+        return hops * self.latency_us * 1e-6 + ring_factor(op, n) * tensor_bytes / (self.bandwidth_gbps * GB)
+
+
+# NVIDIA data sheets: A100 SXM4 80GB (bf16 312 TFLOPS dense, NVLink 600 GB/s), H100 SXM5 and
+# H200 SXM (bf16 1,979 TFLOPS with sparsity = 989.4 dense, NVLink 900 GB/s; 80 / 141 GB),
+# H800 SXM5 (H100's compute, NVLink 400 GB/s).
+DEVICES = {
+    "A100": Device("A100", 312.0, 80, source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)"),
+    "H100": Device("H100", 989.4, 80, source="NVIDIA H100 Tensor Core GPU data sheet (SXM5)"),
+    "H800": Device("H800", 989.4, 80, source="NVIDIA H800 SXM5 (H100 compute, 400 GB/s NVLink)"),
+    "H200": Device("H200", 989.4, 141, source="NVIDIA H200 Tensor Core GPU data sheet (SXM)"),
+}
+INTRA = {  # NVLink, one direction
+    "A100": Link(300.0, 3.0),
+    "H100": Link(450.0, 3.0),
+    "H800": Link(200.0, 3.0),
+    "H200": Link(450.0, 3.0),
+}
+INTER = {  # one NIC per GPU: 200 Gb/s HDR (A100 nodes), 400 Gb/s NDR (H100, H800, H200 nodes)
+    "A100": Link(25.0, 10.0),
+    "H100": Link(50.0, 10.0),
+    "H800": Link(50.0, 10.0),
+    "H200": Link(50.0, 10.0),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    device: Device
+    intra: Link
+    inter: Link
+    name: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def link_for(self, ranks: tuple[int, ...] | list[int]) -> Link:
+        """The link a group's ring is limited by: NVLink inside one node, the network otherwise."""
+        return self.intra if len({self.node_of(r) for r in ranks}) <= 1 else self.inter
+
+    def describe(self) -> str:
+        d = self.device
+        return (
+            f"{self.name or f'{self.nodes}x{self.gpus_per_node}x{d.name}'}: {self.world_size} devices, {d.name} "
+            f"({d.peak_tflops:.4g} TFLOP/s x {d.achievable:g} achievable, {d.memory_gb:.4g} GB); intra-node "
+            f"{self.intra.bandwidth_gbps:.4g} GB/s {self.intra.latency_us:.3g} us, inter-node "
+            f"{self.inter.bandwidth_gbps:.4g} GB/s {self.inter.latency_us:.3g} us"
+        )
+
+
+SPELLING = re.compile(r"^(\d+)x(\d+)x([A-Za-z0-9]+)$")
+
+
+def preset_cluster(nodes: int, gpus_per_node: int, device: str) -> Cluster:
+    key = device.upper()
+    if key not in DEVICES:
+        raise ClusterError(f"unknown device {device!r}; known devices: {', '.join(DEVICES)} (or a cluster TOML file)")
+    if nodes < 1 or gpus_per_node < 1:
+        raise ClusterError(f"a cluster needs >= 1 node and >= 1 GPU per node, not {nodes}x{gpus_per_node}")
+    return Cluster(nodes, gpus_per_node, DEVICES[key], INTRA[key], INTER[key], f"{nodes}x{gpus_per_node}x{key}")
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """`32x8xH100`, or the path of a cluster TOML file (see the module doc)."""
+    found = SPELLING.match(spec.strip())
+    if found:
+        return preset_cluster(int(found[1]), int(found[2]), found[3])
+    path = Path(spec)
+    if not path.is_file():
+        raise ClusterError(
+            f"--cluster {spec!r} is neither NODESxGPUSxDEVICE (e.g. 32x8xH100; devices: {', '.join(DEVICES)}) "
+            "nor a cluster TOML file"
+        )
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ClusterError(f"{path}: not valid TOML ({err})") from None
+    return cluster_from_table(table, str(path))
+
+
+def cluster_from_table(table: dict, where: str) -> Cluster:
+    top = table.get("cluster", {})
+    for key in ("nodes", "gpus_per_node"):
+        if not isinstance(top.get(key), int) or top[key] < 1:
+            raise ClusterError(f"{where}: [cluster] {key} must be an integer >= 1 (got {top.get(key)!r})")
+    device = device_from(table, top, where)
+    links = table.get("links", {})
+    preset = device.name.upper() if device.name.upper() in DEVICES else None
+    intra = link_from(links.get("intra"), INTRA.get(preset), f"{where}: [links.intra]")
+    inter = link_from(links.get("inter"), INTER.get(preset), f"{where}: [links.inter]")
+    return Cluster(top["nodes"], top["gpus_per_node"], device, intra, inter, top.get("name", Path(where).stem))
+
+
+def device_from(table: dict, top: dict, where: str) -> Device:
+    named = top.get("device")
+    base = DEVICES.get(str(named).upper()) if named is not None else None
+    if named is not None and base is None and "device" not in table:
+        raise ClusterError(
+            f"{where}: unknown device {named!r}; use one of {', '.join(DEVICES)} or add a [device] table"
+        )
+    given = table.get("device", {})
+    if base is None:
+        missing = [k for k in ("name", "peak_tflops", "memory_gb") if k not in given]
+        if missing:
+            raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
+        base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
+    fields = {k: given[k] for k in ("name", "peak_tflops", "memory_gb", "achievable", "source") if k in given}
+    device = replace(base, **fields)
+    if not (device.peak_tflops > 0 and device.memory_gb > 0 and 0 < device.achievable <= 1):
+        raise ClusterError(f"{where}: [device] needs peak_tflops > 0, memory_gb > 0 and 0 < achievable <= 1")
+    return device
+
+
+def link_from(given: dict | None, default: Link | None, where: str) -> Link:
+    if given is None:
+        if default is None:
+            raise ClusterError(f"{where} is missing (bandwidth_gbps, latency_us): the device is not a preset")
+        return default
+    try:
+        link = Link(float(given["bandwidth_gbps"]), float(given["latency_us"]))
+    except KeyError as missing:
+        raise ClusterError(f"{where} needs {missing.args[0]}") from None
+    if not (link.bandwidth_gbps > 0 and link.latency_us >= 0):
+        raise ClusterError(f"{where}: bandwidth_gbps must be > 0 and latency_us >= 0")
+    return link
+
+
+def cluster_toml(cluster: Cluster, note: str = "") -> str:
+    """A cluster as the TOML `parse_cluster` reads (calibration writes this machine's)."""
+    d = cluster.device
+    lines = [f"# {note}"] if note else []
+    lines += [
+        "[cluster]",
+        f'name = "{cluster.name}"',
+        f"nodes = {cluster.nodes}",
+        f"gpus_per_node = {cluster.gpus_per_node}",
+        "",
+        "[device]",
+        f'name = "{d.name}"',
+        f"peak_tflops = {d.peak_tflops:.6g}",
+        f"memory_gb = {d.memory_gb:.6g}",
+        f"achievable = {d.achievable:.6g}",
+        f'source = "{d.source}"',
+    ]
+    for name, link in (("intra", cluster.intra), ("inter", cluster.inter)):
+        lines += [
+            "",
+            f"[links.{name}]",
+            f"bandwidth_gbps = {link.bandwidth_gbps:.6g}",
+            f"latency_us = {link.latency_us:.6g}",
+        ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,234 @@
+"""What one layout costs on a cluster: memory per rank, communication per cut, step time.
+
+Memory and communication are the closed forms `fivecut ledger` checks against a real step
+(`fivecut.plan.memory`, `fivecut.plan.activations`, `fivecut.plan.volume`), applied to the
+records of the real cuts built on the meta device under a virtual mesh; only the time is a
+model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`):
+
+    compute     forward FLOPs of every microbatch through this rank's stages (2 x matmul
+                parameters per token + 4 s h for the attention scores, causal: half; MoE layers:
+                router, top-k routed and shared experts), backward 2x forward (split: B = W = 1x),
+                recomputation adds the forward it repeats; at the device's achievable rate
+    bubble      fivecut's own schedule simulator (`pipeline.simulate`) with those F, B, W costs
+                and each boundary message's alpha-beta time as its latency
+    collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
+                NVLink inside a node, the network across nodes
+    overlap     DP / ZeRO-1/2 gradient reduction hidden behind the backward up to its length;
+                ZeRO-3 gathers prefetched behind the compute up to its length; ring attention's
+                K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped
+
+Step time = the simulated pipeline makespan (compute, boundary messages and bubble) + the
+exposed collectives. MFU = the model's FLOPs per token (6N + 12 L h s, `ModelArgs`) x tokens
+per step / (world x peak x step time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivecut.mesh import Mesh
+from fivecut.parallel.pipeline.schedule import build_schedule, peak_in_flight
+from fivecut.parallel.pipeline.simulate import simulate
+from fivecut.parallel.pipeline.split import stage_layers
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
+from fivecut.plan.cluster import Cluster
+from fivecut.plan.memory import model_state_bytes
+from fivecut.plan.volume import local_param_counts, predict, reduce_group_sizes
+
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
+GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
+HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
+    "dp": "behind the backward, up to its length",
+    "cp": "ring: behind the attention's compute; Ulysses: not hidden",
+    "tp": "not hidden",
+    "ep": "not hidden",
+    "pp": "in the simulated pipeline (each message's alpha-beta time is its latency)",
+}
+
+
+@dataclass
+class CutTime:
+    cut: str
+    wire_bytes: float  # per rank per step (`fivecut ledger`'s measure)
+    link: str  # "intra" | "inter"
+    seconds: float  # alpha-beta time, all of it
+    exposed: float  # what is left after the overlap rule
+    rule: str
+
+
+@dataclass
+class LayoutCost:
+    world: int
+    memory: dict[str, float]  # params, grads, optimizer, activations, total (bytes, rank `memory_rank`)
+    memory_rank: int  # the pipeline position that holds the most
+    fits: bool
+    compute: float  # seconds of F, B, W on rank 0 per step
+    makespan: float  # the simulated pipeline (or the compute alone without a pipeline)
+    bubble: float
+    cuts: list[CutTime] = field(default_factory=list)
+    step: float = 0.0
+    mfu: float = 0.0
+    tokens_per_s: float = 0.0
+    traffic: dict[str, float] = field(default_factory=dict)  # link class -> wire bytes per rank per step
+
+
+def layer_forward_flops(args, layer_id: int, seq: int) -> float:
+    """Forward FLOPs per token of block `layer_id`: 2 x the matmul parameters one token passes
+    through + the causal attention scores and values (2 x 2 s h, half of them masked)."""
+    hd = args.head_dim
+    attention = 2 * args.dim * (args.n_heads + args.n_kv_heads) * hd
+    if args.moe_layer(layer_id):
+        experts = (args.top_k + args.n_shared_experts) * 3 * args.dim * args.expert_dim
+        mlp = args.dim * args.n_experts + experts
+    else:
+        mlp = 3 * args.dim * args.ffn_dim
+    return 2 * (attention + mlp) + 2 * seq * args.dim
+
+
+def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recompute: tuple[str, int]) -> dict:
+    """F, B and the forward a recomputation repeats, in FLOPs, for `tokens` tokens through a stage."""
+    forward = sum(layer_forward_flops(args, i, seq) for i in layers) * tokens
+    mode, every = recompute
+    repeated = 0.0
+    for i in layers:
+        kind = layer_mode(i, mode, every)
+        if kind == "full":
+            repeated += layer_forward_flops(args, i, seq) * tokens
+        elif kind == "selective":  # the attention core and the SwiGLU product
+            repeated += (2 * seq * args.dim + 2 * args.dim) * tokens
+    if last:
+        forward += 2 * args.dim * args.vocab_size * tokens
+    return {"F": forward, "B": 2 * forward + repeated, "recomputed": repeated}
+
+
+def cost_layout(args, cfg, cluster: Cluster) -> LayoutCost:
+    dims, t = cfg.parallel, cfg.train
+    world = dims.world_size
+    mesh = Mesh.virtual(dims, rank=0, moe=args.is_moe)
+    rows = t.global_batch // (dims.dp * t.accumulate)  # sequences per rank per micro-step
+    microbatches = dims.microbatches if dims.pp > 1 else 1
+    seq_local = t.seq_len // dims.cp
+    tokens_mb = rows // microbatches * seq_local  # per microbatch, per rank
+    rate = cluster.device.flops
+    compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb, rate)
+    compute *= t.accumulate
+    makespan *= t.accumulate
+    cuts = collective_times(args, cfg, cluster, mesh, compute)
+    exposed = sum(c.exposed for c in cuts if c.cut != "pp")
+    step = makespan + exposed
+    tokens = t.global_batch * t.seq_len
+    memory, rank = peak_memory(args, cfg, pp_rank_costs)
+    traffic: dict[str, float] = {}
+    for c in cuts:
+        traffic[c.link] = traffic.get(c.link, 0.0) + c.wire_bytes
+    return LayoutCost(
+        world=world,
+        memory=memory,
+        memory_rank=rank,
+        fits=memory["total"] <= cluster.device.memory_gb * 1e9,
+        compute=compute,
+        makespan=makespan,
+        bubble=bubble,
+        cuts=cuts,
+        step=step,
+        mfu=args.flops_per_token(t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
+        tokens_per_s=tokens / step,
+        traffic=traffic,
+    )
+
+
+def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate: float):
+    """Seconds of compute on rank 0 per micro-step, the simulated makespan, the bubble, and the
+    layers of each stage (for memory)."""
+    dims, t = cfg.parallel, cfg.train
+    recompute = (t.recompute, t.recompute_every)
+    cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
+    if dims.pp == 1:
+        work = stage_compute(args, range(args.n_layers), True, tokens_mb, t.seq_len, recompute)
+        seconds = (work["F"] + work["B"]) / cut / rate
+        return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
+    schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+    layers = stage_layers(args, schedule.n_stages, t.seq_len, dims.pp_layers)
+    last = schedule.n_stages - 1
+    works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
+    f = max(w["F"] for w in works) / cut / rate  # the slowest stage sets the pace
+    b = max(w["B"] for w in works) / cut / rate
+    message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
+    pp_group = mesh.group("pp")
+    latency = cluster.link_for(pp_group.ranks).seconds("send", message, 2)
+    if schedule.split_backward:
+        timeline = simulate(schedule, f, b / 2, b / 2, latency)
+    else:
+        timeline = simulate(schedule, f, b, None, latency)
+    mine = [s for s in range(last + 1) if schedule.stage_rank[s] == 0]
+    compute = sum(works[s]["F"] + works[s]["B"] for s in mine) * dims.microbatches / cut / rate
+    by_rank = {r: [layers[s] for s in range(last + 1) if schedule.stage_rank[s] == r] for r in range(dims.pp)}
+    return compute, timeline.makespan, timeline.bubble, by_rank
+
+
+def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float) -> list[CutTime]:
+    """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time and what stays exposed."""
+    dims = cfg.parallel
+    out = []
+    for cut, (wire, _how) in predict(args, cfg).items():
+        if cut not in GROUP_OF_CUT:
+            continue  # metrics and control: a few bytes per step
+        group = mesh.group(GROUP_OF_CUT[cut])
+        link = cluster.link_for(group.ranks)
+        seconds = wire / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 * max(group.size - 1, 1)
+        if cut == "dp":
+            exposed = max(0.0, seconds - compute * 2 / 3)  # the backward is 2/3 of F + B
+        elif cut == "cp" and dims.cp_mode == "ring":
+            exposed = max(0.0, seconds - compute / 3)  # at most behind the forward's share
+        elif cut == "pp":
+            exposed = 0.0  # inside the simulated makespan
+        else:
+            exposed = seconds
+        out.append(
+            CutTime(cut, wire, "intra" if link is cluster.intra else "inter", seconds, exposed, HIDDEN.get(cut, ""))
+        )
+    return out
+
+
+def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict[str, float], int]:
+    """Model states and activations of the pipeline position that holds the most."""
+    dims, t = cfg.parallel, cfg.train
+    rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
+    seq = t.seq_len // dims.cp
+    item = ACTIVATION_BYTES[t.dtype]
+    in_flight = [1] * dims.pp
+    if dims.pp > 1:
+        in_flight = peak_in_flight(build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual))
+    sizes = reduce_group_sizes(cfg)
+    best, best_rank = None, 0
+    for rank, stage_ranges in layers_by_rank.items():
+        counts = local_param_counts(args, cfg, pp_rank=rank)
+        parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
+        states = {key: sum(p[key] for p in parts) for key in ("params", "grads", "optimizer")}
+        per_layer = [
+            activation_bytes_per_layer(
+                args,
+                rows,
+                seq,
+                dims.tp,
+                dims.sp,
+                item,
+                moe_rows=uniform_rows(args, rows * seq, dims.ep) if args.moe_layer(i) else None,
+                cp=dims.cp,
+                recompute=layer_mode(i, t.recompute, t.recompute_every),
+                cp_mode=dims.cp_mode,
+            )
+            for r in stage_ranges
+            for i in r
+        ]
+        states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
+        states["total"] = sum(states.values())
+        if best is None or states["total"] > best["total"]:
+            best, best_rank = states, rank
+    return best, best_rank
+
+
+def uniform_rows(args, tokens: int, ep: int) -> tuple[int, int]:
+    """Rows a rank sends and receives in a MoE layer's dispatch when routing is uniform."""
+    rows = tokens * args.top_k
+    return rows, rows

@@ -1,0 +1,89 @@
+"""The planner's cluster: presets, TOML files, the alpha-beta link model, and calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivecut.cli import main
+from fivecut.plan.cluster import ClusterError, Link, cluster_toml, parse_cluster
+
+EXACT = dict(rel=1e-12)  # closed forms of a few operations on exact inputs
+
+
+def test_a_preset_cluster_has_the_data_sheet_figures_and_its_links():
+    cluster = parse_cluster("32x8xH100")
+    assert cluster.world_size == 256 and cluster.device.memory_gb == 80
+    assert cluster.device.peak_tflops == pytest.approx(989.4, **EXACT)  # dense bf16 (1,979 with sparsity)
+    assert cluster.link_for((0, 7)) is cluster.intra  # one node: NVLink
+    assert cluster.link_for((7, 8)) is cluster.inter  # two nodes: the network
+    assert cluster.intra.bandwidth_gbps == 450 and cluster.inter.bandwidth_gbps == 50
+
+
+def test_a_ring_collective_costs_its_hops_and_its_wire_bytes():
+    link = Link(bandwidth_gbps=100.0, latency_us=5.0)
+    size, n = 4e9, 4
+    assert link.seconds("all_reduce", size, n) == pytest.approx(6 * 5e-6 + 1.5 * size / 1e11, **EXACT)
+    assert link.seconds("all_gather", size, n) == pytest.approx(3 * 5e-6 + 0.75 * size / 1e11, **EXACT)
+    assert link.seconds("send", size, 2) == pytest.approx(5e-6 + size / 1e11, **EXACT)
+    assert link.seconds("all_reduce", size, 1) == 0.0
+
+
+def test_a_cluster_file_reads_back_as_written(tmp_path):
+    cluster = parse_cluster("4x8xA100")
+    path = tmp_path / "a100.toml"
+    path.write_text(cluster_toml(cluster, "a note"))
+    assert parse_cluster(str(path)) == cluster
+
+
+def test_a_file_may_name_a_preset_and_override_a_link(tmp_path):
+    path = tmp_path / "h800.toml"
+    path.write_text(
+        '[cluster]\nnodes = 2\ngpus_per_node = 8\ndevice = "H800"\n[links.inter]\nbandwidth_gbps = 40\nlatency_us = 8\n'
+    )
+    cluster = parse_cluster(str(path))
+    assert cluster.device.name == "H800" and cluster.intra == parse_cluster("1x8xH800").intra
+    assert cluster.inter == Link(40.0, 8.0)
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("[cluster]\nnodes = 2\n", "gpus_per_node"),
+        ('[cluster]\nnodes = 2\ngpus_per_node = 8\ndevice = "B300"\n', "unknown device 'B300'"),
+        ('[cluster]\nnodes = 1\ngpus_per_node = 8\n[device]\nname = "x"\n', "peak_tflops, memory_gb"),
+        (
+            '[cluster]\nnodes = 1\ngpus_per_node = 8\n[device]\nname = "x"\npeak_tflops = 1\nmemory_gb = 8\n',
+            "[links.intra] is missing",
+        ),
+        ("[cluster]\nnodes = 1\ngpus_per_node = 8\ndevice = 'H100'\n[links.intra]\nlatency_us = 1\n", "bandwidth_gbps"),
+        ("[cluster\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_cluster_file_is_refused_naming_the_key(tmp_path, text, said):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ClusterError) as info:
+        parse_cluster(str(path))
+    assert said in str(info.value)
+
+
+def test_an_unknown_spelling_names_the_forms_and_the_devices():
+    with pytest.raises(ClusterError) as info:
+        parse_cluster("32x8xB300")
+    assert "unknown device 'B300'" in str(info.value) and "H100" in str(info.value)
+    with pytest.raises(ClusterError) as info:
+        parse_cluster("no-such-file.toml")
+    assert "NODESxGPUSxDEVICE" in str(info.value)
+
+
+@pytest.mark.multirank
+def test_calibration_writes_a_cluster_file_of_this_machine_and_never_overwrites(tmp_path, capsys):
+    out = tmp_path / "here.toml"
+    assert main(["plan", "calibrate", "--ranks", "2", "--out", str(out)]) == 0
+    cluster = parse_cluster(str(out))
+    assert cluster.world_size == 2 and cluster.intra == cluster.inter
+    assert cluster.device.peak_tflops > 0 and cluster.intra.bandwidth_gbps > 0 and cluster.device.achievable == 1
+    written = out.read_text()
+    assert main(["plan", "calibrate", "--out", str(out)]) == 2  # exists: refused, untouched
+    assert out.read_text() == written and "--force" in capsys.readouterr().err
+    assert main(["plan", "calibrate", "--ranks", "0", "--out", str(tmp_path / "x.toml")]) == 2

@@ -1,0 +1,52 @@
+"""`fivecut plan --layout`: one layout costed on a cluster (memory, communication per link, time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivecut.cli import build_parser, main, plan_config
+from fivecut.plan.cluster import parse_cluster
+from fivecut.plan.cost import cost_layout
+from fivecut.plan.volume import predict
+
+
+def planned(model: str, layout: str, cluster: str, *flags: str):
+    ns = build_parser().parse_args(["plan", "--model", model, "--layout", layout, "--cluster", cluster, *flags])
+    cfg, args = plan_config(ns)
+    return cost_layout(args, cfg, parse_cluster(cluster)), cfg, args
+
+
+def test_the_specifications_3d_example_puts_tp_inside_nodes_and_dp_pp_across():
+    """16 DP x 4 TP x 4 PP on 32 nodes of 8 H100: TP groups are 4 neighbouring ranks (one node);
+    a DP group and a pipeline span nodes."""
+    cost, cfg, args = planned(
+        "llama3-8b", "dp=16,tp=4,pp=4,microbatches=8", "32x8xH100", "--seq", "2048", "--global-batch", "256"
+    )
+    links = {c.cut: c.link for c in cost.cuts}
+    assert links == {"dp": "inter", "tp": "intra", "pp": "inter"}
+    assert {c.cut: c.wire_bytes for c in cost.cuts} == {
+        cut: v for cut, (v, _) in predict(args, cfg).items() if cut in links
+    }
+    assert cost.traffic["intra"] == next(c.wire_bytes for c in cost.cuts if c.cut == "tp")
+    assert 0 < cost.bubble < 1 and cost.step >= cost.makespan and 0 < cost.mfu < 1
+
+
+def test_a_layout_that_does_not_fit_names_its_largest_term(capsys):
+    assert main(["plan", "--model", "llama3-70b", "--layout", "dp=8", "--cluster", "1x8xH100", "--seq", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "largest term is" in out
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--layout", "dp=4", "--cluster", "1x8xH100"], "uses 4 ranks but --cluster 1x8xH100 has 8 GPUs"),
+        (["--layout", "dp=8", "--cluster", "1x8xB300"], "unknown device 'B300'"),
+        (["--layout", "dp=8"], "needs --layout and --cluster"),
+        (["--layout", "dp=8", "--cluster", "1x8xH100", "--model", "nope"], "is not a model preset"),
+        (["--layout", "tp=3,dp=2", "--cluster", "1x6xH100", "--model", "tiny"], "tp"),
+    ],
+)
+def test_bad_plan_input_is_refused_with_exit_2(flags, said, capsys):
+    assert main(["plan", *flags]) == 2
+    assert said in capsys.readouterr().err
