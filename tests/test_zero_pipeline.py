@@ -76,7 +76,7 @@ def test_shard_gradients_match_single_process(zero, schedule, byte_cache, tmp_pa
         torch.testing.assert_close(merged[name], g, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-LOSSES_DEFAULT = {(3, "1f1b")}  # the suite's budget; `pytest -m sweep` runs the rest
+LOSSES_DEFAULT = {(3, "1f1b"), (2, "zb1p")}
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ GPT2 = ('model.preset="tiny-gpt2"', "model.n_layers=4", 'data.tokenizer="gpt2"',
 
 @pytest.mark.parametrize(
     "zero,schedule",
-    [pytest.param(3, "1f1b", marks=pytest.mark.sweep, id="zero=3,1f1b: a copy on each end")]
+    [pytest.param(3, "1f1b", id="zero=3,1f1b: a copy on each end")]
     + [pytest.param(2, "dualpipev", marks=pytest.mark.sweep, id="zero=2,dualpipev: both ends on rank 0")]
     + [pytest.param(3, "interleaved", marks=pytest.mark.sweep, id="zero=3,interleaved")]
     + [pytest.param(3, "dualpipev", marks=pytest.mark.sweep, id="zero=3,dualpipev: a unit borrowed by the head")],
@@ -152,7 +152,6 @@ def test_ledger_counts_the_gathers_per_microbatch(layout, capsys, byte_cache):
         assert gathers == units * (1 if "reshard_after_forward=false" in layout else 2 * microbatches)
 
 
-@pytest.mark.sweep
 @pytest.mark.sweep
 @pytest.mark.parametrize("reshard", ["true", "false"])
 def test_ledger_counts_the_borrowed_unit(reshard, capsys, byte_cache):
