@@ -17,7 +17,9 @@ The loss is computed on the last stage as the sum of token losses divided by the
 count of the global batch, so microbatches, stages and data-parallel ranks add up to the
 single-device loss and gradient. With a split backward (zero-bubble schedules), B is the
 stage's one backward with the linear layers' weight gradients left out, and W computes those
-from what B kept (`wgrad.py`).
+from what B kept (`wgrad.py`). Under ZeRO-2/3 the executor calls `stage_done(stage)` right after
+a stage's last B (or last W) of the step, which starts that stage's gradient reduce-scatters
+while the schedule's other actions go on (`fivecut.parallel.zero_pipeline`).
 """
 
 from __future__ import annotations
