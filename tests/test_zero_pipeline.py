@@ -181,3 +181,15 @@ def test_zero3_with_tensor_parallelism_and_sp_in_a_pipeline(byte_cache, tmp_path
     layout = ("parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *SCHEDULES["1f1b"])
     cfg = small_config(byte_cache, *PP, *layout, f'log.out_dir="{tmp_path}/p"')
     assert_same_run(cfg, single_process_run(byte_cache), ",".join(layout))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_with_expert_parallelism_in_a_pipeline(zero, byte_cache, tmp_path):
+    """tiny-moe, ep=2 over dp=2: the experts in their own (expert-dp) cut of each stage."""
+    moe = ('model.preset="tiny-moe"',)
+    cfg = small_config(
+        byte_cache, *moe, *PP, "parallel.ep=2", f"parallel.zero={zero}", *SCHEDULES["zb1p"],
+        f'log.out_dir="{tmp_path}/p"',
+    )  # fmt: skip
+    assert_same_run(cfg, single_process_run(byte_cache, *moe), f"tiny-moe ep=2 zero={zero}")
