@@ -524,11 +524,7 @@ def world_problems(dims: ParallelDims, world_size: int | None) -> list[str]:
 
 
 def unimplemented(dims: ParallelDims) -> list[str]:
-    if dims.pp > 1 and dims.zero >= 2:
-        return [
-            f"parallel.zero={dims.zero} with pp={dims.pp}: ZeRO-2/3 inside a pipeline is not in this "
-            f"version; use zero=0 or 1"
-        ]
+    """Layouts this version refuses although they could work (none at present)."""
     return []
 
 

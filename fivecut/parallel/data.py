@@ -167,6 +167,10 @@ class GradReducer(abc.ABC):
             self._next = 0
             self._finish()
 
+    def start_reduce(self) -> None:
+        """A pipeline stage's last backward is done (`zero_pipeline`); here nothing starts early:
+        `reduce` does it all (ZeRO-2 starts its buckets)."""
+
     def grad_arrived(self, param: nn.Parameter) -> None:
         """A gradient was accumulated into `param.grad` (subclasses keep it in place)."""
 

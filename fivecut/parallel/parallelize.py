@@ -67,6 +67,7 @@ from fivecut.parallel.recompute import apply_recompute
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
+from fivecut.parallel.zero_pipeline import StagedSync
 
 STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data")  # the order, as applied below
 
@@ -93,6 +94,9 @@ class Pipeline:
     ends: Group  # the first and the last pipeline rank (tied embeddings)
     tied: nn.Parameter | None  # this rank's copy of a tied embedding held on both ends
     weight_grads: WeightGrads | None = None  # split backward: the weight gradients B defers to W
+    # ZeRO-2/3: the executor calls it after a stage's last B (or W) of the schedule; its gradients
+    # are then reduce-scattered, once per accumulation step (`fivecut.parallel.zero_pipeline`)
+    stage_done: Callable[[int], None] | None = None
 
     def sum_tied_grads(self) -> None:
         if self.tied is not None and self.ends.size > 1 and self.tied.grad is not None:
@@ -209,7 +213,11 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
     pipeline = tie_pipeline_ends(schedule, stages, mesh, placements, params, weight_grads)
     kinds = {params[name]: pl.kind(dims.tp, dims.ep, dims.zero) for name, pl in placements.items()}
-    sync = data_parallel(module, mesh, kinds, o.bucket_mb, o.reduce_dtype, o.param_dtype)
+    if pipeline is not None and dims.zero >= 2:
+        sync = staged_data_parallel(stages, pipeline, mesh, kinds, o)
+        pipeline.stage_done = sync.stage_done
+    else:
+        sync = data_parallel(module, mesh, kinds, o.bucket_mb, o.reduce_dtype, o.param_dtype)
     record_flat_slots(placements, params, sync.flat_slots())
     check_local_shapes(placements, params)
     experts = expert_balancer(args, mesh, o.moe, runtimes, module)
@@ -400,18 +408,58 @@ def data_parallel(
     return syncs[0] if len(syncs) == 1 else SyncSet(syncs)
 
 
+def staged_data_parallel(stages, pipeline: Pipeline, mesh: Mesh, kinds: Kinds, o: ParallelizeOptions) -> StagedSync:
+    """ZeRO-2/3 in a pipeline: one data cut per stage (and gradient group), reduced after the stage's
+    last backward or W; a parameter two stages share (a tied embedding on one rank) belongs to the
+    first. The ends holding a tied embedding wait for its sum (see `fivecut.parallel.zero_pipeline`)."""
+    dims, owned, cuts = mesh.dims, {}, {}
+    for s in sorted(stages):
+        params = [p for p in unique_params(stages[s]) if p not in owned]
+        if dims.zero == 3:
+            shared = {p: owned[p] for p in unique_params(stages[s]) if p in owned}  # dict: by identity
+            cut = stage_fsdp(stages[s], mesh, kinds, o, shared)
+            owned.update(cut.unit_of)
+            cuts[s] = [cut]
+            continue
+        owned.update(dict.fromkeys(params))
+        by_group: dict[str, list[nn.Parameter]] = {}
+        for p in params:
+            by_group.setdefault(kinds[p].reduce, []).append(p)
+        cuts[s] = [
+            reduce_over(stages[s], ps, mesh, name, kinds, o.bucket_mb, o.reduce_dtype, pipelined=True)
+            for name, ps in by_group.items()
+        ]
+    ends = {0, pipeline.schedule.n_stages - 1} if stages[min(stages)].args.tie_embeddings else set()
+    return StagedSync(cuts, ends & set(stages))
+
+
+def stage_fsdp(stage: nn.Module, mesh: Mesh, kinds: Kinds, o: ParallelizeOptions, borrowed) -> FullyShardedDataParallel:
+    """ZeRO-3 over one stage's units; `borrowed`: its parameters that an earlier stage's units own."""
+    others = {kinds[p].reduce for p in unique_params(stage)} - {"dp_cp"}
+    groups = {name: mesh.zero_groups[name].shard for name in others}  # hybrid sharding: a block of each
+    cut = mesh.zero_groups["dp_cp"]
+    return FullyShardedDataParallel(
+        stage, cut.shard, mesh.dims.reshard_after_forward, o.reduce_dtype, kinds, groups, o.param_dtype,
+        cut.replicate, pipelined=True, borrowed=borrowed,
+    )  # fmt: skip
+
+
 def unique_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def reduce_over(module, params, mesh: Mesh, name: str, kinds: Kinds, bucket_mb: float, reduce_dtype) -> GradSync:
+def reduce_over(
+    module, params, mesh: Mesh, name: str, kinds: Kinds, bucket_mb: float, reduce_dtype, pipelined: bool = False
+) -> GradSync:
     """DDP or ZeRO-1/2 of `params` over the mesh group `name` (hybrid sharding: sharded over a block
-    of it, `Mesh.zero_groups`)."""
+    of it, `Mesh.zero_groups`; `pipelined`: one pipeline stage's)."""
     group = mesh.group(name)
     if mesh.dims.zero == 0 or group.size == 1:
         return DataParallel(module, group, bucket_mb, reduce_dtype, params, kinds)
     cut = mesh.zero_groups[name]
-    return ZeroDataParallel(module, cut.shard, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds, cut.replicate)
+    return ZeroDataParallel(
+        module, cut.shard, mesh.dims.zero, bucket_mb, reduce_dtype, params, kinds, cut.replicate, pipelined
+    )
 
 
 def record_flat_slots(placements: dict[str, Placement], params, slots: dict[nn.Parameter, FlatSlot]) -> None:

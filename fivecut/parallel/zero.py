@@ -57,7 +57,7 @@ train.reduce_dtype = "bf16"), reduce-scattered, and added to the fp32 shard grad
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -205,11 +205,13 @@ class ZeroDataParallel(DataParallel):
         params: list[nn.Parameter] | None = None,
         kinds: Kinds | None = None,
         replicate: Group | None = None,
+        pipelined: bool = False,
     ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO-1 or ZeRO-2, not stage {stage}")
         self.stage = stage
         self.replicas = Replicas(replicate)
+        self.pipelined = pipelined  # one stage's parameters: reduced when `start_reduce` says (`zero_pipeline`)
         super().__init__(module, group, bucket_mb, reduce_dtype, params, kinds)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
@@ -246,7 +248,19 @@ class ZeroDataParallel(DataParallel):
         return [shard.grad for shard in self.shards]
 
     def reducing(self) -> bool:
-        return (self.group.size > 1 or self.replicas.size > 1) and (self.sync or self.stage == 2)
+        communicates = self.group.size > 1 or self.replicas.size > 1
+        return communicates and (self.sync or (self.stage == 2 and not self.pipelined))
+
+    def start_reduce(self) -> None:
+        """Pipeline: the stage's last backward (or W) of the schedule is done; launch every bucket
+        (ZeRO-2: each stage's full gradients, accumulated over the microbatches, then freed)."""
+        while (self.group.size > 1 or self.replicas.size > 1) and self._next < len(self.buckets):
+            self._launch_next()
+
+    def reduce(self) -> None:
+        """Launch what `start_reduce` did not, and wait for every bucket."""
+        if self.group.size > 1 or self.replicas.size > 1:
+            self._finish()
 
     def zero_grad(self) -> None:
         if self.stage == 1:
@@ -277,11 +291,15 @@ class ZeroDataParallel(DataParallel):
         else:
             shard.grad.add_(bucket.out)
         bucket.out = None
-        if self.sync:  # the step's last micro-step: sum the shard over the replicas (hybrid sharding)
-            self.replicas.launch(shard.grad, self.to_wire)
 
     def _finish(self) -> None:
+        """Wait for every bucket; at the step's last micro-step (not inside `no_sync`), then sum each
+        shard over the replicas (hybrid sharding). A pipeline's buckets may complete during its
+        schedule, inside `no_sync`, so the replicas are summed here, after all of them."""
         super()._finish()
+        if self.sync:
+            for shard in self.shards:
+                self.replicas.launch(shard.grad, self.to_wire)
         self.replicas.finish()
 
     def after_step(self) -> None:
@@ -319,6 +337,9 @@ class Unit:
     gathered: bool = True  # `full` holds the parameters (or an all-gather into it is in flight)
     ready: int = 0  # parameters whose gradient this backward has produced
     reduced: bool = False
+    # units of another stage's cut whose parameters these modules use too (a tied embedding with
+    # both pipeline ends on this rank): gathered and freed with this one, reduced by their owner
+    borrowed: list[Unit] = field(default_factory=list)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -340,19 +361,27 @@ class FullyShardedDataParallel:
         other_groups: dict[str, Group] | None = None,
         param_dtype: torch.dtype | None = None,
         replicate: Group | None = None,
+        pipelined: bool = False,
+        borrowed: dict[nn.Parameter, Unit] | None = None,
     ):
         self.model = model
         self.replicas = Replicas(replicate)  # hybrid sharding: each shard summed over these ranks too
         self.sync = True  # False inside `no_sync`: the replicas are summed at the step's last backward
+        # a pipeline stage (`zero_pipeline`): its units in the order its modules run, its gradients
+        # accumulated in full over the microbatches and reduce-scattered once, at `start_reduce`
+        self.pipelined = pipelined
+        self.borrowed = borrowed or {}  # parameters of this stage that another stage's cut owns
         self.param_dtype = param_dtype  # None: gather and compute in the masters' dtype
         self.kinds = kinds if kinds is not None else plain_kinds(list(model.parameters()))
         self.groups = {"dp_cp": group, **(other_groups or {})}
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
-        self.units = [self._make_unit(name, modules) for name, modules in transformer_units(model)]
+        units = stage_units(model) if pipelined else transformer_units(model)
+        self.units = [self._make_unit(name, modules) for name, modules in units]
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.forward_order = self.units  # root first (the embedding runs first), then the blocks
-        self.backward_order = [self.units[0]] + self.units[1:][::-1]  # the head runs backward first
+        # the head runs backward first (the root, which holds it; in a stage, the last unit)
+        self.backward_order = self.units[::-1] if pipelined else [self.units[0]] + self.units[1:][::-1]
         self._callback_queued = False
         self._reducing: Unit | None = None  # the unit whose reduce-scatter is in flight
         for unit in self.units:
@@ -363,10 +392,13 @@ class FullyShardedDataParallel:
     def _make_unit(self, name: str, modules: list[nn.Module]) -> Unit:
         by_group: dict[str, list[nn.Parameter]] = {}
         for p in unique_params(modules):
-            by_group.setdefault(self.kinds[p].reduce, []).append(p)
+            if p not in self.borrowed:
+                by_group.setdefault(self.kinds[p].reduce, []).append(p)
         dtype = self.param_dtype
         parts = [self._make_part(params, self.groups[group], self.kinds, dtype) for group, params in by_group.items()]
-        unit = Unit(name, modules, parts)
+        used = {id(p) for p in unique_params(modules)}  # by identity: `in` on tensors compares their values
+        others = list({id(u): u for p, u in self.borrowed.items() if id(p) in used}.values())
+        unit = Unit(name, modules, parts, borrowed=others)
         self._free(unit)
         return unit
 
@@ -408,8 +440,26 @@ class FullyShardedDataParallel:
         """Nothing to do: the next forward gathers the updated shards."""
 
     def reduce(self) -> None:
-        """Every backward reduce-scattered as it went; what is left is the sum over the replicas."""
-        self._sum_replicas()
+        """Outside a pipeline nothing to do: every backward reduce-scattered as it went and, at the
+        step's last, summed the shards over the replicas. In a stage: wait for what `start_reduce`
+        sent (starting it if it was not), then, unless inside `no_sync` (a micro-step before the
+        step's last), the sum over the replicas (hybrid sharding)."""
+        if not self.pipelined:
+            return
+        if not self.units[0].reduced:
+            self.start_reduce()
+        if self._reducing is not None:
+            self._finish_reduce(self._reducing)
+        for unit in self.units:
+            unit.reduced = False
+        if self.sync:
+            self._sum_replicas()
+
+    def start_reduce(self) -> None:
+        """Pipeline: the stage's last backward (or W) of the schedule is done. Reduce-scatter each
+        unit's gradients (accumulated over the microbatches) into its shard, free them and the unit."""
+        for unit in self.backward_order:
+            self._reduce(unit)
 
     def _sum_replicas(self) -> None:
         for shard in self.shards:
@@ -444,6 +494,8 @@ class FullyShardedDataParallel:
     # ------------------------------------------------------------ gather / free
 
     def _prefetch(self, unit: Unit | None) -> None:
+        for other in unit.borrowed if unit is not None else ():
+            self._prefetch(other)
         if unit is None or unit.gathered:
             return
         for part in unit.parts:
@@ -456,13 +508,15 @@ class FullyShardedDataParallel:
 
     def _gather(self, unit: Unit) -> None:
         self._prefetch(unit)
-        for part in unit.parts:
+        for part in [part for u in (unit, *unit.borrowed) for part in u.parts]:
             if part.gather_work is not None:
                 comm.wait(part.gather_work, "all_gather", part.group)
                 part.gather_work = None
 
     def _free(self, unit: Unit) -> None:
         """Release the gathered parameters, and with them the views autograd saved of them."""
+        for other in unit.borrowed:
+            self._free(other)
         for part in unit.parts:
             if part.gather_work is not None:  # prefetched but never used: the collective still writes into it
                 comm.wait(part.gather_work, "all_gather", part.group)
@@ -493,10 +547,16 @@ class FullyShardedDataParallel:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
+        if self.pipelined and self.reshard_after_forward:  # the unit that ran backward before this one is done
+            done = self._after(self.forward_order, unit)
+            if done is not None and done.gathered:
+                self._free(done)
         self._gather(unit)
         self._prefetch(self._after(self.backward_order, unit))
 
     def _grad_ready(self, unit: Unit) -> None:
+        if self.pipelined:  # reduced once, after the stage's last backward (or W): `start_reduce`
+            return
         unit.ready += 1
         if unit.ready == len(unit.params):
             self._reduce(unit)
@@ -518,6 +578,12 @@ class FullyShardedDataParallel:
         self._free(unit)
 
     def _end_of_backward(self) -> None:
+        if self.pipelined:  # one microbatch's backward of the stage: free what it gathered (or keep it)
+            for unit in self.units:
+                if self.reshard_after_forward and unit.gathered:
+                    self._free(unit)
+            self._callback_queued = False
+            return
         for unit in self.backward_order:
             if not unit.reduced:  # parameters that received no gradient this pass
                 self._reduce(unit)
@@ -551,3 +617,12 @@ def transformer_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     root = [m for m in (model.tok_embeddings, model.norm, model.output) if m is not None]
     blocks = [(f"layers.{name}", [block]) for name, block in model.layers.items()]
     return [("root", root)] + blocks
+
+
+def stage_units(stage: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """ZeRO-3 units of a pipeline stage, in the order its modules run: the embedding (first stage),
+    each block, the final norm and head (last stage). A tied embedding has a copy on each end."""
+    first = [("tok_embeddings", [stage.tok_embeddings])] if stage.tok_embeddings is not None else []
+    head = [m for m in (stage.norm, stage.output) if m is not None]
+    blocks = [(f"layers.{name}", [block]) for name, block in stage.layers.items()]
+    return first + blocks + ([("head", head)] if head else [])

@@ -76,8 +76,9 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     ends = {owner[0], owner[-1]}
     if args.tie_embeddings and len(ends) == 2 and rank in ends:
         shard = -(-args.vocab_size // dims.tp) * args.dim
-        volume += ring_factor("all_reduce", 2) * FP32 * shard
-        how += " + tied embedding all-reduce over the two ends"
+        sums = train.accumulate if dims.zero >= 2 else 1  # ZeRO-2/3 reduce (so sum the tie) every micro-step
+        volume += sums * ring_factor("all_reduce", 2) * FP32 * shard
+        how += f" + {sums} x tied embedding all-reduce over the two ends"
     if train.grad_clip > 0:
         volume += ring_factor("all_reduce", dims.pp) * FP32
         how += " + clip norm"
@@ -376,13 +377,15 @@ def shard_group_sizes(cfg) -> dict[str, int]:
 def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
     by_group: dict[str, list[Placement]] = {}
-    for pl in local_placements(args, cfg).values():
+    placements = local_placements(args, cfg)
+    for pl in placements.values():
         by_group.setdefault(pl.reduce, []).append(pl)
     sizes, r = shard_group_sizes(cfg), zero_replicas(cfg)
     parts = [group_reduction_volume(cfg, records, sizes[name], r) for name, records in by_group.items()]
     norm = cfg.parallel.shard_size  # the clip norm sums over one shard group, not its replicas
     clip = ring_factor("all_reduce", norm) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
-    volume = sum(v for v, _ in parts) + clip
+    again = tied_regathers(args, cfg, placements, sizes["dp_cp"])  # gathered inside the shard group
+    volume = sum(v for v, _ in parts + again) + clip
     how = (
         parts[0][1]
         if len(parts) == 1
@@ -391,6 +394,7 @@ def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
             for name, (_, how) in zip(by_group, parts)
         )
     )
+    how += "".join(f" + {what}" for _, what in again)
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
@@ -430,7 +434,9 @@ def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
             volume,
             f"{sends} x reduce-scatter + all-gather of Phi'={flat:,} (Phi={phi:,} padded per bucket) x (n-1)/n, n={n}",
         )
-    gathers = 2 if dims.reshard_after_forward else 1
+    # resharding: each unit gathered for every forward and backward, of each pipeline microbatch too
+    # (a stage keeps its units gathered from its first forward to its last backward without it)
+    gathers = 2 * (dims.microbatches if dims.pp > 1 else 1) if dims.reshard_after_forward else 1
     p = BYTES[train.dtype]  # the compute copy: bf16 from the fp32 masters under train.dtype = "bf16"
     volume = acc * (gathers * ag * p * flat + rs * g * flat)
     return (
@@ -438,6 +444,22 @@ def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
         f"{acc} x ({gathers} all-gathers at {p}B + 1 reduce-scatter at {g}B) of Phi'={flat:,} "
         f"(Phi={phi:,} padded per unit) x (n-1)/n, n={n}",
     )
+
+
+def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[tuple[float, str]]:
+    """ZeRO-3 with resharding, both pipeline ends on this rank (DualPipeV) and a tied embedding: the
+    first stage's embedding unit is gathered again for the last stage's head, forward and backward,
+    in every microbatch (`Unit.borrowed`)."""
+    dims, train = cfg.parallel, cfg.train
+    if dims.zero != 3 or dims.pp == 1 or not args.tie_embeddings or not dims.reshard_after_forward:
+        return []
+    owner = pipeline_plan(args, cfg)[0].stage_rank
+    if owner[0] != owner[-1] or owner[0] != 0:
+        return []
+    flat = placements["tok_embeddings.weight"].flat.padded
+    gathers = train.accumulate * 2 * dims.microbatches
+    volume = gathers * ring_factor("all_gather", n) * BYTES[train.dtype] * flat
+    return [(volume, f"{gathers} all-gathers of the tied embedding's unit ({flat:,}) for the head on the same rank")]
 
 
 def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:

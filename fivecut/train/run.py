@@ -138,7 +138,8 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
 
 def pipeline_forward_backward(ctx: Context, batches, denominator: int, activations: dict | None = None) -> torch.Tensor:
     """Each accumulation micro-step's rows cut into microbatches and run through the schedule;
-    gradients reduced over dp once, after the last (tied embeddings first summed over the two ends).
+    gradients reduced over dp once, after the last (tied embeddings first summed over the two ends);
+    under ZeRO-2/3 after each (each stage's starts when its last backward is done, during the run).
     With `activations`, the bytes each layer of this rank saves for microbatch 0 go there."""
     pipe, dims = ctx.par.pipeline, ctx.mesh.dims
     total = torch.zeros((), device=ctx.device)
@@ -155,9 +156,11 @@ def pipeline_forward_backward(ctx: Context, batches, denominator: int, activatio
             )
         if measuring:
             activations.update(ctx.par.saved.bytes_per_layer)
-    with ctx.mesh.ledger.phase("backward"):
-        pipe.sum_tied_grads()
-        ctx.par.sync.reduce()
+        last = i == len(batches) - 1
+        if pipe.stage_done is not None or last:  # before the step's last: no sum over ZeRO's replicas
+            with ctx.mesh.ledger.phase("backward"), contextlib.nullcontext() if last else ctx.par.sync.no_sync():
+                pipe.sum_tied_grads()
+                ctx.par.sync.reduce()
     return total
 
 
@@ -192,6 +195,7 @@ def pipeline_step(
         positions=positions if positions is not None else torch.arange(seq, device=ctx.device),
         forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
         weight_grads=ctx.par.pipeline.weight_grads,
+        stage_done=ctx.par.pipeline.stage_done,
     )
 
 

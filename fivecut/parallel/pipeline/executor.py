@@ -17,12 +17,15 @@ The loss is computed on the last stage as the sum of token losses divided by the
 count of the global batch, so microbatches, stages and data-parallel ranks add up to the
 single-device loss and gradient. With a split backward (zero-bubble schedules), B is the
 stage's one backward with the linear layers' weight gradients left out, and W computes those
-from what B kept (`wgrad.py`).
+from what B kept (`wgrad.py`). Under ZeRO-2/3 the executor calls `stage_done(stage)` right after
+a stage's last B (or last W) of the step, which starts that stage's gradient reduce-scatters
+while the schedule's other actions go on (`fivecut.parallel.zero_pipeline`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +68,7 @@ class PipelineStep:
     forward_context: object  # (microbatch) -> context manager around each forward (saved tensors, autocast)
     dtype: torch.dtype = torch.float32
     weight_grads: WeightGrads | None = None  # split backward: what B keeps for W (`parallelize` makes it)
+    stage_done: Callable[[int], None] | None = None  # ZeRO-2/3: called after a stage's last B (or W)
     state: dict[tuple[int, int], MicrobatchState] = field(default_factory=dict)
     sends: list = field(default_factory=list)
     posted: set[Action] = field(default_factory=set)  # the receives posted in this step
@@ -88,10 +92,13 @@ class PipelineStep:
             if action.kind.startswith("RECV"):
                 with ledger.phase("forward" if action.kind == "RECV_F" else "backward"):
                     self.post(action)
-        for action in actions:
+        last = self.last_backwards(actions)
+        for i, action in enumerate(actions):
             phase = "forward" if action.kind in ("F", "SEND_F", "RECV_F") else "backward"
             with ledger.phase(phase):
                 loss = self.execute(action)
+                if self.stage_done is not None and last.get(action.stage) == i:
+                    self.stage_done(action.stage)  # the stage's gradients are complete: reduce them
             if loss is not None:
                 total += loss
         for work, _ in self.sends:
@@ -100,6 +107,11 @@ class PipelineStep:
         if self.weight_grads is not None and self.weight_grads.pending:
             raise RuntimeError(f"W never ran for {sorted(self.weight_grads.pending)}")
         return total
+
+    def last_backwards(self, actions: list[Action]) -> dict[int, int]:
+        """stage -> index of its last action that produces gradients (B, or W when split)."""
+        kind = "W" if self.schedule.split_backward else "B"
+        return {a.stage: i for i, a in enumerate(actions) if a.kind == kind}
 
     @torch.no_grad()
     def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]], denominator: int) -> torch.Tensor:
