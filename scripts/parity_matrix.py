@@ -157,6 +157,12 @@ ROWS: list[Row] = [
     Row("dp2-pp2-zero3-dualpipev", "dp=2,pp=2,zero=3,pp_schedule=dualpipev,microbatches=4"),
     Row("dp2-tp2-pp2-zero3-sp", "dp=2,tp=2,pp=2,zero=3,sp=true,microbatches=2"),
     Row("dp4-pp2-zero1-shard2", "dp=4,zero=1,zero_shard=2,pp=2,microbatches=2"),
+    Row("dp4-pp2-zero3-shard2-zb1p", "dp=4,zero=3,zero_shard=2,pp=2,pp_schedule=zb1p,microbatches=2"),
+    Row(
+        "dp4-pp2-zero2-shard2-accumulate2",
+        "dp=4,zero=2,zero_shard=2,pp=2,microbatches=2",
+        sets=("train.accumulate=2", "train.global_batch=16"),
+    ),
     # three and more cuts, up to 8 ranks
     Row("dp2-tp2-pp2-sp", "dp=2,tp=2,pp=2,sp=true,microbatches=2"),
     Row("dp2-cp2-tp2", "dp=2,cp=2,tp=2"),
@@ -169,6 +175,8 @@ ROWS: list[Row] = [
     Row("pp2-cp2-ulysses-gpipe", "pp=2,cp=2,cp_mode=ulysses,pp_schedule=gpipe,microbatches=2"),
     Row("moe-pp2-dp2-ep2-zb1p", "pp=2,dp=2,ep=2,pp_schedule=zb1p,microbatches=2", MOE),
     Row("moe-dp2-ep2-tp2-sp-capacity", "dp=2,ep=2,tp=2,sp=true", MOE, ("moe.capacity_factor=1.25",)),
+    Row("moe-dp4-ep2-tp2-etp2-sp-zero3-shard2", "dp=4,ep=2,tp=2,etp=2,sp=true,zero=3,zero_shard=2", MOE),
+    Row("dp2-cp4-usp-zero3-shard4", "dp=2,cp=4,cp_mode=usp,cp_ulysses=2,zero=3,zero_shard=4"),
     # accumulation
     Row("dp2-accumulate2", "dp=2", sets=("train.accumulate=2",), ci=True),
     Row("pp2-accumulate2", "pp=2,microbatches=2", sets=("train.accumulate=2",)),
