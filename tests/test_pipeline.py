@@ -10,6 +10,7 @@ the same products in the same order, so rtol 1e-6.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections import Counter
 
@@ -174,6 +175,27 @@ def test_w_computes_the_embedding_rows_b_deferred():
     assert fired["embedding.weight"] == 1 and not grads.pending
     for (name, p), q in zip(split.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_later_microbatch_adds_only_its_rows_bitwise():
+    """Once `.grad` exists, W adds an untied embedding's rows as a sparse gradient into it in
+    place: after two microbatches the gradient is dense, the hook fired twice, and it is
+    bitwise two plain backwards' (repeated rows summed in token order either way)."""
+    torch.manual_seed(4)
+    plain = nn.Sequential(nn.Embedding(13, 8), nn.Linear(8, 3, bias=False))
+    split, grads = copy.deepcopy(plain), WeightGrads()
+    defer_weight_grads(split, grads)
+    fired = Counter()
+    split[0].weight.register_post_accumulate_grad_hook(lambda p: fired.update(["embedding"]))
+    batches = [torch.tensor([[2, 5, 5, 9]]), torch.tensor([[5, 0, 2, 2]])]  # [b, s], rows repeat
+    for m, ids in enumerate(batches):
+        plain(ids).square().sum().backward()
+        with grads.collecting(stage=0, microbatch=m):
+            split(ids).square().sum().backward()
+        grads.apply(stage=0, microbatch=m)
+    assert fired["embedding"] == 2 and not split[0].weight.grad.is_sparse
+    for p, q in zip(split.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_a_backward_outside_b_computes_every_gradient():

@@ -15,7 +15,8 @@ all-to-alls) runs exactly once, and the graph is freed. W pops the record and co
 deferred products; nothing is walked again.
 
 The embedding is deferred the same way (`DeferredEmbedding`: B keeps the ids and dy, W scatters
-dy into its rows; on the first stage B then computes no [V, h] gradient at all). Parameters
+dy into its rows; on the first stage B then computes no [V, h] gradient at all, and W adds only
+the rows the microbatch looked up once `.grad` exists). Parameters
 that are neither get their gradients in B, as in a full backward: norm weights, the
 replicated kv projections of `ReplicatedKV` (their gradient passes through a tp all-reduce),
 and the experts of a MoE layer (`GroupedExperts` computes its grouped matmuls itself). All
@@ -71,6 +72,16 @@ class DeferredLookup:
         dw = torch.ops.aten.embedding_dense_backward(self.grad_output, self.ids, rows, -1, False)
         return dw.to(self.weight.dtype)
 
+    def sparse_weight_grad(self) -> torch.Tensor:
+        """The same dW as a coalesced sparse [V, h] tensor holding only the rows looked up: adding
+        it into an existing dense `.grad` touches T rows instead of writing V (each row's tokens
+        are summed first, in token order, as the dense op sums them)."""
+        h = self.grad_output.shape[-1]
+        values = self.grad_output.reshape(-1, h).to(self.weight.dtype)  # [T, h]
+        rows = self.ids.reshape(1, -1)  # [1, T], in range by construction (TP: masked to its rows)
+        dw = torch.sparse_coo_tensor(rows, values, tuple(self.weight.shape), check_invariants=False)
+        return dw.coalesce()
+
 
 @dataclass
 class WeightGrads:
@@ -95,7 +106,7 @@ class WeightGrads:
         record = self.pending.pop((stage, microbatch))
         grads: dict[nn.Parameter, torch.Tensor] = {}
         for d in record:  # a weight used twice (tied) gets one summed gradient
-            dw = d.weight_grad()
+            dw = d.sparse_weight_grad() if sparse_lookup(d, record) else d.weight_grad()
             grads[d.weight] = grads[d.weight] + dw if d.weight in grads else dw
         if grads:
             torch.autograd.backward(list(grads), list(grads.values()))
@@ -104,6 +115,15 @@ class WeightGrads:
         """Drop what an interrupted step left (nothing is left after a complete one)."""
         self.pending.clear()
         self.current = None
+
+
+def sparse_lookup(d: Deferred | DeferredLookup, record: list) -> bool:
+    """Whether W adds an embedding's gradient as sparse rows: when its weight already has a dense
+    `.grad` (a later microbatch, or a data cut's bucket view), which autograd then adds into in
+    place, and no other layer of the record (a tied head) gives the same weight a dense one."""
+    if not isinstance(d, DeferredLookup) or d.weight.grad is None or d.weight.grad.is_sparse:
+        return False
+    return all(other.weight is not d.weight for other in record if other is not d)
 
 
 class _DeferredLinearFn(torch.autograd.Function):
