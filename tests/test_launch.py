@@ -211,6 +211,7 @@ class KilledWhilePickled:
 def die_half_way_through_the_answer():
     import torch.distributed as dist
 
+    dist.barrier()  # both ranks fully connected: rank 1's end cannot break rank 0's gloo setup
     if dist.get_rank() == 1:
         return [b"x" * (8 << 20), KilledWhilePickled()]  # 8 MB written, then killed
     return "rank 0 is fine"
@@ -229,6 +230,7 @@ def test_a_rank_killed_while_it_writes_its_answer_is_named():
 def end_without_returning(how):
     import torch.distributed as dist
 
+    dist.barrier()  # both ranks fully connected: rank 1's end cannot break rank 0's gloo setup
     if dist.get_rank() == 1:
         if how == "exit":
             os._exit(0)
