@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from test_ddp import GRAD_NORM_RTOL, LOSS_RTOL, small_config
 from test_e2e import assert_every_cut_exact
-from test_expert import GRAD_TOL, LOGIT_TOL, ROWS, moe_step, run_moe, run_moe_with_biases
+from test_expert import assert_moe_step_matches_one_process, run_moe, run_moe_with_biases
 from test_export import run_config
 
 import fivecut.launch
@@ -45,29 +45,12 @@ SWEEP = (
 )
 
 
-def world_of(layout: str) -> tuple[int, int]:
-    """(processes, dp) of a `moe_step` layout."""
-    kv = dict(item.split("=") for item in layout.split(","))
-    return int(kv.get("dp", 1)) * int(kv.get("tp", 1)), int(kv.get("dp", 1))
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.sweep) if c in SWEEP else c for c in CASES])
 def test_forward_and_gradients_match_single_device(case):
     layout, options = CASES[case]
-    reference_options = {k: v for k, v in options.items() if k != "eplb_slots"}
-    ref_logits, ref_grads = spawn(moe_step, 1, "", reference_options, {})[0]
-    world, dp = world_of(layout)
-    rows = ROWS // dp
     eplb = EPLB_LOAD if "eplb_slots" in options else None
-    for rank, (logits, grads) in enumerate(spawn(moe_step, world, layout, options, {}, eplb)):
-        dp_rank = rank // (world // dp)
-        torch.testing.assert_close(logits, ref_logits[dp_rank * rows : (dp_rank + 1) * rows], **LOGIT_TOL)
-        assert grads.keys() == ref_grads.keys()
-        for name, g in grads.items():
-            torch.testing.assert_close(
-                g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}"
-            )
+    assert_moe_step_matches_one_process(case, layout, options, {}, eplb)
 
 
 MOE = ('model.preset="tiny-moe"',)

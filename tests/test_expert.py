@@ -202,6 +202,12 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_and_gradients_match_single_device(case):
     layout, options, model, eplb = CASES[case]
+    assert_moe_step_matches_one_process(case, layout, options, model, eplb)
+
+
+def assert_moe_step_matches_one_process(case: str, layout: str, options: dict, model: dict, eplb) -> None:
+    """`moe_step` under `layout` (dp x tp processes) against one process: each rank's logits (its
+    dp slice of the rows) and every gradient."""
     reference_options = {k: v for k, v in options.items() if k != "eplb_slots"}
     ref_logits, ref_grads = spawn(moe_step, 1, "", reference_options, model)[0]
     world = math.prod(int(v) for k, v in (i.split("=") for i in layout.split(",")) if k in ("dp", "tp"))

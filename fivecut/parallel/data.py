@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -270,3 +270,38 @@ class DataParallel(GradReducer):
     def complete(self, bucket: Bucket) -> None:
         if bucket.wire is not bucket.flat:
             bucket.flat.copy_(bucket.wire)
+
+
+class SyncSet:
+    """Several gradient reductions (one per group) driven as one."""
+
+    def __init__(self, syncs: list[GradSync]):
+        self.syncs = syncs
+
+    @contextmanager
+    def no_sync(self):
+        with ExitStack() as stack:
+            for sync in self.syncs:
+                stack.enter_context(sync.no_sync())
+            yield
+
+    def zero_grad(self) -> None:
+        for sync in self.syncs:
+            sync.zero_grad()
+
+    def reduce(self) -> None:
+        for sync in self.syncs:
+            sync.reduce()
+
+    def after_step(self) -> None:
+        for sync in self.syncs:
+            sync.after_step()
+
+    def pieces(self) -> list[Piece]:
+        return [piece for sync in self.syncs for piece in sync.pieces()]
+
+    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
+        return sum((sync.held(param, lo, hi) for sync in self.syncs), Held())
+
+    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
+        return {p: slot for sync in self.syncs for p, slot in sync.flat_slots().items()}

@@ -26,7 +26,6 @@ shape is checked against its record.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from fivecut.mesh import Mesh
 from fivecut.model.transformer import Attention, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
-from fivecut.parallel.data import DataParallel, GradSync, Held, Kinds, Piece
+from fivecut.parallel.data import DataParallel, GradSync, Kinds, Piece, SyncSet
 from fivecut.parallel.expert import (
     EXPERT_WEIGHTS,
     ExpertBalancer,
@@ -466,41 +465,6 @@ def record_flat_slots(placements: dict[str, Placement], params, slots: dict[nn.P
     for name, pl in placements.items():
         if params[name] in slots:
             placements[name] = dataclasses.replace(pl, flat=slots[params[name]])
-
-
-class SyncSet:
-    """Several gradient reductions (one per group) driven as one."""
-
-    def __init__(self, syncs: list[GradSync]):
-        self.syncs = syncs
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        with contextlib.ExitStack() as stack:
-            for sync in self.syncs:
-                stack.enter_context(sync.no_sync())
-            yield
-
-    def zero_grad(self) -> None:
-        for sync in self.syncs:
-            sync.zero_grad()
-
-    def reduce(self) -> None:
-        for sync in self.syncs:
-            sync.reduce()
-
-    def after_step(self) -> None:
-        for sync in self.syncs:
-            sync.after_step()
-
-    def pieces(self) -> list[Piece]:
-        return [piece for sync in self.syncs for piece in sync.pieces()]
-
-    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
-        return sum((sync.held(param, lo, hi) for sync in self.syncs), Held())
-
-    def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
-        return {p: slot for sync in self.syncs for p, slot in sync.flat_slots().items()}
 
 
 # ---------------------------------------------------------------- the rest of what a rank needs

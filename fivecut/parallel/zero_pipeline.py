@@ -32,13 +32,12 @@ ZeRO-3 parameters (`parallel.reshard_after_forward`):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Protocol
 
 from torch import nn
 
-from fivecut.parallel.data import GradSync, Held, Piece
+from fivecut.parallel.data import GradSync, SyncSet
 from fivecut.parallel.placement import FlatSlot
 
 
@@ -48,17 +47,15 @@ class StageCut(GradSync, Protocol):
     def start_reduce(self) -> None: ...  # the stage's last backward (or W) is done: reduce-scatter now
 
 
-class StagedSync:
-    """The data cuts of this rank's stages (`cuts[stage]`, one per gradient group), driven as one."""
+class StagedSync(SyncSet):
+    """The data cuts of this rank's stages (`cuts[stage]`, one per gradient group), driven as one;
+    each stage's reduction starts when the executor says the stage is done (`stage_done`)."""
 
     def __init__(self, cuts: dict[int, list[StageCut]], waiting: set[int]):
+        super().__init__([cut for stage in sorted(cuts) for cut in cuts[stage]])
         self.cuts = cuts
         self.waiting = waiting  # stages whose reduction waits for the tied embedding's sum
         self.started: set[int] = set()
-
-    @property
-    def syncs(self) -> list[StageCut]:
-        return [cut for stage in sorted(self.cuts) for cut in self.cuts[stage]]
 
     def stage_done(self, stage: int) -> None:
         """The executor ran the stage's last backward (or W) of the schedule."""
@@ -74,33 +71,12 @@ class StagedSync:
         """After the schedule (and the tied sum): start the stages still waiting; wait for all."""
         for stage in sorted(set(self.cuts) - self.started):
             self._start(stage)
-        for cut in self.syncs:
-            cut.reduce()
+        super().reduce()
         self.started.clear()
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        with contextlib.ExitStack() as stack:
-            for cut in self.syncs:
-                stack.enter_context(cut.no_sync())
-            yield
-
-    def zero_grad(self) -> None:
-        for cut in self.syncs:
-            cut.zero_grad()
-
-    def after_step(self) -> None:
-        for cut in self.syncs:
-            cut.after_step()
-
-    def pieces(self) -> list[Piece]:
-        return [piece for cut in self.syncs for piece in cut.pieces()]
-
-    def held(self, param: nn.Parameter, lo: int, hi: int) -> Held:
-        return sum((cut.held(param, lo, hi) for cut in self.syncs), Held())
-
     def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
-        """Every cut's slots, its buffers numbered after the previous cut's (one number per buffer)."""
+        """Every cut's slots, its buffers numbered after the previous cut's (one number per buffer:
+        two stages' cuts over the same group must not share one)."""
         out: dict[nn.Parameter, FlatSlot] = {}
         base = 0
         for cut in self.syncs:
