@@ -7,7 +7,7 @@ import pytest
 from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import cost_layout
-from fivecut.plan.volume import predict
+from fivecut.plan.volume import local_param_counts, predict
 
 
 def planned(model: str, layout: str, cluster: str, *flags: str):
@@ -50,3 +50,14 @@ def test_a_layout_that_does_not_fit_names_its_largest_term(capsys):
 def test_bad_plan_input_is_refused_with_exit_2(flags, said, capsys):
     assert main(["plan", *flags]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_memory_follows_hybrid_sharding_and_the_pipelined_zero_peak():
+    """Model states shard over zero_shard ranks, not all of dp; under ZeRO-2 in a pipeline the
+    peak holds each stage's full gradients (4 bytes a local parameter), not their shards."""
+    plain, _, _ = planned("llama3-8b", "dp=8,zero=3", "1x8xH100", "--seq", "2048")
+    hybrid, _, _ = planned("llama3-8b", "dp=8,zero=3,zero_shard=2", "1x8xH100", "--seq", "2048")
+    assert hybrid.memory["params"] == pytest.approx(4 * plain.memory["params"], rel=1e-3)  # 1/2 vs 1/8
+    staged, cfg, args = planned("llama3-8b", "dp=4,pp=2,zero=2,microbatches=2", "1x8xH100", "--seq", "2048")
+    local = sum(local_param_counts(args, cfg, pp_rank=staged.memory_rank).values())
+    assert staged.memory["grads"] == 4 * local

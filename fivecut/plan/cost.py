@@ -33,7 +33,7 @@ from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
-from fivecut.plan.volume import local_param_counts, predict, reduce_group_sizes
+from fivecut.plan.volume import local_param_counts, predict, shard_group_sizes
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
@@ -191,7 +191,9 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float) ->
 
 
 def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict[str, float], int]:
-    """Model states and activations of the pipeline position that holds the most."""
+    """Model states and activations of the pipeline position that holds the most, at its peak:
+    under ZeRO-2/3 inside a pipeline the stages' full gradients (4 bytes a parameter) exist from
+    the first backward to the reduction after the last (between steps only the shards remain)."""
     dims, t = cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
     seq = t.seq_len // dims.cp
@@ -199,12 +201,14 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     in_flight = [1] * dims.pp
     if dims.pp > 1:
         in_flight = peak_in_flight(build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual))
-    sizes = reduce_group_sizes(cfg)
+    sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
     best, best_rank = None, 0
     for rank, stage_ranges in layers_by_rank.items():
         counts = local_param_counts(args, cfg, pp_rank=rank)
         parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
         states = {key: sum(p[key] for p in parts) for key in ("params", "grads", "optimizer")}
+        if dims.pp > 1 and dims.zero >= 2:  # a stage's full gradients live through the schedule
+            states["grads"] = 4 * sum(counts.values())  # (`zero_pipeline`): its peak, not its shards
         per_layer = [
             activation_bytes_per_layer(
                 args,
