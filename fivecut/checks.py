@@ -337,7 +337,6 @@ def validate_layout(
         + world_problems(dims, world_size)
     )
     refuse("invalid layout " + dims.settings(), problems, LayoutError)
-    refuse("not implemented yet in this version of fivecut", unimplemented(dims), LayoutError)
 
 
 def structural_problems(dims: ParallelDims) -> list[str]:
@@ -521,11 +520,6 @@ def world_problems(dims: ParallelDims, world_size: int | None) -> list[str]:
         f"pp*dp*cp*tp = {dims.pp}*{dims.dp}*{dims.cp}*{dims.tp} = {dims.world_size} but {world_size} processes "
         f"were started; make the product {world_size} ({fix})"
     ]
-
-
-def unimplemented(dims: ParallelDims) -> list[str]:
-    """Layouts this version refuses although they could work (none at present)."""
-    return []
 
 
 # ---------------------------------------------------------------- MoE options
