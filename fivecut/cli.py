@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import json
 import os
 import sys
 import tempfile
@@ -177,11 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", help="what a layout costs on a cluster: memory, communication, time (calibrate: this machine)"
     )
-    plan.add_argument("--layout", help="e.g. dp=16,tp=4,pp=4; keys are parallel.* fields")
-    plan.add_argument("--model", default="tiny", help="model preset, shape-only ones included (llama3-70b, ...)")
+    plan.add_argument("--layout", help="cost this layout only, e.g. dp=16,tp=4,pp=4 (keys are parallel.* fields)")
+    plan.add_argument(
+        "--model",
+        default="tiny",
+        help="a preset (shape-only ones included: llama3-70b, ...), a config TOML (its [model]) or an HF config.json",
+    )
     plan.add_argument("--cluster", help="NODESxGPUSxDEVICE (e.g. 32x8xH100) or a cluster TOML file")
     plan.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    plan.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: world)")
+    batch = plan.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: world)")
+    batch.add_argument(
+        "--global-batch-tokens", default=None, help="tokens per optimizer step (4M, 512K or a number); seq divides it"
+    )
+    plan.add_argument("--top", type=int, default=5, help="layouts the search prints and plots (default 5)")
+    plan.add_argument("--out", default="plan", help="folder for plan.json and plan.png (default ./plan)")
     plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="train.dtype (default bf16)")
     add_overrides(plan)
     plan.set_defaults(func=cmd_plan)
@@ -739,36 +750,183 @@ def cmd_ledger(ns) -> int:
 
 
 def cmd_plan(ns) -> int:
-    if ns.layout is None or ns.cluster is None:
-        raise ConfigError(
-            "fivecut plan needs --layout and --cluster (e.g. --cluster 32x8xH100 --layout dp=16,tp=4,pp=4)"
-        )
+    if ns.cluster is None:
+        raise ConfigError("fivecut plan needs --cluster (e.g. --cluster 32x8xH100, or a cluster TOML file)")
+    cluster = parse_cluster(ns.cluster)
+    if ns.layout is None:
+        return plan_search(ns, cluster)
     from fivecut.plan.cost import cost_layout
 
-    cluster = parse_cluster(ns.cluster)
-    cfg, args = plan_config(ns)
+    cfg, args = plan_config(ns, cluster.world_size)
     if cfg.parallel.world_size != cluster.world_size:
         raise ConfigError(
             f"--layout {ns.layout} uses {cfg.parallel.world_size} ranks but --cluster {ns.cluster} has "
             f"{cluster.world_size} GPUs; change dp (or another cut) so that the product is {cluster.world_size}"
         )
-    print_plan(cost_layout(args, cfg, cluster), cfg, cluster)
+    cost = cost_layout(args, cfg, cluster)
+    print_plan(cost, cfg, cluster)
+    written = write_plan(ns.out, [(cfg, cost)], cluster, plan_header(ns, cfg, cluster))
+    print(f"\nwrote {', '.join(written)}")
     return 0
 
 
-def plan_config(ns) -> tuple[Config, object]:
-    """The run `ns` describes, for planning: any preset, the sequence, the batch, the dtype."""
-    if ns.model not in PRESETS:
-        raise ConfigError(f"--model {ns.model!r} is not a model preset; presets: {', '.join(PRESETS)}")
-    seq = ns.seq if ns.seq is not None else PRESETS[ns.model].max_seq_len
-    base = [f"model.preset={ns.model!r}", f"train.seq_len={seq}", f"train.dtype={ns.dtype!r}", "train.warmup=0"]
-    cfg = with_layout(load_config(None, [o.replace("'", '"') for o in base]), ns.layout, ns.overrides, {})
-    world = cfg.parallel.world_size
-    cfg.train.global_batch = ns.global_batch if ns.global_batch is not None else world // cfg.parallel.tp
-    args = PRESETS[ns.model]
+def plan_search(ns, cluster) -> int:
+    from fivecut.plan.search import search, why
+
+    cfg, args = plan_config(ns, cluster.world_size)
+    result = search(args, cfg, cluster, max(ns.top, 1))
+    head = plan_header(ns, cfg, cluster)
+    print(f"search: {ns.model}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch} sequences, "
+          f"{cfg.train.dtype}; {cluster.describe()}")  # fmt: skip
+    print(f"{result.tried} layouts costed, {result.too_big} too big, {result.invalid} refused by the layout checks")
+    if not result.ranked:
+        print(f"no layout fits in {cluster.device.memory_gb:g} GB{least_memory(result.smallest)}")
+        return 0
+    top = result.ranked[: max(ns.top, 1)]
+    print_ranking(top, cluster)
+    print("\n" + why(top[0], top[1] if len(top) > 1 else None))
+    print("\nthe best layout in full:")
+    print_plan(top[0].cost, top[0].cfg, cluster)
+    written = write_plan(ns.out, [(c.cfg, c.cost) for c in top], cluster, head | {"rules": result.rules})
+    print(f"\nwrote {', '.join(written)}")
+    return 0
+
+
+def least_memory(smallest) -> str:
+    """What the layout needing least memory would need, and its largest term."""
+    if smallest is None:
+        return " (every layout's model states alone exceed it)"
+    m = smallest.cost.memory
+    largest = max((k for k in m if k != "total"), key=m.get)
+    return (
+        f"; the one needing least, {smallest.layout} with recompute {smallest.recompute}, needs "
+        f"{m['total'] / 1e9:.1f} GB, most of it {largest} ({m[largest] / 1e9:.1f} GB)"
+    )
+
+
+def print_ranking(top, cluster) -> None:
+    from fivecut.plan.search import time_terms
+    from fivecut.train.memory import format_bytes
+
+    print(f"\n{'#':>2} {'layout':<58} {'recompute':<9} {'memory':>10} {'step':>10} {'MFU':>6}   time by term")
+    for i, c in enumerate(top, 1):
+        terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in time_terms(c.cost).items() if v > 0)
+        print(
+            f"{i:>2} {c.layout:<58} {c.recompute:<9} {format_bytes(c.cost.memory['total']):>10} "
+            f"{c.cost.step * 1e3:>8.1f}ms {c.cost.mfu:>6.1%}   {terms} (ms)"
+        )
+
+
+def plan_header(ns, cfg: Config, cluster) -> dict:
+    t = cfg.train
+    return {
+        "written_by": "fivecut plan",
+        "model": ns.model,
+        "seq_len": t.seq_len,
+        "global_batch": t.global_batch,
+        "dtype": t.dtype,
+        "cluster": cluster_toml(cluster, "the cluster planned for"),
+    }
+
+
+def write_plan(folder: str, costed: list, cluster, head: dict) -> list[str]:
+    """plan.json (every costed layout's memory and time terms) and plan.png (their stacked bars)."""
+    from fivecut.plan.report import plan_record, plot_plan
+
+    out = Path(folder)
+    check_plan_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(head | {"layouts": [plan_record(c, k) for c, k in costed]}, indent=1))
+    plot_plan(costed, cluster, out / "plan.png")
+    return [str(out / "plan.json"), str(out / "plan.png")]
+
+
+def check_plan_folder(out: Path) -> None:
+    """--out may hold an earlier plan (replaced) but nothing else of the same names."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for plan.json and plan.png")
+    old = out / "plan.json"
+    if old.exists():
+        try:
+            mine = json.loads(old.read_text()).get("written_by") == "fivecut plan"
+        except (OSError, ValueError, AttributeError):
+            mine = False
+        if not mine:
+            raise ConfigError(f"{old} exists and is not a plan fivecut wrote; give another --out folder")
+
+
+def plan_config(ns, world: int) -> tuple[Config, object]:
+    """The run `ns` describes, for planning: any model, the sequence, the batch, the dtype."""
+    cfg = load_config(None, ["train.warmup=0", f"train.dtype={ns.dtype!r}".replace("'", '"')])
+    cfg.model = plan_model(ns.model)
+    args = checks.resolved_args(cfg.model)
+    cfg.train.seq_len = ns.seq if ns.seq is not None else args.max_seq_len
+    cfg = with_layout(cfg, ns.layout, ns.overrides, {})
+    args = checks.checked_model_args(cfg)
+    cfg.train.global_batch = plan_batch(ns, cfg, world)
     checks.refuse("invalid options", checks.option_problems(cfg))
-    checks.validate_layout(cfg.parallel, args, cfg.train.seq_len, cfg.train.global_batch, cfg.train.accumulate, world)
+    if ns.layout is not None:
+        t = cfg.train
+        checks.validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, cfg.parallel.world_size)
     return cfg, args
+
+
+def plan_model(model: str):
+    """--model: a preset's name, a config TOML (its [model] section) or a Hugging Face config.json."""
+    if model in PRESETS:
+        return load_config(None, [f'model.preset="{model}"']).model
+    path = Path(model)
+    if path.suffix == ".toml" and path.is_file():
+        section = load_config(path).model
+        if section.init_from is not None:
+            raise ConfigError(f"--model {model}: model.init_from needs the weights; give the shape's keys instead")
+        return section
+    if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
+        return hf_model_section(path if path.name == "config.json" else path / "config.json")
+    raise ConfigError(
+        f"--model {model!r} is not a model preset, a config TOML or a Hugging Face config.json; presets: "
+        f"{', '.join(PRESETS)}"
+    )
+
+
+def hf_model_section(path: Path):
+    from fivecut.weights.hf import args_from_config, read_json
+
+    args = args_from_config(read_json(path), path)
+    section = load_config(None, []).model
+    for f in dataclasses.fields(section):
+        if hasattr(args, f.name):
+            setattr(section, f.name, getattr(args, f.name))
+    return section
+
+
+def plan_batch(ns, cfg: Config, world: int) -> int:
+    """Sequences per optimizer step: --global-batch, or --global-batch-tokens over the sequence."""
+    seq = cfg.train.seq_len
+    if ns.global_batch is not None:
+        return ns.global_batch
+    if ns.global_batch_tokens is None:
+        return world // cfg.parallel.tp if ns.layout is not None else world
+    tokens = token_count(ns.global_batch_tokens)
+    if tokens % seq:
+        raise ConfigError(
+            f"--global-batch-tokens {ns.global_batch_tokens} = {tokens:,} tokens is not a whole number of sequences of "
+            f"{seq}; give a multiple of {seq} (e.g. {max(tokens // seq, 1) * seq:,})"
+        )
+    return tokens // seq
+
+
+def token_count(text: str) -> int:
+    """4M -> 4 x 2^20, 512K -> 512 x 2^10, 1000 -> 1000."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        value = float(digits) * scale
+    except ValueError:
+        raise ConfigError(f"--global-batch-tokens {text!r} is not a token count; write e.g. 4M or 512K") from None
+    if value < 1 or value != int(value):
+        raise ConfigError(f"--global-batch-tokens {text!r} must be a whole number of tokens >= 1")
+    return int(value)
 
 
 def print_plan(cost, cfg: Config, cluster) -> None:

@@ -12,7 +12,7 @@ from fivecut.plan.volume import local_param_counts, predict
 
 def planned(model: str, layout: str, cluster: str, *flags: str):
     ns = build_parser().parse_args(["plan", "--model", model, "--layout", layout, "--cluster", cluster, *flags])
-    cfg, args = plan_config(ns)
+    cfg, args = plan_config(ns, parse_cluster(cluster).world_size)
     return cost_layout(args, cfg, parse_cluster(cluster)), cfg, args
 
 
@@ -42,7 +42,7 @@ def test_a_layout_that_does_not_fit_names_its_largest_term(capsys):
     [
         (["--layout", "dp=4", "--cluster", "1x8xH100"], "uses 4 ranks but --cluster 1x8xH100 has 8 GPUs"),
         (["--layout", "dp=8", "--cluster", "1x8xB300"], "unknown device 'B300'"),
-        (["--layout", "dp=8"], "needs --layout and --cluster"),
+        (["--layout", "dp=8"], "needs --cluster"),
         (["--layout", "dp=8", "--cluster", "1x8xH100", "--model", "nope"], "is not a model preset"),
         (["--layout", "tp=3,dp=2", "--cluster", "1x6xH100", "--model", "tiny"], "tp"),
     ],

@@ -27,13 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
-from fivecut.parallel.pipeline.schedule import build_schedule, peak_in_flight
+from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate
-from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
-from fivecut.plan.volume import local_param_counts, predict, shard_group_sizes
+from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
@@ -101,7 +100,8 @@ def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recomp
     return {"F": forward, "B": 2 * forward + repeated, "recomputed": repeated}
 
 
-def cost_layout(args, cfg, cluster: Cluster) -> LayoutCost:
+def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
+    """`records`: where the data cut's flat buffers come from (`fivecut.plan.volume.predict`)."""
     dims, t = cfg.parallel, cfg.train
     world = dims.world_size
     mesh = Mesh.virtual(dims, rank=0, moe=args.is_moe)
@@ -113,7 +113,7 @@ def cost_layout(args, cfg, cluster: Cluster) -> LayoutCost:
     compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb, rate)
     compute *= t.accumulate
     makespan *= t.accumulate
-    cuts = collective_times(args, cfg, cluster, mesh, compute)
+    cuts = collective_times(args, cfg, cluster, mesh, compute, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
     step = makespan + exposed
     tokens = t.global_batch * t.seq_len
@@ -147,8 +147,7 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate:
         work = stage_compute(args, range(args.n_layers), True, tokens_mb, t.seq_len, recompute)
         seconds = (work["F"] + work["B"]) / cut / rate
         return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
-    schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
-    layers = stage_layers(args, schedule.n_stages, t.seq_len, dims.pp_layers)
+    schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
     works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
     f = max(w["F"] for w in works) / cut / rate  # the slowest stage sets the pace
@@ -166,11 +165,11 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate:
     return compute, timeline.makespan, timeline.bubble, by_rank
 
 
-def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float) -> list[CutTime]:
+def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, records=None) -> list[CutTime]:
     """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time and what stays exposed."""
     dims = cfg.parallel
     out = []
-    for cut, (wire, _how) in predict(args, cfg).items():
+    for cut, (wire, _how) in predict(args, cfg, records=records).items():
         if cut not in GROUP_OF_CUT:
             continue  # metrics and control: a few bytes per step
         group = mesh.group(GROUP_OF_CUT[cut])
@@ -200,15 +199,10 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     item = ACTIVATION_BYTES[t.dtype]
     in_flight = [1] * dims.pp
     if dims.pp > 1:
-        in_flight = peak_in_flight(build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual))
-    sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
+        in_flight = peak_in_flight(pipeline_plan(args, cfg)[0])
     best, best_rank = None, 0
     for rank, stage_ranges in layers_by_rank.items():
-        counts = local_param_counts(args, cfg, pp_rank=rank)
-        parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
-        states = {key: sum(p[key] for p in parts) for key in ("params", "grads", "optimizer")}
-        if dims.pp > 1 and dims.zero >= 2:  # a stage's full gradients live through the schedule
-            states["grads"] = 4 * sum(counts.values())  # (`zero_pipeline`): its peak, not its shards
+        states = rank_states(args, cfg, rank)
         per_layer = [
             activation_bytes_per_layer(
                 args,
@@ -230,6 +224,25 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank
     return best, best_rank
+
+
+def rank_states(args, cfg, pp_rank: int) -> dict[str, float]:
+    """Parameters, gradients and optimizer state (bytes) of the rank at pipeline position `pp_rank`
+    at its peak: under ZeRO-2/3 inside a pipeline the stages' full gradients (4 bytes a parameter)
+    exist from the first backward to the reduction after the last."""
+    dims = cfg.parallel
+    sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
+    counts = local_param_counts(args, cfg, pp_rank=pp_rank)
+    parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
+    states = {key: sum(p[key] for p in parts) for key in ("params", "grads", "optimizer")}
+    if dims.pp > 1 and dims.zero >= 2:  # a stage's full gradients live through the schedule
+        states["grads"] = 4 * sum(counts.values())  # (`zero_pipeline`): its peak, not its shards
+    return states
+
+
+def state_memory(args, cfg) -> float:
+    """The most model-state bytes any pipeline position holds (a bound below its total memory)."""
+    return max(sum(rank_states(args, cfg, r).values()) for r in range(cfg.parallel.pp))
 
 
 def uniform_rows(args, tokens: int, ep: int) -> tuple[int, int]:

@@ -7,13 +7,15 @@ come from the model built on the meta device: no memory, exact shapes.
 
 from __future__ import annotations
 
+from dataclasses import astuple, replace
+
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
 from fivecut.parallel.pipeline.split import stage_layers
-from fivecut.parallel.placement import Placement
+from fivecut.parallel.placement import FlatSlot, Placement
 from fivecut.plan.activations import layer_mode
 
 BYTES = {"fp32": 4, "bf16": 2}
@@ -21,15 +23,17 @@ FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `five
 PARAM_BYTES = FP32  # parameters are kept in fp32 (ZeRO-1/2 gather them so); ZeRO-3 gathers in train.dtype
 
 
-def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, str]]:
+def predict(args, cfg, routing: dict | None = None, records=None) -> dict[str, tuple[float, str]]:
     """{cut: (wire bytes per rank per optimizer step, the formula in words)} for `cfg`'s layout.
     `routing`: for MoE models, rank 0's rows sent to / received from each ep rank in each MoE
-    layer during the step (`RunResult.moe[-1]["local"]`); without it, uniform routing is assumed."""
+    layer during the step (`RunResult.moe[-1]["local"]`); without it, uniform routing is assumed.
+    `records(args, cfg, pp_rank)`: where the placement records come from (`local_placements`, the
+    real cuts; `screened_placements` for a search's first pass)."""
     dims = cfg.parallel
     out = {}
     n = dims.dp * dims.cp
     if n > 1 or (args.is_moe and dims.tp > 1):  # MoE under tp: the router's gradients are summed over tp too
-        out["dp"] = data_parallel_volume(args, cfg, n)
+        out["dp"] = data_parallel_volume(args, cfg, n, records or local_placements)
     if n > 1:
         out["metrics"] = (ring_factor("all_reduce", n) * 4, "all-reduce of the step's loss (one fp32)")
     if args.is_moe:
@@ -237,9 +241,18 @@ def recomputed_blocks(args, cfg, pp_rank: int = 0) -> list[tuple[int, int]]:
 
 
 def pipeline_plan(args, cfg):
+    """The schedule and each stage's layers; built once per (model, schedule, sequence, split),
+    for a search asks again for every data cut and batch split. Shared: read them only."""
     dims = cfg.parallel
-    sched = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
-    return sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
+    split = tuple(dims.pp_layers) if dims.pp_layers else None
+    key = (args, dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
+    if key not in PIPELINES:
+        sched = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+        PIPELINES[key] = sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
+    return PIPELINES[key]
+
+
+PIPELINES: dict[tuple, tuple] = {}  # see `pipeline_plan`
 
 
 def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]:
@@ -374,10 +387,10 @@ def shard_group_sizes(cfg) -> dict[str, int]:
     return {name: size // r for name, size in reduce_group_sizes(cfg).items()}
 
 
-def data_parallel_volume(args, cfg, n: int) -> tuple[float, str]:
+def data_parallel_volume(args, cfg, n: int, records=None) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
     by_group: dict[str, list[Placement]] = {}
-    placements = local_placements(args, cfg)
+    placements = (records or local_placements)(args, cfg, 0)
     for pl in placements.values():
         by_group.setdefault(pl.reduce, []).append(pl)
     sizes, r = shard_group_sizes(cfg), zero_replicas(cfg)
@@ -464,19 +477,101 @@ def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[
 
 def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     """The placement records of the rank at pipeline position `pp_rank` (index 0 on dp, cp, tp):
-    the real cuts applied to the model on the meta device, under a mesh with no process groups."""
+    the real cuts applied to the model on the meta device, under a mesh with no process groups.
+    Built once per (model, layout, the train fields the cuts read, position): a search over
+    layouts asks for the same records many times. The records are shared: read them only."""
     dims, t = cfg.parallel, cfg.train
-    mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
-    model = build_model(args, device="meta")
-    par = parallelize(
-        model, mesh, ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    key = (args, layout_key(dims), t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    if key not in PLACEMENTS:
+        if len(PLACEMENTS) >= PLACEMENTS_KEPT:
+            PLACEMENTS.pop(next(iter(PLACEMENTS)))
+        mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
+        options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+        PLACEMENTS[key] = parallelize(build_model(args, device="meta"), mesh, options).placements
+    return PLACEMENTS[key]
+
+
+PLACEMENTS: dict[tuple, dict[str, Placement]] = {}  # see `local_placements`; the oldest go first
+PLACEMENTS_KEPT = 4096
+
+
+def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
+    """The records of `local_placements` without building the whole model: the real cuts applied
+    to one block of each kind (dense, MoE), then each block of the rank's stages given the records
+    of its kind. Their counts are exact (tests compare them); ZeRO's flat buffers are not built:
+    each parameter stands for a buffer of its own, padded to a multiple of its shard group."""
+    dims, t = cfg.parallel, cfg.train
+    key = ("screened", args, layout_key(dims), t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    if key not in PLACEMENTS:
+        PLACEMENTS[key] = composed_placements(args, cfg, pp_rank)
+    return PLACEMENTS[key]
+
+
+def layout_key(dims) -> tuple:
+    return tuple(tuple(v) if isinstance(v, list) else v for v in astuple(dims))
+
+
+def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
+    dims = cfg.parallel
+    kinds, blocks = block_kinds(args)
+    short = replace(cfg, parallel=unpipelined(dims))
+    cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
+    sched, layers = pipeline_plan(args, cfg) if dims.pp > 1 else (None, [range(args.n_layers)])
+    stages = [s for s in range(len(layers)) if sched is None or sched.stage_rank[s] == pp_rank]
+    out: dict[str, Placement] = {}
+    for s in stages:
+        stage = s if sched is not None else None
+        for i in layers[s]:
+            k = kinds.index(args.moe_layer(i))
+            for name, pl in cut.items():
+                if name.startswith(f"layers.{k}."):
+                    renamed = f"layers.{i}." + name.removeprefix(f"layers.{k}.")
+                    out[renamed] = replace(pl, name=renamed, stage=stage)
+    last = len(layers) - 1
+    for name, pl in cut.items():
+        head = not name.startswith(("layers.", "tok_embeddings."))
+        if (name.startswith("tok_embeddings.") and (0 in stages or ends_copy(args, sched, stages, last))) or (
+            head and last in stages
+        ):
+            out[name] = replace(pl, stage=0 if name.startswith("tok_embeddings.") and 0 in stages else last)
+    return padded_alone(out, cfg)
+
+
+def block_kinds(args) -> tuple[list[bool], int]:
+    """The kinds of block the model has (False: dense, True: MoE) and, for the one-block-each
+    model, how many dense blocks come first."""
+    kinds = sorted({args.moe_layer(i) for i in range(args.n_layers)})
+    return kinds, 1 if kinds == [False, True] else 0
+
+
+def unpipelined(dims):
+    """The layout without its pipeline or its ZeRO: the cuts inside a block are the same."""
+    return replace(
+        dims, pp=1, pp_schedule="1f1b", pp_virtual=1, microbatches=1, pp_layers=None, zero=0, zero_shard=None
     )
-    return par.placements
 
 
-def local_param_counts(args, cfg, pp_rank: int = 0) -> dict[str, int]:
+def ends_copy(args, sched, stages: list[int], last: int) -> bool:
+    """A tied head on the last stage holds its own copy of the embedding, unless the first stage
+    is on the same rank (DualPipeV)."""
+    return args.tie_embeddings and sched is not None and last in stages and 0 not in stages
+
+
+def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
+    if not cfg.parallel.zero:
+        return records
+    sizes = shard_group_sizes(cfg)
+    out = {}
+    for i, (name, pl) in enumerate(records.items()):
+        n, numel = sizes[pl.reduce], pl.local_numel()
+        padded = -(-numel // n) * n
+        out[name] = replace(pl, flat=FlatSlot(i, 0, numel, padded, 0, padded // n))
+    return out
+
+
+def local_param_counts(args, cfg, pp_rank: int = 0, records=None) -> dict[str, int]:
     """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
     counts: dict[str, int] = {}
-    for pl in local_placements(args, cfg, pp_rank).values():
+    for pl in (records or screened_placements)(args, cfg, pp_rank).values():
         counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
     return counts

@@ -1,0 +1,261 @@
+"""The search over layouts: every valid way to cut a model over a cluster, costed, ranked.
+
+For a world of `cluster.world_size` ranks the search enumerates the cuts that fix which
+parameters a rank holds (`Shape`: tp with or without sp, pp with each of the five schedules and
+interleaved's two virtual stages, cp under ring, Ulysses and USP, ep and etp for MoE models),
+then the data cut over what is left (dp with ZeRO 0-3, and under ZeRO hybrid sharding over the
+ranks of one node), then how each rank's share of the global batch is cut into microbatches or
+accumulation steps, and the recomputation mode. `fivecut.checks.validate_layout` refuses the
+combinations a run would refuse; `fivecut.plan.cost.cost_layout` costs the others.
+
+Three rules keep the search to seconds; each only skips layouts that cannot be faster:
+
+    recomputation   per (shape, data cut), "none", "selective" and "full" are tried in that
+                    order and the first under which some batch split fits is kept: more
+                    recomputation repeats forward work and changes nothing else the model costs
+    batch splits    without a pipeline only the fewest accumulation steps that fit are costed
+                    (more steps add ZeRO-2/3 traffic and change nothing else); with a pipeline
+                    every microbatch count the rows allow is costed (more microbatches: less
+                    bubble, more, smaller messages)
+    model states    a (shape, data cut) whose parameters, gradients and optimizer state alone
+                    exceed the device's memory is dropped before any batch split is tried
+
+The first layout of the ranking is the fastest predicted step among those that fit; `why`
+says in one sentence what it gains over the second.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from fivecut.checks import LayoutError, validate_layout
+from fivecut.config import Config
+from fivecut.layout import ParallelDims
+from fivecut.model.args import divisors
+from fivecut.plan.cluster import Cluster
+from fivecut.plan.cost import LayoutCost, cost_layout, state_memory
+from fivecut.plan.volume import screened_placements
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("dualpipev", 2))  # GPipe: 1F1B's time, more memory
+MICROBATCH_STEPS = 4  # microbatch counts tried per pipeline: the least the schedule takes, x2, x4, x8
+MIN_CHUNK = 512  # tokens of each sequence a cp rank keeps at least
+EXACT = 4  # the screen's best (this many times --top) are costed again with the real cuts
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The cuts that fix which parameters and which part of each activation a rank holds."""
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
+    cp_ulysses: int = 1
+    ep: int = 1
+    etp: int = 1
+
+
+@dataclass
+class Candidate:
+    cfg: Config
+    cost: LayoutCost
+
+    @property
+    def layout(self) -> str:
+        return self.cfg.parallel.settings()
+
+    @property
+    def recompute(self) -> str:
+        return self.cfg.train.recompute
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]  # fitting layouts, fastest first
+    tried: int = 0  # layouts costed (memory at least)
+    invalid: int = 0  # refused by the checks a run makes
+    too_big: int = 0  # costed and over the device's memory
+    smallest: Candidate | None = None  # the layout needing least memory, when none fits
+    rules: list[str] = field(default_factory=list)
+
+
+def shapes(args, world: int, cluster: Cluster, seq: int) -> Iterator[Shape]:
+    """Every (tp, sp, pp, schedule, cp, ep, etp) the world and the model allow; tp up to one node
+    and one step beyond (to show what TP across nodes costs), cp only where the sequence splits."""
+    for tp in divisors(world):
+        if tp > 2 * cluster.gpus_per_node or args.n_heads % tp:
+            continue
+        for pp in divisors(world // tp):
+            if pp > args.n_layers:
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if seq % (2 * cp) or (cp > 1 and seq // cp < MIN_CHUNK):
+                    continue
+                rest = world // (tp * pp * cp)
+                for sp in (False, True) if tp > 1 else (False,):
+                    for schedule, virtual in SCHEDULES if pp > 1 else (("1f1b", 1),):
+                        for mode, u in cp_modes(cp):
+                            for ep in expert_degrees(args, rest * cp):
+                                for etp in (1, tp) if args.is_moe and tp > 1 else (1,):
+                                    yield Shape(tp, sp, pp, schedule, virtual, cp, mode, u, ep, etp)
+
+
+def cp_modes(cp: int) -> list[tuple[str, int]]:
+    """Ring, Ulysses and, from cp = 4, USP with the largest Ulysses degree short of cp."""
+    if cp == 1:
+        return [("ring", 1)]
+    modes = [("ring", 1), ("ulysses", 1)]
+    if cp >= 4:
+        modes.append(("usp", max(d for d in divisors(cp) if d < cp)))
+    return modes
+
+
+def expert_degrees(args, dp_cp: int) -> list[int]:
+    if not args.is_moe:
+        return [1]
+    return [e for e in divisors(dp_cp) if args.n_experts % e == 0]
+
+
+def data_cuts(dp_cp: int, dp: int, shape: Shape, cluster: Cluster) -> list[tuple[int, int | None]]:
+    """(zero, zero_shard): DDP and ZeRO-1/2/3 over all dp x cp ranks, and ZeRO over the ranks
+    of one node (hybrid sharding), replicated across nodes, where that is a smaller group."""
+    if dp_cp == 1:
+        return [(0, None)]
+    if dp == 1:  # ZeRO needs data-parallel ranks; cp alone reduces by all-reduce
+        return [(0, None)]
+    out: list[tuple[int, int | None]] = []  # DDP: ZeRO-1's bytes (RS + AG = AR) and more memory
+    node = max(cluster.gpus_per_node // shape.tp, 1)
+    for zero in (1, 2, 3):
+        out.append((zero, None))
+        if 1 < node < dp_cp and dp_cp % node == 0 and node % shape.ep == 0:
+            out.append((zero, node))
+    return out
+
+
+def batch_splits(rows: int, shape: Shape) -> list[tuple[int, int]]:
+    """(microbatches, accumulate) that cut a rank's `rows` sequences per step: fewest accumulation
+    steps first without a pipeline; with one, every microbatch count the schedule accepts."""
+    if shape.pp == 1:
+        return [(1, a) for a in divisors(rows)]
+    least = 2 * shape.pp if shape.schedule == "dualpipev" else shape.pp
+    if shape.schedule == "gpipe":
+        least = 1
+    return [(m, 1) for m in divisors(rows) if m >= least and any(m == least << k for k in range(MICROBATCH_STEPS))]
+
+
+def layout_config(base: Config, shape: Shape, zero: int, shard: int | None, split, recompute: str, world: int):
+    cfg = copy.deepcopy(base)
+    dp = world // (shape.tp * shape.pp * shape.cp)
+    cfg.parallel = ParallelDims(
+        dp=dp,
+        zero=zero,
+        tp=shape.tp,
+        sp=shape.sp,
+        pp=shape.pp,
+        pp_schedule=shape.schedule,
+        pp_virtual=shape.virtual,
+        microbatches=split[0],
+        cp=shape.cp,
+        cp_mode=shape.cp_mode,
+        cp_ulysses=shape.cp_ulysses,
+        ep=shape.ep,
+        etp=shape.etp,
+        zero_shard=shard,
+    )
+    cfg.train.accumulate = split[1]
+    cfg.train.recompute = recompute
+    return cfg
+
+
+def valid(cfg: Config, args, world: int) -> bool:
+    t = cfg.train
+    try:
+        validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, world)
+    except LayoutError:
+        return False
+    return True
+
+
+def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
+    """Every layout of `base`'s model, batch and sequence on `cluster`, fastest fitting first: all
+    screened (`screened_placements`: exact counts, ZeRO buffers padded per parameter), the best
+    EXACT x `top` costed again from the real cuts and ranked by that."""
+    world = cluster.world_size
+    result = SearchResult([], rules=[line.strip() for line in __doc__.split("\n\n")[2].splitlines()[1:]])
+    capacity = cluster.device.memory_gb * 1e9
+    for shape in shapes(args, world, cluster, base.train.seq_len):
+        dp = world // (shape.tp * shape.pp * shape.cp)
+        if base.train.global_batch % dp:
+            continue
+        for zero, shard in data_cuts(dp * shape.cp, dp, shape, cluster):
+            result.ranked += fastest_fitting(args, base, cluster, shape, (zero, shard), result, capacity)
+    result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
+    exact = [Candidate(c.cfg, cost_layout(args, c.cfg, cluster)) for c in result.ranked[: EXACT * top]]
+    result.ranked = sorted((c for c in exact if c.cost.fits), key=lambda c: (c.cost.step, c.cost.memory["total"]))
+    return result
+
+
+def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capacity: float) -> list[Candidate]:
+    """The fitting layouts of one (shape, data cut) under the least recomputation that fits."""
+    world = cluster.world_size
+    rows = base.train.global_batch // (world // (shape.tp * shape.pp * shape.cp))  # sequences per dp rank
+    splits = batch_splits(rows, shape)
+    first = layout_config(base, shape, *data, splits[0] if splits else (1, 1), "none", world)
+    if not splits or not valid(first, args, world):
+        result.invalid += 1
+        return []
+    if state_memory(args, first) > capacity:
+        result.too_big += 1
+        return []
+    for recompute in RECOMPUTE:
+        fitting = []
+        for split in splits:
+            cfg = layout_config(base, shape, *data, split, recompute, world)  # valid as `first` is
+            cost = cost_layout(args, cfg, cluster, screened_placements)
+            result.tried += 1
+            if not cost.fits:
+                result.too_big += 1
+                keep_smallest(result, Candidate(cfg, cost))
+                continue
+            fitting.append(Candidate(cfg, cost))
+            if shape.pp == 1:
+                break  # the fewest accumulation steps that fit: more only add traffic
+        if fitting:
+            return fitting
+    return []
+
+
+def keep_smallest(result: SearchResult, candidate: Candidate) -> None:
+    if result.smallest is None or candidate.cost.memory["total"] < result.smallest.cost.memory["total"]:
+        result.smallest = candidate
+
+
+def time_terms(cost: LayoutCost) -> dict[str, float]:
+    """A step's seconds by what spends them: compute, the bubble, each cut's exposed collectives."""
+    terms = {"compute": cost.compute, "bubble": max(cost.makespan - cost.compute, 0.0)}
+    for c in cost.cuts:
+        if c.exposed > 0:
+            terms[c.cut] = terms.get(c.cut, 0.0) + c.exposed
+    return terms
+
+
+def why(first: Candidate, second: Candidate | None) -> str:
+    """One sentence: the term of the step in which the winner gains most over the runner-up."""
+    if second is None:
+        return f"{first.layout} is the only layout that fits."
+    a, b = time_terms(first.cost), time_terms(second.cost)
+    gains = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
+    term = max(gains, key=gains.get)
+    named = {"compute": "compute (recomputation)", "bubble": "pipeline bubble"}.get(term, f"exposed {term} traffic")
+    step = second.cost.step - first.cost.step
+    return (
+        f"{first.layout} (recompute {first.recompute}) wins by {step * 1e3:.1f} ms a step over {second.layout} "
+        f"(recompute {second.recompute}), most of it in {named}: {a.get(term, 0.0) * 1e3:.1f} ms against "
+        f"{b.get(term, 0.0) * 1e3:.1f} ms."
+    )
