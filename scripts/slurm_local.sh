@@ -169,12 +169,13 @@ start_slurmd() {
 pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 stop_daemons() {
-  local name
+  local name pid
   for name in slurmd slurmctld; do
     if pid_alive "$LOCAL/run/$name.pid"; then
-      echo "stopping $name (pid $(cat "$LOCAL/run/$name.pid"))"
-      kill "$(cat "$LOCAL/run/$name.pid")"
-      wait_for 20 sh -c "! kill -0 $(cat "$LOCAL/run/$name.pid")" || fail "$name did not stop"
+      pid=$(cat "$LOCAL/run/$name.pid")
+      echo "stopping $name (pid $pid)"
+      kill "$pid"
+      wait_for 20 sh -c "! kill -0 $pid" || fail "$name (pid $pid) did not stop on SIGTERM"
     fi
   done
 }
@@ -207,7 +208,7 @@ submit() {
 
 job_field() { scontrol show job -o "$1" | tr ' ' '\n' | sed -n "s/^$2=//p"; }
 
-# Wait until job $1 has ended (a requeued job passes through PENDING again); prints its exit code.
+# Wait until job $1 has ended (a requeued job passes through PENDING again); says how; fails unless COMPLETED.
 wait_job() {
   local state
   while :; do
@@ -250,7 +251,7 @@ rank_pid() {
   return 1
 }
 
-# Job $2's losses (named $2) equal the reference job's, step for step (the last record of a repeated step).
+# The losses of metrics file $2 equal those of $1, step for step (the last record of a repeated step).
 same_losses() {
   "$VENV/bin/python" - "$1" "$2" <<'EOF'
 import json, sys
