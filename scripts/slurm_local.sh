@@ -8,7 +8,7 @@
 #
 #   scripts/slurm_local.sh           # set up (or reuse) the cluster, then run the three jobs
 #   scripts/slurm_local.sh setup     # only install, configure and start the daemons
-#   scripts/slurm_local.sh stop      # stop the daemons this script started
+#   scripts/slurm_local.sh stop      # stop slurmd and slurmctld (munged, shared by the host, stays)
 #
 # Run as root from anywhere; re-running reuses the install, the config and running daemons.
 # Everything Slurm writes lives under $LOCAL (state, logs, spool, the jobs' folders). The
