@@ -149,6 +149,12 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         b, s, _ = x.shape
+        o = self.core(*self.qkv(x, rope))  # [b, H, s, v_dim]
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
+
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> q, k [b, H, s, nope + rope] (rotated), v [b, H, s, v_dim]."""
+        b, s, _ = x.shape
         cos, sin = rope
         q = self.queries(x).view(b, s, -1, self.nope + self.rope_dim).transpose(1, 2)  # [b, H, s, nope + rope]
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
@@ -159,8 +165,7 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(b, heads, s, self.rope_dim)  # [b, H, s, rope]
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)  # [b, H, s, nope + rope]
         k = torch.cat([k_nope, k_rope], dim=-1)  # [b, H, s, nope + rope]
-        o = self.core(q, k, v)  # [b, H, s, v_dim]
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
+        return q, k, v
 
 
 def make_attention(args: ModelArgs) -> nn.Module:
