@@ -150,6 +150,11 @@ class ModelArgs:
             raise ValueError(
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) is odd, but RoPE rotates pairs of channels; make it even"
             )
+        if self.v_head_dim > self.qk_head_dim:
+            raise ValueError(
+                f"v_head_dim ({self.v_head_dim}) exceeds qk_nope_head_dim + qk_rope_head_dim ({self.qk_head_dim}); "
+                "the attention core pads values up to the query/key head size, never down: lower v_head_dim"
+            )
         if self.n_kv_heads != self.n_heads:
             raise ValueError(
                 f"n_kv_heads ({self.n_kv_heads}) != n_heads ({self.n_heads}); multi-head latent attention expands "
