@@ -5,19 +5,26 @@ PP, ZeRO-3) against one process, the refusals, and the ledger's closed forms."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_bad_input import refused, train_argv
 from test_ddp import assert_same_run, single_process_run, small_config
+from test_export import run_config, train_here
 from test_tensor import TOL, reference, tensor_parallel_step
 
 from fivecut.cli import main
 from fivecut.launch import spawn
+from fivecut.model.args import ModelArgs
 from fivecut.model.decode import decode, new_cache
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import LatentAttention, build_model, rope_tables
+from fivecut.train import checkpoint
+from fivecut.weights import export
+from fivecut.weights.load import source_args
 
 MLA = 'model.preset="tiny-mla"'
 
@@ -178,3 +185,24 @@ def test_ledger_closed_forms_are_exact_under_tp_and_sp(capsys):
     out = capsys.readouterr().out
     for line in ("ratio=1.000", "memory_ratio=1.000", "activation_ratio=1.000"):
         assert line in out.splitlines(), out
+
+
+# ---------------------------------------------------------------- weights out and in
+
+
+def test_a_dense_mla_model_exports_and_imports_under_fivecut_names(byte_cache, tmp_path):
+    """No Hugging Face Llama class reads MLA: the export keeps fivecut's names and ModelArgs, and
+    `init_from = "hf:..."` reads the same shape back (every tensor checked against it)."""
+    mla = ("model.kv_lora_rank=32", "model.n_kv_heads=4", "model.qk_nope_head_dim=16")
+    mla += ("model.qk_rope_head_dim=8", "model.v_head_dim=24", "model.q_lora_rank=0")
+    root = train_here(run_config(byte_cache, tmp_path, "tiny", "byte", *mla))
+    out = export.export(root, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    args = ModelArgs(**checkpoint.read_meta(checkpoint.newest(root))["model"])
+    assert config["model_type"] == "fivecut" and args.is_mla and not args.is_moe
+    exported = load_file(out / "model.safetensors")
+    saved = checkpoint.full_state(checkpoint.newest(root))
+    assert exported.keys() == saved.keys() and "layers.0.attention.wkv_b.weight" in exported
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+    assert source_args(f"hf:{out}") == args
