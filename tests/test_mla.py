@@ -18,10 +18,13 @@ from test_tensor import TOL, reference, tensor_parallel_step
 
 from fivecut.cli import main
 from fivecut.launch import spawn
+from fivecut.layout import ParallelDims
+from fivecut.mesh import Mesh
 from fivecut.model.args import ModelArgs
 from fivecut.model.decode import decode, new_cache
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import LatentAttention, build_model, rope_tables
+from fivecut.parallel.parallelize import ParallelizeError, parallelize
 from fivecut.train import checkpoint
 from fivecut.weights import export
 from fivecut.weights.load import source_args
@@ -206,3 +209,18 @@ def test_a_dense_mla_model_exports_and_imports_under_fivecut_names(byte_cache, t
     for name, tensor in saved.items():
         assert torch.equal(exported[name], tensor), name
     assert source_args(f"hf:{out}") == args
+
+
+@pytest.mark.multirank
+def test_parallelize_refuses_context_parallelism_it_would_leave_out():
+    """Past the config checks (parallelize called directly), cp=2 would leave MLA uncut: refused."""
+    assert spawn(context_cut_of_mla, 2) == ["refused", "refused"]
+
+
+def context_cut_of_mla():
+    mesh = Mesh(ParallelDims(cp=2), "cpu")
+    try:
+        parallelize(build_model(get_preset("tiny-mla"), seed=0), mesh)
+    except ParallelizeError as err:
+        return "refused" if "context" in str(err) else str(err)
+    return "cut"

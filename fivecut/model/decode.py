@@ -94,7 +94,9 @@ def _block(block: Block, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_c
     return h + block.feed_forward(block.ffn_norm(h))
 
 
-def _attention(attn: Attention, x: torch.Tensor, rope: Rope, k_cache, v_cache, start: int) -> torch.Tensor:
+def _attention(
+    attn: Attention | LatentAttention, x: torch.Tensor, rope: Rope, k_cache, v_cache, start: int
+) -> torch.Tensor:
     """Attention.forward over the cached prefix and the s new positions: x [b, s, dim] -> [b, s, dim]."""
     b, s, _ = x.shape
     if isinstance(attn, LatentAttention):

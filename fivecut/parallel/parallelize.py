@@ -37,7 +37,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
-from fivecut.model.transformer import Attention, build_model
+from fivecut.model.transformer import Attention, LatentAttention, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Kinds, Piece, SyncSet
@@ -337,7 +337,8 @@ def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
     """Ulysses, ring attention or both (USP) over the cp group (when cp > 1); no parameter changes."""
     if mesh.dims.cp == 1:
         return {}
-    expected = [path for path, m in stage.named_modules() if isinstance(m, Attention)]
+    # latent attention is expected too, and left uncut by the context cut: an error, not a silent skip
+    expected = [path for path, m in stage.named_modules() if isinstance(m, (Attention, LatentAttention))]
     require("context", apply_context_parallel(stage, mesh.groups, mesh.dims.cp_mode), expected)
     return {}
 
