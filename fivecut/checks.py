@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fivecut.config import SHAKESPEARE, Config, ConfigError, ModelConfig, model_label, nest, parse_override, preset_args
 from fivecut.layout import COUNTS, MESH_DIMS, MoEOptions, ParallelDims
-from fivecut.model.args import MOE_ONLY, ModelArgs, divisors
+from fivecut.model.args import MLA_ONLY, MOE_ONLY, ModelArgs, divisors
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import NAMES as PP_SCHEDULES
 from fivecut.parallel.pipeline.schedule import build_schedule, check
@@ -79,6 +79,7 @@ def checked_model_args(cfg: Config) -> ModelArgs:
     except ValueError as err:
         raise ConfigError(f"model {model_label(cfg.model)!r} with the model.* overrides: {err}") from None
     check_dense_keys(cfg, args)
+    check_plain_attention_keys(cfg, args)
     if cfg.train.seq_len > args.max_seq_len:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set "
@@ -96,6 +97,17 @@ def check_dense_keys(cfg: Config, args: ModelArgs) -> None:
             f"{', '.join(given)} shape{'' if len(given) > 1 else 's'} only mixture-of-experts layers, but model "
             f"{model_label(cfg.model)!r} is dense (n_experts=0); remove {them}, or set model.n_experts >= 1 "
             "(or model.preset='tiny-moe')"
+        )
+
+
+def check_plain_attention_keys(cfg: Config, args: ModelArgs) -> None:
+    """A key that shapes only multi-head latent attention, given for plain attention, would change nothing."""
+    given = [f"model.{name}={getattr(cfg.model, name)!r}" for name in MLA_ONLY if getattr(cfg.model, name) is not None]
+    if given and not args.is_mla:
+        raise ConfigError(
+            f"{', '.join(given)} shape{'' if len(given) > 1 else 's'} only multi-head latent attention, but model "
+            f"{model_label(cfg.model)!r} has plain attention (kv_lora_rank=0); remove "
+            f"{'them' if len(given) > 1 else 'it'}, or set model.kv_lora_rank >= 1 (or model.preset='tiny-mla')"
         )
 
 
@@ -402,7 +414,19 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
         )
-    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model)
+    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + latent_cp_problems(dims, model)
+
+
+def latent_cp_problems(dims: ParallelDims, model) -> list[str]:
+    """Context parallelism's cores (Ulysses, ring, USP) take one head size for q, k and v; latent
+    attention's value head is narrower, and the sequence cut is not written for it."""
+    if dims.cp > 1 and model.is_mla:
+        return [
+            f"cp={dims.cp} with multi-head latent attention (kv_lora_rank={model.kv_lora_rank}): context "
+            "parallelism does not support MLA's value heads yet; set parallel.cp=1 (cut the sequence with "
+            "tp and sp=true instead)"
+        ]
+    return []
 
 
 def usp_head_problems(dims: ParallelDims, model) -> list[str]:

@@ -55,6 +55,11 @@ class ModelConfig:
     route_scale: float | None = None
     expert_groups: int | None = None
     route_group_limit: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
 
 SHAKESPEARE = "shakespeare"  # the built-in corpus data.source can name (`fivecut.train.data` reads it)

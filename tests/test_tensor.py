@@ -19,6 +19,7 @@ from fivecut import comm
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
+from fivecut.model.args import ModelArgs
 from fivecut.model.presets import get_preset
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeError, ParallelizeOptions, parallelize, token_loss_sum
@@ -33,18 +34,23 @@ def batch(vocab: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference(preset: str):
-    model = build_model(get_preset(preset), seed=0)
+def model_args(preset: str | ModelArgs) -> ModelArgs:
+    return get_preset(preset) if isinstance(preset, str) else preset
+
+
+def reference(preset: str | ModelArgs):
+    model = build_model(model_args(preset), seed=0)
     inputs, targets = batch(model.args.vocab_size)
     logits = model(inputs)
     (token_loss_sum(logits, targets) / targets.numel()).backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def tensor_parallel_step(preset: str, tp: int, sp: bool):
-    """Forward + backward under tp ranks; logits and gradients gathered to full (unpadded) shape."""
+def tensor_parallel_step(preset: str | ModelArgs, tp: int, sp: bool):
+    """Forward + backward under tp ranks (a dense model: a MoE layer's router gradients are summed
+    by the data cut, which this step leaves out); logits and gradients gathered to full shape."""
     mesh = Mesh(ParallelDims(tp=tp, sp=sp), "cpu")
-    model = build_model(get_preset(preset), seed=0)
+    model = build_model(model_args(preset), seed=0)
     par = parallelize(model, mesh)
     group, vocab = mesh.group("tp"), model.args.vocab_size
     inputs, targets = batch(vocab)

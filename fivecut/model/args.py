@@ -41,7 +41,10 @@ POSITIVE = (
     "expert_groups",
     "route_group_limit",
 )
-NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers")
+NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank")
+# the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
+MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def divisors(n: int) -> list[int]:
@@ -79,6 +82,17 @@ class ModelArgs:
     # and each token chooses its experts from its best `route_group_limit` groups only
     expert_groups: int = 1
     route_group_limit: int = 1
+    # multi-head latent attention (DeepSeek-V2/V3's MLA); kv_lora_rank == 0 means plain attention.
+    # Keys and values come from one compressed latent of kv_lora_rank channels per token (normed,
+    # then expanded per head to qk_nope_head_dim key and v_head_dim value channels); the queries
+    # from a latent of q_lora_rank channels (0: straight from the hidden state). Each head's
+    # query and key end in qk_rope_head_dim channels rotated by RoPE, the key's shared by every
+    # head (decoupled RoPE). With MLA, n_kv_heads must equal n_heads and dim // n_heads is unused.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # ----- the check of the values ---------------------------------------
 
@@ -97,7 +111,9 @@ class ModelArgs:
                 f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads}); "
                 f"choose n_kv_heads dividing n_heads, e.g. {nearest_divisor(self.n_heads, self.n_kv_heads)}"
             )
-        if self.head_dim % 2:
+        if self.is_mla:
+            self._check_mla()
+        elif self.head_dim % 2:
             raise ValueError(
                 f"head_dim = dim // n_heads = {self.dim} // {self.n_heads} = {self.head_dim} is odd, "
                 "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
@@ -121,6 +137,29 @@ class ModelArgs:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}; set {name} >= 0 (0 disables it)")
+
+    def _check_mla(self) -> None:
+        for name in MLA_POSITIVE:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(
+                    f"{name} must be positive with multi-head latent attention (kv_lora_rank={self.kv_lora_rank}), "
+                    f"got {value}; set {name} > 0, or kv_lora_rank = 0 for plain attention"
+                )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) is odd, but RoPE rotates pairs of channels; make it even"
+            )
+        if self.v_head_dim > self.qk_head_dim:
+            raise ValueError(
+                f"v_head_dim ({self.v_head_dim}) exceeds qk_nope_head_dim + qk_rope_head_dim ({self.qk_head_dim}); "
+                "the attention core pads values up to the query/key head size, never down: lower v_head_dim"
+            )
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"n_kv_heads ({self.n_kv_heads}) != n_heads ({self.n_heads}); multi-head latent attention expands "
+                f"keys and values for every head: set n_kv_heads = {self.n_heads}"
+            )
 
     def _check_gate_and_layers(self) -> None:
         if self.gate not in GATES:
@@ -157,6 +196,31 @@ class ModelArgs:
         return self.dim // self.n_heads
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates in each query and key head: the decoupled part under MLA, else all."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Channels of one query (and key) head, over which the scores are summed."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """Mean of the score (q.k) and value widths over all heads: the causal attention core does
+        2 * s * attention_width multiply-adds per token forward (half of s x s masked): dim for plain
+        attention, n_heads * (qk_head_dim + v_head_dim) / 2 under MLA."""
+        return self.n_heads * (self.qk_head_dim + self.value_head_dim) // 2
+
+    @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
@@ -174,11 +238,30 @@ class ModelArgs:
 
     # ----- parameter counts ----------------------------------------------
 
-    def _attention_params(self) -> int:
+    def attention_matmul_params(self) -> int:
+        """Weights of one block's attention projections (its latent norms left out)."""
+        if self.is_mla:
+            return sum(self.mla_shapes().values()) - self.q_lora_rank - self.kv_lora_rank
         hd = self.head_dim
         q_and_o = 2 * self.dim * self.n_heads * hd  # wq, wo
         k_and_v = 2 * self.dim * self.n_kv_heads * hd  # wk, wv
         return q_and_o + k_and_v
+
+    def mla_shapes(self) -> dict[str, int]:
+        """Elements of each parameter of one MLA block's attention, by name (`LatentAttention`)."""
+        h, heads, qk = self.dim, self.n_heads, self.qk_head_dim
+        kv_b = heads * (self.qk_nope_head_dim + self.v_head_dim)
+        if self.q_lora_rank:
+            q = {"wq_a": self.q_lora_rank * h, "q_norm": self.q_lora_rank, "wq_b": heads * qk * self.q_lora_rank}
+        else:
+            q = {"wq": heads * qk * h}
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        kv = {"wkv_a": latent * h, "kv_norm": self.kv_lora_rank, "wkv_b": kv_b * self.kv_lora_rank}
+        return q | kv | {"wo": h * heads * self.v_head_dim}
+
+    def _attention_params(self) -> int:
+        latent_norms = self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0
+        return self.attention_matmul_params() + latent_norms
 
     def _ffn_params(self, hidden: int) -> int:
         return 3 * self.dim * hidden  # w1, w3, w2
@@ -217,8 +300,9 @@ class ModelArgs:
         return self._count(embedding, self.top_k if self.is_moe else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6·N + 12·L·h·s, with
+        """Training FLOPs per token (forward + backward): 6·N + 12·L·w·s, with
         N the active parameters without the token embedding (the output head
-        included), L layers, h = dim, s = seq_len (the attention scores)."""
+        included), L layers, w = `attention_width` (dim for plain attention),
+        s = seq_len (the attention scores)."""
         n = self.num_active_params(embedding=False)
-        return float(6 * n + 12 * self.n_layers * self.dim * seq_len)
+        return float(6 * n + 12 * self.n_layers * self.attention_width * seq_len)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fivecut.model.transformer import Attention, Block, Rope, Transformer, apply_rope
+from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer, apply_rope
 
 
 @dataclass
@@ -25,7 +25,9 @@ class KVCache:
     """Keys and values of the positions decoded so far, preallocated per layer."""
 
     keys: list[torch.Tensor]  # per layer [b, n_kv, max_len, hd], rotated by RoPE
-    values: list[torch.Tensor]  # per layer [b, n_kv, max_len, hd]
+    values: list[torch.Tensor]  # per layer [b, n_kv, max_len, hd_v]
+    # (latent attention caches its expanded keys and values, [b, H, max_len, nope + rope] and
+    # [b, H, max_len, v_dim]: plain, not the compressed latent DeepSeek caches)
     length: int = 0  # positions 0 .. length-1 are filled
 
     @property
@@ -47,16 +49,22 @@ def new_cache(model: Transformer, batch: int = 1, max_len: int | None = None) ->
     max_len = limit if max_len is None else max_len
     if not 1 <= max_len <= limit:
         raise ValueError(f"a cache of {max_len} positions does not fit the model's max_seq_len {limit}")
-    shapes = [_kv_shape(block.attention, batch, max_len) for block in model.layers.values()]
+    shapes = [_kv_shapes(block.attention, batch, max_len) for block in model.layers.values()]
     weight = model.tok_embeddings.weight
-    keys = [weight.new_zeros(shape) for shape in shapes]
-    return KVCache(keys, [weight.new_zeros(shape) for shape in shapes])
+    keys = [weight.new_zeros(k) for k, _ in shapes]
+    return KVCache(keys, [weight.new_zeros(v) for _, v in shapes])
 
 
-def _kv_shape(attention: Attention, batch: int, max_len: int) -> tuple[int, int, int, int]:
-    """[b, n_kv, max_len, hd], the head count read from wk's width (as the forward does)."""
+def _kv_shapes(attention: Attention | LatentAttention, batch: int, max_len: int):
+    """Shapes of a layer's key and value caches: [b, n_kv, max_len, hd] each, the head count read
+    from wk's width (as the forward does); latent attention: its heads' keys and values."""
+    if isinstance(attention, LatentAttention):
+        heads = attention.wo.weight.shape[1] // attention.v_dim
+        qk = attention.nope + attention.rope_dim
+        return (batch, heads, max_len, qk), (batch, heads, max_len, attention.v_dim)
     n_kv = attention.wk.weight.shape[0] // attention.head_dim
-    return batch, n_kv, max_len, attention.head_dim
+    shape = (batch, n_kv, max_len, attention.head_dim)
+    return shape, shape
 
 
 @torch.inference_mode()
@@ -86,12 +94,17 @@ def _block(block: Block, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_c
     return h + block.feed_forward(block.ffn_norm(h))
 
 
-def _attention(attn: Attention, x: torch.Tensor, rope: Rope, k_cache, v_cache, start: int) -> torch.Tensor:
+def _attention(
+    attn: Attention | LatentAttention, x: torch.Tensor, rope: Rope, k_cache, v_cache, start: int
+) -> torch.Tensor:
     """Attention.forward over the cached prefix and the s new positions: x [b, s, dim] -> [b, s, dim]."""
     b, s, _ = x.shape
-    q, k, v = _heads(attn, attn.wq(x)), _heads(attn, attn.wk(x)), _heads(attn, attn.wv(x))
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, heads, s, hd]
+    if isinstance(attn, LatentAttention):
+        q, k, v = attn.qkv(x, rope)  # [b, H, s, nope + rope] twice, [b, H, s, v_dim]
+    else:
+        q, k, v = _heads(attn, attn.wq(x)), _heads(attn, attn.wk(x)), _heads(attn, attn.wv(x))
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, heads, s, hd]
     end = start + s
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v

@@ -19,6 +19,25 @@ PRESETS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(),
     # tiny with a DeepSeek-style MoE from layer 1 on
     "tiny-moe": ModelArgs(n_experts=8, top_k=2, n_shared_experts=1, moe_ffn_dim=128, first_dense_layers=1),
+    # tiny with DeepSeek's multi-head latent attention (query and key/value latents, decoupled
+    # RoPE, a value head narrower than the query/key head) and a MoE from layer 1 on
+    "tiny-mla": ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=192,
+        n_experts=4,
+        top_k=2,
+        n_shared_experts=1,
+        moe_ffn_dim=64,
+        first_dense_layers=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+    ),
     # the GPT-2 tokenizer's awkward vocabulary size (odd, not a multiple of anything)
     "tiny-gpt2": ModelArgs(
         vocab_size=GPT2_VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, tie_embeddings=True
@@ -78,11 +97,12 @@ PRESETS: dict[str, ModelArgs] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
-    # DeepSeek-V3's multi-head latent attention (MLA) is modelled as plain
-    # multi-head attention with 128 heads of dim 7168/128; its group-limited
-    # routing and multi-token prediction are left out. The MoE part (256
-    # routed + 1 shared expert, top-8, sigmoid gate, scale 2.5, 3 dense
-    # layers first) is as published.
+    # DeepSeek-V3 (technical report, section 4.2): 61 layers, dim 7168, multi-head latent
+    # attention with 128 heads (query latent 1536, key/value latent 512, per head 128 + 64
+    # rotated query/key channels and 128 value channels), MoE from layer 3 on (256 routed + 1
+    # shared expert of 2048, top-8, sigmoid gate, scale 2.5, node-limited routing: 8 groups,
+    # at most 4). The multi-token prediction module (14B) is left out, as in the published 671B
+    # total / 37B activated; the vocabulary is 129,280.
     "deepseek-v3": ModelArgs(
         vocab_size=129280,
         dim=7168,
@@ -98,6 +118,13 @@ PRESETS: dict[str, ModelArgs] = {
         first_dense_layers=3,
         gate="sigmoid",
         route_scale=2.5,
+        expert_groups=8,
+        route_group_limit=4,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
 }
 

@@ -1,12 +1,13 @@
 """Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) with an
-optional DeepSeek-style mixture-of-experts feed-forward.
+optional DeepSeek-style mixture-of-experts feed-forward and optional DeepSeek multi-head
+latent attention (MLA) in place of grouped-query attention.
 
 Plain single-device PyTorch: the parallel cuts are applied from outside
 (``fivecut.parallel``), so this file keeps a few promises they rely on:
 
 * forward passes derive head counts and hidden sizes from the weight shapes,
   never from ``ModelArgs``, so tensor/expert parallelism can shrink weights;
-* attention's core (``Attention.core``) is a replaceable module (context
+* attention's core (``Attention.core``, ``LatentAttention.core``) is a replaceable module (context
   parallelism swaps it); MoE routing, permutation, experts and combine are
   separate functions (expert parallelism puts all-to-alls between them);
 * ``tok_embeddings``, ``norm``, ``output`` may be None and layers may be
@@ -69,11 +70,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CausalSDPA(nn.Module):
     """Default attention core: causal softmax attention over the local sequence.
-    q [b, n_heads, s, hd], k/v [b, n_kv_heads, s, hd] -> [b, n_heads, s, hd]."""
+    q/k [b, n_heads or n_kv_heads, s, hd], v [b, n_kv_heads, s, hd_v] -> [b, n_heads, s, hd_v].
+
+    A value head narrower than the query/key head (latent attention) is zero-padded to hd
+    and the output cut back: the fused kernels want one head size (without the padding the
+    CPU falls back to the unfused path, which keeps the s x s probabilities for backward)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        narrow = q.shape[-1] - v.shape[-1]
+        if narrow == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, narrow)), is_causal=True, enable_gqa=gqa)
+        return o[..., : v.shape[-1]]  # [b, n_heads, s, hd_v]
 
 
 class Attention(nn.Module):
@@ -100,6 +109,68 @@ class Attention(nn.Module):
         o = self.core(q, k, v)  # [b, n_heads, s, hd]
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, n_heads * hd]
         return self.wo(o)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3). Per token, with H heads:
+
+        queries  q = wq_b(q_norm(wq_a(x)))  (or wq(x) without a query latent)  [H, nope + rope]
+        latent   wkv_a(x) = [c, k_rope]: c [kv_lora_rank], k_rope [rope], ONE key head for RoPE
+        keys     k = [k_nope, rotated k_rope repeated to every head]            [H, nope + rope]
+        values   [k_nope, v] = wkv_b(kv_norm(c))                                 [H, nope], [H, v_dim]
+
+    The scores run over nope + rope channels (SDPA's scale 1/sqrt(nope + rope)); the output
+    [H, v_dim] goes through wo. Head counts come from wq_b's (or wq's) and wkv_b's widths, so
+    tensor parallelism may cut them; the latents stay whole."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        heads, qk = args.n_heads, args.qk_head_dim
+        self.compressed_q = args.q_lora_rank > 0
+        if self.compressed_q:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, heads * qk, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, heads * qk, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
+        # Replaceable by any module with the same signature (recomputation wraps it).
+        self.core: nn.Module = CausalSDPA()
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, dim] -> [b, s, H * (nope + rope)]."""
+        if self.compressed_q:
+            return self.wq_b(self.q_norm(self.wq_a(x)))
+        return self.wq(x)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        b, s, _ = x.shape
+        o = self.core(*self.qkv(x, rope))  # [b, H, s, v_dim]
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
+
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> q, k [b, H, s, nope + rope] (rotated), v [b, H, s, v_dim]."""
+        b, s, _ = x.shape
+        cos, sin = rope
+        q = self.queries(x).view(b, s, -1, self.nope + self.rope_dim).transpose(1, 2)  # [b, H, s, nope + rope]
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        c, k_rope = self.wkv_a(x).split([self.kv_norm.weight.shape[0], self.rope_dim], dim=-1)  # [b, s, kv], [b, s, r]
+        kv = self.wkv_b(self.kv_norm(c)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)  # [b, H, s, nope + v]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        heads = q.shape[1]
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(b, heads, s, self.rope_dim)  # [b, H, s, rope]
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)  # [b, H, s, nope + rope]
+        k = torch.cat([k_nope, k_rope], dim=-1)  # [b, H, s, nope + rope]
+        return q, k, v
+
+
+def make_attention(args: ModelArgs) -> nn.Module:
+    """Latent attention when the arguments give a key/value latent (kv_lora_rank > 0), else GQA."""
+    return LatentAttention(args) if args.is_mla else Attention(args)
 
 
 class FeedForward(nn.Module):
@@ -260,7 +331,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = make_attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoE(args) if args.moe_layer(layer_id) else FeedForward(args.dim, args.ffn_dim)
 
@@ -278,8 +349,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
         self.init_rope()
 
     def tie_weights(self) -> None:
@@ -291,7 +362,7 @@ class Transformer(nn.Module):
     def init_rope(self) -> None:
         """(Re)compute the RoPE tables in fp32 on the buffers' current device."""
         device = self.rope_cos.device
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        cos, sin = rope_tables(self.args.rope_dim, self.args.max_seq_len, self.args.rope_theta)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def init_buffers(self) -> None:

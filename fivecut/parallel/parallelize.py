@@ -37,7 +37,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
-from fivecut.model.transformer import Attention, build_model
+from fivecut.model.transformer import Attention, LatentAttention, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Kinds, Piece, SyncSet
@@ -75,6 +75,7 @@ STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "dat
 TP_CUT = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
           "feed_forward.w3.weight", "tok_embeddings.weight")  # fmt: skip
 TP_CUT_KV = ("attention.wk.weight", "attention.wv.weight")
+TP_CUT_MLA = ("attention.wq_b.weight", "attention.wkv_b.weight")  # latent attention's up projections
 
 
 class ParallelizeError(RuntimeError):
@@ -323,7 +324,7 @@ def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> St
     changes = apply_tensor_parallel(stage, mesh.group("tp"), dims.sp, saved)
     if dims.etp > 1:
         changes |= apply_expert_tensor_parallel(stage, mesh.group("etp"))
-    suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ())
+    suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ()) + TP_CUT_MLA
     expected = [path for path, _ in stage.named_parameters() if path.endswith(suffixes) and ".experts." not in path]
     expected += [path for path, _ in stage.named_parameters() if ".experts." in path and dims.etp > 1]
     if stage.output is not None and not (args.tie_embeddings and stage.tok_embeddings is not None):
@@ -336,7 +337,8 @@ def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:
     """Ulysses, ring attention or both (USP) over the cp group (when cp > 1); no parameter changes."""
     if mesh.dims.cp == 1:
         return {}
-    expected = [path for path, m in stage.named_modules() if isinstance(m, Attention)]
+    # latent attention is expected too, and left uncut by the context cut: an error, not a silent skip
+    expected = [path for path, m in stage.named_modules() if isinstance(m, (Attention, LatentAttention))]
     require("context", apply_context_parallel(stage, mesh.groups, mesh.dims.cp_mode), expected)
     return {}
 

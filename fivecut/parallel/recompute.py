@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fivecut.model.transformer import Attention, CausalSDPA, FeedForward, MoE
+from fivecut.model.transformer import Attention, CausalSDPA, FeedForward, LatentAttention, MoE
 from fivecut.parallel.saved import SavedActivations
 from fivecut.plan.activations import recomputed
 
@@ -105,7 +105,7 @@ class RecomputedCore(nn.Module):
         return checkpoint(self.inner, q, k, v, use_reentrant=False, preserve_rng_state=False)
 
 
-def wrap_core(attention: Attention, saved: SavedActivations) -> None:
+def wrap_core(attention: Attention | LatentAttention, saved: SavedActivations) -> None:
     """Wrap the innermost plain core (CausalSDPA; inside Ulysses, the one between the all-to-alls)."""
     holder, name = attention, "core"
     while hasattr(getattr(holder, name), "inner"):

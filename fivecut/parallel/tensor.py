@@ -19,6 +19,12 @@ padding rows are never looked up and are masked out of the softmax), and the
 cross-entropy is computed from the local logits: max, sum of exponentials and the
 target's logit are reduced across t, the logits are never gathered.
 
+Multi-head latent attention (MLA): wq_b (or wq) and wkv_b are column-parallel by heads, wo
+row-parallel; the down projections wq_a and wkv_a and the latent norms are replicated, and
+since each rank back-propagates only its heads into the latents, their weights' gradients are
+summed over t (f on the weight, as for the norms under SP). The shared RoPE key head comes
+from wkv_a, so every rank has it.
+
 Grouped-query attention: kv heads are split when t divides them; when t is a multiple
 of the kv heads instead, each rank computes the one kv head its query heads use from the
 full (replicated) wk and wv, whose gradients are summed over t.
@@ -128,6 +134,20 @@ class ReplicatedKV(nn.Module):
         return F.linear(x, weight)  # [b, s, hd]: one kv head
 
 
+class ReplicatedLinear(nn.Module):
+    """A linear whose full weight every rank holds and applies to the full input, inside a region
+    whose ranks each back-propagate only part of the output's gradient: the weight's gradient is
+    summed over t (MLA's down projections wq_a and wkv_a)."""
+
+    def __init__(self, linear: nn.Linear, group: Group):
+        super().__init__()
+        self.weight = linear.weight  # [out, in], the same Parameter: replicated
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, comm.copy_to(self.weight, self.group))
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + V/t) of the (padded) embedding; the other ranks' tokens give zeros,
     and the partial embeddings are summed (all-reduce, or reduce-scatter along s with SP)."""
@@ -155,7 +175,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class SequenceParallelRMSNorm(nn.Module):
     """RMSNorm on a sequence slice [b, s/t, h]: the weight is replicated and each rank sees
-    only its tokens, so the weight's gradient is summed over t (f on the weight)."""
+    only its tokens, so the weight's gradient is summed over t (f on the weight). The same
+    stands for MLA's latent norms, which see every token but pass back only this rank's heads'
+    share of the gradient."""
 
     def __init__(self, norm: RMSNorm, group: Group):
         super().__init__()
@@ -267,6 +289,8 @@ def parallelize_head(model: nn.Module, group: Group, vocab: int, sequence_parall
 
 
 def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
+    if args.is_mla:
+        return parallelize_latent_attention(attention, group)
     t, hd = group.size, args.head_dim
     changes = {"wq.weight": column_parallel(attention.wq, group)}
     if args.n_kv_heads % t == 0:
@@ -278,6 +302,25 @@ def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
         attention.wv = ReplicatedKV(attention.wv, head, hd, group)
         changes |= {"wk.weight": Change(summed_over="tp"), "wv.weight": Change(summed_over="tp")}
     changes["wo.weight"] = row_parallel(attention.wo, group)
+    return changes
+
+
+def parallelize_latent_attention(attention: nn.Module, group: Group) -> Changes:
+    """MLA: heads cut (wq_b or wq, wkv_b by rows, wo by columns), latents replicated (tp-summed)."""
+    changes = {"wkv_b.weight": column_parallel(attention.wkv_b, group), "wo.weight": row_parallel(attention.wo, group)}
+    replicated = ["wkv_a", "kv_norm"]
+    if attention.compressed_q:
+        changes["wq_b.weight"] = column_parallel(attention.wq_b, group)
+        replicated += ["wq_a", "q_norm"]
+    else:
+        changes["wq.weight"] = column_parallel(attention.wq, group)
+    for name in replicated:
+        module = getattr(attention, name)
+        wrapped = (
+            SequenceParallelRMSNorm(module, group) if isinstance(module, RMSNorm) else ReplicatedLinear(module, group)
+        )
+        setattr(attention, name, wrapped)
+        changes[f"{name}.weight"] = Change(summed_over="tp")
     return changes
 
 

@@ -82,7 +82,10 @@ def activation_bytes_per_layer(
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += 1 / tp - 1
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
-    attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if twice else 0)
+    if args.is_mla:
+        attention = latent_attention_floats(args, tp, plain) / h
+    else:
+        attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if twice else 0)
     mlp = swiglu * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if lse else 0)  # rstd; lse
@@ -90,6 +93,32 @@ def activation_bytes_per_layer(
     if moe_rows is None:
         return dense
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu, etp)
+
+
+def latent_attention_floats(args, tp: int, plain: bool) -> float:
+    """Floats per token that multi-head latent attention keeps for backward, besides the block's
+    norm (counted with the norms) and the log-sum-exps (counted per token), on one of `tp` ranks.
+    The latents are whole on every rank, the heads (H/t of them) cut; qk = nope + rope:
+        query latent   3 q_lora + 1   wq_a's output (q_norm's input), q_norm's output, wq_b's copy
+                                      of it, the rstd (none without a query latent: wq reads x)
+        kv latent      (kv_lora + rope) + 2 kv_lora + 1   wkv_a's output (kv_norm's input is a view
+                                      of it), kv_norm's output, wkv_b's copy of it, the rstd
+        core           (H/t)(2 qk + v' + o')   q and k; v' = qk, the value zero-padded to the head
+                                      size (`CausalSDPA`), or nope + v without padding (a view of
+                                      wkv_b's output); o' = the output (qk padded, else v) and
+                                      wo's [b, s, H v] copy of it (q is laid out [b, H, s, qk], and
+                                      SDPA's output follows q's layout, so the transpose copies)
+    Selective recomputation keeps the core's inputs q, k, v (a view of wkv_b's output: nope + v)
+    and wo's input (v) instead of the core's tensors."""
+    heads, qk, nope, v = args.n_heads / tp, args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
+    q_latent = 3 * args.q_lora_rank + 1 if args.q_lora_rank else 0
+    kv_latent = 3 * args.kv_lora_rank + args.qk_rope_head_dim + 1
+    padded = v < qk
+    if plain:
+        core = 2 * qk + (qk if padded else nope + v) + (qk if padded else v) + v
+    else:
+        core = 2 * qk + nope + 2 * v
+    return q_latent + kv_latent + heads * core
 
 
 def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4, etp: int = 1) -> float:

@@ -73,15 +73,15 @@ class LayoutCost:
 
 def layer_forward_flops(args, layer_id: int, seq: int) -> float:
     """Forward FLOPs per token of block `layer_id`: 2 x the matmul parameters one token passes
-    through + the causal attention scores and values (2 x 2 s h, half of them masked)."""
-    hd = args.head_dim
-    attention = 2 * args.dim * (args.n_heads + args.n_kv_heads) * hd
+    through + the causal attention scores and values (2 x 2 s w, half of them masked; w =
+    `attention_width`: h, or under multi-head latent attention H (qk + v) / 2)."""
+    attention = args.attention_matmul_params()
     if args.moe_layer(layer_id):
         experts = (args.top_k + args.n_shared_experts) * 3 * args.dim * args.expert_dim
         mlp = args.dim * args.n_experts + experts
     else:
         mlp = 3 * args.dim * args.ffn_dim
-    return 2 * (attention + mlp) + 2 * seq * args.dim
+    return 2 * (attention + mlp) + 2 * seq * args.attention_width
 
 
 def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recompute: tuple[str, int]) -> dict:

@@ -98,7 +98,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
            per region and head (the saved inputs, kept as slices) and an all-reduce of each
            norm weight's gradient (2L + 1 of h);
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced),
-           replicated k/v weights' gradients when t > kv heads, and the clip norm (1 element).
+           replicated attention weights' gradients (k/v when t > kv heads; MLA's latent
+           projections and norms, `replicated_attention_weights`), and the clip norm (1 element).
     A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
     without SP its input is sliced (backward: all-gather of E) and its output all-gathered
     (E); with capacity or the auxiliary loss, each chunk's slots per (sequence, expert) are
@@ -123,7 +124,7 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
         per_micro += full * (ag if dims.sp else ar) * FP32 * e + full_moe * counts
         loss = 3 * b * s * head
-        kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
+        kv = L * replicated_attention_weights(args, t)
         regions = 2 * L - moe
         per_micro += moe * counts
         if dims.sp:
@@ -142,6 +143,16 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         f"{train.accumulate * micro} microbatches x [{how} per region, 3bs loss; stages {', '.join(calls)}], E "
         f"= {b}*{s}*{h}, t={t}",
     )
+
+
+def replicated_attention_weights(args, t: int) -> int:
+    """Elements of one block's attention weights that every tp rank holds whole and whose gradient
+    autograd all-reduces over tp: wk and wv when t does not divide the kv heads; under multi-head
+    latent attention the down projections and latent norms (wq_a, q_norm, wkv_a, kv_norm)."""
+    if args.is_mla:
+        shapes = args.mla_shapes()
+        return sum(shapes.get(name, 0) for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
+    return 2 * args.n_kv_heads * args.head_dim * args.dim if args.n_kv_heads % t else 0
 
 
 def context_parallel_volume(args, cfg) -> tuple[float, str]:

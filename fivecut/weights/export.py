@@ -94,7 +94,7 @@ def export(
     written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, tensors, tokenizer, max_shard_bytes))
     for file in written:
         print(f"wrote {out / file}")
-    kind = MOE_ARCHITECTURE if args.is_moe else LLAMA_ARCHITECTURE
+    kind = MOE_ARCHITECTURE if own_names(args) else LLAMA_ARCHITECTURE
     print(f"exported {meta.get('preset')!r} step {meta['step']} ({kind}, {dtype}) from {source} to {out}")
     return out
 
@@ -165,10 +165,18 @@ def checkpoint_tensors(path: Path, args: ModelArgs, dtype: torch.dtype) -> dict[
     weights = ckpt.full_state(path)
     check_shapes(path, weights, expected_shapes(args))
     cast = {name: t.to(dtype).contiguous() for name, t in weights.items()}
-    if not args.is_moe:
+    if not own_names(args):
         return {names.to_hf(name): t for name, t in cast.items()}
+    if not args.is_moe:
+        return cast
     biases = ckpt.full_state(path, "moe.")  # "<layer>.expert_bias", kept in fp32 as the router uses them
     return cast | {f"layers.{key.split('.')[0]}.feed_forward.expert_bias": t for key, t in biases.items()}
+
+
+def own_names(args: ModelArgs) -> bool:
+    """Whether the export keeps fivecut's tensor names and records ModelArgs (no Hugging Face Llama
+    class reads the model: mixture-of-experts layers, or multi-head latent attention)."""
+    return args.is_moe or args.is_mla
 
 
 def check_shapes(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
@@ -214,7 +222,7 @@ def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int
 def write_folder(folder: Path, args: ModelArgs, dtype: str, tensors: dict, tokenizer, max_bytes: int) -> list[str]:
     """Every file of the export of a model of shape `args` (weights `tensors`, in `dtype`) into `folder`."""
     bos, eos = special_ids(tokenizer)
-    if args.is_moe:
+    if own_names(args):
         config = moe_config(args, dtype, bos, eos)
     else:  # transformers >= 5 reads "dtype", older ones "torch_dtype"
         config = llama_config(args, dtype, bos, eos) | {"dtype": dtype}
@@ -231,7 +239,8 @@ def moe_config(args: ModelArgs, dtype: str, bos: int | None, eos: int | None) ->
     return {
         "architectures": [MOE_ARCHITECTURE],
         "model_type": "fivecut",
-        "note": "a fivecut mixture-of-experts model: no Hugging Face class reads it; the tensor names are "
+        "note": "a fivecut model (mixture of experts or latent attention): no Hugging Face class reads it; the "
+        "tensor names are "
         "fivecut's own (see the README section 'Weights in and out' and fivecut/weights/export.py)",
         "fivecut": dataclasses.asdict(args),
         "vocab_size": args.vocab_size,

@@ -21,11 +21,10 @@ from torch import nn
 
 
 def block_cost(args, seq_len: int) -> float:
-    """Forward FLOPs per token of one block: 2 x its matmul parameters + attention scores (4 s h)."""
-    hd = args.head_dim
-    attention = 2 * args.dim * (args.n_heads + args.n_kv_heads) * hd
+    """Forward FLOPs per token of one block: 2 x its matmul parameters + attention scores (4 s w,
+    w = `ModelArgs.attention_width`)."""
     mlp = 3 * args.dim * args.ffn_dim
-    return 2 * (attention + mlp) + 4 * seq_len * args.dim
+    return 2 * (args.attention_matmul_params() + mlp) + 4 * seq_len * args.attention_width
 
 
 def head_cost(args) -> float:
