@@ -30,7 +30,7 @@ from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import build_schedule, peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate
 from fivecut.parallel.pipeline.split import stage_layers
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
 from fivecut.plan.volume import local_param_counts, predict, shard_group_sizes
@@ -197,7 +197,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     dims, t = cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
     seq = t.seq_len // dims.cp
-    item = ACTIVATION_BYTES[t.dtype]
+    precision = precision_of(t.dtype, dims.zero)  # what each saved tensor's dtype follows
     in_flight = [1] * dims.pp
     if dims.pp > 1:
         in_flight = peak_in_flight(build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual))
@@ -216,7 +216,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
                 seq,
                 dims.tp,
                 dims.sp,
-                item,
+                precision,
                 moe_rows=uniform_rows(args, rows * seq, dims.ep) if args.moe_layer(i) else None,
                 cp=dims.cp,
                 recompute=layer_mode(i, t.recompute, t.recompute_every),
