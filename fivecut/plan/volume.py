@@ -14,10 +14,10 @@ from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
 from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.parallel.placement import Placement
-from fivecut.plan.activations import layer_mode
+from fivecut.plan.activations import layer_mode, precision_of
 
 BYTES = {"fp32": 4, "bf16": 2}
-FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `fivecut ledger` runs
+FP32 = 4  # stats, the loss's sums, flags and norms travel in fp32 whatever train.dtype is
 PARAM_BYTES = FP32  # parameters are kept in fp32 (ZeRO-1/2 gather them so); ZeRO-3 gathers in train.dtype
 
 
@@ -55,6 +55,15 @@ def predict(args, cfg, routing: dict | None = None) -> dict[str, tuple[float, st
             "all-reduce (max) over all ranks of the stop flags: signal, non-finite (two int32)",
         )
     return out
+
+
+def message_bytes(cfg) -> tuple[int, int]:
+    """(stream, matmul): bytes an element of the residual stream (the embedding's and the norms'
+    outputs, their gradients) and of a matmul's output (and its gradient) put on the wire.
+    fp32: 4, 4. bf16 under autocast over fp32 weights: the stream stays fp32, a linear's
+    output is bf16: 4, 2. bf16 under ZeRO-3 (bf16 units): both bf16: 2, 2."""
+    precision = precision_of(cfg.train.dtype, cfg.parallel.zero)
+    return {"fp32": (4, 4), "bf16": (4, 2), "bf16-params": (2, 2)}[precision]
 
 
 def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
@@ -108,6 +117,9 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
+    stream, a = message_bytes(cfg)
+    grads = 2 if stream == 2 else FP32  # a replicated weight's gradient: its dtype (ZeRO-3 bf16 units: bf16)
+    regather = stream if a == stream else 0  # autocast's bf16 casts, not the fp32 gathered input, are saved
     micro = dims.microbatches if dims.pp > 1 else 1
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     s = train.seq_len // dims.cp  # this rank's chunk of each sequence
@@ -123,11 +135,13 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         regions = 2 * L - moe
         per_micro += moe * counts
         if dims.sp:
-            forward = (emb + regions) + (regions + head)  # reduce-scatters, all-gathers
-            backward = forward + (regions + head)  # their transposes, and the regathered inputs
-            per_micro += ag * FP32 * (forward + backward) * e + ar * FP32 * (loss + (2 * L + head) * h + kv)
+            # embedding's reduce-scatter, regions' and head's all-gathers (stream); regions' reduce-scatters (a)
+            forward = stream * (emb + regions + head) + a * regions
+            backward = forward + regather * (regions + head)  # their transposes, and the regathered inputs
+            per_micro += ag * (forward + backward) * e + ar * (FP32 * loss + grads * ((2 * L + head) * h + kv))
         else:
-            per_micro += ar * FP32 * ((emb + regions) * e + loss + (regions + head) * e + kv)
+            # g after the embedding (stream) and each region (a); f's transposes (stream)
+            per_micro += ar * (stream * (emb + regions + head) * e + a * regions * e + FP32 * loss + grads * kv)
             per_micro += ag * FP32 * moe * 2 * e  # MoE output gathered; input's gradient gathered
         calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
@@ -160,10 +174,11 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     heads = args.n_heads // dims.tp
     kv = max(args.n_kv_heads // dims.tp, 1)
-    token = FP32 * b * hd  # bytes of one head's row per token of a sequence
+    _, a = message_bytes(cfg)
+    token = b * hd  # elements of one head's row per token of a sequence
     r = dims.cp_ring  # the ring's degree (c under ring, 1 under Ulysses); Ulysses' is c/r
-    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, token * train.seq_len // c)
-    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r)
+    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, a * token * train.seq_len // c)
+    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r, a)
     forward, backward = forward + ring[0], backward + ring[1]
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
@@ -195,11 +210,15 @@ def ulysses_bytes(u: int, heads: int, kv: int, block: float) -> tuple[tuple[floa
     return (volume, volume), kv
 
 
-def ring_bytes(r: int, kv: int, block: float) -> tuple[float, float]:
-    """Ring attention over r ranks with `kv` heads per block of `block` bytes a head ([b, kv,
-    s/r, hd]): (forward, backward) bytes of a layer; each pass sent and received."""
-    pass_bytes = 2 * (2 * kv) * block  # K and V (or dK and dV)
-    return (r - 1) * pass_bytes, (2 * r - 1) * pass_bytes if r > 1 else 0.0
+def ring_bytes(r: int, kv: int, block: float, a: int = FP32) -> tuple[float, float]:
+    """Ring attention over r ranks with `kv` heads per block of `block` elements a head ([b, kv,
+    s/r, hd]): (forward, backward) bytes of a layer; each pass sent and received. K and V
+    travel in the attention's dtype (`a` bytes: bf16 under autocast), the dK/dV accumulators
+    in fp32."""
+    pass_elements = 2 * (2 * kv) * block  # K and V (or dK and dV), sent and received
+    if r == 1:
+        return 0.0, 0.0
+    return (r - 1) * a * pass_elements, ((r - 1) * a + r * FP32) * pass_elements
 
 
 def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int]]:
@@ -263,11 +282,12 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
     if ep > 1:
         expert_bytes = 3 * args.dim * args.expert_dim // dims.etp * FP32  # an EPLB copy: this rank's shard
         again = recomputed_moe_layers(args, cfg)
+        stream, a = message_bytes(cfg)  # dispatched rows (and their gradients): stream; expert outputs: a
         for i in layers:
             volume += forwards * (1 + (i in again)) * (ep - 1) * slots * 8
             sent, received, copies_out, copies_in = _routing_of(args, cfg, routing, i)
-            volume += 2 * (sent + received) * args.dim * FP32 + (copies_out + copies_in) * expert_bytes
-            volume += (i in again) * ((sent + received) * args.dim * FP32 + copies_out * expert_bytes)
+            volume += (sent + received) * args.dim * (stream + a) + (copies_out + copies_in) * expert_bytes
+            volume += (i in again) * ((sent * stream + received * a) * args.dim + copies_out * expert_bytes)
             volume += _moved_elements(routing, i) * FP32
     stats_n = dims.dp * dims.cp * dims.tp
     per_layer = 2 * e + 1 + ep * slots
