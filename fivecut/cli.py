@@ -664,6 +664,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         cp_mode=dims.cp_mode,
         cp_ulysses=dims.cp_ulysses,
         etp=dims.etp,
+        ep=dims.ep,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")

@@ -54,6 +54,7 @@ def activation_bytes_per_layer(
     cp_mode: str = "ulysses",
     cp_ulysses: int = 1,
     etp: int = 1,
+    ep: int = 1,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -94,7 +95,7 @@ def activation_bytes_per_layer(
     dense = batch * seq * (norms + attention + mlp + per_token) + weight_copies(args, tp, precision, moe_rows is None)
     if moe_rows is None:
         return dense
-    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, a, swiglu, etp)
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep)
 
 
 def norm_bytes(precision: str, h: int, cut: int, consumers: int) -> float:
@@ -132,7 +133,16 @@ def precision_of(dtype: str, zero: int) -> str:
     return "bf16-params" if zero == 3 else "bf16"
 
 
-def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4, etp: int = 1) -> float:
+def moe_bytes(
+    args,
+    tokens: int,
+    sent: int,
+    received: int,
+    precision: str = "fp32",
+    swiglu: int = 4,
+    etp: int = 1,
+    ep: int = 1,
+) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
     (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
@@ -146,13 +156,21 @@ def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, sw
     Expert tensor parallelism (etp ranks): the router and the shared experts keep the same; the
     dispatch and the combine work on the etp ranks' T_e = etp*T gathered tokens (N, R count
     those rows), the experts' intermediates are R*4H/etp, and the combine keeps T_e*k slot
-    indices, T_e*k*h results and T_e*k weights."""
+    indices, T_e*k*h results and T_e*k weights.
+    Under `precision` the router's scores and weights stay fp32 and the rest is in the matmuls'
+    dtype; autocast over fp32 weights ("bf16") also keeps, per linear, its bf16 cast of its input
+    (the router's, the shared experts' two, each routed expert's two of its rows: R*2h, not R*h)
+    and of its weight (router, this rank's E/ep experts, shared experts)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     gathered = etp * t  # the tokens the dispatch and the combine see
+    a, casts = BYTES[precision], precision == "bf16"
     renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
-    floats = t * e + renormalize + received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
-    floats += swiglu * t * args.expert_dim * args.n_shared_experts
-    return itemsize * floats + 8 * (t * k + sent + gathered * k)
+    stats = FP32 * (t * e + renormalize)
+    shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
+    rows = received * (h * (2 if casts else 1) + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
+    rows += swiglu * t * shared + (t * h * (1 + 2 * (shared > 0)) if casts else 0)  # casts: router's, shared's
+    weights = 2 * (h * e + 3 * (e // ep) * h * args.expert_dim // etp + 3 * h * shared) if casts else 0
+    return stats + a * rows + weights + 8 * (t * k + sent + gathered * k)
 
 
 def stage_activation_bytes(

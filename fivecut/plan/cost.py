@@ -221,6 +221,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
                 cp=dims.cp,
                 recompute=layer_mode(i, t.recompute, t.recompute_every),
                 cp_mode=dims.cp_mode,
+                ep=dims.ep,
             )
             for r in stage_ranges
             for i in r
