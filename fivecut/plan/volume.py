@@ -102,6 +102,10 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     SP:    the same E as reduce-scatters and all-gathers, plus one all-gather of E in backward
            per region and head (the saved inputs, kept as slices) and an all-reduce of each
            norm weight's gradient (2L + 1 of h);
+    bf16:  the residual stream (the embedding's and norms' outputs, their gradients) stays fp32
+           and a linear's output is bf16 (`message_bytes`); the linears save autocast's bf16
+           casts of a region's input, not the gathered input, so SP regathers nothing; under
+           ZeRO-3 (bf16 units) everything is bf16 and the inputs are regathered, as in fp32;
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced),
            replicated k/v weights' gradients when t > kv heads, and the clip norm (1 element).
     A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
@@ -113,7 +117,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     saved tensor (non-reentrant checkpoints stop there, before the block's last g): one more
     all-reduce of E without SP (the attention region's); with SP two all-gathers and one
     reduce-scatter of E, but no regathers of the regions' inputs (the recomputation keeps them
-    whole): one E more; and again the slot counts of a MoE layer with capacity or the aux loss."""
+    whole): one E more in fp32 (under bf16 with fp32 weights, which regathers nothing, all three
+    count); and again the slot counts of a MoE layer with capacity or the aux loss."""
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
@@ -129,7 +134,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
     )
     for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
-        per_micro += full * (ag if dims.sp else ar) * FP32 * e + full_moe * counts
+        again = ag * (2 * stream + a - 2 * regather) if dims.sp else ar * a  # a recomputed block's forward
+        per_micro += full * again * e + full_moe * counts
         loss = 3 * b * s * head
         kv = 2 * L * args.n_kv_heads * args.head_dim * h if args.n_kv_heads % t else 0
         regions = 2 * L - moe
