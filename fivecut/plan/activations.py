@@ -17,6 +17,17 @@ figure for GPT (fp16, dropout, 4h GeLU MLP) is sbh(10 + 24/t + 5as/(ht)) with TP
 sbh(34/t + 5as/(ht)) with TP+SP: the same split between what TP leaves replicated and
 what it cuts, which SP then cuts too.
 
+Those units are at 4 bytes (train.dtype = "fp32"). Under bf16 autocast each saved tensor has
+its own dtype (`precision_of`; measured with `fivecut ledger`, every term exact):
+    "bf16"   (fp32 weights) norms keep their input and normalized input in fp32; each linear
+             reading a norm's output saves its own bf16 cast of it, whole even under SP (the
+             regathered fp32 input is not what is saved): 3 (q, k, v) + 2 (w1, w3) x 2h bytes
+             per token; q, k, v, the attention output and the SwiGLU tensors are bf16; rstd and
+             log-sum-exps fp32; and each linear's bf16 copy of its weight (`weight_copies`)
+    "bf16-params" (ZeRO-3's bf16 units) a bf16 residual stream: each norm keeps an fp32 upcast
+             of its input, the normalized input in fp32 and its bf16 output once (all / t with
+             SP); no weight copies
+
 Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it picks:
     full       only the block's input: 1 (/t with SP), the residual stream
     selective  no log-sum-exps (the attention core keeps only q, k, v, which it saved

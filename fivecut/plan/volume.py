@@ -77,7 +77,8 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     rows = train.global_batch // (dims.dp * train.accumulate * dims.microbatches)
     s_local = train.seq_len // dims.cp // (dims.tp if dims.sp else 1)
     e = rows * s_local * args.dim
-    volume = train.accumulate * dims.microbatches * 2 * borders * e * FP32
+    stream, _ = message_bytes(cfg)  # the residual stream: fp32, or bf16 under ZeRO-3's bf16 units
+    volume = train.accumulate * dims.microbatches * 2 * borders * e * stream
     how = (
         f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = "
         f"{rows}*{s_local}*{args.dim}"
