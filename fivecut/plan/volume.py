@@ -319,15 +319,18 @@ def expert_tensor_volume(args, cfg) -> tuple[float, str]:
                   reduce-scatter of the partial outputs [n*T, dim] fp32
         backward  all-gather of the outputs' gradient [n*T, dim], reduce-scatter of the
                   gradient of the tokens and weights [n*T, dim + k]
-    each (n-1)/n of the full tensor. A fully recomputed layer runs its forward part again."""
+    each (n-1)/n of the full tensor. Under bf16 the tokens stay in the stream's dtype, the
+    outputs (and their gradient) are bf16 (`message_bytes`). A fully recomputed layer runs its
+    forward part again."""
     dims, train = cfg.parallel, cfg.train
     n, k, h = dims.etp, args.top_k, args.dim
     micro = dims.microbatches if dims.pp > 1 else 1
     rows = n * train.global_batch // (dims.dp * train.accumulate * micro) * (train.seq_len // dims.cp // dims.tp)
     choice = 2 * k if cfg.moe.capacity_factor is not None else k
     ring = ring_factor("all_gather", n)
-    forward = ring * rows * ((h + k) * FP32 + choice * 8 + h * FP32)
-    backward = ring * rows * (h + (h + k)) * FP32
+    stream, a = message_bytes(cfg)  # tokens (and their gradient): the stream's dtype; partial outputs: a
+    forward = ring * rows * (h * stream + k * FP32 + choice * 8 + h * a)
+    backward = ring * rows * (h * a + h * stream + k * FP32)
     layers = [i for i in rank_layer_ids(args, cfg) if args.moe_layer(i)]
     again = recomputed_moe_layers(args, cfg)
     volume = train.accumulate * micro * sum(forward + backward + (i in again) * forward for i in layers)
