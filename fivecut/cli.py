@@ -37,7 +37,7 @@ from fivecut.ledger import format_rows
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.cluster import cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
@@ -661,18 +661,21 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
             f"({last:,} B); the closed form covers dropless MoE layers without the auxiliary loss"
         )
         return
+    precision = precision_of(t.dtype, dims.zero)
     predicted = activation_bytes_per_layer(
         args,
         rows,
         seq,
         dims.tp,
         dims.sp,
+        precision,
         moe_rows=moe_rows if moe else None,
         cp=dims.cp,
         recompute=mode,
         cp_mode=dims.cp_mode,
         cp_ulysses=dims.cp_ulysses,
         etp=dims.etp,
+        ep=dims.ep,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
@@ -684,7 +687,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     if dims.tp > 1:
         without, single = (
             activation_bytes_per_layer(
-                args, rows, seq, dims.tp, sp, cp=dims.cp, cp_mode=dims.cp_mode, cp_ulysses=dims.cp_ulysses
+                args, rows, seq, dims.tp, sp, precision, cp=dims.cp, cp_mode=dims.cp_mode, cp_ulysses=dims.cp_ulysses
             )
             for sp in (False, True)
         )

@@ -17,6 +17,17 @@ figure for GPT (fp16, dropout, 4h GeLU MLP) is sbh(10 + 24/t + 5as/(ht)) with TP
 sbh(34/t + 5as/(ht)) with TP+SP: the same split between what TP leaves replicated and
 what it cuts, which SP then cuts too.
 
+Those units are at 4 bytes (train.dtype = "fp32"). Under bf16 autocast each saved tensor has
+its own dtype (`precision_of`; measured with `fivecut ledger`, every term exact):
+    "bf16"   (fp32 weights) norms keep their input and normalized input in fp32; each linear
+             reading a norm's output saves its own bf16 cast of it, whole even under SP (the
+             regathered fp32 input is not what is saved): 3 (q, k, v) + 2 (w1, w3) x 2h bytes
+             per token; q, k, v, the attention output and the SwiGLU tensors are bf16; rstd and
+             log-sum-exps fp32; and each linear's bf16 copy of its weight (`weight_copies`)
+    "bf16-params" (ZeRO-3's bf16 units) a bf16 residual stream: each norm keeps an fp32 upcast
+             of its input, the normalized input in fp32 and its bf16 output once (all / t with
+             SP); no weight copies
+
 Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it picks:
     full       only the block's input: 1 (/t with SP), the residual stream
     selective  no log-sum-exps (the attention core keeps only q, k, v, which it saved
@@ -25,6 +36,9 @@ Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it
 """
 
 from __future__ import annotations
+
+FP32 = 4
+BYTES = {"fp32": 4, "bf16": 2, "bf16-params": 2}  # a matmul's input or output under each precision
 
 
 def recomputed(layer_id: int, every: int) -> bool:
@@ -44,13 +58,14 @@ def activation_bytes_per_layer(
     seq: int,
     tp: int,
     sp: bool,
-    itemsize: int = 4,
+    precision: str = "fp32",
     moe_rows: tuple[int, int] | None = None,
     cp: int = 1,
     recompute: str = "none",
     cp_mode: str = "ulysses",
     cp_ulysses: int = 1,
     etp: int = 1,
+    ep: int = 1,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -71,28 +86,30 @@ def activation_bytes_per_layer(
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
     h, hd = args.dim, args.head_dim
-    if recompute == "full":
-        return itemsize * batch * seq * h / (tp if sp else 1)
+    a = BYTES[precision]  # matmul inputs and outputs (autocast's dtype); norms' stats, lse: fp32
+    cut = tp if sp else 1  # what SP cuts: the residual stream and the norms
+    if recompute == "full":  # only the block's input: the residual stream (bf16 with bf16 weights)
+        return (2 if precision == "bf16-params" else 4) * batch * seq * h / cut
     plain = recompute == "none"
     swiglu = 4 if plain else 2  # tensors of [tokens, hidden] a SwiGLU keeps
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
-    norms = 6 / (tp if sp else 1)
+    norms = norm_bytes(precision, h, cut, 3) + norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
-        norms += 1 / tp - 1
+        norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
     if args.is_mla:
-        attention = latent_attention_floats(args, tp, plain) / h
+        attention = a * latent_attention_floats(args, tp, plain)
     else:
-        attention = 2 / tp + 2 * kv_heads_per_rank * hd / h + (1 / tp if twice else 0)
-    mlp = swiglu * args.ffn_dim / (h * tp) if moe_rows is None else 0.0
+        attention = a * (2 * h / tp + 2 * kv_heads_per_rank * hd + (h / tp if twice else 0))
+    mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
-    per_token = 2 / (tp if sp else 1) + (args.n_heads / tp if lse else 0)  # rstd; lse
-    dense = itemsize * batch * seq * (h * (norms + attention + mlp) + per_token)
+    per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
+    dense = batch * seq * (norms + attention + mlp + per_token) + weight_copies(args, tp, precision, moe_rows is None)
     if moe_rows is None:
         return dense
-    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, itemsize, swiglu, etp)
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep)
 
 
 def latent_attention_floats(args, tp: int, plain: bool) -> float:
@@ -121,7 +138,51 @@ def latent_attention_floats(args, tp: int, plain: bool) -> float:
     return q_latent + kv_latent + heads * core
 
 
-def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, swiglu: int = 4, etp: int = 1) -> float:
+def norm_bytes(precision: str, h: int, cut: int, consumers: int) -> float:
+    """Bytes per token one RMSNorm leaves saved, with `consumers` linears reading its output and
+    `cut` = t under SP (else 1). fp32: input, normalized input, output (4 B, all / cut).
+    bf16 (autocast, fp32 weights): input and normalized input fp32 / cut; each linear saves its
+    own bf16 cast of the (gathered) output, whole: consumers x 2h. bf16-params (ZeRO-3's bf16
+    units: a bf16 residual stream): the fp32 upcast of the input and the normalized input, and
+    the bf16 output, saved once (under SP as this rank's slice), all / cut."""
+    if precision == "fp32":
+        return FP32 * 3 * h / cut
+    if precision == "bf16":
+        return FP32 * 2 * h / cut + 2 * consumers * h
+    return (FP32 * 2 * h + 2 * h) / cut
+
+
+def weight_copies(args, tp: int, precision: str, dense: bool) -> float:
+    """Autocast over fp32 weights keeps, for backward, the bf16 copy of each matmul weight it
+    cast (one per forward): 2 B x the block's local attention (and dense MLP) weights. A replicated
+    k/v weight (t > kv heads) is sliced to this rank's head before its cast."""
+    if precision != "bf16":
+        return 0.0
+    h, hd = args.dim, args.head_dim
+    kv = 2 * args.n_kv_heads * hd * h // tp if args.n_kv_heads % tp == 0 else 2 * hd * h
+    mlp = 3 * h * args.ffn_dim // tp if dense else 0
+    return 2 * (2 * args.n_heads * hd * h // tp + kv + mlp)
+
+
+def precision_of(dtype: str, zero: int) -> str:
+    """What a run computes in: "fp32"; "bf16" (autocast over fp32 weights); "bf16-params"
+    (train.dtype = "bf16" under ZeRO-3, whose units are gathered in bf16: no casts of weights,
+    and the embedding gives a bf16 residual stream)."""
+    if dtype == "fp32":
+        return "fp32"
+    return "bf16-params" if zero == 3 else "bf16"
+
+
+def moe_bytes(
+    args,
+    tokens: int,
+    sent: int,
+    received: int,
+    precision: str = "fp32",
+    swiglu: int = 4,
+    etp: int = 1,
+    ep: int = 1,
+) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
     (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
@@ -135,13 +196,21 @@ def moe_bytes(args, tokens: int, sent: int, received: int, itemsize: int = 4, sw
     Expert tensor parallelism (etp ranks): the router and the shared experts keep the same; the
     dispatch and the combine work on the etp ranks' T_e = etp*T gathered tokens (N, R count
     those rows), the experts' intermediates are R*4H/etp, and the combine keeps T_e*k slot
-    indices, T_e*k*h results and T_e*k weights."""
+    indices, T_e*k*h results and T_e*k weights.
+    Under `precision` the router's scores and weights stay fp32 and the rest is in the matmuls'
+    dtype; autocast over fp32 weights ("bf16") also keeps, per linear, its bf16 cast of its input
+    (the router's, the shared experts' two, each routed expert's two of its rows: R*2h, not R*h)
+    and of its weight (router, this rank's E/ep experts, shared experts)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     gathered = etp * t  # the tokens the dispatch and the combine see
+    a, casts = BYTES[precision], precision == "bf16"
     renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
-    floats = t * e + renormalize + received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
-    floats += swiglu * t * args.expert_dim * args.n_shared_experts
-    return itemsize * floats + 8 * (t * k + sent + gathered * k)
+    stats = FP32 * (t * e + renormalize)
+    shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
+    rows = received * (h * (2 if casts else 1) + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
+    rows += swiglu * t * shared + (t * h * (1 + 2 * (shared > 0)) if casts else 0)  # casts: router's, shared's
+    weights = 2 * (h * e + 3 * (e // ep) * h * args.expert_dim // etp + 3 * h * shared) if casts else 0
+    return stats + a * rows + weights + 8 * (t * k + sent + gathered * k)
 
 
 def stage_activation_bytes(
@@ -151,7 +220,7 @@ def stage_activation_bytes(
     seq: int,
     tp: int = 1,
     sp: bool = False,
-    itemsize: int = 4,
+    precision: str = "fp32",
     cp: int = 1,
     recompute: str = "none",
     every: int = 1,
@@ -166,7 +235,7 @@ def stage_activation_bytes(
     def block(i: int, mode: str) -> float:
         rows = batch * seq // tp * args.top_k * etp  # etp: the etp ranks' tokens, gathered
         moe = (rows, rows) if args.moe_layer(i) else None
-        return activation_bytes_per_layer(args, batch, seq, tp, sp, itemsize, moe, cp, mode, etp=etp)
+        return activation_bytes_per_layer(args, batch, seq, tp, sp, precision, moe, cp, mode, etp=etp)
 
     modes = {i: layer_mode(i, recompute, every) for i in layer_ids}
     kept = sum(block(i, mode) for i, mode in modes.items())

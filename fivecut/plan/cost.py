@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
 from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes
@@ -196,7 +196,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     dims, t = cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
     seq = t.seq_len // dims.cp
-    item = ACTIVATION_BYTES[t.dtype]
+    precision = precision_of(t.dtype, dims.zero)  # what each saved tensor's dtype follows
     in_flight = [1] * dims.pp
     if dims.pp > 1:
         in_flight = peak_in_flight(pipeline_plan(args, cfg)[0])
@@ -210,11 +210,12 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
                 seq,
                 dims.tp,
                 dims.sp,
-                item,
+                precision,
                 moe_rows=uniform_rows(args, rows * seq, dims.ep) if args.moe_layer(i) else None,
                 cp=dims.cp,
                 recompute=layer_mode(i, t.recompute, t.recompute_every),
                 cp_mode=dims.cp_mode,
+                ep=dims.ep,
             )
             for r in stage_ranges
             for i in r

@@ -16,10 +16,10 @@ from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
 from fivecut.parallel.pipeline.split import stage_layers
 from fivecut.parallel.placement import FlatSlot, Placement
-from fivecut.plan.activations import layer_mode
+from fivecut.plan.activations import layer_mode, precision_of
 
 BYTES = {"fp32": 4, "bf16": 2}
-FP32 = 4  # activations in these forms are fp32 (train.dtype = "fp32"), as `fivecut ledger` runs
+FP32 = 4  # stats, the loss's sums, flags and norms travel in fp32 whatever train.dtype is
 PARAM_BYTES = FP32  # parameters are kept in fp32 (ZeRO-1/2 gather them so); ZeRO-3 gathers in train.dtype
 
 
@@ -61,6 +61,15 @@ def predict(args, cfg, routing: dict | None = None, records=None) -> dict[str, t
     return out
 
 
+def message_bytes(cfg) -> tuple[int, int]:
+    """(stream, matmul): bytes an element of the residual stream (the embedding's and the norms'
+    outputs, their gradients) and of a matmul's output (and its gradient) put on the wire.
+    fp32: 4, 4. bf16 under autocast over fp32 weights: the stream stays fp32, a linear's
+    output is bf16: 4, 2. bf16 under ZeRO-3 (bf16 units): both bf16: 2, 2."""
+    precision = precision_of(cfg.train.dtype, cfg.parallel.zero)
+    return {"fp32": (4, 4), "bf16": (4, 2), "bf16-params": (2, 2)}[precision]
+
+
 def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     """Pipeline rank `rank`: at each stage boundary it borders, each microbatch sends or receives
     its activations forward and their gradient backward, E = b_mb * s_local * h elements each;
@@ -72,7 +81,8 @@ def pipeline_volume(args, cfg, rank: int = 0) -> tuple[float, str]:
     rows = train.global_batch // (dims.dp * train.accumulate * dims.microbatches)
     s_local = train.seq_len // dims.cp // (dims.tp if dims.sp else 1)
     e = rows * s_local * args.dim
-    volume = train.accumulate * dims.microbatches * 2 * borders * e * FP32
+    stream, _ = message_bytes(cfg)  # the residual stream: fp32, or bf16 under ZeRO-3's bf16 units
+    volume = train.accumulate * dims.microbatches * 2 * borders * e * stream
     how = (
         f"{borders} boundaries x {train.accumulate * dims.microbatches} microbatches x 2 (F, B) x E, E = "
         f"{rows}*{s_local}*{args.dim}"
@@ -97,6 +107,10 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     SP:    the same E as reduce-scatters and all-gathers, plus one all-gather of E in backward
            per region and head (the saved inputs, kept as slices) and an all-reduce of each
            norm weight's gradient (2L + 1 of h);
+    bf16:  the residual stream (the embedding's and norms' outputs, their gradients) stays fp32
+           and a linear's output is bf16 (`message_bytes`); the linears save autocast's bf16
+           casts of a region's input, not the gathered input, so SP regathers nothing; under
+           ZeRO-3 (bf16 units) everything is bf16 and the inputs are regathered, as in fp32;
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced),
            replicated attention weights' gradients (k/v when t > kv heads; MLA's latent
            projections and norms, `replicated_attention_weights`), and the clip norm (1 element).
@@ -109,10 +123,14 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     saved tensor (non-reentrant checkpoints stop there, before the block's last g): one more
     all-reduce of E without SP (the attention region's); with SP two all-gathers and one
     reduce-scatter of E, but no regathers of the regions' inputs (the recomputation keeps them
-    whole): one E more; and again the slot counts of a MoE layer with capacity or the aux loss."""
+    whole): one E more in fp32 (under bf16 with fp32 weights, which regathers nothing, all three
+    count); and again the slot counts of a MoE layer with capacity or the aux loss."""
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
+    stream, a = message_bytes(cfg)
+    grads = 2 if stream == 2 else FP32  # a replicated weight's gradient: its dtype (ZeRO-3 bf16 units: bf16)
+    regather = stream if a == stream else 0  # autocast's bf16 casts, not the fp32 gathered input, are saved
     micro = dims.microbatches if dims.pp > 1 else 1
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     s = train.seq_len // dims.cp  # this rank's chunk of each sequence
@@ -122,17 +140,20 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         ag * t * b * args.n_experts * 8 if cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0 else 0.0
     )
     for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
-        per_micro += full * (ag if dims.sp else ar) * FP32 * e + full_moe * counts
+        again = ag * (2 * stream + a - 2 * regather) if dims.sp else ar * a  # a recomputed block's forward
+        per_micro += full * again * e + full_moe * counts
         loss = 3 * b * s * head
         kv = L * replicated_attention_weights(args, t)
         regions = 2 * L - moe
         per_micro += moe * counts
         if dims.sp:
-            forward = (emb + regions) + (regions + head)  # reduce-scatters, all-gathers
-            backward = forward + (regions + head)  # their transposes, and the regathered inputs
-            per_micro += ag * FP32 * (forward + backward) * e + ar * FP32 * (loss + (2 * L + head) * h + kv)
+            # embedding's reduce-scatter, regions' and head's all-gathers (stream); regions' reduce-scatters (a)
+            forward = stream * (emb + regions + head) + a * regions
+            backward = forward + regather * (regions + head)  # their transposes, and the regathered inputs
+            per_micro += ag * (forward + backward) * e + ar * (FP32 * loss + grads * ((2 * L + head) * h + kv))
         else:
-            per_micro += ar * FP32 * ((emb + regions) * e + loss + (regions + head) * e + kv)
+            # g after the embedding (stream) and each region (a); f's transposes (stream)
+            per_micro += ar * (stream * (emb + regions + head) * e + a * regions * e + FP32 * loss + grads * kv)
             per_micro += ag * FP32 * moe * 2 * e  # MoE output gathered; input's gradient gathered
         calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
@@ -175,10 +196,11 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     heads = args.n_heads // dims.tp
     kv = max(args.n_kv_heads // dims.tp, 1)
-    token = FP32 * b * hd  # bytes of one head's row per token of a sequence
+    _, a = message_bytes(cfg)
+    token = b * hd  # elements of one head's row per token of a sequence
     r = dims.cp_ring  # the ring's degree (c under ring, 1 under Ulysses); Ulysses' is c/r
-    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, token * train.seq_len // c)
-    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r)
+    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, a * token * train.seq_len // c)
+    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r, a)
     forward, backward = forward + ring[0], backward + ring[1]
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
@@ -210,11 +232,15 @@ def ulysses_bytes(u: int, heads: int, kv: int, block: float) -> tuple[tuple[floa
     return (volume, volume), kv
 
 
-def ring_bytes(r: int, kv: int, block: float) -> tuple[float, float]:
-    """Ring attention over r ranks with `kv` heads per block of `block` bytes a head ([b, kv,
-    s/r, hd]): (forward, backward) bytes of a layer; each pass sent and received."""
-    pass_bytes = 2 * (2 * kv) * block  # K and V (or dK and dV)
-    return (r - 1) * pass_bytes, (2 * r - 1) * pass_bytes if r > 1 else 0.0
+def ring_bytes(r: int, kv: int, block: float, a: int = FP32) -> tuple[float, float]:
+    """Ring attention over r ranks with `kv` heads per block of `block` elements a head ([b, kv,
+    s/r, hd]): (forward, backward) bytes of a layer; each pass sent and received. K and V
+    travel in the attention's dtype (`a` bytes: bf16 under autocast), the dK/dV accumulators
+    in fp32."""
+    pass_elements = 2 * (2 * kv) * block  # K and V (or dK and dV), sent and received
+    if r == 1:
+        return 0.0, 0.0
+    return (r - 1) * a * pass_elements, ((r - 1) * a + r * FP32) * pass_elements
 
 
 def rank_stages(args, cfg, pp_rank: int = 0) -> list[tuple[int, int, int, int]]:
@@ -287,11 +313,12 @@ def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]
     if ep > 1:
         expert_bytes = 3 * args.dim * args.expert_dim // dims.etp * FP32  # an EPLB copy: this rank's shard
         again = recomputed_moe_layers(args, cfg)
+        stream, a = message_bytes(cfg)  # dispatched rows (and their gradients): stream; expert outputs: a
         for i in layers:
             volume += forwards * (1 + (i in again)) * (ep - 1) * slots * 8
             sent, received, copies_out, copies_in = _routing_of(args, cfg, routing, i)
-            volume += 2 * (sent + received) * args.dim * FP32 + (copies_out + copies_in) * expert_bytes
-            volume += (i in again) * ((sent + received) * args.dim * FP32 + copies_out * expert_bytes)
+            volume += (sent + received) * args.dim * (stream + a) + (copies_out + copies_in) * expert_bytes
+            volume += (i in again) * ((sent * stream + received * a) * args.dim + copies_out * expert_bytes)
             volume += _moved_elements(routing, i) * FP32
     stats_n = dims.dp * dims.cp * dims.tp
     per_layer = 2 * e + 1 + ep * slots
@@ -316,15 +343,18 @@ def expert_tensor_volume(args, cfg) -> tuple[float, str]:
                   reduce-scatter of the partial outputs [n*T, dim] fp32
         backward  all-gather of the outputs' gradient [n*T, dim], reduce-scatter of the
                   gradient of the tokens and weights [n*T, dim + k]
-    each (n-1)/n of the full tensor. A fully recomputed layer runs its forward part again."""
+    each (n-1)/n of the full tensor. Under bf16 the tokens stay in the stream's dtype, the
+    outputs (and their gradient) are bf16 (`message_bytes`). A fully recomputed layer runs its
+    forward part again."""
     dims, train = cfg.parallel, cfg.train
     n, k, h = dims.etp, args.top_k, args.dim
     micro = dims.microbatches if dims.pp > 1 else 1
     rows = n * train.global_batch // (dims.dp * train.accumulate * micro) * (train.seq_len // dims.cp // dims.tp)
     choice = 2 * k if cfg.moe.capacity_factor is not None else k
     ring = ring_factor("all_gather", n)
-    forward = ring * rows * ((h + k) * FP32 + choice * 8 + h * FP32)
-    backward = ring * rows * (h + (h + k)) * FP32
+    stream, a = message_bytes(cfg)  # tokens (and their gradient): the stream's dtype; partial outputs: a
+    forward = ring * rows * (h * stream + k * FP32 + choice * 8 + h * a)
+    backward = ring * rows * (h * a + h * stream + k * FP32)
     layers = [i for i in rank_layer_ids(args, cfg) if args.moe_layer(i)]
     again = recomputed_moe_layers(args, cfg)
     volume = train.accumulate * micro * sum(forward + backward + (i in again) * forward for i in layers)

@@ -194,6 +194,8 @@ def pipeline_step(
         hidden_shape=(rows, seq // dims.cp // (dims.tp if dims.sp else 1), model_args(ctx.cfg.model).dim),
         positions=positions if positions is not None else torch.arange(seq, device=ctx.device),
         forward_context=lambda microbatch: _forward_context(ctx, measure_first and microbatch == 0),
+        # ZeRO-3 under bf16 computes on bf16 units: the residual stream a stage sends is bf16
+        dtype=torch.bfloat16 if ctx.cfg.train.dtype == "bf16" and dims.zero == 3 else torch.float32,
         weight_grads=ctx.par.pipeline.weight_grads,
         stage_done=ctx.par.pipeline.stage_done,
     )
