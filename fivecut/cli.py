@@ -34,6 +34,7 @@ from fivecut.config import (
 )
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
+from fivecut.model.args import MLA_ONLY, MOE_ONLY
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
@@ -787,7 +788,7 @@ def plan_search(ns, cluster) -> int:
         return 0
     top = result.ranked[: max(ns.top, 1)]
     print_ranking(top, cluster)
-    print("\n" + why(top[0], top[1] if len(top) > 1 else None))
+    print("\n" + why(result.ranked[0], result.ranked[1:]))
     print("\nthe best layout in full:")
     print_plan(top[0].cost, top[0].cfg, cluster)
     written = write_plan(ns.out, [(c.cfg, c.cost) for c in top], cluster, head | {"rules": result.rules})
@@ -858,15 +859,16 @@ def check_plan_folder(out: Path) -> None:
             raise ConfigError(f"{old} exists and is not a plan fivecut wrote; give another --out folder")
 
 
-def plan_config(ns, world: int) -> tuple[Config, object]:
-    """The run `ns` describes, for planning: any model, the sequence, the batch, the dtype."""
+def plan_config(ns, world: int | None = None) -> tuple[Config, object]:
+    """The run `ns` describes, for planning: any model, the sequence, the batch, the dtype; `world`:
+    the cluster's GPUs (default: the layout's ranks)."""
     cfg = load_config(None, ["train.warmup=0", f"train.dtype={ns.dtype!r}".replace("'", '"')])
     cfg.model = plan_model(ns.model)
     args = checks.resolved_args(cfg.model)
     cfg.train.seq_len = ns.seq if ns.seq is not None else args.max_seq_len
     cfg = with_layout(cfg, ns.layout, ns.overrides, {})
     args = checks.checked_model_args(cfg)
-    cfg.train.global_batch = plan_batch(ns, cfg, world)
+    cfg.train.global_batch = plan_batch(ns, cfg, world or cfg.parallel.world_size)
     checks.refuse("invalid options", checks.option_problems(cfg))
     if ns.layout is not None:
         t = cfg.train
@@ -897,8 +899,9 @@ def hf_model_section(path: Path):
 
     args = args_from_config(read_json(path), path)
     section = load_config(None, []).model
+    unused = (MOE_ONLY if not args.is_moe else ()) + (MLA_ONLY + ("kv_lora_rank",) if not args.is_mla else ())
     for f in dataclasses.fields(section):
-        if hasattr(args, f.name):
+        if hasattr(args, f.name) and f.name not in unused:
             setattr(section, f.name, getattr(args, f.name))
     return section
 

@@ -3,7 +3,7 @@
 A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
 
     [cluster]
-    nodes = 32
+    nodes = 32                    # or gpus = 256: the world, a whole number of nodes
     gpus_per_node = 8
     device = "H100"               # a preset below, or a [device] table
     [device]                      # optional: overrides or defines the device
@@ -160,7 +160,9 @@ def parse_cluster(spec: str) -> Cluster:
 
 
 def cluster_from_table(table: dict, where: str) -> Cluster:
-    top = table.get("cluster", {})
+    top = dict(table.get("cluster", {}))
+    if "gpus" in top and "nodes" not in top:  # the world, for nodes of gpus_per_node
+        top["nodes"] = whole_nodes(top["gpus"], top.get("gpus_per_node"), where)
     for key in ("nodes", "gpus_per_node"):
         if not isinstance(top.get(key), int) or top[key] < 1:
             raise ClusterError(f"{where}: [cluster] {key} must be an integer >= 1 (got {top.get(key)!r})")
@@ -170,6 +172,20 @@ def cluster_from_table(table: dict, where: str) -> Cluster:
     intra = link_from(links.get("intra"), INTRA.get(preset), f"{where}: [links.intra]")
     inter = link_from(links.get("inter"), INTER.get(preset), f"{where}: [links.inter]")
     return Cluster(top["nodes"], top["gpus_per_node"], device, intra, inter, top.get("name", Path(where).stem))
+
+
+def whole_nodes(gpus, per_node, where: str) -> int:
+    if not isinstance(gpus, int) or not isinstance(per_node, int) or gpus < 1 or per_node < 1:
+        raise ClusterError(
+            f"{where}: [cluster] gpus and gpus_per_node must be integers >= 1 (got {gpus!r}, {per_node!r})"
+        )
+    if gpus % per_node:
+        raise ClusterError(
+            f"{where}: [cluster] gpus = {gpus} is not a whole number of nodes of gpus_per_node = {per_node}; "
+            f"give a multiple of {per_node} (e.g. {max(gpus // per_node, 1) * per_node}) or the GPUs per node "
+            "your machines have"
+        )
+    return gpus // per_node
 
 
 def device_from(table: dict, top: dict, where: str) -> Device:

@@ -156,13 +156,24 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate:
     pp_group = mesh.group("pp")
     latency = cluster.link_for(pp_group.ranks).seconds("send", message, 2)
     if schedule.split_backward:
-        timeline = simulate(schedule, f, b / 2, b / 2, latency)
+        timeline = simulated(schedule, f, b / 2, b / 2, latency)
     else:
-        timeline = simulate(schedule, f, b, None, latency)
+        timeline = simulated(schedule, f, b, None, latency)
     mine = [s for s in range(last + 1) if schedule.stage_rank[s] == 0]
     compute = sum(works[s]["F"] + works[s]["B"] for s in mine) * dims.microbatches / cut / rate
     by_rank = {r: [layers[s] for s in range(last + 1) if schedule.stage_rank[s] == r] for r in range(dims.pp)}
     return compute, timeline.makespan, timeline.bubble, by_rank
+
+
+def simulated(schedule, f: float, b: float, w: float | None, latency: float):
+    """`simulate`, once per (schedule, costs): a search costs the same pipeline for every data cut."""
+    key = (schedule.name, schedule.pp, schedule.n_stages, schedule.microbatches, f, b, w, latency)
+    if key not in TIMELINES:
+        TIMELINES[key] = simulate(schedule, f, b, w, latency)
+    return TIMELINES[key]
+
+
+TIMELINES: dict[tuple, object] = {}
 
 
 def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, records=None) -> list[CutTime]:

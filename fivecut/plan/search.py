@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fivecut.checks import LayoutError, validate_layout
 from fivecut.config import Config
@@ -83,6 +83,7 @@ class SearchResult:
     too_big: int = 0  # costed and over the device's memory
     smallest: Candidate | None = None  # the layout needing least memory, when none fits
     rules: list[str] = field(default_factory=list)
+    checked: dict = field(default_factory=dict)  # the layout checks' verdicts (`valid`)
 
 
 def shapes(args, world: int, cluster: Cluster, seq: int) -> Iterator[Shape]:
@@ -173,13 +174,21 @@ def layout_config(base: Config, shape: Shape, zero: int, shard: int | None, spli
     return cfg
 
 
-def valid(cfg: Config, args, world: int) -> bool:
-    t = cfg.train
-    try:
-        validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, world)
-    except LayoutError:
+def valid(cfg: Config, args, world: int, seen: dict) -> bool:
+    """What `fivecut train` would accept; the checks that do not read ZeRO's fields run once per
+    shape and batch split (`seen`), the layout's own fields every time."""
+    t, dims = cfg.train, cfg.parallel
+    if dims.problems():
         return False
-    return True
+    plain = replace(dims, zero=0, zero_shard=None)
+    key = (plain.settings(), t.accumulate)
+    if key not in seen:
+        try:
+            validate_layout(plain, args, t.seq_len, t.global_batch, t.accumulate, world)
+            seen[key] = True
+        except LayoutError:
+            seen[key] = False
+    return seen[key]
 
 
 def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
@@ -207,7 +216,7 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
     rows = base.train.global_batch // (world // (shape.tp * shape.pp * shape.cp))  # sequences per dp rank
     splits = batch_splits(rows, shape)
     first = layout_config(base, shape, *data, splits[0] if splits else (1, 1), "none", world)
-    if not splits or not valid(first, args, world):
+    if not splits or not valid(first, args, world, result.checked):
         result.invalid += 1
         return []
     if state_memory(args, first) > capacity:
@@ -245,17 +254,29 @@ def time_terms(cost: LayoutCost) -> dict[str, float]:
     return terms
 
 
-def why(first: Candidate, second: Candidate | None) -> str:
-    """One sentence: the term of the step in which the winner gains most over the runner-up."""
-    if second is None:
+def why(first: Candidate, others: list[Candidate]) -> str:
+    """One sentence: against the fastest layout that cuts the model another way (not only its ZeRO
+    stage or microbatches), the term of the step in which the winner gains most."""
+    if not others:
         return f"{first.layout} is the only layout that fits."
+    shape = layout_shape(first)
+    second = next((c for c in others if layout_shape(c) != shape), others[0])
     a, b = time_terms(first.cost), time_terms(second.cost)
+    step = second.cost.step - first.cost.step
+    if step <= 0:
+        return (
+            f"{first.layout} ties with {second.layout} ({first.cost.step * 1e3:.1f} ms a step) and needs less memory."
+        )
     gains = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
     term = max(gains, key=gains.get)
     named = {"compute": "compute (recomputation)", "bubble": "pipeline bubble"}.get(term, f"exposed {term} traffic")
-    step = second.cost.step - first.cost.step
     return (
-        f"{first.layout} (recompute {first.recompute}) wins by {step * 1e3:.1f} ms a step over {second.layout} "
-        f"(recompute {second.recompute}), most of it in {named}: {a.get(term, 0.0) * 1e3:.1f} ms against "
-        f"{b.get(term, 0.0) * 1e3:.1f} ms."
+        f"{first.layout} (recompute {first.recompute}) wins by {step * 1e3:.1f} ms a step over the best layout "
+        f"cut another way, {second.layout} (recompute {second.recompute}), most of it in {named}: "
+        f"{a.get(term, 0.0) * 1e3:.1f} ms against {b.get(term, 0.0) * 1e3:.1f} ms."
     )
+
+
+def layout_shape(c: Candidate) -> tuple:
+    d = c.cfg.parallel
+    return (d.tp, d.pp, d.pp_schedule, d.cp, d.cp_mode, d.ep, d.etp)

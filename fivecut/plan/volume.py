@@ -524,16 +524,22 @@ def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     dims, t = cfg.parallel, cfg.train
     key = (args, layout_key(dims), t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
     if key not in PLACEMENTS:
-        if len(PLACEMENTS) >= PLACEMENTS_KEPT:
-            PLACEMENTS.pop(next(iter(PLACEMENTS)))
         mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
         options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
-        PLACEMENTS[key] = parallelize(build_model(args, device="meta"), mesh, options).placements
+        kept(key, parallelize(build_model(args, device="meta"), mesh, options).placements)
     return PLACEMENTS[key]
 
 
-PLACEMENTS: dict[tuple, dict[str, Placement]] = {}  # see `local_placements`; the oldest go first
-PLACEMENTS_KEPT = 4096
+PLACEMENTS: dict[tuple, dict] = {}  # see `local_placements`; `kept` drops the oldest
+PLACEMENTS_KEPT = 1024
+
+
+def kept(key: tuple, value: dict) -> dict:
+    """Remember `value` under `key` in PLACEMENTS, forgetting the oldest entry when full."""
+    if len(PLACEMENTS) >= PLACEMENTS_KEPT:
+        PLACEMENTS.pop(next(iter(PLACEMENTS)))
+    PLACEMENTS[key] = value
+    return value
 
 
 def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
@@ -542,10 +548,25 @@ def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     of its kind. Their counts are exact (tests compare them); ZeRO's flat buffers are not built:
     each parameter stands for a buffer of its own, padded to a multiple of its shard group."""
     dims, t = cfg.parallel, cfg.train
-    key = ("screened", args, layout_key(dims), t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    moe = repr(cfg.moe)
+    # which parameters a rank holds does not depend on ZeRO or on the microbatch count
+    plain = replace(dims, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(dims))
+    key = ("composed", args, layout_key(plain), t.bucket_mb, t.global_batch, t.seq_len, moe, pp_rank)
     if key not in PLACEMENTS:
-        PLACEMENTS[key] = composed_placements(args, cfg, pp_rank)
-    return PLACEMENTS[key]
+        kept(key, composed_placements(args, replace(cfg, parallel=plain), pp_rank))
+    if not dims.zero:
+        return PLACEMENTS[key]
+    flat_key = ("padded", key, dims.zero, dims.zero_shard)
+    if flat_key not in PLACEMENTS:
+        kept(flat_key, padded_alone(PLACEMENTS[key], cfg))
+    return PLACEMENTS[flat_key]
+
+
+def least_microbatches(dims) -> int:
+    """The fewest microbatches `dims`'s schedule runs (the stage split and owners are the same for any count)."""
+    if dims.pp == 1:
+        return 1
+    return 2 * dims.pp if dims.pp_schedule == "dualpipev" else dims.pp
 
 
 def layout_key(dims) -> tuple:
@@ -612,7 +633,10 @@ def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
 
 def local_param_counts(args, cfg, pp_rank: int = 0, records=None) -> dict[str, int]:
     """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
-    counts: dict[str, int] = {}
-    for pl in (records or screened_placements)(args, cfg, pp_rank).values():
-        counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
-    return counts
+    key = ("counts", id(records), args, layout_key(cfg.parallel), cfg.train.seq_len, repr(cfg.moe), pp_rank)
+    if key not in PLACEMENTS:
+        counts: dict[str, int] = {}
+        for pl in (records or screened_placements)(args, cfg, pp_rank).values():
+            counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
+        kept(key, counts)
+    return dict(PLACEMENTS[key])
