@@ -40,8 +40,9 @@ from fivecut.plan.volume import screened_placements
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("dualpipev", 2))  # GPipe: 1F1B's time, more memory
-MICROBATCH_STEPS = 4  # microbatch counts tried per pipeline: the least the schedule takes, x2, x4, x8
-MIN_CHUNK = 512  # tokens of each sequence a cp rank keeps at least
+MICROBATCH_STEPS = 3  # microbatch counts tried per pipeline: the least the schedule takes, x2, x4
+MIN_CHUNK = 1024  # tokens of each sequence a cp rank keeps at least
+MIN_STAGE = 4  # blocks a pipeline rank holds at least (models of fewer than 8 blocks: any 2-rank pipeline)
 EXACT = 4  # the screen's best (this many times --top) are costed again with the real cuts
 
 
@@ -93,7 +94,7 @@ def shapes(args, world: int, cluster: Cluster, seq: int) -> Iterator[Shape]:
         if tp > 2 * cluster.gpus_per_node or args.n_heads % tp:
             continue
         for pp in divisors(world // tp):
-            if pp > args.n_layers:
+            if pp > max(args.n_layers // MIN_STAGE, min(args.n_layers, 2)):
                 continue
             for cp in divisors(world // (tp * pp)):
                 if seq % (2 * cp) or (cp > 1 and seq // cp < MIN_CHUNK):
