@@ -7,6 +7,8 @@ of ranks sharing the machine:
     matmul rate      square matmuls of `MATMUL_SIZE` in the dtype runs use (fp32 on CPU,
                      bf16 on a GPU), the median of `REPEATS` timed runs on every rank; the
                      slowest rank's rate is the device's (`achievable` = 1: measured)
+    kernel cost      the median time of an add of two 8-element tensors (all fixed cost: dispatch
+                     and launch), the slowest rank's, as the device's `kernel_us`
     link             all-reduces of `SIZES` bytes over all ranks (the slowest rank's median
                      times), read through the ring's alpha-beta model of `fivecut.plan.cluster`,
                      t = 2(n-1) alpha + 2(n-1)/n x bytes / bandwidth: alpha from the smallest
@@ -55,12 +57,14 @@ def measure_rank(repeats: int) -> dict:
     dist.barrier()
     seconds = timed(lambda: a @ b, repeats, sync)
     flops = 2 * MATMUL_SIZE**3 / seconds
+    tiny = torch.ones(8, device=device, dtype=dtype)
+    kernel = timed(lambda: tiny + tiny, repeats * 10, sync)
     reduces = {}
     for size in SIZES:
         x = torch.zeros(max(size // 4, 1), device=device)
         dist.barrier()
         reduces[size] = timed(lambda x=x: dist.all_reduce(x), repeats, sync)
-    return {"flops": flops, "reduces": reduces, "dtype": str(dtype).removeprefix("torch.")}
+    return {"flops": flops, "kernel_s": kernel, "reduces": reduces, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def fit_link(times: dict[int, float], n: int) -> Link:
@@ -86,7 +90,12 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         peak_tflops=slowest / 1e12,
         memory_gb=memory_gb,
         achievable=1.0,
+        kernel_us=max(r["kernel_s"] for r in results) * 1e6,
         source=f"fivecut plan calibrate: {MATMUL_SIZE}^3 {results[0]['dtype']} matmuls on {ranks} ranks at once",
     )
     cluster = Cluster(1, ranks, device, link, link, name="this-machine")
-    return cluster, {"flops": [r["flops"] for r in results], "all_reduce_s": times}
+    return cluster, {
+        "flops": [r["flops"] for r in results],
+        "kernel_s": [r["kernel_s"] for r in results],
+        "all_reduce_s": times,
+    }
