@@ -11,6 +11,7 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     peak_tflops = 989.4           # dense bf16 peak, no sparsity (calibrated: the measured rate)
     memory_gb = 80
     achievable = 0.7              # the fraction of the peak a large matmul reaches
+    kernel_us = 5                 # fixed microseconds per kernel (launch and dispatch; calibrated: measured)
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
@@ -56,6 +57,7 @@ class Device:
     memory_gb: float
     achievable: float = 0.7  # fraction of the peak large matmuls reach
     source: str = ""
+    kernel_us: float = 5.0  # fixed cost of one kernel (launch, per-op dispatch), whatever its size
 
     @property
     def flops(self) -> float:
@@ -201,10 +203,14 @@ def device_from(table: dict, top: dict, where: str) -> Device:
         if missing:
             raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
         base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
-    fields = {k: given[k] for k in ("name", "peak_tflops", "memory_gb", "achievable", "source") if k in given}
+    fields = {
+        k: given[k] for k in ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us") if k in given
+    }
     device = replace(base, **fields)
-    if not (device.peak_tflops > 0 and device.memory_gb > 0 and 0 < device.achievable <= 1):
-        raise ClusterError(f"{where}: [device] needs peak_tflops > 0, memory_gb > 0 and 0 < achievable <= 1")
+    if not (device.peak_tflops > 0 and device.memory_gb > 0 and 0 < device.achievable <= 1 and device.kernel_us >= 0):
+        raise ClusterError(
+            f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0"
+        )
     return device
 
 
@@ -237,6 +243,7 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
         f"peak_tflops = {d.peak_tflops:.6g}",
         f"memory_gb = {d.memory_gb:.6g}",
         f"achievable = {d.achievable:.6g}",
+        f"kernel_us = {d.kernel_us:.6g}",
         f'source = "{d.source}"',
     ]
     for name, link in (("intra", cluster.intra), ("inter", cluster.inter)):

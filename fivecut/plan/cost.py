@@ -8,7 +8,12 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
     compute     forward FLOPs of every microbatch through this rank's stages (2 x matmul
                 parameters per token + 4 s h for the attention scores, causal: half; MoE layers:
                 router, top-k routed and shared experts), backward 2x forward (split: B = W = 1x),
-                recomputation adds the forward it repeats; at the device's achievable rate
+                recomputation adds the forward it repeats; at the device's achievable rate,
+                plus a fixed `kernel_us` per kernel: `KERNELS_PER_LAYER` forward kernels a block
+                (norms, projections, RoPE, attention, SwiGLU, residuals), `KERNELS_OUTSIDE` for the
+                embedding, final norm, head and loss on the stages holding them, the backward 2x
+                (split: B = W = 1x), a fully recomputed block its forward kernels again; this
+                per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs
     bubble      fivecut's own schedule simulator (`pipeline.simulate`) with those F, B, W costs
                 and each boundary message's alpha-beta time as its latency
     collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
@@ -36,6 +41,8 @@ from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shar
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
+KERNELS_PER_LAYER = 30  # forward kernels of one block (MoE blocks: the router and dispatch add as many)
+KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
     "dp": "behind the backward, up to its length",
     "cp": "ring: behind the attention's compute; Ulysses: not hidden",
@@ -100,6 +107,21 @@ def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recomp
     return {"F": forward, "B": 2 * forward + repeated, "recomputed": repeated}
 
 
+def stage_kernels(args, layers: range, first: bool, last: bool, recompute: tuple[str, int]) -> dict:
+    """Kernels of one microbatch through a stage: {"F": forward, "B": backward + recomputed}."""
+    forward = sum(KERNELS_PER_LAYER * (2 if args.moe_layer(i) else 1) for i in layers)
+    forward += KERNELS_OUTSIDE * (first + last) / 2
+    mode, every = recompute
+    repeated = sum(KERNELS_PER_LAYER for i in layers if layer_mode(i, mode, every) == "full")
+    return {"F": forward, "B": 2 * forward + repeated}
+
+
+def stage_seconds(works: dict, kernels: dict, cut: int, cluster: Cluster) -> dict:
+    """F and B seconds of a stage: FLOPs (divided over `cut` TP ranks) at the rate + kernels x kernel_us."""
+    fixed = cluster.device.kernel_us * 1e-6
+    return {k: works[k] / cut / cluster.device.flops + kernels[k] * fixed for k in ("F", "B")}
+
+
 def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     """`records`: where the data cut's flat buffers come from (`fivecut.plan.volume.predict`)."""
     dims, t = cfg.parallel, cfg.train
@@ -109,8 +131,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     microbatches = dims.microbatches if dims.pp > 1 else 1
     seq_local = t.seq_len // dims.cp
     tokens_mb = rows // microbatches * seq_local  # per microbatch, per rank
-    rate = cluster.device.flops
-    compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb, rate)
+    compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb)
     compute *= t.accumulate
     makespan *= t.accumulate
     cuts = collective_times(args, cfg, cluster, mesh, compute, records)
@@ -137,7 +158,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     )
 
 
-def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate: float):
+def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     """Seconds of compute on rank 0 per micro-step, the simulated makespan, the bubble, and the
     layers of each stage (for memory)."""
     dims, t = cfg.parallel, cfg.train
@@ -145,13 +166,16 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate:
     cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
     if dims.pp == 1:
         work = stage_compute(args, range(args.n_layers), True, tokens_mb, t.seq_len, recompute)
-        seconds = (work["F"] + work["B"]) / cut / rate
+        timed = stage_seconds(work, stage_kernels(args, range(args.n_layers), True, True, recompute), cut, cluster)
+        seconds = timed["F"] + timed["B"]
         return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
     schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
     works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
-    f = max(w["F"] for w in works) / cut / rate  # the slowest stage sets the pace
-    b = max(w["B"] for w in works) / cut / rate
+    kernels = [stage_kernels(args, layers[s], s == 0, s == last, recompute) for s in range(last + 1)]
+    times = [stage_seconds(works[s], kernels[s], cut, cluster) for s in range(last + 1)]
+    f = max(x["F"] for x in times)  # the slowest stage sets the pace
+    b = max(x["B"] for x in times)
     message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
     pp_group = mesh.group("pp")
     latency = cluster.link_for(pp_group.ranks).seconds("send", message, 2)
@@ -160,7 +184,7 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int, rate:
     else:
         timeline = simulated(schedule, f, b, None, latency)
     mine = [s for s in range(last + 1) if schedule.stage_rank[s] == 0]
-    compute = sum(works[s]["F"] + works[s]["B"] for s in mine) * dims.microbatches / cut / rate
+    compute = sum(times[s]["F"] + times[s]["B"] for s in mine) * dims.microbatches
     by_rank = {r: [layers[s] for s in range(last + 1) if schedule.stage_rank[s] == r] for r in range(dims.pp)}
     return compute, timeline.makespan, timeline.bubble, by_rank
 

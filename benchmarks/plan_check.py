@@ -1,0 +1,153 @@
+"""The planner (`fivecut plan`) against this machine: for each layout, `fivecut ledger`'s
+measurement of a real step and a timed run, next to `cost_layout` with this machine's
+calibrated cluster (`fivecut plan calibrate` with the layout's number of ranks).
+
+    PYTHONPATH=. python benchmarks/plan_check.py [--steps 12] [--only SUBSTRING] [--out plan_check.md]
+
+Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
+
+    comm         wire bytes per cut on rank 0, the ledger's last step vs the planner (ratio)
+    states       model-state bytes of rank 0 (params + grads + optimizer) measured vs planned
+    activations  bytes saved for backward, summed over rank 0's layers (step 1, one microbatch)
+                 vs the planner's (only without a pipeline: there the planner gives the peak
+                 over microbatches in flight, the ledger one microbatch)
+    step         measured: (wall time of a run of `--steps` steps - that of a 2-step run) /
+                 (steps - 2), so start-up and the first steps cancel; a difference of two runs,
+                 not a median over steps (RunResult keeps no per-step times)
+    ranking      the share of layout pairs of the same world size whose planned order of step
+                 time is the measured order
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+from fivecut.cli import build_parser, layout_config, run_spawned
+from fivecut.config import preset_args
+from fivecut.plan.calibrate import calibrate
+from fivecut.plan.cost import cost_layout
+
+LAYOUTS = [  # (model, layout): every cut and schedule, worlds of 2 and 4
+    ("tiny", "dp=2"),
+    ("tiny", "dp=2,zero=1"),
+    ("tiny", "dp=2,zero=2"),
+    ("tiny", "dp=2,zero=3"),
+    ("tiny", "tp=2"),
+    ("tiny", "tp=2,sp=true"),
+    ("tiny", "pp=2,microbatches=4,pp_schedule=1f1b"),
+    ("tiny", "pp=2,microbatches=4,pp_schedule=gpipe"),
+    ("tiny", "pp=2,microbatches=4,pp_schedule=interleaved,pp_virtual=2"),
+    ("tiny", "pp=2,microbatches=4,pp_schedule=zb1p"),
+    ("tiny", "pp=2,microbatches=4,pp_schedule=dualpipev"),
+    ("tiny", "cp=2,cp_mode=ring"),
+    ("tiny", "cp=2,cp_mode=ulysses"),
+    ("tiny", "cp=4,cp_mode=usp,cp_ulysses=2"),
+    ("tiny", "dp=2,tp=2"),
+    ("tiny", 'dp=2 --set train.recompute="full"'),
+    ("tiny-moe", "dp=2,ep=2"),
+    ("tiny-moe", "dp=2,ep=2,etp=2,tp=2"),
+    ("small", "dp=2"),
+    ("small", "dp=2,pp=2,microbatches=2"),
+]
+
+
+def run_config(model: str, layout: str, steps: int):
+    layout, *sets = layout.split(" --set ")  # a layout may carry train settings (recomputation)
+    flags = [f for s in sets for f in ("--set", s)]
+    ns = build_parser().parse_args(["ledger", "--model", model, "--layout", layout, "--steps", str(steps), *flags])
+    return layout_config(ns)
+
+
+def timed_run(cfg, measure: bool):
+    start = time.perf_counter()
+    result = run_spawned(cfg, 600.0, measure_activations=measure, what="plan_check")[0]
+    return result, time.perf_counter() - start
+
+
+def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
+    short = run_config(model, layout, 2)
+    args = preset_args(short.model)
+    world = short.parallel.world_size
+    if world not in clusters:
+        clusters[world] = calibrate(world)[0]
+    mine, t_short = timed_run(short, True)
+    _, t_long = timed_run(run_config(model, layout, steps), False)
+    plan = cost_layout(args, short, clusters[world])
+    comm = {}
+    for c in plan.cuts:
+        measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == c.cut)
+        comm[c.cut] = (measured, c.wire_bytes)
+    states = sum(mine.memory[k] for k in ("params", "grads", "optimizer"))
+    planned_states = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
+    acts = sum(mine.activations.values()) if short.parallel.pp == 1 else None
+    return {
+        "model": model,
+        "layout": layout,
+        "world": world,
+        "comm": comm,
+        "states": (states, planned_states),
+        "acts": (acts, plan.memory["activations"]),
+        "step": ((t_long - t_short) / (steps - 2), plan.step),
+    }
+
+
+def ranking(rows: list[dict]) -> tuple[int, int]:
+    agree = total = 0
+    for a, b in itertools.combinations(rows, 2):
+        if a["world"] != b["world"]:
+            continue
+        total += 1
+        agree += (a["step"][0] < b["step"][0]) == (a["step"][1] < b["step"][1])
+    return agree, total
+
+
+def ratio(m, p) -> str:
+    return f"{m / p:.3f}" if p else ("1.000" if not m else "inf")
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | layout | comm per cut: measured / planned (ratio) | model states (ratio) | activations (diff) "
+        "| step measured | step planned | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        comm = ", ".join(f"{cut} {m:,.0f}/{p:,.0f} ({ratio(m, p)})" for cut, (m, p) in r["comm"].items()) or "none"
+        m_acts, p_acts = r["acts"]
+        acts = "pipeline" if m_acts is None else f"{(p_acts - m_acts) / m_acts:+.1%}"
+        sm, sp = r["step"]
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {comm} | {ratio(*r['states'])} | {acts} "
+            f"| {sm * 1e3:.1f} ms | {sp * 1e3:.1f} ms | {sp / sm:.2f} |"
+        )
+    agree, total = ranking(rows)
+    lines.append(f"\npairwise ranking agreement (same world size): {agree}/{total} = {agree / max(total, 1):.0%}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", default=None, help="keep the layouts whose 'model layout' contains this")
+    parser.add_argument("--out", default=None)
+    ns = parser.parse_args()
+    if ns.steps < 3:
+        parser.error("--steps must be at least 3 (the timed run minus a 2-step run)")
+    clusters: dict = {}
+    rows = []
+    for model, layout in LAYOUTS:
+        if ns.only and ns.only not in f"{model} {layout}":
+            continue
+        rows.append(check(model, layout, ns.steps, clusters))
+        print(table(rows[-1:]).splitlines()[2], flush=True)
+    text = table(rows)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

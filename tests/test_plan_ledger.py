@@ -1,0 +1,26 @@
+"""The planner's bytes equal the ledger's: `cost_layout`'s communication per cut and model-state
+memory are those `fivecut ledger` measures on a real step (tiny, 2 ranks), its activations
+within 5% (timing is not asserted: benchmarks/plan_check.py puts it in RESULTS.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivecut.cli import build_parser, layout_config, run_spawned
+from fivecut.config import preset_args
+from fivecut.plan.cluster import preset_cluster
+from fivecut.plan.cost import cost_layout
+
+
+@pytest.mark.parametrize("layout", ["dp=2,zero=3", "tp=2,sp=true", "cp=2,cp_mode=ring"])
+def test_planned_bytes_are_the_measured_ones(layout):
+    cfg = layout_config(build_parser().parse_args(["ledger", "--model", "tiny", "--layout", layout, "--steps", "1"]))
+    measured = run_spawned(cfg, 120.0, measure_activations=True, what=f"ledger {layout}")[0]
+    plan = cost_layout(preset_args(cfg.model), cfg, preset_cluster(1, 2, "H100"))
+    for cut in plan.cuts:
+        assert cut.wire_bytes == sum(r.wire_bytes for r in measured.ledger_rows if r.cut == cut.cut), cut.cut
+    assert {c.cut for c in plan.cuts} >= {r.cut for r in measured.ledger_rows if r.wire_bytes} - {"metrics", "control"}
+    for key in ("params", "grads", "optimizer"):
+        assert plan.memory[key] == measured.memory[key], key
+    acts = sum(measured.activations.values())
+    assert abs(plan.memory["activations"] - acts) <= 0.05 * acts
