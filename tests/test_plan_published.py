@@ -14,6 +14,7 @@ import pytest
 from fivecut.cli import build_parser, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import cost_layout
+from fivecut.plan.search import search
 
 GB = 1e9
 
@@ -45,3 +46,15 @@ def test_llama3_405b_fits_and_its_mfu_is_within_10_points_of_metas_43():
     assert c.fits
     assert c.mfu == pytest.approx(0.43, abs=0.10)
     assert {x.cut: x.link for x in c.cuts}["tp"] == "intra"
+
+
+@pytest.mark.sweep
+def test_llama3_70b_on_256_h100_keeps_tp_inside_a_node():
+    """torchtitan trained Llama 3 70B on 256 H100 with FSDP x TP8; the search's best layout keeps
+    its TP group inside one node of 8 (a few minutes: the whole search)."""
+    ns = build_parser().parse_args(
+        ["plan", "--model", "llama3-70b", "--cluster", "32x8xH100", "--seq", "8192", "--global-batch-tokens", "4M"]
+    )
+    cfg, args = plan_config(ns, 256)
+    best = search(args, cfg, parse_cluster("32x8xH100"), top=3).ranked[0]
+    assert best.cfg.parallel.tp <= 8 and {c.cut: c.link for c in best.cost.cuts}.get("tp", "intra") == "intra"

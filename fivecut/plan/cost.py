@@ -185,8 +185,21 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
         timeline = simulated(schedule, f, b, None, latency)
     mine = [s for s in range(last + 1) if schedule.stage_rank[s] == 0]
     compute = sum(times[s]["F"] + times[s]["B"] for s in mine) * dims.microbatches
-    by_rank = {r: [layers[s] for s in range(last + 1) if schedule.stage_rank[s] == r] for r in range(dims.pp)}
-    return compute, timeline.makespan, timeline.bubble, by_rank
+    return compute, timeline.makespan, timeline.bubble, layers_by_rank(args, cfg)
+
+
+def layers_by_rank(args, cfg) -> dict[int, list[range]]:
+    """The layers of each pipeline position's stages (one stage of every layer without a pipeline)."""
+    if cfg.parallel.pp == 1:
+        return {0: [range(args.n_layers)]}
+    schedule, layers = pipeline_plan(args, cfg)
+    owner = schedule.stage_rank
+    return {r: [layers[s] for s in range(schedule.n_stages) if owner[s] == r] for r in range(cfg.parallel.pp)}
+
+
+def layout_memory(args, cfg) -> dict[str, float]:
+    """`peak_memory` alone: what a search asks first, before any time is modelled."""
+    return peak_memory(args, cfg, layers_by_rank(args, cfg))[0]
 
 
 def simulated(schedule, f: float, b: float, w: float | None, latency: float):

@@ -35,7 +35,7 @@ from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.args import divisors
 from fivecut.plan.cluster import Cluster
-from fivecut.plan.cost import LayoutCost, cost_layout, state_memory
+from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, state_memory
 from fivecut.plan.volume import screened_placements
 
 RECOMPUTE = ("none", "selective", "full")
@@ -227,12 +227,12 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
         fitting = []
         for split in splits:
             cfg = layout_config(base, shape, *data, split, recompute, world)  # valid as `first` is
-            cost = cost_layout(args, cfg, cluster, screened_placements)
             result.tried += 1
-            if not cost.fits:
+            if layout_memory(args, cfg)["total"] > capacity:
                 result.too_big += 1
-                keep_smallest(result, Candidate(cfg, cost))
+                keep_smallest(result, cfg, args, cluster)
                 continue
+            cost = cost_layout(args, cfg, cluster, screened_placements)
             fitting.append(Candidate(cfg, cost))
             if shape.pp == 1:
                 break  # the fewest accumulation steps that fit: more only add traffic
@@ -241,9 +241,10 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
     return []
 
 
-def keep_smallest(result: SearchResult, candidate: Candidate) -> None:
-    if result.smallest is None or candidate.cost.memory["total"] < result.smallest.cost.memory["total"]:
-        result.smallest = candidate
+def keep_smallest(result: SearchResult, cfg: Config, args, cluster: Cluster) -> None:
+    """Remember the layout needing least memory (costed in full: it is what the user is shown)."""
+    if result.smallest is None or layout_memory(args, cfg)["total"] < result.smallest.cost.memory["total"]:
+        result.smallest = Candidate(cfg, cost_layout(args, cfg, cluster, screened_placements))
 
 
 def time_terms(cost: LayoutCost) -> dict[str, float]:
@@ -265,8 +266,10 @@ def why(first: Candidate, others: list[Candidate]) -> str:
     a, b = time_terms(first.cost), time_terms(second.cost)
     step = second.cost.step - first.cost.step
     if step <= 0:
+        memory = f"{first.cost.memory['total'] / 2**30:.1f} GiB against {second.cost.memory['total'] / 2**30:.1f} GiB"
         return (
-            f"{first.layout} ties with {second.layout} ({first.cost.step * 1e3:.1f} ms a step) and needs less memory."
+            f"{first.layout} (recompute {first.recompute}) ties with the best layout cut another way, {second.layout} "
+            f"({first.cost.step * 1e3:.1f} ms a step), and comes first on memory: {memory}."
         )
     gains = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
     term = max(gains, key=gains.get)
