@@ -12,15 +12,24 @@ from fivecut.plan.cluster import preset_cluster
 from fivecut.plan.cost import cost_layout
 
 
-@pytest.mark.parametrize("layout", ["dp=2,zero=3", "tp=2,sp=true", "cp=2,cp_mode=ring"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "dp=2,zero=3",
+        "tp=2,sp=true",
+        "cp=2,cp_mode=ring",
+        pytest.param("cp=4,cp_mode=usp,cp_ulysses=2", marks=pytest.mark.sweep),  # the planner passes U
+    ],
+)
 def test_planned_bytes_are_the_measured_ones(layout):
     cfg = layout_config(build_parser().parse_args(["ledger", "--model", "tiny", "--layout", layout, "--steps", "1"]))
     measured = run_spawned(cfg, 120.0, measure_activations=True, what=f"ledger {layout}")[0]
-    plan = cost_layout(preset_args(cfg.model), cfg, preset_cluster(1, 2, "H100"))
+    plan = cost_layout(preset_args(cfg.model), cfg, preset_cluster(1, cfg.parallel.world_size, "H100"))
     for cut in plan.cuts:
         assert cut.wire_bytes == sum(r.wire_bytes for r in measured.ledger_rows if r.cut == cut.cut), cut.cut
     assert {c.cut for c in plan.cuts} >= {r.cut for r in measured.ledger_rows if r.wire_bytes} - {"metrics", "control"}
     for key in ("params", "grads", "optimizer"):
         assert plan.memory[key] == measured.memory[key], key
     acts = sum(measured.activations.values())
-    assert abs(plan.memory["activations"] - acts) <= 0.05 * acts
+    # the issue asks 5%; the closed forms land within 0.2% here, so 1% catches a term left out
+    assert abs(plan.memory["activations"] - acts) <= 0.01 * acts

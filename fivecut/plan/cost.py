@@ -259,10 +259,12 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
                 dims.tp,
                 dims.sp,
                 precision,
-                moe_rows=uniform_rows(args, rows * seq, dims.ep) if args.moe_layer(i) else None,
+                moe_rows=uniform_rows(args, rows * seq // dims.tp * dims.etp) if args.moe_layer(i) else None,
                 cp=dims.cp,
                 recompute=layer_mode(i, t.recompute, t.recompute_every),
                 cp_mode=dims.cp_mode,
+                cp_ulysses=dims.cp_ulysses,
+                etp=dims.etp,
                 ep=dims.ep,
             )
             for r in stage_ranges
@@ -294,7 +296,9 @@ def state_memory(args, cfg) -> float:
     return max(sum(rank_states(args, cfg, r).values()) for r in range(cfg.parallel.pp))
 
 
-def uniform_rows(args, tokens: int, ep: int) -> tuple[int, int]:
-    """Rows a rank sends and receives in a MoE layer's dispatch when routing is uniform."""
+def uniform_rows(args, tokens: int) -> tuple[int, int]:
+    """Rows a rank sends and receives in a MoE layer's dispatch when routing is uniform: k per token
+    of the `tokens` its dispatch sees (under tp a MoE layer runs on a 1/tp slice of the rank's
+    tokens; with etp the dispatch sees the etp ranks' slices gathered)."""
     rows = tokens * args.top_k
     return rows, rows
