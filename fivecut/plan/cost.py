@@ -247,34 +247,57 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     precision = precision_of(t.dtype, dims.zero)  # what each saved tensor's dtype follows
     in_flight = [1] * dims.pp
     if dims.pp > 1:
-        in_flight = peak_in_flight(pipeline_plan(args, cfg)[0])
+        in_flight = in_flight_of(args, cfg)
     best, best_rank = None, 0
     for rank, stage_ranges in layers_by_rank.items():
         states = rank_states(args, cfg, rank)
-        per_layer = [
-            activation_bytes_per_layer(
-                args,
-                rows,
-                seq,
-                dims.tp,
-                dims.sp,
-                precision,
-                moe_rows=uniform_rows(args, rows * seq // dims.tp * dims.etp) if args.moe_layer(i) else None,
-                cp=dims.cp,
-                recompute=layer_mode(i, t.recompute, t.recompute_every),
-                cp_mode=dims.cp_mode,
-                cp_ulysses=dims.cp_ulysses,
-                etp=dims.etp,
-                ep=dims.ep,
-            )
-            for r in stage_ranges
-            for i in r
-        ]
+        per_layer = [block_bytes(args, cfg, rows, seq, precision, i) for r in stage_ranges for i in r]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank
     return best, best_rank
+
+
+def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int) -> float:
+    """The activation closed form of block `layer`, once per kind of block (dense or MoE, its
+    recomputation mode) and layout: the blocks of a kind keep the same bytes."""
+    dims, t = cfg.parallel, cfg.train
+    moe, mode = args.moe_layer(layer), layer_mode(layer, t.recompute, t.recompute_every)
+    key = (args, dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq, precision)
+    key += (moe, mode)
+    if key not in BLOCK_BYTES:
+        BLOCK_BYTES[key] = activation_bytes_per_layer(
+            args,
+            rows,
+            seq,
+            dims.tp,
+            dims.sp,
+            precision,
+            moe_rows=uniform_rows(args, rows * seq // dims.tp * dims.etp) if moe else None,
+            cp=dims.cp,
+            recompute=mode,
+            cp_mode=dims.cp_mode,
+            cp_ulysses=dims.cp_ulysses,
+            etp=dims.etp,
+            ep=dims.ep,
+        )
+    return BLOCK_BYTES[key]
+
+
+BLOCK_BYTES: dict[tuple, float] = {}
+
+
+def in_flight_of(args, cfg) -> list[int]:
+    """Microbatches each pipeline rank holds at its peak (`peak_in_flight`), once per schedule."""
+    d = cfg.parallel
+    key = (d.pp_schedule, d.pp, d.microbatches, d.pp_virtual)
+    if key not in IN_FLIGHT:
+        IN_FLIGHT[key] = peak_in_flight(pipeline_plan(args, cfg)[0])
+    return IN_FLIGHT[key]
+
+
+IN_FLIGHT: dict[tuple, list[int]] = {}
 
 
 def rank_states(args, cfg, pp_rank: int) -> dict[str, float]:

@@ -7,7 +7,7 @@ come from the model built on the meta device: no memory, exact shapes.
 
 from __future__ import annotations
 
-from dataclasses import astuple, replace
+from dataclasses import replace
 
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
@@ -570,7 +570,7 @@ def least_microbatches(dims) -> int:
 
 
 def layout_key(dims) -> tuple:
-    return tuple(tuple(v) if isinstance(v, list) else v for v in astuple(dims))
+    return tuple(tuple(v) if isinstance(v, list) else v for v in vars(dims).values())
 
 
 def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
@@ -633,7 +633,9 @@ def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
 
 def local_param_counts(args, cfg, pp_rank: int = 0, records=None) -> dict[str, int]:
     """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
-    key = ("counts", id(records), args, layout_key(cfg.parallel), cfg.train.seq_len, repr(cfg.moe), pp_rank)
+    d = cfg.parallel  # counts do not depend on ZeRO or on the microbatch count
+    plain = replace(d, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(d))
+    key = ("counts", id(records), args, layout_key(plain), cfg.train.seq_len, repr(cfg.moe), pp_rank)
     if key not in PLACEMENTS:
         counts: dict[str, int] = {}
         for pl in (records or screened_placements)(args, cfg, pp_rank).values():
