@@ -130,7 +130,17 @@ def option_problems(cfg: Config) -> list[str]:
     sections = (
         train_problems(cfg.train) + compile_problems(cfg.train.compile) + data_problems(cfg) + log_problems(cfg.log)
     )
-    return path_problems(cfg) + sections + checkpoint_problems(cfg.checkpoint)
+    return path_problems(cfg) + sections + checkpoint_problems(cfg.checkpoint) + launch_problems(cfg)
+
+
+def launch_problems(cfg: Config) -> list[str]:
+    """train.launch_steps ends a launch early with a checkpoint, so it needs somewhere to save."""
+    n = cfg.train.launch_steps
+    if n < 0:
+        return [f"train.launch_steps={n} must be >= 0 (0: run to train.steps)"]
+    if n and cfg.checkpoint.dir is None:
+        return [f"train.launch_steps={n} stops the launch with a checkpoint, but checkpoint.dir is unset; set it"]
+    return []
 
 
 PATH_KEYS = ("data.source", "data.cache_dir", "log.out_dir", "checkpoint.dir")  # every key that names a file or folder
@@ -335,6 +345,11 @@ def validate_layout(
     dims: ParallelDims, model, seq_len: int, global_batch: int, accumulate: int, world_size: int | None = None
 ) -> None:
     """Refuse a layout that cannot work for `model` (a ModelArgs), naming the numbers and a fix."""
+    if dims.layout == "auto":  # `fivecut train` resolves it before it gets here
+        raise LayoutError(
+            "parallel.layout='auto' is chosen by `fivecut train` for the world it starts with; here give the cuts "
+            "(`fivecut plan --model M --cluster C` searches them)"
+        )
     problems = structural_problems(dims)
     if accumulate < 1:
         problems.append(f"train.accumulate={accumulate} must be >= 1")

@@ -241,14 +241,51 @@ def cmd_train(ns) -> int:
     from fivecut.train import checkpoint
 
     cfg = load_config(ns.config, ns.overrides)
-    checks.validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    planned = auto_layout(cfg, world) if cfg.parallel.layout == "auto" else None
+    cfg = planned.cfg if planned is not None else cfg
+    checks.validate(cfg, world)
     path = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume)
     resume_changes(path, checkpoint.read_meta(path) if path else None, cfg, ns.accept)  # a changed run: refused here
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
     init_from_environment(cfg.train.collective_timeout)
+    if planned is not None:
+        same_layout_everywhere(planned.cfg.parallel)
     return train_to_the_end(cfg, ns.resume, ns.accept)
+
+
+def auto_layout(cfg: Config, world: int):
+    """parallel.layout = "auto": the planner's layout for `world` ranks (torchrun's ranks per node),
+    said by rank 0; refused beside cuts given by hand, before any process group exists."""
+    from fivecut.plan.auto import auto_problems, planned_layout
+
+    checks.refuse("invalid options", auto_problems(cfg) + checks.option_problems(cfg))
+    args = checks.checked_model_args(cfg)
+    planned = planned_layout(cfg, args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(planned.lines()), flush=True)
+    return planned
+
+
+def same_layout_everywhere(dims: ParallelDims) -> None:
+    """Every rank planned alone; a rank that reached another layout (another cluster file on its
+    node) would hang the first collective, so the layouts are compared once, here."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return
+    mine = dims.settings()
+    layouts = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, mine)
+    others = sorted({(rank, layout) for rank, layout in enumerate(layouts) if layout != layouts[0]})
+    if others:
+        rank, layout = others[0]
+        raise ConfigError(
+            f"parallel.layout='auto' reached {layouts[0]} on rank 0 but {layout} on rank {rank}; give every node "
+            "the same parallel.cluster file"
+        )
 
 
 def train_to_the_end(cfg: Config, resume: str, accept: list[str] = ()) -> int:

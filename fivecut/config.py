@@ -76,6 +76,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    launch_steps: int = 0  # steps one launch runs at most, then it saves and exits 0 (a resume goes on); 0: all
     global_batch: int = 8  # sequences per optimizer step, over all ranks and micro-steps
     seq_len: int = 128
     accumulate: int = 1  # gradient-accumulation micro-steps per optimizer step

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 CP_MODES = ("ring", "ulysses", "usp")
+LAYOUTS = ("manual", "auto")  # the cuts as written; the planner's choice for the world (`fivecut.plan.auto`)
 COUNTS = ("ep", "pp_virtual", "microbatches", "cp_ulysses")  # the other fields that count something, each >= 1
 
 
@@ -34,6 +35,8 @@ class ParallelDims:
     ep: int = 1  # expert-parallel ranks, folded into dp x cp
     etp: int = 1  # expert tensor parallelism: each routed expert's hidden size cut over etp ranks of the tp group
     zero_shard: int | None = None  # ZeRO shards over groups of this many dp x cp ranks, replicated across; None: all
+    layout: str = "manual"  # "manual": the cuts above; "auto": `fivecut train` asks the planner for its world's best
+    cluster: str | None = None  # layout="auto": the cluster TOML (or NODESxGPUSxDEVICE); None: ./cluster-local.toml
 
     @property
     def world_size(self) -> int:
@@ -69,7 +72,17 @@ class ParallelDims:
                 f"parallel.etp={self.etp} must divide tp={self.tp} (expert shards live on ranks of the tp group); "
                 f"set parallel.etp to 1 or a divisor of tp"
             )
-        return out + self._zero_shard_problems()
+        return out + self._zero_shard_problems() + self._layout_problems()
+
+    def _layout_problems(self) -> list[str]:
+        if self.layout not in LAYOUTS:
+            return [f"parallel.layout={self.layout!r}; choose one of {', '.join(LAYOUTS)}"]
+        if self.cluster is not None and self.layout != "auto":
+            return [
+                f"parallel.cluster={self.cluster!r} is the cluster parallel.layout='auto' plans on; set "
+                "parallel.layout='auto' or remove parallel.cluster"
+            ]
+        return []
 
     def _zero_shard_problems(self) -> list[str]:
         s, n = self.zero_shard, self.dp * self.cp

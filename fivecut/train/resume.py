@@ -26,12 +26,12 @@ FREE, REFUSED = "free", "refused"
 FREE_ON_RESUME = {
     # the layout: any split of the work computes the same math (the parity tests, `fivecut verify`)
     "parallel": "dp zero reshard_after_forward tp sp pp pp_schedule pp_virtual microbatches pp_layers cp cp_mode ep "
-    "cp_ulysses etp zero_shard",
+    "cp_ulysses etp zero_shard layout cluster",
     # steps: extending (or shortening) a run; the cosine schedule then decays to min_lr at the new end.
     # accumulate and bucket_mb split the same sums differently. The fault policy decides only what
     # happens after a non-finite value, so a resume may switch to "skip" to get past one.
-    "train": "steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite max_skipped "
-    "recompute recompute_every compile",  # recomputation and compilation change when, not what, is computed
+    "train": "steps launch_steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite "
+    "max_skipped recompute recompute_every compile",  # recomputation and compilation change when, not what, is computed
     "moe": "eplb_slots eplb_move eplb_interval eplb_window",  # EPLB places expert copies; it changes no number
     "data": "cache_dir",  # the token cache is keyed and checked by its tokenizer and sha256
     "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",

@@ -85,8 +85,11 @@ def train(
         log.before_training(result.val_losses[0])
     try:
         with SignalFlag() as signals:
-            for step in range(start + 1, cfg.train.steps + 1):
+            last = launch_end(cfg, start)
+            for step in range(start + 1, last + 1):
                 run_step(ctx, step, result, log, guard, signals, measure_activations)
+        if last < cfg.train.steps:
+            end_launch(ctx, last, guard, log)
     except BaseException:
         log.abort()
         raise
@@ -95,6 +98,23 @@ def train(
         log.print(sample_line(ctx, cfg.log.sample_prompt, cfg.log.sample_tokens))
     result.loss_plot = log.close()
     return result
+
+
+def launch_end(cfg: Config, start: int) -> int:
+    """The last step this launch runs: train.steps, or train.launch_steps after where it started."""
+    t = cfg.train
+    return min(t.steps, start + t.launch_steps) if t.launch_steps else t.steps
+
+
+def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log) -> None:
+    """train.launch_steps are done: the checkpoint at `step` (when not saved already) and one line."""
+    if not checkpoint_due(ctx.cfg, step):
+        save_checkpoint(ctx, step, guard)
+    t = ctx.cfg.train
+    log.print(
+        f"fivecut: this launch ran its train.launch_steps={t.launch_steps} steps and stopped at step {step} of "
+        f"{t.steps}, checkpoint saved; start it again to go on"
+    )
 
 
 def sample_line(ctx: Context, prompt: str, tokens: int) -> str:

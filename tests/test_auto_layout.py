@@ -1,0 +1,194 @@
+"""parallel.layout = "auto": the planner chooses the layout for the world a run starts with, and a
+run restarted on another number of ranks goes on under the layout planned for that world.
+
+Tolerances: a resume into another layout continues as an uninterrupted run does up to rounding
+(see tests/test_checkpoint.py): losses at rtol 1e-5, gradient norms at 1e-3 (the two runs reach
+the resumed steps by different roundings, which a step's gradient amplifies). The first launch's
+steps are compared at 1e-5 too, and its first gradient norm at 1e-5: a wrong gradient scale moves
+it by a factor.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fivecut.checks import checked_model_args
+from fivecut.cli import main, same_layout_everywhere
+from fivecut.config import load_config
+from fivecut.launch import spawn
+from fivecut.layout import ParallelDims
+from fivecut.plan.auto import cluster_for_world, planned_layout
+from fivecut.plan.cluster import cluster_toml, preset_cluster
+
+RTOL = 1e-5
+NORM_RTOL = 1e-3  # later steps' gradient norms (see the module doc)
+
+# a cluster file as `fivecut plan calibrate` writes one, with fixed figures so that the choice is
+# the same on every machine: 2 CPU ranks of 50 GFLOP/s, gloo at 2 GB/s and 60 us a hop
+CPU_RANK = """
+[cluster]
+name = "this-machine"
+nodes = 1
+gpus_per_node = 2
+[device]
+name = "cpu"
+peak_tflops = 0.05
+memory_gb = 8
+achievable = 1
+kernel_us = 20
+[links.intra]
+bandwidth_gbps = 2
+latency_us = 60
+[links.inter]
+bandwidth_gbps = 2
+latency_us = 60
+"""
+
+
+@pytest.fixture
+def cluster_file(tmp_path) -> str:
+    path = tmp_path / "cluster-local.toml"
+    path.write_text(CPU_RANK)
+    return str(path)
+
+
+def train_command(nproc: int, cache: str, out: Path, cluster: str, *extra: str) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    settings = [
+        'parallel.layout="auto"',
+        f'parallel.cluster="{cluster}"',
+        "train.steps=6",
+        "train.seq_len=32",
+        "train.global_batch=8",
+        "train.warmup=1",
+        "train.eval_every=0",
+        'data.tokenizer="byte"',
+        f'data.cache_dir="{cache}"',
+        f'log.out_dir="{out}"',
+        "log.progress=false",
+        "log.plot=false",
+        *extra,
+    ]
+    flags = [item for s in settings for item in ("--set", s)]
+    return (launcher if nproc > 1 else [sys.executable]) + ["-m", "fivecut", "train", *flags]
+
+
+def run(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def records(out: Path) -> dict[int, dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "step" in r and "loss" in r}
+
+
+def chosen(stdout: str) -> str:
+    line = next(x for x in stdout.splitlines() if "parallel.layout=auto chose" in x)
+    return line.split(" chose ")[1].split(" ")[0]
+
+
+@pytest.mark.multirank
+def test_a_run_restarted_on_fewer_ranks_goes_on_under_their_layout(byte_cache, tmp_path, cluster_file):
+    whole = tmp_path / "whole"
+    run(train_command(1, byte_cache, whole, cluster_file))
+    out, ckpt = tmp_path / "elastic", f'checkpoint.dir="{tmp_path / "ckpt"}"'
+    first = run(train_command(4, byte_cache, out, cluster_file, ckpt, "train.launch_steps=3"))
+    assert "stopped at step 3 of 6" in first
+    second = run(train_command(2, byte_cache, out, cluster_file, ckpt, "train.launch_steps=3"))
+    assert "resumed at step 3" in second and "parallel.dp 4 -> 2" in second and "stopped" not in second
+    on_four, on_two = chosen(first), chosen(second)
+    assert on_four != on_two and "dp=4" in on_four and "dp=2" in on_two, (on_four, on_two)
+    ref, got = records(whole), records(out)
+    assert sorted(got) == list(range(1, 7))
+    np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=RTOL)
+    np.testing.assert_allclose(got[1]["grad_norm"], ref[1]["grad_norm"], rtol=RTOL)
+    np.testing.assert_allclose([got[s]["grad_norm"] for s in got], [ref[s]["grad_norm"] for s in got], rtol=NORM_RTOL)
+
+
+def tiny_config(*items: str):
+    return load_config(None, [*items, 'data.tokenizer="byte"', "train.global_batch=8", "train.seq_len=32"])
+
+
+def test_the_layout_is_planned_for_the_world_and_its_nodes(cluster_file):
+    cfg = tiny_config(f'parallel.cluster="{cluster_file}"', 'parallel.layout="auto"')
+    args = checked_model_args(cfg)
+    planned = planned_layout(cfg, args, 4, 2)
+    assert (planned.cluster.nodes, planned.cluster.gpus_per_node) == (2, 2)
+    assert planned.cfg.parallel.world_size == 4 and planned.cfg.parallel.layout == "manual"
+    assert planned.cfg.parallel.cluster is None  # the resolved config is an ordinary one
+    again = planned_layout(cfg, args, 4, 2)
+    assert again.cfg.parallel == planned.cfg.parallel  # the same answer on every rank
+    assert planned.lines()[0].startswith(f"fivecut: parallel.layout=auto chose {planned.chosen.layout}")
+
+
+@pytest.mark.parametrize(
+    "items, words",
+    [
+        (['parallel.layout="auto"', "parallel.dp=2"], "parallel.dp=2 is given too"),
+        (['parallel.layout="auto"', "train.accumulate=2"], "train.accumulate=2 is given too"),
+        (['parallel.layout="auto"', 'train.recompute="full"'], "train.recompute='full' is given too"),
+        (['parallel.layout="best"'], "parallel.layout='best'; choose one of manual, auto"),
+        (['parallel.cluster="c.toml"'], "set parallel.layout='auto' or remove parallel.cluster"),
+        (["train.launch_steps=2"], "checkpoint.dir is unset"),
+    ],
+)
+def test_auto_beside_given_cuts_is_refused_naming_them(items, words, capsys, tmp_path, cluster_file):
+    flags = [x for item in items for x in ("--set", item)]
+    if any("layout=" in i for i in items) and not any("cluster" in i for i in items):
+        flags += ["--set", f'parallel.cluster="{cluster_file}"']
+    code = main(["train", *flags, "--set", f'log.out_dir="{tmp_path / "out"}"'])
+    assert code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_auto_without_a_calibration_names_the_command_that_writes_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", 'parallel.layout="auto"', "--set", "train.warmup=1"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster-local.toml" in err and "fivecut plan calibrate" in err
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_commands_that_need_the_cuts_refuse_auto(capsys):
+    assert main(["verify", "--layout", "layout=auto"]) == 2
+    assert "chosen by `fivecut train`" in capsys.readouterr().err
+
+
+def test_a_cluster_the_ranks_do_not_fill_is_refused(cluster_file):
+    with pytest.raises(ValueError, match="6 ranks do not fill nodes of 4"):
+        cluster_for_world(cluster_file, 6, 4)
+    named = cluster_for_world(cluster_toml_file(cluster_file), 16, 8)
+    assert (named.nodes, named.gpus_per_node, named.device.name) == (2, 8, "H100")
+
+
+def cluster_toml_file(near: str) -> str:
+    path = Path(near).with_name("h100.toml")
+    path.write_text(cluster_toml(preset_cluster(1, 8, "H100")))
+    return str(path)
+
+
+def layouts_by_rank(rank_layout: dict) -> str:
+    import torch.distributed as dist
+
+    dims = ParallelDims(**rank_layout[dist.get_rank()])
+    try:
+        same_layout_everywhere(dims)
+    except ValueError as err:
+        return str(err)
+    return "agreed"
+
+
+@pytest.mark.multirank
+def test_ranks_that_planned_different_layouts_stop_naming_both():
+    agree = spawn(layouts_by_rank, 2, {0: {"dp": 2}, 1: {"dp": 2}})
+    assert agree == ["agreed", "agreed"]
+    differ = spawn(layouts_by_rank, 2, {0: {"dp": 2}, 1: {"dp": 2, "zero": 1}})
+    assert all("dp=2 on rank 0 but dp=2,zero=1 on rank 1" in d for d in differ), differ
