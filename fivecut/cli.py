@@ -973,6 +973,7 @@ def token_count(text: str) -> int:
 
 
 def print_plan(cost, cfg: Config, cluster) -> None:
+    from fivecut.plan.report import hiding_bandwidth
     from fivecut.train.memory import format_bytes
 
     t = cfg.train
@@ -993,7 +994,12 @@ def print_plan(cost, cfg: Config, cluster) -> None:
         print(f"{c.cut:<6} {c.wire_bytes:>16,.0f} {c.link:>6} {times}   {c.rule}")
     pipeline = f"pipeline makespan {cost.makespan * 1e3:.2f} ms (bubble {cost.bubble:.3f})"
     print(f"\ncompute {cost.compute * 1e3:.2f} ms, {pipeline}")
-    traffic = ", ".join(f"{link} {format_bytes(b)}" for link, b in sorted(cost.traffic.items()))
+    needed = hiding_bandwidth(cost)
+    traffic = ", ".join(
+        f"{link} {format_bytes(b)} (hidden behind the compute at {needed[link]:.3g} GB/s, the link has "
+        f"{(cluster.intra if link == 'intra' else cluster.inter).bandwidth_gbps:.3g})"
+        for link, b in sorted(cost.traffic.items())
+    )
     print(f"traffic per rank per step: {traffic or 'none'}")
     print(f"step {cost.step * 1e3:.2f} ms, {cost.tokens_per_s:,.0f} tokens/s, MFU {cost.mfu:.1%}")
 

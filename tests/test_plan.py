@@ -7,6 +7,7 @@ import pytest
 from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import cost_layout
+from fivecut.plan.report import hiding_bandwidth
 from fivecut.plan.volume import local_param_counts, predict
 
 
@@ -29,6 +30,16 @@ def test_the_specifications_3d_example_puts_tp_inside_nodes_and_dp_pp_across():
     }
     assert cost.traffic["intra"] == next(c.wire_bytes for c in cost.cuts if c.cut == "tp")
     assert 0 < cost.bubble < 1 and cost.step >= cost.makespan and 0 < cost.mfu < 1
+    needed = hiding_bandwidth(cost)  # GB/s per rank for each link's bytes in the compute's time
+    assert needed == pytest.approx({link: wire / cost.compute / 1e9 for link, wire in cost.traffic.items()})
+    assert set(needed) == {"intra", "inter"}
+
+
+def test_plan_prints_the_bandwidth_that_hides_each_links_traffic(capsys, tmp_path):
+    flags = ["--model", "llama3-8b", "--layout", "dp=4,tp=2", "--cluster", "1x8xH100", "--seq", "2048"]
+    assert main(["plan", *flags, "--out", str(tmp_path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("traffic per rank"))
+    assert "intra" in line and "hidden behind the compute at" in line and "the link has 450" in line
 
 
 def test_a_layout_that_does_not_fit_names_its_largest_term(capsys):

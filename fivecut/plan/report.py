@@ -1,5 +1,6 @@
-"""What `fivecut plan` writes: plan.json (each costed layout's memory, time and traffic) and
-plan.png (per layout, memory and step time as stacked bars, the device's memory as a line)."""
+"""What `fivecut plan` writes: plan.json (each costed layout's memory, time, traffic and the link
+bandwidth that traffic needs to hide behind compute) and plan.png (per layout, memory and step
+time as stacked bars, the device's memory as a line)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,17 @@ def plan_record(cfg: Config, cost: LayoutCost) -> dict:
         "mfu": cost.mfu,
         "tokens_per_s": cost.tokens_per_s,
         "traffic_bytes": cost.traffic,
+        "hiding_gbps": hiding_bandwidth(cost),
         "cuts": [dataclasses.asdict(c) for c in cost.cuts],
     }
+
+
+def hiding_bandwidth(cost: LayoutCost) -> dict[str, float]:
+    """Per link class, the GB/s per rank that would carry the step's traffic in the time of its
+    compute: the bandwidth a network needs for that traffic to hide behind the work."""
+    if cost.compute <= 0:
+        return {}
+    return {link: wire / cost.compute / 1e9 for link, wire in sorted(cost.traffic.items())}
 
 
 def plot_plan(costed: list[tuple[Config, LayoutCost]], cluster: Cluster, path: Path) -> Path:
