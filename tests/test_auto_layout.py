@@ -162,6 +162,12 @@ def test_commands_that_need_the_cuts_refuse_auto(capsys):
     assert "chosen by `fivecut train`" in capsys.readouterr().err
 
 
+def test_a_world_no_layout_can_use_is_refused_naming_the_batch(cluster_file):
+    cfg = tiny_config(f'parallel.cluster="{cluster_file}"', 'parallel.layout="auto"')
+    with pytest.raises(ValueError, match="no layout of 3 ranks can run .* train.global_batch=8"):
+        planned_layout(cfg, checked_model_args(cfg), 3, 3)
+
+
 def test_a_cluster_the_ranks_do_not_fill_is_refused(cluster_file):
     with pytest.raises(ValueError, match="6 ranks do not fill nodes of 4"):
         cluster_for_world(cluster_file, 6, 4)

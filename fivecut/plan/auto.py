@@ -79,6 +79,12 @@ def planned_layout(cfg: Config, args: ModelArgs, world: int, per_node: int) -> A
     base = copy.deepcopy(cfg)
     base.parallel = ParallelDims()
     result = search(args, base, cluster, top=2)
+    if not result.tried:
+        raise ConfigError(
+            f"parallel.layout='auto': no layout of {world} ranks can run this model and batch (dp must divide "
+            f"train.global_batch={cfg.train.global_batch}, tp the {args.n_heads} heads, pp the {args.n_layers} "
+            f"layers); start another number of ranks, or set train.global_batch to a multiple of {world}"
+        )
     if not result.ranked:
         raise ConfigError(
             f"parallel.layout='auto': no layout of {world} ranks fits {cluster.device.memory_gb:g} GB a rank "
