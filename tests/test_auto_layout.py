@@ -11,8 +11,12 @@ it by a factor.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +115,80 @@ def test_a_run_restarted_on_fewer_ranks_goes_on_under_their_layout(byte_cache, t
     np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=RTOL)
     np.testing.assert_allclose(got[1]["grad_norm"], ref[1]["grad_norm"], rtol=RTOL)
     np.testing.assert_allclose([got[s]["grad_norm"] for s in got], [ref[s]["grad_norm"] for s in got], rtol=NORM_RTOL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def elastic_agent(port: int, cache: str, out: Path, cluster: str, *extra: str) -> subprocess.Popen:
+    """One torchrun agent of an elastic job of 1 to 2 nodes of 2 ranks (both agents on this host)."""
+    command = train_command(2, cache, out, cluster, *extra)
+    elastic = [
+        "--nnodes=1:2",
+        "--max-restarts=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=fivecut-elastic",
+        "--rdzv-conf=last_call_timeout=10,join_timeout=120",
+    ]
+    at = command.index("--standalone")
+    command[at : at + 1] = elastic
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {seconds} s"
+        time.sleep(0.05)
+
+
+def kill_agent(agent: subprocess.Popen) -> None:
+    """The node is lost: its agent and its ranks at once (SIGKILL, nothing saved)."""
+    for child in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(child), signal.SIGKILL)
+    agent.kill()
+    agent.wait()
+
+
+@pytest.mark.multirank
+def test_torchrun_loses_a_node_and_the_job_goes_on_under_the_smaller_worlds_layout(byte_cache, tmp_path, cluster_file):
+    """torchrun --nnodes 1:2: two agents of 2 ranks each; one is killed after the first checkpoint;
+    the other's agent re-forms the job with 2 ranks, which plan dp=2 and resume from the checkpoint."""
+    steps, ckpt = "train.steps=40", f'checkpoint.dir="{tmp_path / "ckpt"}"'
+    whole = tmp_path / "whole"
+    run(train_command(1, byte_cache, whole, cluster_file, steps))
+    out, port = tmp_path / "elastic", free_port()
+    options = (byte_cache, out, cluster_file, steps, ckpt, "checkpoint.every=4", "log.log_every=1")
+    survivor = elastic_agent(port, *options)
+    time.sleep(1)  # the first agent hosts the rendezvous store
+    lost = elastic_agent(port, *options)
+    wait_for(tmp_path / "ckpt" / "step-00000004" / "COMPLETE", 240)
+    kill_agent(lost)
+    said, _ = survivor.communicate(timeout=400)
+    assert survivor.returncode == 0, said[-4000:]
+    first = next(x for x in said.splitlines() if "parallel.layout=auto chose" in x)
+    assert "dp=4" in first and "for 4 ranks" in first, said[-4000:]
+    restarted = said[said.index(first) + len(first) :]
+    assert "for 2 ranks" in restarted and "resumed at step" in restarted and "parallel.dp 4 -> 2" in restarted
+    ref, got = records(whole), last_records(out)
+    assert sorted(got) == list(range(1, 41))
+    np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=RTOL)
+    np.testing.assert_allclose(got[1]["grad_norm"], ref[1]["grad_norm"], rtol=RTOL)
+    np.testing.assert_allclose([got[s]["grad_norm"] for s in got], [ref[s]["grad_norm"] for s in got], rtol=NORM_RTOL)
+
+
+def last_records(out: Path) -> dict[int, dict]:
+    """Each step's last record: the killed attempt logged the steps after its checkpoint once more."""
+    found: dict[int, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "step" in record and "loss" in record:
+            found[record["step"]] = record
+    return found
 
 
 def tiny_config(*items: str):
