@@ -674,6 +674,17 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     print(f"memory_ratio={measured['total'] / predicted['total']:.3f}")
 
 
+def print_buffers(measured: int, cfg: Config) -> None:
+    """The data cut's buffers at their peak (gathered units, reduction copies), against the plan's."""
+    from fivecut.plan.buffers import buffer_bytes
+    from fivecut.train.memory import format_bytes
+
+    predicted = buffer_bytes(preset_args(cfg.model), cfg)
+    ratio = f"{measured / predicted:.3f}" if predicted else ("1.000" if not measured else "inf")
+    print(f"data-cut buffers at their peak: measured {format_bytes(measured)}, predicted {format_bytes(predicted)}")
+    print(f"buffers_ratio={ratio}")
+
+
 def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int, int] | None = None) -> None:
     """Bytes a layer keeps for backward (step 1, first micro-step), measured vs the formula."""
     from fivecut.train.memory import format_bytes
@@ -768,6 +779,7 @@ def cmd_ledger(ns) -> int:
     print(format_rows(mine.ledger_rows))
     print()
     print_memory(mine.memory, cfg)
+    print_buffers(mine.buffers, cfg)
     print_activations(mine.activations, cfg, first_forward_rows(mine))
     predicted = predict(preset_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
@@ -982,7 +994,7 @@ def print_plan(cost, cfg: Config, cluster) -> None:
     print(cluster.describe())
     m = cost.memory
     print(f"\nmemory per rank (pipeline position {cost.memory_rank}, the fullest):")
-    for key in ("params", "grads", "optimizer", "activations", "total"):
+    for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
         print(f"  {key:<12} {format_bytes(m[key]):>12}")
     verdict = (
         "fits" if cost.fits else f"does NOT fit; the largest term is {max(m, key=lambda k: m[k] * (k != 'total'))}"

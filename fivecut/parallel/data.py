@@ -18,6 +18,11 @@ ZeRO-1/2 (`fivecut.parallel.zero`) reduce-scatter.
 
 Communication per optimizer step: one all-reduce of every gradient, 2(n-1)/n x 4Phi bytes
 on the wire per rank in fp32 (Phi = number of parameters).
+
+Besides the model states a data cut holds buffers for a while: copies in the reduce dtype,
+ZeRO's reduced shards before they are added, ZeRO-2's gradients before their bucket is sent,
+ZeRO-3's gathered units. `BufferPeak` keeps the most bytes they took at once, sampled where
+they peak (each launch, each gather); `fivecut ledger` prints it next to the planner's figure.
 """
 
 from __future__ import annotations
@@ -88,6 +93,18 @@ class GradSync(Protocol):
     def pieces(self) -> list[Piece]: ...  # what this rank's optimizer updates
     def held(self, param: nn.Parameter, lo: int, hi: int) -> Held: ...  # flat elements [lo, hi) of `param`
     def flat_slots(self) -> dict[nn.Parameter, FlatSlot]: ...  # ZeRO: each parameter's place in a flat shard
+    def buffer_peak(self) -> int: ...  # the most bytes its buffers held at once (`BufferPeak`)
+
+
+@dataclass
+class BufferPeak:
+    """The most bytes a data cut's buffers held at once (distinct storages, as allocated)."""
+
+    bytes: int = 0
+
+    def sample(self, tensors: list[torch.Tensor | None]) -> None:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        self.bytes = max(self.bytes, sum(storages.values()))
 
 
 @dataclass(eq=False)
@@ -98,6 +115,7 @@ class Bucket:
     work: object | None = None
     wire: torch.Tensor | None = None  # what is on the wire when it differs from `flat` (reduce dtype)
     out: torch.Tensor | None = None  # the reduction's result when it is not written in place
+    settled: bool = False  # its reduction of this backward was waited for and consumed
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, kinds: Kinds | None = None) -> list[list[nn.Parameter]]:
@@ -142,6 +160,7 @@ class GradReducer(abc.ABC):
         self.sync = True
         self._callback_queued = False
         self._next = 0  # index of the next bucket to launch
+        self.buffers = BufferPeak()
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -196,17 +215,32 @@ class GradReducer(abc.ABC):
         bucket = self.buckets[self._next]
         bucket.work = self.launch(bucket)
         self._next += 1
+        self.buffers.sample(self.held_buffers())
+
+    def _settle(self, bucket: Bucket) -> None:
+        """Wait for `bucket`'s reduction and consume it, once a backward."""
+        if not bucket.settled:
+            comm.wait(bucket.work, "reduction", self.group)
+            self.complete(bucket)
+            bucket.work, bucket.wire, bucket.settled = None, None, True
 
     def _finish(self) -> None:
         """End of backward: launch what is left (parameters without gradient), wait for all."""
         while self._next < len(self.buckets):
             self._launch_next()
         for bucket in self.buckets:
-            comm.wait(bucket.work, "reduction", self.group)
-            self.complete(bucket)
-            bucket.work, bucket.ready, bucket.wire = None, 0, None
+            self._settle(bucket)
+            bucket.ready, bucket.settled = 0, False
         self._next = 0
         self._callback_queued = False
+
+    def held_buffers(self) -> list[torch.Tensor | None]:
+        """What this cut holds now beyond its model states: copies on the wire, reduced shards."""
+        wires = [b.wire for b in self.buckets if b.wire is not b.flat]
+        return wires + [b.out for b in self.buckets]
+
+    def buffer_peak(self) -> int:
+        return self.buffers.bytes
 
     def to_wire(self, flat: torch.Tensor) -> torch.Tensor:
         """The tensor to communicate: `flat` itself, or a copy in the reduce dtype."""
@@ -305,3 +339,7 @@ class SyncSet:
 
     def flat_slots(self) -> dict[nn.Parameter, FlatSlot]:
         return {p: slot for sync in self.syncs for p, slot in sync.flat_slots().items()}
+
+    def buffer_peak(self) -> int:
+        """The cuts' peaks added: they may coincide (one backward drives them all)."""
+        return sum(sync.buffer_peak() for sync in self.syncs)

@@ -18,7 +18,10 @@ gradients are reduce-scattered as soon as backward has produced them; after the
 optimizer step every rank all-gathers the updated shards into the parameters, which are
 views of the flat buffers. Stage 2 reduces every micro-step (accumulating into the
 shard) and frees each bucket's full gradients as soon as they are sent; stage 1 keeps
-them and, like DDP, communicates only on the last micro-step.
+them and, like DDP, communicates only on the last micro-step. Stage 2 keeps at most one
+bucket in flight: launching a bucket first waits for the one before, whose flat copy of the
+full gradients the collective holds until then, so at its peak stage 2 holds about two
+buckets of full gradients (the one being filled and the one on the wire), not all of them.
 
 Stage 3 (FSDP) cuts the model into units (each transformer block; the root unit holds
 everything else: embedding, final norm, head, so that tied weights live in one unit).
@@ -64,7 +67,17 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.parallel.data import Bucket, DataParallel, Held, Kinds, Piece, flat_order, padded, plain_kinds
+from fivecut.parallel.data import (
+    Bucket,
+    BufferPeak,
+    DataParallel,
+    Held,
+    Kinds,
+    Piece,
+    flat_order,
+    padded,
+    plain_kinds,
+)
 from fivecut.parallel.placement import FlatSlot
 
 
@@ -273,11 +286,23 @@ class ZeroDataParallel(DataParallel):
         if self.stage == 1:
             super().grad_arrived(param)
 
+    def _launch_next(self) -> None:
+        if self.stage == 2 and self._next > 0:  # one bucket in flight: the one before is settled first
+            self._settle(self.buckets[self._next - 1])
+        super()._launch_next()
+
+    def held_buffers(self) -> list[torch.Tensor | None]:
+        """Stage 2 adds the full gradients backward produced that no bucket has taken yet (in a
+        pipeline stage they are its model states: kept over the microbatches)."""
+        grads = [p.grad for p in self.params] if self.stage == 2 and not self.pipelined else []
+        return super().held_buffers() + grads
+
     def launch(self, bucket: Bucket) -> object:
         shard = self.shard_of[id(bucket)]
         flat = bucket.flat
         if self.stage == 2:  # gather this micro-step's gradients, and free them
             flat = shard.flatten([p.grad for p in shard.params], like=shard.local)
+            self.buffers.sample(self.held_buffers() + [flat])  # the bucket's gradients twice, for a moment
             for p in bucket.params:
                 p.grad = None
         bucket.wire = self.to_wire(flat)
@@ -320,6 +345,7 @@ class UnitPart:
     full: torch.Tensor  # [padded] the parameters' storage: allocated while gathered, size 0 otherwise
     gather_work: object | None = None
     reduce_work: object | None = None
+    reduce_in: torch.Tensor | None = None  # [padded] the gradients on the wire (the reduce dtype)
     reduce_out: torch.Tensor | None = None
 
     @property
@@ -384,6 +410,7 @@ class FullyShardedDataParallel:
         self.backward_order = self.units[::-1] if pipelined else [self.units[0]] + self.units[1:][::-1]
         self._callback_queued = False
         self._reducing: Unit | None = None  # the unit whose reduce-scatter is in flight
+        self.buffers = BufferPeak()
         for unit in self.units:
             self._register_hooks(unit)
 
@@ -486,6 +513,16 @@ class FullyShardedDataParallel:
     def shard_grads(self) -> list[torch.Tensor]:
         return [shard.grad for shard in self.shards]
 
+    def buffer_peak(self) -> int:
+        return self.buffers.bytes
+
+    def held_buffers(self) -> list[torch.Tensor | None]:
+        """Gathered units (a freed one's storage has 0 bytes), the reductions in flight, and outside
+        a pipeline the full gradients backward produced (a stage keeps them: its model states)."""
+        parts = [part for unit in self.units for part in unit.parts]
+        held = [part.full for part in parts] + [t for part in parts for t in (part.reduce_in, part.reduce_out)]
+        return held + ([] if self.pipelined else [p.grad for p in self.unit_of])
+
     @property
     def wire_dtype(self) -> torch.dtype:
         """What gradients are reduce-scattered in: `reduce_dtype`, else the master shards' dtype."""
@@ -505,6 +542,7 @@ class FullyShardedDataParallel:
                 mine = part.shard.local.to(part.full.dtype)  # [padded / n] cast before the wire (bf16: half the bytes)
                 part.gather_work = comm.all_gather_into(part.full, mine, part.group, async_op=True)
         unit.gathered = True
+        self.buffers.sample(self.held_buffers())
 
     def _gather(self, unit: Unit) -> None:
         self._prefetch(unit)
@@ -569,11 +607,12 @@ class FullyShardedDataParallel:
         for part in unit.parts:
             params = part.shard.params
             # [padded] in the reduce dtype (default: the masters', so bf16 gradients are upcast first)
-            wire = part.shard.flatten([p.grad for p in params], like=part.shard.local, dtype=self.wire_dtype)
+            part.reduce_in = part.shard.flatten([p.grad for p in params], like=part.shard.local, dtype=self.wire_dtype)
+            part.reduce_out = part.reduce_in.new_empty(part.shard.size)
+            self.buffers.sample(self.held_buffers())  # the unit's gradients, and their flat copy
             for p in params:
                 p.grad = None
-            part.reduce_out = wire.new_empty(part.shard.size)
-            part.reduce_work = comm.reduce_scatter_into(part.reduce_out, wire, part.group, async_op=True)
+            part.reduce_work = comm.reduce_scatter_into(part.reduce_out, part.reduce_in, part.group, async_op=True)
         unit.reduced = True
         self._free(unit)
 
@@ -599,7 +638,7 @@ class FullyShardedDataParallel:
         for part in unit.parts:
             comm.wait(part.reduce_work, "reduce_scatter", part.group)
             part.shard.grad.add_(part.reduce_out)
-            part.reduce_work, part.reduce_out = None, None
+            part.reduce_work, part.reduce_in, part.reduce_out = None, None, None
         self._reducing = None
 
 

@@ -1,7 +1,8 @@
 """What one layout costs on a cluster: memory per rank, communication per cut, step time.
 
 Memory and communication are the closed forms `fivecut ledger` checks against a real step
-(`fivecut.plan.memory`, `fivecut.plan.activations`, `fivecut.plan.volume`), applied to the
+(`fivecut.plan.memory`, `fivecut.plan.activations`, `fivecut.plan.buffers`, `fivecut.plan.volume`:
+model states, activations, the data cut's buffers, messages), applied to the
 records of the real cuts built on the meta device under a virtual mesh; only the time is a
 model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`):
 
@@ -35,6 +36,7 @@ from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
+from fivecut.plan.buffers import buffer_bytes
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
 from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes
@@ -253,6 +255,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
         states = rank_states(args, cfg, rank)
         per_layer = [block_bytes(args, cfg, rows, seq, precision, i) for r in stage_ranges for i in r]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
+        states["buffers"] = buffer_bytes(args, cfg, rank)  # gathered ZeRO-3 units, reduction copies
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank

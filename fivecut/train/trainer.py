@@ -31,6 +31,7 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     ledger_rows: list[Row] = field(default_factory=list)  # the last step's communication
     memory: dict[str, int] = field(default_factory=dict)  # model-state bytes on this rank
+    buffers: int = 0  # the most bytes the data cut's buffers held at once in step 1 (`BufferPeak`)
     activations: dict[str, int] = field(default_factory=dict)  # layer -> bytes saved for backward (step 1)
     loss_plot: str | None = None
     moe: list[dict] = field(default_factory=list)  # MoE models: per step, expert loads and balance
@@ -207,6 +208,7 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
         record["moe"] = moe
     if step == 1:
         result.memory = model_state_bytes(*ctx.par.state_tensors(), ctx.optimizer)
+        result.buffers = ctx.par.sync.buffer_peak()
         log.memory(result.memory)
     if step == 1 and ctx.par.compiled is not None:  # Dynamo's counts once step 1 has compiled every graph
         record["compile"] = result.compile = ctx.par.compiled.counts()
