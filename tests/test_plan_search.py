@@ -10,7 +10,7 @@ from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import ClusterError, cluster_from_table, parse_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.search import search
-from fivecut.plan.volume import local_placements, screened_placements
+from fivecut.plan.volume import local_param_counts, local_placements, screened_placements
 
 
 def config(model: str, layout: str | None, cluster: str, *flags: str):
@@ -45,6 +45,7 @@ def test_the_screen_holds_exactly_the_parameters_the_real_cuts_give(model, layou
         real, screened = local_placements(args, cfg, rank), screened_placements(args, cfg, rank)
         assert set(real) == set(screened)
         assert by_group(real) == by_group(screened)
+        assert local_param_counts(args, cfg, rank) == by_group(real)  # summed without the records
 
 
 def test_the_search_ranks_fitting_layouts_by_the_exact_cost():

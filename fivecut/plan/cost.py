@@ -37,7 +37,7 @@ from fivecut.parallel.pipeline.simulate import simulate
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
-from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes
+from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes, virtual_mesh
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
@@ -126,7 +126,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     """`records`: where the data cut's flat buffers come from (`fivecut.plan.volume.predict`)."""
     dims, t = cfg.parallel, cfg.train
     world = dims.world_size
-    mesh = Mesh.virtual(dims, rank=0, moe=args.is_moe)
+    mesh = virtual_mesh(dims, args.is_moe)
     rows = t.global_batch // (dims.dp * t.accumulate)  # sequences per rank per micro-step
     microbatches = dims.microbatches if dims.pp > 1 else 1
     seq_local = t.seq_len // dims.cp

@@ -7,7 +7,8 @@ come from the model built on the meta device: no memory, exact shapes.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+from dataclasses import dataclass, replace
 
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
@@ -284,12 +285,18 @@ def pipeline_plan(args, cfg):
     split = tuple(dims.pp_layers) if dims.pp_layers else None
     key = (args, dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
     if key not in PIPELINES:
-        sched = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+        sched = shared_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
         PIPELINES[key] = sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
     return PIPELINES[key]
 
 
 PIPELINES: dict[tuple, tuple] = {}  # see `pipeline_plan`
+
+
+@functools.cache
+def shared_schedule(name: str, pp: int, microbatches: int, virtual: int):
+    """`build_schedule`, once per arguments whatever the model: shared, read it only."""
+    return build_schedule(name, pp, microbatches, virtual)
 
 
 def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]:
@@ -547,19 +554,32 @@ def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     to one block of each kind (dense, MoE), then each block of the rank's stages given the records
     of its kind. Their counts are exact (tests compare them); ZeRO's flat buffers are not built:
     each parameter stands for a buffer of its own, padded to a multiple of its shard group."""
-    dims, t = cfg.parallel, cfg.train
-    moe = repr(cfg.moe)
-    # which parameters a rank holds does not depend on ZeRO or on the microbatch count
-    plain = replace(dims, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(dims))
-    key = ("composed", args, layout_key(plain), t.bucket_mb, t.global_batch, t.seq_len, moe, pp_rank)
+    dims = cfg.parallel
+    key = composed_key(args, cfg, pp_rank)
     if key not in PLACEMENTS:
-        kept(key, composed_placements(args, replace(cfg, parallel=plain), pp_rank))
+        kept(key, composed_placements(args, replace(cfg, parallel=plain_dims(dims)), pp_rank))
     if not dims.zero:
         return PLACEMENTS[key]
     flat_key = ("padded", key, dims.zero, dims.zero_shard)
     if flat_key not in PLACEMENTS:
         kept(flat_key, padded_alone(PLACEMENTS[key], cfg))
     return PLACEMENTS[flat_key]
+
+
+def plain_dims(dims):
+    """`dims` without what does not change which parameters a rank holds: ZeRO and the microbatch count."""
+    return replace(dims, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(dims))
+
+
+PLAIN = {"zero": 0, "zero_shard": None, "reshard_after_forward": True}  # `plain_dims`'s fields, microbatches aside
+
+
+def composed_key(args, cfg, pp_rank: int) -> tuple:
+    """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it."""
+    dims, t = cfg.parallel, cfg.train
+    fields = vars(dims) | PLAIN | {"microbatches": least_microbatches(dims)}
+    plain = tuple(tuple(v) if isinstance(v, list) else v for v in fields.values())
+    return ("composed", args, plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
 
 
 def least_microbatches(dims) -> int:
@@ -569,34 +589,87 @@ def least_microbatches(dims) -> int:
     return 2 * dims.pp if dims.pp_schedule == "dualpipev" else dims.pp
 
 
+def virtual_mesh(dims, moe: bool) -> Mesh:
+    """`Mesh.virtual(dims, 0, moe)`, once per layout but for its microbatch count and ZeRO stage (a
+    mesh reads neither, only whether ZeRO is on: `hybrid`; a search costs every count and stage of a
+    layout). Shared: read its groups only."""
+    key = (layout_key(replace(dims, microbatches=1, zero=min(dims.zero, 1))), moe)
+    if key not in MESHES:
+        MESHES[key] = Mesh.virtual(dims, rank=0, moe=moe)
+    return MESHES[key]
+
+
+MESHES: dict[tuple, Mesh] = {}  # see `virtual_mesh`
+
+
 def layout_key(dims) -> tuple:
     return tuple(tuple(v) if isinstance(v, list) else v for v in vars(dims).values())
 
 
-def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
+@dataclass
+class Composition:
+    """What the screen composes a rank's records from: the one-block model's cut records by kind of
+    block (each name after `layers.K.`), the (stage, layer, kind) of each block the rank holds, and
+    the records outside the blocks it holds with their stage."""
+
+    kinds: list[dict[str, Placement]]
+    blocks: list[tuple[int | None, int, int]]
+    outside: list[tuple[Placement, int]]
+
+
+def composition(args, cfg, pp_rank: int) -> Composition:
     dims = cfg.parallel
     kinds, blocks = block_kinds(args)
     short = replace(cfg, parallel=unpipelined(dims))
     cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
     sched, layers = pipeline_plan(args, cfg) if dims.pp > 1 else (None, [range(args.n_layers)])
     stages = [s for s in range(len(layers)) if sched is None or sched.stage_rank[s] == pp_rank]
-    out: dict[str, Placement] = {}
-    for s in stages:
-        stage = s if sched is not None else None
-        for i in layers[s]:
-            k = kinds.index(args.moe_layer(i))
-            for name, pl in cut.items():
-                if name.startswith(f"layers.{k}."):
-                    renamed = f"layers.{i}." + name.removeprefix(f"layers.{k}.")
-                    out[renamed] = replace(pl, name=renamed, stage=stage)
-    last = len(layers) - 1
+    by_kind = [
+        {name.removeprefix(f"layers.{k}."): pl for name, pl in cut.items() if name.startswith(f"layers.{k}.")}
+        for k in range(len(kinds))
+    ]
+    held = [(s if sched is not None else None, i, kinds.index(args.moe_layer(i))) for s in stages for i in layers[s]]
+    last, outside = len(layers) - 1, []
     for name, pl in cut.items():
         head = not name.startswith(("layers.", "tok_embeddings."))
         if (name.startswith("tok_embeddings.") and (0 in stages or ends_copy(args, sched, stages, last))) or (
             head and last in stages
         ):
-            out[name] = replace(pl, stage=0 if name.startswith("tok_embeddings.") and 0 in stages else last)
+            outside.append((pl, 0 if name.startswith("tok_embeddings.") and 0 in stages else last))
+    return Composition(by_kind, held, outside)
+
+
+def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
+    parts = composition(args, cfg, pp_rank)
+    out: dict[str, Placement] = {}
+    for stage, i, k in parts.blocks:
+        for suffix, pl in parts.kinds[k].items():
+            renamed = f"layers.{i}.{suffix}"
+            out[renamed] = replace(pl, name=renamed, stage=stage)
+    for pl, stage in parts.outside:
+        out[pl.name] = replace(pl, stage=stage)
     return padded_alone(out, cfg)
+
+
+def composed_counts(args, cfg, pp_rank: int) -> dict[str, int]:
+    """The local parameter counts of `composed_placements`'s records by reduce group, without
+    building them: each block adds its kind's counts (a renamed record keeps its shape and cut)."""
+    parts = composition(args, cfg, pp_rank)
+    per_kind = [group_counts(records.values()) for records in parts.kinds]
+    counts: dict[str, int] = {}
+    for _, _, k in parts.blocks:
+        for group, n in per_kind[k].items():
+            counts[group] = counts.get(group, 0) + n
+    for group, n in group_counts(pl for pl, _ in parts.outside).items():
+        counts[group] = counts.get(group, 0) + n
+    return counts
+
+
+def group_counts(records) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for pl in records:
+        counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
+    return counts
 
 
 def block_kinds(args) -> tuple[list[bool], int]:
@@ -633,12 +706,13 @@ def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
 
 def local_param_counts(args, cfg, pp_rank: int = 0, records=None) -> dict[str, int]:
     """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
-    d = cfg.parallel  # counts do not depend on ZeRO or on the microbatch count
-    plain = replace(d, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(d))
-    key = ("counts", id(records), args, layout_key(plain), cfg.train.seq_len, repr(cfg.moe), pp_rank)
-    if key not in PLACEMENTS:
-        counts: dict[str, int] = {}
-        for pl in (records or screened_placements)(args, cfg, pp_rank).values():
-            counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
-        kept(key, counts)
-    return dict(PLACEMENTS[key])
+    key = (id(records), composed_key(args, cfg, pp_rank))  # counts do not depend on ZeRO or the microbatches
+    if key not in COUNTS:
+        if records is None:  # the screen's: `composed_placements`'s counts
+            COUNTS[key] = composed_counts(args, replace(cfg, parallel=plain_dims(cfg.parallel)), pp_rank)
+        else:
+            COUNTS[key] = group_counts(records(args, cfg, pp_rank).values())
+    return dict(COUNTS[key])
+
+
+COUNTS: dict[tuple, dict[str, int]] = {}  # see `local_param_counts`: a few numbers per layout
