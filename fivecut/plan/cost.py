@@ -248,15 +248,23 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     in_flight = [1] * dims.pp
     if dims.pp > 1:
         in_flight = in_flight_of(args, cfg)
-    best, best_rank = None, 0
+    best, best_rank, of_kind = None, 0, {}  # of_kind: (MoE, recompute mode) -> `block_bytes`, once a call
     for rank, stage_ranges in layers_by_rank.items():
         states = rank_states(args, cfg, rank)
-        per_layer = [block_bytes(args, cfg, rows, seq, precision, i) for r in stage_ranges for i in r]
+        per_layer = [kind_bytes(args, cfg, rows, seq, precision, i, of_kind) for r in stage_ranges for i in r]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank
     return best, best_rank
+
+
+def kind_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, of_kind: dict) -> float:
+    """`block_bytes` through `of_kind`, a cache of one layout's kinds of block."""
+    kind = (args.moe_layer(layer), layer_mode(layer, cfg.train.recompute, cfg.train.recompute_every))
+    if kind not in of_kind:
+        of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, layer)
+    return of_kind[kind]
 
 
 def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int) -> float:

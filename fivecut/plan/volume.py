@@ -437,15 +437,16 @@ def shard_group_sizes(cfg) -> dict[str, int]:
 
 def data_parallel_volume(args, cfg, n: int, records=None) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
-    by_group: dict[str, list[Placement]] = {}
-    placements = (records or local_placements)(args, cfg, 0)
-    for pl in placements.values():
-        by_group.setdefault(pl.reduce, []).append(pl)
+    records = records or local_placements
+    if records is screened_placements:  # the screen's sums, without its records
+        by_group = screened_sums(args, cfg)
+    else:
+        by_group = record_sums(records(args, cfg, 0).values())
     sizes, r = shard_group_sizes(cfg), zero_replicas(cfg)
-    parts = [group_reduction_volume(cfg, records, sizes[name], r) for name, records in by_group.items()]
+    parts = [group_reduction_volume(cfg, sums, sizes[name], r) for name, sums in by_group.items()]
     norm = cfg.parallel.shard_size  # the clip norm sums over one shard group, not its replicas
     clip = ring_factor("all_reduce", norm) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
-    again = tied_regathers(args, cfg, placements, sizes["dp_cp"])  # gathered inside the shard group
+    again = tied_regathers(args, cfg, records, sizes["dp_cp"])  # gathered inside the shard group
     volume = sum(v for v, _ in parts + again) + clip
     how = (
         parts[0][1]
@@ -459,35 +460,85 @@ def data_parallel_volume(args, cfg, n: int, records=None) -> tuple[float, str]:
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
-def group_reduction_volume(cfg, records: list[Placement], n: int, r: int = 1) -> tuple[float, str]:
-    """DDP or ZeRO-1/2/3 of the parameters of `records` over n ranks; ZeRO's flat buffers (padded
-    to a multiple of n) are read from the records' flat slots. Hybrid sharding: ZeRO over n ranks
+@dataclass(frozen=True)
+class GroupSums:
+    """What the data cut reads of the records of one reduce group."""
+
+    phi: int  # elements of this rank's parameters (its stages, its TP and EP shards)
+    flat: int  # elements of their ZeRO flat buffers, padded (0 without ZeRO)
+
+
+def record_sums(records) -> dict[str, GroupSums]:
+    """By reduce group (in the order the records first name them), Phi and the padded elements of
+    the distinct flat buffers the records sit in."""
+    phi: dict[str, int] = {}
+    buffers: dict[str, set[tuple[int, int]]] = {}
+    for pl in records:
+        phi[pl.reduce] = phi.get(pl.reduce, 0) + pl.local_numel()
+        if pl.flat is not None:
+            buffers.setdefault(pl.reduce, set()).add((pl.flat.buffer, pl.flat.padded))
+    return {g: GroupSums(phi[g], sum(padded for _, padded in buffers.get(g, ()))) for g in phi}
+
+
+def screened_sums(args, cfg) -> dict[str, GroupSums]:
+    """`record_sums` of rank 0's `screened_placements` (each parameter a buffer of its own, padded to
+    a multiple of its shard group: `padded_alone`), summed per kind of block without the records;
+    once per layout and shard group sizes."""
+    sizes = shard_group_sizes(cfg)
+    key = ("sums", composed_key(args, cfg, 0), tuple(sizes.items()), bool(cfg.parallel.zero))
+    if key not in SUMS:
+        parts = composition(args, replace(cfg, parallel=plain_dims(cfg.parallel)), 0)
+        pad = (lambda pl: -(-pl.local_numel() // sizes[pl.reduce]) * sizes[pl.reduce]) if cfg.parallel.zero else None
+        per_kind = [kind_sums(records.values(), pad) for records in parts.kinds]
+        totals: dict[str, tuple[int, int]] = {}
+        for sums in [per_kind[k] for _, _, k in parts.blocks] + [kind_sums((pl for pl, _ in parts.outside), pad)]:
+            for g, (phi, flat) in sums.items():
+                old = totals.get(g, (0, 0))
+                totals[g] = (old[0] + phi, old[1] + flat)
+        SUMS[key] = {g: GroupSums(phi, flat) for g, (phi, flat) in totals.items()}
+    return SUMS[key]
+
+
+SUMS: dict[tuple, dict[str, GroupSums]] = {}  # see `screened_sums`: a few numbers per layout
+
+
+def kind_sums(records, pad) -> dict[str, tuple[int, int]]:
+    """By reduce group, (elements, padded elements by `pad`; 0 without it) of `records`."""
+    out: dict[str, tuple[int, int]] = {}
+    for pl in records:
+        old = out.get(pl.reduce, (0, 0))
+        out[pl.reduce] = (old[0] + pl.local_numel(), old[1] + (pad(pl) if pad else 0))
+    return out
+
+
+def group_reduction_volume(cfg, sums: GroupSums, n: int, r: int = 1) -> tuple[float, str]:
+    """DDP or ZeRO-1/2/3 of the parameters of one group (`sums`) over n ranks; ZeRO's flat buffers
+    (padded to a multiple of n) are the records' flat slots. Hybrid sharding: ZeRO over n ranks
     of each of r replicas, and each rank's 1/n of every buffer all-reduced over the r replicas once
     per step, after the step's last reduce-scatter."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    phi = sum(pl.local_numel() for pl in records)  # this rank's parameters (its stages, its TP and EP shards)
+    phi = sums.phi  # this rank's parameters (its stages, its TP and EP shards)
     if n * r == 1:
         return 0.0, f"one rank, nothing to reduce (Phi={phi:,})"
     if dims.zero == 0:
         ar = ring_factor("all_reduce", n)
         return ar * g * phi, f"all-reduce of every gradient: 2(n-1)/n x {g}B x Phi, n={n}, Phi={phi:,}"
-    volume, how = zero_volume(cfg, records, n)
+    volume, how = zero_volume(cfg, sums, n)
     if r > 1:
-        shard = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records}) // n
+        shard = sums.flat // n
         volume += ring_factor("all_reduce", r) * g * shard
         how += f" + all-reduce of the {shard:,}-element shard over r={r} replicas at {g}B"
     return volume, how
 
 
-def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
+def zero_volume(cfg, sums: GroupSums, n: int) -> tuple[float, str]:
     """ZeRO-1/2/3 inside a shard group of n ranks (see `group_reduction_volume`)."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    phi = sum(pl.local_numel() for pl in records)
+    phi, flat = sums.phi, sums.flat
     ag, rs = ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
     acc = train.accumulate
-    flat = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records})
     if dims.zero in (1, 2):
         sends = acc if dims.zero == 2 else 1
         volume = sends * rs * g * flat + ag * PARAM_BYTES * flat
@@ -507,7 +558,7 @@ def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
     )
 
 
-def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[tuple[float, str]]:
+def tied_regathers(args, cfg, records, n: int) -> list[tuple[float, str]]:
     """ZeRO-3 with resharding, both pipeline ends on this rank (DualPipeV) and a tied embedding: the
     first stage's embedding unit is gathered again for the last stage's head, forward and backward,
     in every microbatch (`Unit.borrowed`)."""
@@ -517,7 +568,7 @@ def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[
     owner = pipeline_plan(args, cfg)[0].stage_rank
     if owner[0] != owner[-1] or owner[0] != 0:
         return []
-    flat = placements["tok_embeddings.weight"].flat.padded
+    flat = records(args, cfg, 0)["tok_embeddings.weight"].flat.padded
     gathers = train.accumulate * 2 * dims.microbatches
     volume = gathers * ring_factor("all_gather", n) * BYTES[train.dtype] * flat
     return [(volume, f"{gathers} all-gathers of the tied embedding's unit ({flat:,}) for the head on the same rank")]
@@ -560,7 +611,7 @@ def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
         kept(key, composed_placements(args, replace(cfg, parallel=plain_dims(dims)), pp_rank))
     if not dims.zero:
         return PLACEMENTS[key]
-    flat_key = ("padded", key, dims.zero, dims.zero_shard)
+    flat_key = ("padded", key, tuple(shard_group_sizes(cfg).items()))  # all that `padded_alone` reads of ZeRO
     if flat_key not in PLACEMENTS:
         kept(flat_key, padded_alone(PLACEMENTS[key], cfg))
     return PLACEMENTS[flat_key]
@@ -590,10 +641,10 @@ def least_microbatches(dims) -> int:
 
 
 def virtual_mesh(dims, moe: bool) -> Mesh:
-    """`Mesh.virtual(dims, 0, moe)`, once per layout but for its microbatch count and ZeRO stage (a
-    mesh reads neither, only whether ZeRO is on: `hybrid`; a search costs every count and stage of a
-    layout). Shared: read its groups only."""
-    key = (layout_key(replace(dims, microbatches=1, zero=min(dims.zero, 1))), moe)
+    """`Mesh.virtual(dims, 0, moe)`, once per what a mesh reads of `dims` (its sizes, the cp and ep
+    cuts, hybrid sharding's groups; not the schedule, the microbatches or the ZeRO stage): a search
+    costs many layouts on one mesh. Shared: read its groups only."""
+    key = (dims.shape, dims.cp_mode, dims.cp_ulysses, dims.ep, dims.etp, dims.hybrid, dims.shard_size, moe)
     if key not in MESHES:
         MESHES[key] = Mesh.virtual(dims, rank=0, moe=moe)
     return MESHES[key]
@@ -619,15 +670,10 @@ class Composition:
 
 def composition(args, cfg, pp_rank: int) -> Composition:
     dims = cfg.parallel
-    kinds, blocks = block_kinds(args)
-    short = replace(cfg, parallel=unpipelined(dims))
-    cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
+    kinds, _ = block_kinds(args)
+    cut, by_kind = one_block_cut(args, cfg)
     sched, layers = pipeline_plan(args, cfg) if dims.pp > 1 else (None, [range(args.n_layers)])
     stages = [s for s in range(len(layers)) if sched is None or sched.stage_rank[s] == pp_rank]
-    by_kind = [
-        {name.removeprefix(f"layers.{k}."): pl for name, pl in cut.items() if name.startswith(f"layers.{k}.")}
-        for k in range(len(kinds))
-    ]
     held = [(s if sched is not None else None, i, kinds.index(args.moe_layer(i))) for s in stages for i in layers[s]]
     last, outside = len(layers) - 1, []
     for name, pl in cut.items():
@@ -637,6 +683,26 @@ def composition(args, cfg, pp_rank: int) -> Composition:
         ):
             outside.append((pl, 0 if name.startswith("tok_embeddings.") and 0 in stages else last))
     return Composition(by_kind, held, outside)
+
+
+def one_block_cut(args, cfg) -> tuple[dict[str, Placement], list[dict[str, Placement]]]:
+    """The real cuts of the model of one block of each kind under `cfg`'s layout without its pipeline,
+    and those records by kind of block (each name after `layers.K.`); once per layout, for all of its
+    pipeline positions."""
+    key = composed_key(args, cfg, None)
+    if key not in BLOCK_CUTS:
+        kinds, blocks = block_kinds(args)
+        short = replace(cfg, parallel=unpipelined(cfg.parallel))
+        cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
+        by_kind = [
+            {name.removeprefix(f"layers.{k}."): pl for name, pl in cut.items() if name.startswith(f"layers.{k}.")}
+            for k in range(len(kinds))
+        ]
+        BLOCK_CUTS[key] = cut, by_kind
+    return BLOCK_CUTS[key]
+
+
+BLOCK_CUTS: dict[tuple, tuple] = {}  # see `one_block_cut`: a few records per layout
 
 
 def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:

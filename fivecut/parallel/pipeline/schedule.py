@@ -510,17 +510,19 @@ def execution_order(sch: Schedule) -> list[tuple[int, int]]:
     """(rank, index) in an order a machine can run them: sends never block, a receive waits for its send.
 
     Raises ScheduleError naming the stuck ranks and what each waits for if the lists deadlock."""
-    nxt, sent, order = [0] * sch.pp, set(), []
+    nxt, order = [0] * sch.pp, []
+    sent: set[tuple[str, int, int]] = set()  # (receive kind, stage, microbatch) whose send was issued
     progress = True
     while progress:
         progress = False
         for rank, actions in enumerate(sch.actions):
             while nxt[rank] < len(actions):
                 a = actions[nxt[rank]]
-                if a.kind.startswith("RECV") and partner(a) not in sent:
+                if a.kind in RECEIVES and (a.kind, a.stage, a.microbatch) not in sent:
                     break
-                if a.kind.startswith("SEND"):
-                    sent.add(a)
+                if a.kind in SENDS:
+                    kind, step = PARTNER[a.kind]
+                    sent.add((kind, a.stage + step, a.microbatch))
                 order.append((rank, nxt[rank]))
                 nxt[rank] += 1
                 progress = True
