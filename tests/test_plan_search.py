@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,7 @@ from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import ClusterError, cluster_from_table, parse_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.search import search
-from fivecut.plan.volume import local_param_counts, local_placements, screened_placements
+from fivecut.plan.volume import block_layout, local_param_counts, local_placements, screened_placements, unpipelined
 
 
 def config(model: str, layout: str | None, cluster: str, *flags: str):
@@ -46,6 +47,16 @@ def test_the_screen_holds_exactly_the_parameters_the_real_cuts_give(model, layou
         assert set(real) == set(screened)
         assert by_group(real) == by_group(screened)
         assert local_param_counts(args, cfg, rank) == by_group(real)  # summed without the records
+
+
+@pytest.mark.parametrize("layout", ["dp=8", "dp=2,tp=2,sp=true,cp=2", "dp=2,cp=4,cp_mode=usp,cp_ulysses=2"])
+def test_a_dense_block_is_cut_the_same_on_any_number_of_data_parallel_ranks(layout):
+    """The screen cuts a dense model's blocks on one dp rank (`block_layout`): the records must be
+    those of the layout's own dp."""
+    cfg, args = config("tiny", layout, "1x8xH100", "--seq", "64")
+    own = local_placements(args, replace(cfg, parallel=unpipelined(cfg.parallel)), 0)
+    assert own == local_placements(args, replace(cfg, parallel=block_layout(args, cfg.parallel)), 0)
+    assert block_layout(args, cfg.parallel).dp == 1
 
 
 def test_the_search_ranks_fitting_layouts_by_the_exact_cost():

@@ -692,7 +692,7 @@ def one_block_cut(args, cfg) -> tuple[dict[str, Placement], list[dict[str, Place
     key = composed_key(args, cfg, None)
     if key not in BLOCK_CUTS:
         kinds, blocks = block_kinds(args)
-        short = replace(cfg, parallel=unpipelined(cfg.parallel))
+        short = replace(cfg, parallel=block_layout(args, cfg.parallel))
         cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
         by_kind = [
             {name.removeprefix(f"layers.{k}."): pl for name, pl in cut.items() if name.startswith(f"layers.{k}.")}
@@ -750,6 +750,14 @@ def unpipelined(dims):
     return replace(
         dims, pp=1, pp_schedule="1f1b", pp_virtual=1, microbatches=1, pp_layers=None, zero=0, zero_shard=None
     )
+
+
+def block_layout(args, dims):
+    """The layout whose cuts the screen applies to one block of each kind: `unpipelined`, and for a
+    dense model on one data-parallel rank (without ZeRO or experts the data cut slices nothing; a
+    test compares the records): a search's layouts of every dp share one build."""
+    short = unpipelined(dims)
+    return short if args.is_moe else replace(short, dp=1)
 
 
 def ends_copy(args, sched, stages: list[int], last: int) -> bool:
