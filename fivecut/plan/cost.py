@@ -37,7 +37,15 @@ from fivecut.parallel.pipeline.simulate import simulate
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
-from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes, virtual_mesh
+from fivecut.plan.volume import (
+    flops_per_token,
+    layer_kinds,
+    local_param_counts,
+    pipeline_plan,
+    predict,
+    shard_group_sizes,
+    virtual_mesh,
+)
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
@@ -152,7 +160,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         bubble=bubble,
         cuts=cuts,
         step=step,
-        mfu=args.flops_per_token(t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
+        mfu=flops_per_token(args, t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
         traffic=traffic,
     )
@@ -251,7 +259,11 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     best, best_rank, of_kind = None, 0, {}  # of_kind: (MoE, recompute mode) -> `block_bytes`, once a call
     for rank, stage_ranges in layers_by_rank.items():
         states = rank_states(args, cfg, rank)
-        per_layer = [kind_bytes(args, cfg, rows, seq, precision, i, of_kind) for r in stage_ranges for i in r]
+        per_layer = [
+            kind_bytes(args, cfg, rows, seq, precision, i, kind, of_kind)
+            for r in stage_ranges
+            for i, kind in zip(r, layer_kinds(args, r, t.recompute, t.recompute_every))
+        ]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
@@ -259,9 +271,9 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     return best, best_rank
 
 
-def kind_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, of_kind: dict) -> float:
-    """`block_bytes` through `of_kind`, a cache of one layout's kinds of block."""
-    kind = (args.moe_layer(layer), layer_mode(layer, cfg.train.recompute, cfg.train.recompute_every))
+def kind_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, kind: tuple, of_kind: dict) -> float:
+    """`block_bytes` of `layer`, of kind `kind` (`layer_kinds`), through `of_kind`, a cache of one
+    layout's kinds of block."""
     if kind not in of_kind:
         of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, layer)
     return of_kind[kind]

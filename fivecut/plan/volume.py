@@ -653,6 +653,18 @@ def virtual_mesh(dims, moe: bool) -> Mesh:
 MESHES: dict[tuple, Mesh] = {}  # see `virtual_mesh`
 
 
+@functools.cache
+def layer_kinds(args, layers: range, recompute: str, every: int) -> tuple[tuple[bool, str], ...]:
+    """(MoE, recomputation mode) of each block of `layers`: what sets its activation bytes."""
+    return tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for i in layers)
+
+
+@functools.cache
+def flops_per_token(args, seq: int) -> float:
+    """`ModelArgs.flops_per_token`, once per model and sequence (it counts every parameter)."""
+    return args.flops_per_token(seq)
+
+
 def layout_key(dims) -> tuple:
     return tuple(tuple(v) if isinstance(v, list) else v for v in vars(dims).values())
 
