@@ -11,7 +11,16 @@ from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import ClusterError, cluster_from_table, parse_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.search import search
-from fivecut.plan.volume import block_layout, local_param_counts, local_placements, screened_placements, unpipelined
+from fivecut.plan.volume import (
+    block_layout,
+    layout_key,
+    local_param_counts,
+    local_placements,
+    real_placements,
+    records_layout,
+    screened_placements,
+    unpipelined,
+)
 
 
 def config(model: str, layout: str | None, cluster: str, *flags: str):
@@ -57,6 +66,31 @@ def test_a_dense_block_is_cut_the_same_on_any_number_of_data_parallel_ranks(layo
     own = local_placements(args, replace(cfg, parallel=unpipelined(cfg.parallel)), 0)
     assert own == local_placements(args, replace(cfg, parallel=block_layout(args, cfg.parallel)), 0)
     assert block_layout(args, cfg.parallel).dp == 1
+
+
+@pytest.mark.parametrize(
+    "model, layout, same",
+    [
+        ("tiny", "dp=8,zero=3", "dp=4,zero=3,cp=2"),
+        ("tiny", "dp=8,zero=1", "dp=2,zero=1,cp=4,cp_mode=usp,cp_ulysses=2"),
+        ("tiny", "dp=4,zero=2,tp=2,sp=true", "dp=2,zero=2,tp=2,sp=true,cp=2,cp_mode=ulysses"),
+        ("tiny", "dp=4,zero=3,zero_shard=2", "dp=2,zero=3,cp=2,zero_shard=2"),
+        ("tiny-gpt2", "dp=4,zero=3,pp=2,microbatches=2", "dp=2,zero=3,cp=2,pp=2,microbatches=4"),
+        (
+            "tiny",
+            "dp=2,zero=2,pp=2,pp_schedule=zb1p,microbatches=2",
+            "dp=2,zero=2,pp=2,microbatches=4,pp_schedule=zb1p",
+        ),
+    ],
+)
+def test_a_dense_model_has_the_records_of_its_dp_x_cp_ranks_without_cp(model, layout, same):
+    """`local_placements` shares one build among the layouts `records_layout` maps together: their
+    records, built apart, must be equal on every pipeline position."""
+    cfg, args = config(model, layout, "1x8xH100", "--seq", "64")
+    other, _ = config(model, same, "1x8xH100", "--seq", "64")
+    assert layout_key(records_layout(args, cfg.parallel)) == layout_key(records_layout(args, other.parallel))
+    for rank in range(cfg.parallel.pp):
+        assert real_placements(args, cfg, rank) == real_placements(args, other, rank)
 
 
 def test_the_search_ranks_fitting_layouts_by_the_exact_cost():

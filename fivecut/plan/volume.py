@@ -579,13 +579,32 @@ def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     the real cuts applied to the model on the meta device, under a mesh with no process groups.
     Built once per (model, layout, the train fields the cuts read, position): a search over
     layouts asks for the same records many times. The records are shared: read them only."""
-    dims, t = cfg.parallel, cfg.train
-    key = (args, layout_key(dims), t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    t = cfg.train
+    key = (args, layout_key(records_layout(args, cfg.parallel)), t.bucket_mb, t.global_batch, t.seq_len)
+    key += (repr(cfg.moe), pp_rank)
     if key not in PLACEMENTS:
-        mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
-        options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
-        kept(key, parallelize(build_model(args, device="meta"), mesh, options).placements)
+        kept(key, real_placements(args, cfg, pp_rank))
     return PLACEMENTS[key]
+
+
+def real_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
+    """`local_placements` built now: the model on the meta device, cut by `parallelize`."""
+    dims, t = cfg.parallel, cfg.train
+    mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
+    options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    return parallelize(build_model(args, device="meta"), mesh, options).placements
+
+
+def records_layout(args, dims):
+    """The layout whose records are `dims`'s: in a dense model the parameters are not cut over cp
+    (it cuts the sequence) and ZeRO shards over dp x cp as one group, so its records are those of
+    dp x cp data-parallel ranks without cp; nor do they depend on the microbatch count (tests
+    compare the records). A MoE model's experts are borrowed from dp x cp: its own layout."""
+    if args.is_moe:
+        return dims
+    return replace(
+        dims, dp=dims.dp * dims.cp, cp=1, cp_mode="ring", cp_ulysses=1, microbatches=least_microbatches(dims)
+    )
 
 
 PLACEMENTS: dict[tuple, dict] = {}  # see `local_placements`; `kept` drops the oldest
@@ -766,10 +785,11 @@ def unpipelined(dims):
 
 def block_layout(args, dims):
     """The layout whose cuts the screen applies to one block of each kind: `unpipelined`, and for a
-    dense model on one data-parallel rank (without ZeRO or experts the data cut slices nothing; a
-    test compares the records): a search's layouts of every dp share one build."""
+    dense model on one data-parallel rank and no cp (without ZeRO or experts the data cut slices
+    nothing, and cp cuts the sequence; a test compares the records): a search's layouts of every
+    dp and cp share one build."""
     short = unpipelined(dims)
-    return short if args.is_moe else replace(short, dp=1)
+    return short if args.is_moe else replace(short, dp=1, cp=1, cp_mode="ring", cp_ulysses=1)
 
 
 def ends_copy(args, sched, stages: list[int], last: int) -> bool:
