@@ -17,8 +17,10 @@ from fivecut.plan.volume import (
     local_param_counts,
     local_placements,
     real_placements,
+    record_sums,
     records_layout,
     screened_placements,
+    screened_sums,
     unpipelined,
 )
 
@@ -56,6 +58,17 @@ def test_the_screen_holds_exactly_the_parameters_the_real_cuts_give(model, layou
         assert set(real) == set(screened)
         assert by_group(real) == by_group(screened)
         assert local_param_counts(args, cfg, rank) == by_group(real)  # summed without the records
+    for zero in (1, 3) if cfg.parallel.dp > 1 else ():  # the data cut's sums, without the padded records
+        sharded = replace(cfg, parallel=replace(cfg.parallel, zero=zero))
+        assert screened_sums(args, sharded) == record_sums(screened_placements(args, sharded, 0).values())
+
+
+@pytest.mark.parametrize("layout", ["dp=6,zero=1", "dp=3,tp=2,zero=3", "dp=3,pp=2,zero=2,microbatches=2,zero_shard=3"])
+def test_the_screens_data_cut_sums_are_those_of_its_padded_records(layout):
+    """`screened_sums` adds each kind of block's padded sizes; on 6 ranks (norms of 64 pad to 66) they
+    must be the sums of `screened_placements`'s own padded records."""
+    cfg, args = config("tiny", layout, "1x6xH100", "--seq", "64")
+    assert screened_sums(args, cfg) == record_sums(screened_placements(args, cfg, 0).values())
 
 
 @pytest.mark.parametrize("layout", ["dp=8", "dp=2,tp=2,sp=true,cp=2", "dp=2,cp=4,cp_mode=usp,cp_ulysses=2"])

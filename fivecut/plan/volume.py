@@ -488,10 +488,11 @@ def screened_sums(args, cfg) -> dict[str, GroupSums]:
     key = ("sums", composed_key(args, cfg, 0), tuple(sizes.items()), bool(cfg.parallel.zero))
     if key not in SUMS:
         parts = composition(args, replace(cfg, parallel=plain_dims(cfg.parallel)), 0)
-        pad = (lambda pl: -(-pl.local_numel() // sizes[pl.reduce]) * sizes[pl.reduce]) if cfg.parallel.zero else None
-        per_kind = [kind_sums(records.values(), pad) for records in parts.kinds]
+        shards = sizes if cfg.parallel.zero else None  # without ZeRO nothing is padded
+        per_kind = [kind_sums(records.values(), shards) for records in parts.kinds]
+        outside = kind_sums((pl for pl, _ in parts.outside), shards)
         totals: dict[str, tuple[int, int]] = {}
-        for sums in [per_kind[k] for _, _, k in parts.blocks] + [kind_sums((pl for pl, _ in parts.outside), pad)]:
+        for sums in [per_kind[k] for _, _, k in parts.blocks] + [outside]:
             for g, (phi, flat) in sums.items():
                 old = totals.get(g, (0, 0))
                 totals[g] = (old[0] + phi, old[1] + flat)
@@ -502,12 +503,14 @@ def screened_sums(args, cfg) -> dict[str, GroupSums]:
 SUMS: dict[tuple, dict[str, GroupSums]] = {}  # see `screened_sums`: a few numbers per layout
 
 
-def kind_sums(records, pad) -> dict[str, tuple[int, int]]:
-    """By reduce group, (elements, padded elements by `pad`; 0 without it) of `records`."""
+def kind_sums(records, shards: dict[str, int] | None) -> dict[str, tuple[int, int]]:
+    """By reduce group, (elements, elements padded each to a multiple of its group's `shards`; 0
+    without them) of `records`."""
     out: dict[str, tuple[int, int]] = {}
     for pl in records:
-        old = out.get(pl.reduce, (0, 0))
-        out[pl.reduce] = (old[0] + pl.local_numel(), old[1] + (pad(pl) if pad else 0))
+        numel, old = pl.local_numel(), out.get(pl.reduce, (0, 0))
+        padded = -(-numel // shards[pl.reduce]) * shards[pl.reduce] if shards else 0
+        out[pl.reduce] = (old[0] + numel, old[1] + padded)
     return out
 
 
