@@ -650,8 +650,11 @@ PLAIN = {"zero": 0, "zero_shard": None, "reshard_after_forward": True}  # `plain
 def composed_key(args, cfg, pp_rank: int) -> tuple:
     """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it."""
     dims, t = cfg.parallel, cfg.train
-    fields = vars(dims) | PLAIN | {"microbatches": least_microbatches(dims)}
-    plain = tuple(tuple(v) if isinstance(v, list) else v for v in fields.values())
+    fields = vars(dims) | PLAIN
+    fields["microbatches"] = least_microbatches(dims)
+    if isinstance(dims.pp_layers, list):  # the one list among the fields (`layout_key`)
+        fields["pp_layers"] = tuple(dims.pp_layers)
+    plain = tuple(fields.values())
     return ("composed", args, plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
 
 
