@@ -38,7 +38,6 @@ from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, pre
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
 from fivecut.plan.volume import (
-    flops_per_token,
     layer_kinds,
     local_param_counts,
     pipeline_plan,
@@ -160,7 +159,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         bubble=bubble,
         cuts=cuts,
         step=step,
-        mfu=flops_per_token(args, t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
+        mfu=args.flops_per_token(t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
         traffic=traffic,
     )
@@ -259,8 +258,10 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     best, best_rank, of_kind = None, 0, {}  # of_kind: (MoE, recompute mode) -> `block_bytes`, once a call
     for rank, stage_ranges in layers_by_rank.items():
         states = rank_states(args, cfg, rank)
-        per_layer = [
-            kind_bytes(args, cfg, rows, seq, precision, i, kind, of_kind)
+        per_layer = [  # `block_bytes` once per kind of block (`layer_kinds`) in this call
+            of_kind[kind]
+            if kind in of_kind
+            else of_kind.setdefault(kind, block_bytes(args, cfg, rows, seq, precision, i))
             for r in stage_ranges
             for i, kind in zip(r, layer_kinds(args, r, t.recompute, t.recompute_every))
         ]
@@ -269,14 +270,6 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank
     return best, best_rank
-
-
-def kind_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, kind: tuple, of_kind: dict) -> float:
-    """`block_bytes` of `layer`, of kind `kind` (`layer_kinds`), through `of_kind`, a cache of one
-    layout's kinds of block."""
-    if kind not in of_kind:
-        of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, layer)
-    return of_kind[kind]
 
 
 def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int) -> float:

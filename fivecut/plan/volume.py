@@ -684,12 +684,6 @@ def layer_kinds(args, layers: range, recompute: str, every: int) -> tuple[tuple[
     return tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for i in layers)
 
 
-@functools.cache
-def flops_per_token(args, seq: int) -> float:
-    """`ModelArgs.flops_per_token`, once per model and sequence (it counts every parameter)."""
-    return args.flops_per_token(seq)
-
-
 def layout_key(dims) -> tuple:
     return tuple(tuple(v) if isinstance(v, list) else v for v in vars(dims).values())
 
