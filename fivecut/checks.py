@@ -15,6 +15,7 @@ are imported inside the functions that use them. Each refusal names the key and 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -395,6 +396,17 @@ def built_schedule(name: str, pp: int, microbatches: int, virtual: int):
     return schedule
 
 
+@functools.cache
+def schedule_problem(name: str, pp: int, microbatches: int, virtual: int) -> tuple[str, ...]:
+    """`built_schedule`'s refusal, once per arguments (the schedule is a function of them alone;
+    a search over layouts checks the same one for every other cut)."""
+    try:
+        built_schedule(name, pp, microbatches, virtual)
+    except ValueError as err:
+        return (str(err),)
+    return ()
+
+
 def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
     """Build the schedule (unless a rule of `schedule_rule_problems` already refused it) and the
     stage split now, so that a bad pipeline never starts; each problem is said once."""
@@ -404,10 +416,7 @@ def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
 
     out = []
     if not schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual):
-        try:
-            built_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
-        except ValueError as err:
-            out.append(str(err))
+        out += schedule_problem(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
     stages = dims.pp * stages_per_rank(dims.pp_schedule, dims.pp_virtual)
     try:
         stage_layers(model, stages, seq_len, dims.pp_layers)

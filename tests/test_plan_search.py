@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,18 @@ from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import ClusterError, cluster_from_table, parse_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.search import search
-from fivecut.plan.volume import local_placements, screened_placements
+from fivecut.plan.volume import (
+    block_layout,
+    layout_key,
+    local_param_counts,
+    local_placements,
+    real_placements,
+    record_sums,
+    records_layout,
+    screened_placements,
+    screened_sums,
+    unpipelined,
+)
 
 
 def config(model: str, layout: str | None, cluster: str, *flags: str):
@@ -45,6 +57,53 @@ def test_the_screen_holds_exactly_the_parameters_the_real_cuts_give(model, layou
         real, screened = local_placements(args, cfg, rank), screened_placements(args, cfg, rank)
         assert set(real) == set(screened)
         assert by_group(real) == by_group(screened)
+        assert local_param_counts(args, cfg, rank) == by_group(real)  # summed without the records
+    for zero in (1, 3) if cfg.parallel.dp > 1 else ():  # the data cut's sums, without the padded records
+        sharded = replace(cfg, parallel=replace(cfg.parallel, zero=zero))
+        assert screened_sums(args, sharded) == record_sums(screened_placements(args, sharded, 0).values())
+
+
+@pytest.mark.parametrize("layout", ["dp=6,zero=1", "dp=3,tp=2,zero=3", "dp=3,pp=2,zero=2,microbatches=2,zero_shard=3"])
+def test_the_screens_data_cut_sums_are_those_of_its_padded_records(layout):
+    """`screened_sums` adds each kind of block's padded sizes; on 6 ranks (norms of 64 pad to 66) they
+    must be the sums of `screened_placements`'s own padded records."""
+    cfg, args = config("tiny", layout, "1x6xH100", "--seq", "64")
+    assert screened_sums(args, cfg) == record_sums(screened_placements(args, cfg, 0).values())
+
+
+@pytest.mark.parametrize("layout", ["dp=8", "dp=2,tp=2,sp=true,cp=2", "dp=2,cp=4,cp_mode=usp,cp_ulysses=2"])
+def test_a_dense_block_is_cut_the_same_on_any_number_of_data_parallel_ranks(layout):
+    """The screen cuts a dense model's blocks on one dp rank (`block_layout`): the records must be
+    those of the layout's own dp."""
+    cfg, args = config("tiny", layout, "1x8xH100", "--seq", "64")
+    own = local_placements(args, replace(cfg, parallel=unpipelined(cfg.parallel)), 0)
+    assert own == local_placements(args, replace(cfg, parallel=block_layout(args, cfg.parallel)), 0)
+    assert block_layout(args, cfg.parallel).dp == 1
+
+
+@pytest.mark.parametrize(
+    "model, layout, same",
+    [
+        ("tiny", "dp=8,zero=3", "dp=4,zero=3,cp=2"),
+        ("tiny", "dp=8,zero=1", "dp=2,zero=1,cp=4,cp_mode=usp,cp_ulysses=2"),
+        ("tiny", "dp=4,zero=2,tp=2,sp=true", "dp=2,zero=2,tp=2,sp=true,cp=2,cp_mode=ulysses"),
+        ("tiny", "dp=4,zero=3,zero_shard=2", "dp=2,zero=3,cp=2,zero_shard=2"),
+        ("tiny-gpt2", "dp=4,zero=3,pp=2,microbatches=2", "dp=2,zero=3,cp=2,pp=2,microbatches=4"),
+        (
+            "tiny",
+            "dp=2,zero=2,pp=2,pp_schedule=zb1p,microbatches=2",
+            "dp=2,zero=2,pp=2,microbatches=4,pp_schedule=zb1p",
+        ),
+    ],
+)
+def test_a_dense_model_has_the_records_of_its_dp_x_cp_ranks_without_cp(model, layout, same):
+    """`local_placements` shares one build among the layouts `records_layout` maps together: their
+    records, built apart, must be equal on every pipeline position."""
+    cfg, args = config(model, layout, "1x8xH100", "--seq", "64")
+    other, _ = config(model, same, "1x8xH100", "--seq", "64")
+    assert layout_key(records_layout(args, cfg.parallel)) == layout_key(records_layout(args, other.parallel))
+    for rank in range(cfg.parallel.pp):
+        assert real_placements(args, cfg, rank) == real_placements(args, other, rank)
 
 
 def test_the_search_ranks_fitting_layouts_by_the_exact_cost():

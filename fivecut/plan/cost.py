@@ -39,7 +39,14 @@ from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, pre
 from fivecut.plan.buffers import buffer_bytes
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
-from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes
+from fivecut.plan.volume import (
+    layer_kinds,
+    local_param_counts,
+    pipeline_plan,
+    predict,
+    shard_group_sizes,
+    virtual_mesh,
+)
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
@@ -128,7 +135,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     """`records`: where the data cut's flat buffers come from (`fivecut.plan.volume.predict`)."""
     dims, t = cfg.parallel, cfg.train
     world = dims.world_size
-    mesh = Mesh.virtual(dims, rank=0, moe=args.is_moe)
+    mesh = virtual_mesh(dims, args.is_moe)
     rows = t.global_batch // (dims.dp * t.accumulate)  # sequences per rank per micro-step
     microbatches = dims.microbatches if dims.pp > 1 else 1
     seq_local = t.seq_len // dims.cp
@@ -250,10 +257,16 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     in_flight = [1] * dims.pp
     if dims.pp > 1:
         in_flight = in_flight_of(args, cfg)
-    best, best_rank = None, 0
+    best, best_rank, of_kind = None, 0, {}  # of_kind: (MoE, recompute mode) -> `block_bytes`, once a call
     for rank, stage_ranges in layers_by_rank.items():
         states = rank_states(args, cfg, rank)
-        per_layer = [block_bytes(args, cfg, rows, seq, precision, i) for r in stage_ranges for i in r]
+        per_layer = [  # `block_bytes` once per kind of block (`layer_kinds`) in this call
+            of_kind[kind]
+            if kind in of_kind
+            else of_kind.setdefault(kind, block_bytes(args, cfg, rows, seq, precision, i))
+            for r in stage_ranges
+            for i, kind in zip(r, layer_kinds(args, r, t.recompute, t.recompute_every))
+        ]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
         states["buffers"] = buffer_bytes(args, cfg, rank)  # gathered ZeRO-3 units, reduction copies
         states["total"] = sum(states.values())

@@ -152,7 +152,9 @@ def batch_splits(rows: int, shape: Shape) -> list[tuple[int, int]]:
 
 
 def layout_config(base: Config, shape: Shape, zero: int, shard: int | None, split, recompute: str, world: int):
-    cfg = copy.deepcopy(base)
+    """`base` under one layout; its other sections are `base`'s own (`owned` copies them for the user)."""
+    cfg = copy.copy(base)
+    cfg.train = copy.copy(base.train)
     dp = world // (shape.tp * shape.pp * shape.cp)
     cfg.parallel = ParallelDims(
         dp=dp,
@@ -206,9 +208,16 @@ def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
         for zero, shard in data_cuts(dp * shape.cp, dp, shape, cluster):
             result.ranked += fastest_fitting(args, base, cluster, shape, (zero, shard), result, capacity)
     result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
-    exact = [Candidate(c.cfg, cost_layout(args, c.cfg, cluster)) for c in result.ranked[: EXACT * top]]
+    exact = [Candidate(owned(c.cfg), cost_layout(args, c.cfg, cluster)) for c in result.ranked[: EXACT * top]]
     result.ranked = sorted((c for c in exact if c.cost.fits), key=lambda c: (c.cost.step, c.cost.memory["total"]))
+    if result.smallest is not None:
+        result.smallest.cfg = owned(result.smallest.cfg)
     return result
+
+
+def owned(cfg: Config) -> Config:
+    """A layout's config with sections of its own (the search's share `base`'s)."""
+    return copy.deepcopy(cfg)
 
 
 def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capacity: float) -> list[Candidate]:
@@ -228,9 +237,10 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
         for split in splits:
             cfg = layout_config(base, shape, *data, split, recompute, world)  # valid as `first` is
             result.tried += 1
-            if layout_memory(args, cfg)["total"] > capacity:
+            memory = layout_memory(args, cfg)["total"]
+            if memory > capacity:
                 result.too_big += 1
-                keep_smallest(result, cfg, args, cluster)
+                keep_smallest(result, cfg, memory, args, cluster)
                 continue
             cost = cost_layout(args, cfg, cluster, screened_placements)
             fitting.append(Candidate(cfg, cost))
@@ -241,9 +251,10 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
     return []
 
 
-def keep_smallest(result: SearchResult, cfg: Config, args, cluster: Cluster) -> None:
-    """Remember the layout needing least memory (costed in full: it is what the user is shown)."""
-    if result.smallest is None or layout_memory(args, cfg)["total"] < result.smallest.cost.memory["total"]:
+def keep_smallest(result: SearchResult, cfg: Config, memory: float, args, cluster: Cluster) -> None:
+    """Remember the layout needing least memory (`memory`: its total; costed in full: it is what
+    the user is shown)."""
+    if result.smallest is None or memory < result.smallest.cost.memory["total"]:
         result.smallest = Candidate(cfg, cost_layout(args, cfg, cluster, screened_placements))
 
 

@@ -7,7 +7,8 @@ come from the model built on the meta device: no memory, exact shapes.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+from dataclasses import dataclass, replace
 
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
@@ -284,12 +285,18 @@ def pipeline_plan(args, cfg):
     split = tuple(dims.pp_layers) if dims.pp_layers else None
     key = (args, dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
     if key not in PIPELINES:
-        sched = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+        sched = shared_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
         PIPELINES[key] = sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
     return PIPELINES[key]
 
 
 PIPELINES: dict[tuple, tuple] = {}  # see `pipeline_plan`
+
+
+@functools.cache
+def shared_schedule(name: str, pp: int, microbatches: int, virtual: int):
+    """`build_schedule`, once per arguments whatever the model: shared, read it only."""
+    return build_schedule(name, pp, microbatches, virtual)
 
 
 def expert_parallel_volume(args, cfg, routing: dict | None) -> tuple[float, str]:
@@ -430,15 +437,16 @@ def shard_group_sizes(cfg) -> dict[str, int]:
 
 def data_parallel_volume(args, cfg, n: int, records=None) -> tuple[float, str]:
     """The gradient reduction of each group of parameters (`reduce_group_sizes`), summed."""
-    by_group: dict[str, list[Placement]] = {}
-    placements = (records or local_placements)(args, cfg, 0)
-    for pl in placements.values():
-        by_group.setdefault(pl.reduce, []).append(pl)
+    records = records or local_placements
+    if records is screened_placements:  # the screen's sums, without its records
+        by_group = screened_sums(args, cfg)
+    else:
+        by_group = record_sums(records(args, cfg, 0).values())
     sizes, r = shard_group_sizes(cfg), zero_replicas(cfg)
-    parts = [group_reduction_volume(cfg, records, sizes[name], r) for name, records in by_group.items()]
+    parts = [group_reduction_volume(cfg, sums, sizes[name], r) for name, sums in by_group.items()]
     norm = cfg.parallel.shard_size  # the clip norm sums over one shard group, not its replicas
     clip = ring_factor("all_reduce", norm) * 4 if cfg.train.grad_clip > 0 and cfg.parallel.zero > 0 else 0.0
-    again = tied_regathers(args, cfg, placements, sizes["dp_cp"])  # gathered inside the shard group
+    again = tied_regathers(args, cfg, records, sizes["dp_cp"])  # gathered inside the shard group
     volume = sum(v for v, _ in parts + again) + clip
     how = (
         parts[0][1]
@@ -452,35 +460,88 @@ def data_parallel_volume(args, cfg, n: int, records=None) -> tuple[float, str]:
     return volume, how + (" + clip-norm all-reduce (squared shard norms, one fp32)" if clip else "")
 
 
-def group_reduction_volume(cfg, records: list[Placement], n: int, r: int = 1) -> tuple[float, str]:
-    """DDP or ZeRO-1/2/3 of the parameters of `records` over n ranks; ZeRO's flat buffers (padded
-    to a multiple of n) are read from the records' flat slots. Hybrid sharding: ZeRO over n ranks
+@dataclass(frozen=True)
+class GroupSums:
+    """What the data cut reads of the records of one reduce group."""
+
+    phi: int  # elements of this rank's parameters (its stages, its TP and EP shards)
+    flat: int  # elements of their ZeRO flat buffers, padded (0 without ZeRO)
+
+
+def record_sums(records) -> dict[str, GroupSums]:
+    """By reduce group (in the order the records first name them), Phi and the padded elements of
+    the distinct flat buffers the records sit in."""
+    phi: dict[str, int] = {}
+    buffers: dict[str, set[tuple[int, int]]] = {}
+    for pl in records:
+        phi[pl.reduce] = phi.get(pl.reduce, 0) + pl.local_numel()
+        if pl.flat is not None:
+            buffers.setdefault(pl.reduce, set()).add((pl.flat.buffer, pl.flat.padded))
+    return {g: GroupSums(phi[g], sum(padded for _, padded in buffers.get(g, ()))) for g in phi}
+
+
+def screened_sums(args, cfg) -> dict[str, GroupSums]:
+    """`record_sums` of rank 0's `screened_placements` (each parameter a buffer of its own, padded to
+    a multiple of its shard group: `padded_alone`), summed per kind of block without the records;
+    once per layout and shard group sizes."""
+    sizes = shard_group_sizes(cfg)
+    key = ("sums", composed_key(args, cfg, 0), tuple(sizes.items()), bool(cfg.parallel.zero))
+    if key not in SUMS:
+        parts = composition(args, replace(cfg, parallel=plain_dims(cfg.parallel)), 0)
+        shards = sizes if cfg.parallel.zero else None  # without ZeRO nothing is padded
+        per_kind = [kind_sums(records.values(), shards) for records in parts.kinds]
+        outside = kind_sums((pl for pl, _ in parts.outside), shards)
+        totals: dict[str, tuple[int, int]] = {}
+        for sums in [per_kind[k] for _, _, k in parts.blocks] + [outside]:
+            for g, (phi, flat) in sums.items():
+                old = totals.get(g, (0, 0))
+                totals[g] = (old[0] + phi, old[1] + flat)
+        SUMS[key] = {g: GroupSums(phi, flat) for g, (phi, flat) in totals.items()}
+    return SUMS[key]
+
+
+SUMS: dict[tuple, dict[str, GroupSums]] = {}  # see `screened_sums`: a few numbers per layout
+
+
+def kind_sums(records, shards: dict[str, int] | None) -> dict[str, tuple[int, int]]:
+    """By reduce group, (elements, elements padded each to a multiple of its group's `shards`; 0
+    without them) of `records`."""
+    out: dict[str, tuple[int, int]] = {}
+    for pl in records:
+        numel, old = pl.local_numel(), out.get(pl.reduce, (0, 0))
+        padded = -(-numel // shards[pl.reduce]) * shards[pl.reduce] if shards else 0
+        out[pl.reduce] = (old[0] + numel, old[1] + padded)
+    return out
+
+
+def group_reduction_volume(cfg, sums: GroupSums, n: int, r: int = 1) -> tuple[float, str]:
+    """DDP or ZeRO-1/2/3 of the parameters of one group (`sums`) over n ranks; ZeRO's flat buffers
+    (padded to a multiple of n) are the records' flat slots. Hybrid sharding: ZeRO over n ranks
     of each of r replicas, and each rank's 1/n of every buffer all-reduced over the r replicas once
     per step, after the step's last reduce-scatter."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    phi = sum(pl.local_numel() for pl in records)  # this rank's parameters (its stages, its TP and EP shards)
+    phi = sums.phi  # this rank's parameters (its stages, its TP and EP shards)
     if n * r == 1:
         return 0.0, f"one rank, nothing to reduce (Phi={phi:,})"
     if dims.zero == 0:
         ar = ring_factor("all_reduce", n)
         return ar * g * phi, f"all-reduce of every gradient: 2(n-1)/n x {g}B x Phi, n={n}, Phi={phi:,}"
-    volume, how = zero_volume(cfg, records, n)
+    volume, how = zero_volume(cfg, sums, n)
     if r > 1:
-        shard = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records}) // n
+        shard = sums.flat // n
         volume += ring_factor("all_reduce", r) * g * shard
         how += f" + all-reduce of the {shard:,}-element shard over r={r} replicas at {g}B"
     return volume, how
 
 
-def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
+def zero_volume(cfg, sums: GroupSums, n: int) -> tuple[float, str]:
     """ZeRO-1/2/3 inside a shard group of n ranks (see `group_reduction_volume`)."""
     dims, train = cfg.parallel, cfg.train
     g = BYTES[train.reduce_dtype]
-    phi = sum(pl.local_numel() for pl in records)
+    phi, flat = sums.phi, sums.flat
     ag, rs = ring_factor("all_gather", n), ring_factor("reduce_scatter", n)
     acc = train.accumulate
-    flat = sum(padded for _, padded in {(pl.flat.buffer, pl.flat.padded) for pl in records})
     if dims.zero in (1, 2):
         sends = acc if dims.zero == 2 else 1
         volume = sends * rs * g * flat + ag * PARAM_BYTES * flat
@@ -500,7 +561,7 @@ def zero_volume(cfg, records: list[Placement], n: int) -> tuple[float, str]:
     )
 
 
-def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[tuple[float, str]]:
+def tied_regathers(args, cfg, records, n: int) -> list[tuple[float, str]]:
     """ZeRO-3 with resharding, both pipeline ends on this rank (DualPipeV) and a tied embedding: the
     first stage's embedding unit is gathered again for the last stage's head, forward and backward,
     in every microbatch (`Unit.borrowed`)."""
@@ -510,7 +571,7 @@ def tied_regathers(args, cfg, placements: dict[str, Placement], n: int) -> list[
     owner = pipeline_plan(args, cfg)[0].stage_rank
     if owner[0] != owner[-1] or owner[0] != 0:
         return []
-    flat = placements["tok_embeddings.weight"].flat.padded
+    flat = records(args, cfg, 0)["tok_embeddings.weight"].flat.padded
     gathers = train.accumulate * 2 * dims.microbatches
     volume = gathers * ring_factor("all_gather", n) * BYTES[train.dtype] * flat
     return [(volume, f"{gathers} all-gathers of the tied embedding's unit ({flat:,}) for the head on the same rank")]
@@ -521,13 +582,32 @@ def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     the real cuts applied to the model on the meta device, under a mesh with no process groups.
     Built once per (model, layout, the train fields the cuts read, position): a search over
     layouts asks for the same records many times. The records are shared: read them only."""
-    dims, t = cfg.parallel, cfg.train
-    key = (args, layout_key(dims), t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    t = cfg.train
+    key = (args, layout_key(records_layout(args, cfg.parallel)), t.bucket_mb, t.global_batch, t.seq_len)
+    key += (repr(cfg.moe), pp_rank)
     if key not in PLACEMENTS:
-        mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
-        options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
-        kept(key, parallelize(build_model(args, device="meta"), mesh, options).placements)
+        kept(key, real_placements(args, cfg, pp_rank))
     return PLACEMENTS[key]
+
+
+def real_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
+    """`local_placements` built now: the model on the meta device, cut by `parallelize`."""
+    dims, t = cfg.parallel, cfg.train
+    mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
+    options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    return parallelize(build_model(args, device="meta"), mesh, options).placements
+
+
+def records_layout(args, dims):
+    """The layout whose records are `dims`'s: in a dense model the parameters are not cut over cp
+    (it cuts the sequence) and ZeRO shards over dp x cp as one group, so its records are those of
+    dp x cp data-parallel ranks without cp; nor do they depend on the microbatch count (tests
+    compare the records). A MoE model's experts are borrowed from dp x cp: its own layout."""
+    if args.is_moe:
+        return dims
+    return replace(
+        dims, dp=dims.dp * dims.cp, cp=1, cp_mode="ring", cp_ulysses=1, microbatches=least_microbatches(dims)
+    )
 
 
 PLACEMENTS: dict[tuple, dict] = {}  # see `local_placements`; `kept` drops the oldest
@@ -547,19 +627,35 @@ def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     to one block of each kind (dense, MoE), then each block of the rank's stages given the records
     of its kind. Their counts are exact (tests compare them); ZeRO's flat buffers are not built:
     each parameter stands for a buffer of its own, padded to a multiple of its shard group."""
-    dims, t = cfg.parallel, cfg.train
-    moe = repr(cfg.moe)
-    # which parameters a rank holds does not depend on ZeRO or on the microbatch count
-    plain = replace(dims, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(dims))
-    key = ("composed", args, layout_key(plain), t.bucket_mb, t.global_batch, t.seq_len, moe, pp_rank)
+    dims = cfg.parallel
+    key = composed_key(args, cfg, pp_rank)
     if key not in PLACEMENTS:
-        kept(key, composed_placements(args, replace(cfg, parallel=plain), pp_rank))
+        kept(key, composed_placements(args, replace(cfg, parallel=plain_dims(dims)), pp_rank))
     if not dims.zero:
         return PLACEMENTS[key]
-    flat_key = ("padded", key, dims.zero, dims.zero_shard)
+    flat_key = ("padded", key, tuple(shard_group_sizes(cfg).items()))  # all that `padded_alone` reads of ZeRO
     if flat_key not in PLACEMENTS:
         kept(flat_key, padded_alone(PLACEMENTS[key], cfg))
     return PLACEMENTS[flat_key]
+
+
+def plain_dims(dims):
+    """`dims` without what does not change which parameters a rank holds: ZeRO and the microbatch count."""
+    return replace(dims, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(dims))
+
+
+PLAIN = {"zero": 0, "zero_shard": None, "reshard_after_forward": True}  # `plain_dims`'s fields, microbatches aside
+
+
+def composed_key(args, cfg, pp_rank: int) -> tuple:
+    """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it."""
+    dims, t = cfg.parallel, cfg.train
+    fields = vars(dims) | PLAIN
+    fields["microbatches"] = least_microbatches(dims)
+    if isinstance(dims.pp_layers, list):  # the one list among the fields (`layout_key`)
+        fields["pp_layers"] = tuple(dims.pp_layers)
+    plain = tuple(fields.values())
+    return ("composed", args, plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
 
 
 def least_microbatches(dims) -> int:
@@ -569,34 +665,108 @@ def least_microbatches(dims) -> int:
     return 2 * dims.pp if dims.pp_schedule == "dualpipev" else dims.pp
 
 
+def virtual_mesh(dims, moe: bool) -> Mesh:
+    """`Mesh.virtual(dims, 0, moe)`, once per what a mesh reads of `dims` (its sizes, the cp and ep
+    cuts, hybrid sharding's groups; not the schedule, the microbatches or the ZeRO stage): a search
+    costs many layouts on one mesh. Shared: read its groups only."""
+    key = (dims.shape, dims.cp_mode, dims.cp_ulysses, dims.ep, dims.etp, dims.hybrid, dims.shard_size, moe)
+    if key not in MESHES:
+        MESHES[key] = Mesh.virtual(dims, rank=0, moe=moe)
+    return MESHES[key]
+
+
+MESHES: dict[tuple, Mesh] = {}  # see `virtual_mesh`
+
+
+@functools.cache
+def layer_kinds(args, layers: range, recompute: str, every: int) -> tuple[tuple[bool, str], ...]:
+    """(MoE, recomputation mode) of each block of `layers`: what sets its activation bytes."""
+    return tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for i in layers)
+
+
 def layout_key(dims) -> tuple:
     return tuple(tuple(v) if isinstance(v, list) else v for v in vars(dims).values())
 
 
-def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
+@dataclass
+class Composition:
+    """What the screen composes a rank's records from: the one-block model's cut records by kind of
+    block (each name after `layers.K.`), the (stage, layer, kind) of each block the rank holds, and
+    the records outside the blocks it holds with their stage."""
+
+    kinds: list[dict[str, Placement]]
+    blocks: list[tuple[int | None, int, int]]
+    outside: list[tuple[Placement, int]]
+
+
+def composition(args, cfg, pp_rank: int) -> Composition:
     dims = cfg.parallel
-    kinds, blocks = block_kinds(args)
-    short = replace(cfg, parallel=unpipelined(dims))
-    cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
+    kinds, _ = block_kinds(args)
+    cut, by_kind = one_block_cut(args, cfg)
     sched, layers = pipeline_plan(args, cfg) if dims.pp > 1 else (None, [range(args.n_layers)])
     stages = [s for s in range(len(layers)) if sched is None or sched.stage_rank[s] == pp_rank]
-    out: dict[str, Placement] = {}
-    for s in stages:
-        stage = s if sched is not None else None
-        for i in layers[s]:
-            k = kinds.index(args.moe_layer(i))
-            for name, pl in cut.items():
-                if name.startswith(f"layers.{k}."):
-                    renamed = f"layers.{i}." + name.removeprefix(f"layers.{k}.")
-                    out[renamed] = replace(pl, name=renamed, stage=stage)
-    last = len(layers) - 1
+    held = [(s if sched is not None else None, i, kinds.index(args.moe_layer(i))) for s in stages for i in layers[s]]
+    last, outside = len(layers) - 1, []
     for name, pl in cut.items():
         head = not name.startswith(("layers.", "tok_embeddings."))
         if (name.startswith("tok_embeddings.") and (0 in stages or ends_copy(args, sched, stages, last))) or (
             head and last in stages
         ):
-            out[name] = replace(pl, stage=0 if name.startswith("tok_embeddings.") and 0 in stages else last)
+            outside.append((pl, 0 if name.startswith("tok_embeddings.") and 0 in stages else last))
+    return Composition(by_kind, held, outside)
+
+
+def one_block_cut(args, cfg) -> tuple[dict[str, Placement], list[dict[str, Placement]]]:
+    """The real cuts of the model of one block of each kind under `cfg`'s layout without its pipeline,
+    and those records by kind of block (each name after `layers.K.`); once per layout, for all of its
+    pipeline positions."""
+    key = composed_key(args, cfg, None)
+    if key not in BLOCK_CUTS:
+        kinds, blocks = block_kinds(args)
+        short = replace(cfg, parallel=block_layout(args, cfg.parallel))
+        cut = local_placements(replace(args, n_layers=len(kinds), first_dense_layers=blocks), short, 0)
+        by_kind = [
+            {name.removeprefix(f"layers.{k}."): pl for name, pl in cut.items() if name.startswith(f"layers.{k}.")}
+            for k in range(len(kinds))
+        ]
+        BLOCK_CUTS[key] = cut, by_kind
+    return BLOCK_CUTS[key]
+
+
+BLOCK_CUTS: dict[tuple, tuple] = {}  # see `one_block_cut`: a few records per layout
+
+
+def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
+    parts = composition(args, cfg, pp_rank)
+    out: dict[str, Placement] = {}
+    for stage, i, k in parts.blocks:
+        for suffix, pl in parts.kinds[k].items():
+            renamed = f"layers.{i}.{suffix}"
+            out[renamed] = replace(pl, name=renamed, stage=stage)
+    for pl, stage in parts.outside:
+        out[pl.name] = replace(pl, stage=stage)
     return padded_alone(out, cfg)
+
+
+def composed_counts(args, cfg, pp_rank: int) -> dict[str, int]:
+    """The local parameter counts of `composed_placements`'s records by reduce group, without
+    building them: each block adds its kind's counts (a renamed record keeps its shape and cut)."""
+    parts = composition(args, cfg, pp_rank)
+    per_kind = [group_counts(records.values()) for records in parts.kinds]
+    counts: dict[str, int] = {}
+    for _, _, k in parts.blocks:
+        for group, n in per_kind[k].items():
+            counts[group] = counts.get(group, 0) + n
+    for group, n in group_counts(pl for pl, _ in parts.outside).items():
+        counts[group] = counts.get(group, 0) + n
+    return counts
+
+
+def group_counts(records) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for pl in records:
+        counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
+    return counts
 
 
 def block_kinds(args) -> tuple[list[bool], int]:
@@ -611,6 +781,15 @@ def unpipelined(dims):
     return replace(
         dims, pp=1, pp_schedule="1f1b", pp_virtual=1, microbatches=1, pp_layers=None, zero=0, zero_shard=None
     )
+
+
+def block_layout(args, dims):
+    """The layout whose cuts the screen applies to one block of each kind: `unpipelined`, and for a
+    dense model on one data-parallel rank and no cp (without ZeRO or experts the data cut slices
+    nothing, and cp cuts the sequence; a test compares the records): a search's layouts of every
+    dp and cp share one build."""
+    short = unpipelined(dims)
+    return short if args.is_moe else replace(short, dp=1, cp=1, cp_mode="ring", cp_ulysses=1)
 
 
 def ends_copy(args, sched, stages: list[int], last: int) -> bool:
@@ -633,12 +812,13 @@ def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
 
 def local_param_counts(args, cfg, pp_rank: int = 0, records=None) -> dict[str, int]:
     """This rank's parameters by the group that sums their gradients (`reduce_group_sizes`)."""
-    d = cfg.parallel  # counts do not depend on ZeRO or on the microbatch count
-    plain = replace(d, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=least_microbatches(d))
-    key = ("counts", id(records), args, layout_key(plain), cfg.train.seq_len, repr(cfg.moe), pp_rank)
-    if key not in PLACEMENTS:
-        counts: dict[str, int] = {}
-        for pl in (records or screened_placements)(args, cfg, pp_rank).values():
-            counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
-        kept(key, counts)
-    return dict(PLACEMENTS[key])
+    key = (id(records), composed_key(args, cfg, pp_rank))  # counts do not depend on ZeRO or the microbatches
+    if key not in COUNTS:
+        if records is None:  # the screen's: `composed_placements`'s counts
+            COUNTS[key] = composed_counts(args, replace(cfg, parallel=plain_dims(cfg.parallel)), pp_rank)
+        else:
+            COUNTS[key] = group_counts(records(args, cfg, pp_rank).values())
+    return dict(COUNTS[key])
+
+
+COUNTS: dict[tuple, dict[str, int]] = {}  # see `local_param_counts`: a few numbers per layout

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SENDS, RECEIVES = ("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")
 SHORT = {"F": "F", "B": "B", "W": "W", "SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
 NAMES = ("gpipe", "1f1b", "interleaved", "zb1p", "dualpipev")
 
@@ -98,7 +99,8 @@ def with_comms(stage_rank: list[int], orders: list[list[Action]]) -> list[list[A
 
     Nothing is inserted between adjacent stages on the same rank (DualPipeV's turn)."""
     actions = [insert_comms(rank, order, stage_rank) for rank, order in enumerate(orders)]
-    return [in_send_order(rank, actions, stage_rank) for rank in range(len(actions))]
+    sent = sends_between(actions, stage_rank)
+    return [in_send_order(rank, actions, stage_rank, sent) for rank in range(len(actions))]
 
 
 def insert_comms(rank: int, order: list[Action], stage_rank: list[int]) -> list[Action]:
@@ -117,18 +119,29 @@ def insert_comms(rank: int, order: list[Action], stage_rank: list[int]) -> list[
     return actions
 
 
-def in_send_order(rank: int, actions: list[list[Action]], stage_rank: list[int]) -> list[Action]:
+def sends_between(actions: list[list[Action]], stage_rank: list[int]) -> dict[tuple[int, int], list[Action]]:
+    """{(sender, receiver): the receives matching the sender's sends to the receiver, in send order},
+    one pass over every list."""
+    out: dict[tuple[int, int], list[Action]] = {}
+    for sender, acts in enumerate(actions):
+        for a in acts:
+            if a.kind in SENDS:
+                match = partner(a)
+                out.setdefault((sender, stage_rank[match.stage]), []).append(match)
+    return out
+
+
+def in_send_order(
+    rank: int, actions: list[list[Action]], stage_rank: list[int], sent: dict | None = None
+) -> list[Action]:
     """`rank`'s list with receives from each peer in the order that peer sends.
 
     Point-to-point messages between two ranks are matched in the order they are posted
     (NCCL has no tags), and an activation and a gradient have the same shape [b, s, h], so a
     crossed pair would pass silently with the wrong data. A receive hoisted to just before a
     later-sent one adds no waiting: its send was issued earlier on the same peer."""
-    sends = {
-        peer: [partner(a) for a in acts if a.kind.startswith("SEND") and stage_rank[partner(a).stage] == rank]
-        for peer, acts in enumerate(actions)
-        if peer != rank
-    }
+    sent = sends_between(actions, stage_rank) if sent is None else sent
+    sends = {peer: sent.get((peer, rank), []) for peer in range(len(actions)) if peer != rank}
     taken = {peer: 0 for peer in sends}  # how many of each peer's messages are received so far
     hoisted, out = set(), []
     for a in actions[rank]:
@@ -451,13 +464,18 @@ def check_matching(sch: Schedule) -> None:
 
 def check_send_order(sch: Schedule) -> None:
     """Between two ranks, the k-th receive must match the k-th send (messages are matched in order)."""
+    sends: dict[tuple[int, int], list[Action]] = {}  # (sender, receiver): its sends, in order
+    receives: dict[tuple[int, int], list[Action]] = {}  # (sender, receiver): the receives, in order
     for rank, actions in enumerate(sch.actions):
+        for a in actions:
+            if a.kind in SENDS:
+                sends.setdefault((rank, sch.stage_rank[partner(a).stage]), []).append(a)
+            elif a.kind in RECEIVES:
+                receives.setdefault((sch.stage_rank[partner(a).stage], rank), []).append(a)
+    for rank in range(sch.pp):
         for peer in range(sch.pp):
-            sent = [
-                a for a in sch.actions[peer] if a.kind.startswith("SEND") and sch.stage_rank[partner(a).stage] == rank
-            ]
-            got = [a for a in actions if a.kind.startswith("RECV") and sch.stage_rank[partner(a).stage] == peer]
-            for k, (s, g) in enumerate(zip(sent, got)):
+            pairs = zip(sends.get((peer, rank), []), receives.get((peer, rank), []))
+            for k, (s, g) in enumerate(pairs):
                 if partner(g) != s:
                     raise ScheduleError(
                         f"rank {rank}: receive #{k} from rank {peer} is {g} but rank {peer}'s send #{k} "
@@ -467,9 +485,11 @@ def check_send_order(sch: Schedule) -> None:
 
 def partner(a: Action) -> Action:
     """The other end of a send or receive."""
-    step = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}[a.kind]
-    kind = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}[a.kind]
+    kind, step = PARTNER[a.kind]
     return Action(kind, a.stage + step, a.microbatch)
+
+
+PARTNER = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1), "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}
 
 
 def needed_comms(sch: Schedule) -> list[Action]:
@@ -490,17 +510,19 @@ def execution_order(sch: Schedule) -> list[tuple[int, int]]:
     """(rank, index) in an order a machine can run them: sends never block, a receive waits for its send.
 
     Raises ScheduleError naming the stuck ranks and what each waits for if the lists deadlock."""
-    nxt, sent, order = [0] * sch.pp, set(), []
+    nxt, order = [0] * sch.pp, []
+    sent: set[tuple[str, int, int]] = set()  # (receive kind, stage, microbatch) whose send was issued
     progress = True
     while progress:
         progress = False
         for rank, actions in enumerate(sch.actions):
             while nxt[rank] < len(actions):
                 a = actions[nxt[rank]]
-                if a.kind.startswith("RECV") and partner(a) not in sent:
+                if a.kind in RECEIVES and (a.kind, a.stage, a.microbatch) not in sent:
                     break
-                if a.kind.startswith("SEND"):
-                    sent.add(a)
+                if a.kind in SENDS:
+                    kind, step = PARTNER[a.kind]
+                    sent.add((kind, a.stage + step, a.microbatch))
                 order.append((rank, nxt[rank]))
                 nxt[rank] += 1
                 progress = True

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fivecut.parallel.pipeline.schedule import Action, Schedule, execution_order, partner
+from fivecut.parallel.pipeline.schedule import COMPUTE, PARTNER, RECEIVES, Action, Schedule, execution_order
 
 
 @dataclass
@@ -49,25 +49,24 @@ def simulate(
     if any(c < 0 for c in costs.values()):
         raise ValueError(f"costs must not be negative: {costs}")
     rows = [[] for _ in range(schedule.pp)]
-    sent: dict[Action, float] = {}
+    ends = [0.0] * schedule.pp  # when each rank's last action ended
+    sent: dict[tuple[str, int, int], float] = {}  # (receive kind, stage, microbatch) -> when its send was issued
     for rank, i in execution_order(schedule):
         a = schedule.actions[rank][i]
-        free = rows[rank][-1][2] if rows[rank] else 0.0
-        rows[rank].append((a, free, finish(a, free, costs, sent)))
-        if a.kind.startswith("SEND"):
-            sent[a] = free
+        free = ends[rank]
+        if a.kind in COMPUTE:
+            end = free + costs[a.kind]
+        elif a.kind in RECEIVES:
+            end = max(free, sent[(a.kind, a.stage, a.microbatch)] + cost_comm)
+        else:  # a send is issued and the rank moves on
+            kind, step = PARTNER[a.kind]
+            end, sent[(kind, a.stage + step, a.microbatch)] = free, free
+        rows[rank].append((a, free, end))
+        ends[rank] = end
     makespan = max((row[-1][2] for row in rows if row), default=0.0)
-    busy = sum(end - start for row in rows for a, start, end in row if a.is_compute)
+    busy = sum(end - start for row in rows for a, start, end in row if a.kind in COMPUTE)
     bubble = 1.0 - busy / (schedule.pp * makespan) if makespan else 0.0
     return Timeline(schedule, rows, costs, makespan, bubble)
-
-
-def finish(a: Action, free: float, costs: dict[str, float], sent: dict[Action, float]) -> float:
-    if a.is_compute:
-        return free + costs[a.kind]
-    if a.kind.startswith("RECV"):
-        return max(free, sent[partner(a)] + costs["comm"])
-    return free  # a send is issued and the rank moves on
 
 
 def label(schedule: Schedule, a: Action) -> str:

@@ -16,6 +16,7 @@ single-device model has.
 from __future__ import annotations
 
 import copy
+import functools
 
 from torch import nn
 
@@ -72,9 +73,16 @@ def stage_layers(args, n_stages: int, seq_len: int, override: list[int] | None =
             )
         counts = list(override)
     else:
-        counts = balance([block_cost(args, seq_len)] * args.n_layers, n_stages, last_extra=head_cost(args))
+        counts = uniform_balance(block_cost(args, seq_len), args.n_layers, n_stages, head_cost(args))
     starts = [sum(counts[:i]) for i in range(n_stages)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+@functools.cache
+def uniform_balance(block: float, n_layers: int, n_stages: int, head: float) -> tuple[int, ...]:
+    """`balance` of `n_layers` blocks of one cost and a head on the last stage, once per arguments
+    (a search asks for the same split for every other cut of the layout)."""
+    return tuple(balance([block] * n_layers, n_stages, last_extra=head))
 
 
 def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
