@@ -18,18 +18,28 @@ the units gathered, two at a time, and one reduction's copy and shard count here
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fivecut.parallel.data import padded
-from fivecut.plan.volume import layout_key, reduce_group_sizes, screened_placements, shard_group_sizes
-
-ROOT = ("tok_embeddings", "norm", "output")  # ZeRO-3's root unit outside a pipeline
+from fivecut.plan.volume import layout_key, plain_dims, reduce_group_sizes, screened_placements, shard_group_sizes
 
 
 def buffer_bytes(args, cfg, pp_rank: int = 0, records=None) -> float:
-    """The most bytes the data cut of the rank at pipeline position `pp_rank` holds in buffers."""
+    """The most bytes the data cut of the rank at pipeline position `pp_rank` holds in buffers;
+    once per model, layout (any microbatch count), the train fields it reads and position."""
+    dims, t = cfg.parallel, cfg.train
+    every = tuple(v for k, v in zip(vars(dims), layout_key(dims)) if k != "microbatches")
+    key = (id(records), args, every, t.seq_len, t.dtype, t.reduce_dtype, t.bucket_mb, repr(cfg.moe), pp_rank)
+    if key not in BUFFERS:
+        BUFFERS[key] = data_cut_buffers(args, cfg, counted(args, cfg, pp_rank, records))
+    return BUFFERS[key]
+
+
+BUFFERS: dict[tuple, float] = {}
+
+
+def data_cut_buffers(args, cfg, units: Units) -> float:
     dims = cfg.parallel
-    units, psi, largest = counted(args, cfg, pp_rank, records)
     r = 2 if cfg.train.reduce_dtype == "bf16" else 4
     if dims.zero == 3:
         c = 2 if cfg.train.dtype == "bf16" else 4
@@ -40,30 +50,67 @@ def buffer_bytes(args, cfg, pp_rank: int = 0, records=None) -> float:
     sizes = shard_group_sizes(cfg) if dims.zero else reduce_group_sizes(cfg)
     bucket = cfg.train.bucket_mb * 2**20
     return sum(
-        bucketed(dims.zero, n, sizes[g], r, max(bucket, 4 * largest[g]), dims.pp > 1)
-        for g, n in psi.items()
+        bucketed(dims.zero, n, sizes[g], r, max(bucket, 4 * units.largest[g]), dims.pp > 1)
+        for g, n in units.psi.items()
         if sizes[g] > 1
     )
 
 
-def counted(args, cfg, pp_rank: int, records) -> tuple[dict, dict, dict]:
-    """ZeRO-3's units (`unit_sizes`), the parameters of each reduce group and the largest one of
-    each, once per model, layout without its data cut, and pipeline position."""
-    dims = cfg.parallel
-    plain = replace(dims, zero=0, zero_shard=None, reshard_after_forward=True, microbatches=1)
+Parts = tuple[tuple[str, int], ...]  # a unit's local parameters by reduce group
+
+
+@dataclass(frozen=True)
+class Units:
+    """What the buffers' closed forms read of a rank's parameters: each reduce group's count and
+    largest parameter, ZeRO-3's units in the order they run (`unit_sizes`) and, as sets, the
+    pairs of neighbouring units that are gathered together (many blocks are alike)."""
+
+    psi: dict[str, int]
+    largest: dict[str, int]
+    embedding: Parts
+    head: Parts
+    blocks: tuple[Parts, ...]
+    with_next: frozenset  # (block, the block after it, or () after the last)
+    with_before: frozenset  # (the block before it, or () before the first, block)
+    stage_pairs: frozenset  # in a pipeline stage: (unit, the unit after it) over embedding, blocks, head
+    stage_units: frozenset
+
+
+def counted(args, cfg, pp_rank: int, records) -> Units:
+    """`Units` of the rank at pipeline position `pp_rank`, once per model, layout without its data
+    cut and microbatches (they change no parameter a rank holds), and position."""
+    plain = plain_dims(cfg.parallel)
     key = (id(records), args, layout_key(plain), cfg.train.seq_len, repr(cfg.moe), pp_rank)
     if key not in COUNTED:
-        placements = (records or screened_placements)(args, cfg, pp_rank)
+        placements = (records or screened_placements)(args, replace(cfg, parallel=plain), pp_rank)
         psi: dict[str, int] = {}
         largest: dict[str, int] = {}
         for pl in placements.values():
             psi[pl.reduce] = psi.get(pl.reduce, 0) + pl.local_numel()
             largest[pl.reduce] = max(largest.get(pl.reduce, 0), pl.local_numel())
-        COUNTED[key] = (unit_sizes(placements), psi, largest)
+        COUNTED[key] = units_of(unit_sizes(placements), psi, largest)
     return COUNTED[key]
 
 
-COUNTED: dict[tuple, tuple[dict, dict, dict]] = {}
+COUNTED: dict[tuple, Units] = {}
+
+
+def units_of(sizes: dict[str, dict[str, int]], psi: dict, largest: dict) -> Units:
+    frozen = {name: tuple(sorted(parts.items())) for name, parts in sizes.items()}
+    embedding, head = frozen.pop("embedding"), frozen.pop("head")
+    blocks = tuple(frozen.values())
+    order = [u for u in (embedding, *blocks, head) if u]
+    return Units(
+        psi,
+        largest,
+        embedding,
+        head,
+        blocks,
+        frozenset(zip(blocks, blocks[1:] + ((),))),
+        frozenset(zip(((),) + blocks[:-1], blocks)),
+        frozenset(zip(order, order[1:] + [()])),
+        frozenset(order),
+    )
 
 
 def bucketed(zero: int, psi: int, n: int, r: int, bucket_bytes: float, pipelined: bool) -> float:
@@ -98,48 +145,46 @@ def unit_of(name: str) -> str:
     return "embedding" if name.startswith("tok_embeddings") else "head"
 
 
-def full(parts: dict[str, int], sizes: dict[str, int], dtype_bytes: int) -> float:
+def full(parts: Parts, sizes: dict[str, int], dtype_bytes: int) -> float:
     """A unit's flat buffers, padded to a multiple of each part's shard group."""
-    return sum(padded(n, sizes[g]) * dtype_bytes for g, n in parts.items())
+    return sum(padded(n, sizes[g]) * dtype_bytes for g, n in parts)
 
 
-def reduction(parts: dict[str, int], sizes: dict[str, int], c: int, r: int) -> float:
+def reduction(parts: Parts, sizes: dict[str, int], c: int, r: int) -> float:
     """A unit's gradients (compute dtype), their flat copy on the wire and the reduced shard."""
-    grads = sum(n * c for n in parts.values())
-    return grads + full(parts, sizes, r) + sum(padded(n, sizes[g]) // sizes[g] * r for g, n in parts.items())
+    grads = sum(n * c for _, n in parts)
+    return grads + full(parts, sizes, r) + sum(padded(n, sizes[g]) // sizes[g] * r for g, n in parts)
 
 
-def merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {g: a.get(g, 0) + b.get(g, 0) for g in a.keys() | b.keys()}
+def merged(a: Parts, b: Parts) -> Parts:
+    """Two units' parts as one (ZeRO-3's root: the embedding and the head)."""
+    out = dict(a)
+    for g, n in b:
+        out[g] = out.get(g, 0) + n
+    return tuple(sorted(out.items()))
 
 
-def zero3(units: dict, sizes: dict, c: int, r: int, tied: bool, reshard: bool = True) -> float:
+def zero3(units: Units, sizes: dict, c: int, r: int, tied: bool, reshard: bool = True) -> float:
     """The largest of: forward (the root, a block and the next), a block's reduction in backward
     (the root, the head's waiting gradients, the block and the one before it, its reduction), and
     the root's own reduction at the end. Without `reshard` (reshard_after_forward = false) every
     block stays gathered from its forward to its reduction."""
-    units = dict(units)
-    embedding, head = units.pop("embedding"), units.pop("head")
-    root = merged(embedding, head)
-    blocks = [full(b, sizes, c) for b in units.values()]
+    root = merged(units.embedding, units.head)
     held = full(root, sizes, c)
-    waiting = sum((root if tied else head).values()) * c  # a tied head's gradient is the embedding's
+    waiting = sum(n for _, n in (root if tied else units.head)) * c  # a tied head's gradient is the embedding's
     if reshard:  # the block in use and the one prefetched (the next in forward, the one before in backward)
-        pairs = [a + b for a, b in zip(blocks, blocks[1:] + [0.0])]
-        gathered = [a + b for a, b in zip(blocks, [0.0] + blocks[:-1])]
+        pairs = [full(a, sizes, c) + full(b, sizes, c) for a, b in units.with_next]
+        reductions = [full(a, sizes, c) + full(b, sizes, c) + reduction(b, sizes, c, r) for a, b in units.with_before]
     else:  # every block gathered until its reduction, which runs from the last block back
+        blocks = [full(b, sizes, c) for b in units.blocks]
         pairs = [sum(blocks)]
-        gathered = [sum(blocks[: i + 1]) for i in range(len(blocks))]
-    reductions = [g + reduction(b, sizes, c, r) for g, b in zip(gathered, units.values())]
+        reductions = [sum(blocks[: i + 1]) + reduction(b, sizes, c, r) for i, b in enumerate(units.blocks)]
     forward = held + max(pairs, default=0.0)
     backward = held + waiting + max(reductions, default=0.0)
     return max(forward, backward, held + reduction(root, sizes, c, r))
 
 
-def pipelined_zero3(units: dict, sizes: dict, c: int, r: int) -> float:
+def pipelined_zero3(units: Units, sizes: dict, c: int, r: int) -> float:
     """A stage: two consecutive units gathered, or one unit's copy on the wire and its shard."""
-    units = dict(units)
-    ends = units.pop("embedding"), units.pop("head")
-    order = [u for u in (ends[0], *units.values(), ends[1]) if u]
-    pairs = [full(a, sizes, c) + full(b, sizes, c) for a, b in zip(order, order[1:] + [{}])]
-    return max(pairs + [reduction(u, sizes, 0, r) for u in order], default=0.0)
+    pairs = [full(a, sizes, c) + full(b, sizes, c) for a, b in units.stage_pairs]
+    return max(pairs + [reduction(u, sizes, 0, r) for u in units.stage_units], default=0.0)
