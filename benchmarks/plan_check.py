@@ -11,9 +11,9 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
     activations  bytes saved for backward, summed over rank 0's layers (step 1, one microbatch)
                  vs the planner's (only without a pipeline: there the planner gives the peak
                  over microbatches in flight, the ledger one microbatch)
-    step         measured: (wall time of a run of `--steps` steps - that of a 2-step run) /
-                 (steps - 2), so start-up and the first steps cancel; a difference of two runs,
-                 not a median over steps (RunResult keeps no per-step times)
+    step         measured: the median of rank 0's step times (the trainer's metrics.jsonl,
+                 `step_time`) over the steps after the first `WARMUP`, of one run of `--steps`
+                 steps; planned: `cost_layout`'s step
     ranking      the share of layout pairs of the same world size whose planned order of step
                  time is the measured order
 """
@@ -21,10 +21,14 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
-import time
+import json
+import statistics
+import tempfile
+from pathlib import Path
 
-from fivecut.cli import build_parser, layout_config, run_spawned
+from fivecut.cli import build_parser, layout_config, spawned
 from fivecut.config import preset_args
 from fivecut.plan.calibrate import calibrate
 from fivecut.plan.cost import cost_layout
@@ -60,28 +64,53 @@ def run_config(model: str, layout: str, steps: int):
     return layout_config(ns)
 
 
-def timed_run(cfg, measure: bool):
-    start = time.perf_counter()
-    result = run_spawned(cfg, 600.0, measure_activations=measure, what="plan_check")[0]
-    return result, time.perf_counter() - start
+WARMUP = 2  # steps left out of the median (allocator, first calls of each collective)
+
+
+def train_logged(cfg, measure: bool):
+    """One rank's training with rank 0's metrics.jsonl written (the quiet runs write none)."""
+    from fivecut.train.trainer import train
+
+    return train(cfg, quiet=False, measure_activations=measure)
+
+
+def timed_run(cfg):
+    """Rank 0's RunResult and the median of its step times after `WARMUP` steps."""
+    from fivecut.train.run import run_tokens
+
+    run_tokens(cfg)
+    with tempfile.TemporaryDirectory(prefix="fivecut-plan-check-") as out:
+        cfg = copy.deepcopy(cfg)
+        cfg.log.out_dir = out
+        result = spawned(
+            "plan_check",
+            train_logged,
+            cfg.parallel.world_size,
+            cfg,
+            True,
+            timeout_s=600.0,
+            collective_timeout_s=min(600.0, cfg.train.collective_timeout),
+        )[0]
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    times = [r["step_time"] for r in map(json.loads, lines) if "step_time" in r]
+    return result, statistics.median(times[WARMUP:])
 
 
 def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
-    short = run_config(model, layout, 2)
-    args = preset_args(short.model)
-    world = short.parallel.world_size
+    cfg = run_config(model, layout, steps)
+    args = preset_args(cfg.model)
+    world = cfg.parallel.world_size
     if world not in clusters:
         clusters[world] = calibrate(world)[0]
-    mine, t_short = timed_run(short, True)
-    _, t_long = timed_run(run_config(model, layout, steps), False)
-    plan = cost_layout(args, short, clusters[world])
+    mine, measured_step = timed_run(cfg)
+    plan = cost_layout(args, cfg, clusters[world])
     comm = {}
     for c in plan.cuts:
         measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == c.cut)
         comm[c.cut] = (measured, c.wire_bytes)
     states = sum(mine.memory[k] for k in ("params", "grads", "optimizer"))
     planned_states = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
-    acts = sum(mine.activations.values()) if short.parallel.pp == 1 else None
+    acts = sum(mine.activations.values()) if cfg.parallel.pp == 1 else None
     return {
         "model": model,
         "layout": layout,
@@ -89,7 +118,7 @@ def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
         "comm": comm,
         "states": (states, planned_states),
         "acts": (acts, plan.memory["activations"]),
-        "step": ((t_long - t_short) / (steps - 2), plan.step),
+        "step": (measured_step, plan.step),
     }
 
 
@@ -133,8 +162,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="keep the layouts whose 'model layout' contains this")
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
-    if ns.steps < 3:
-        parser.error("--steps must be at least 3 (the timed run minus a 2-step run)")
+    if ns.steps <= WARMUP:
+        parser.error(f"--steps must be more than {WARMUP} (the first {WARMUP} are left out of the median)")
     clusters: dict = {}
     rows = []
     for model, layout in LAYOUTS:

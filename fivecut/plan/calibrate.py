@@ -2,19 +2,26 @@
 
 Every rank runs as fivecut runs its ranks (`fivecut.launch.spawn`: one process each, one
 thread, gloo on CPU, NCCL on GPUs), all at once, so that the figures include the contention
-of ranks sharing the machine:
+of ranks sharing the machine. Each figure is the slowest rank's median of `REPEATS` runs:
 
     matmul rate      square matmuls of `MATMUL_SIZE` in the dtype runs use (fp32 on CPU,
-                     bf16 on a GPU), the median of `REPEATS` timed runs on every rank; the
-                     slowest rank's rate is the device's (`achievable` = 1: measured)
-    kernel cost      a chain of `CHAIN` multiplies of an 8-element tensor and its sum, forward and
-                     backward under autograd (all fixed cost: dispatch, autograd's records, launch),
-                     divided by its kernels (3 per op: the forward, the backward's two), the
-                     slowest rank's median, as the device's `kernel_us`
-    link             all-reduces of `SIZES` bytes over all ranks (the slowest rank's median
-                     times), read through the ring's alpha-beta model of `fivecut.plan.cluster`,
-                     t = 2(n-1) alpha + 2(n-1)/n x bytes / bandwidth: alpha from the smallest
-                     (latency only), the bandwidth from the two largest
+                     bf16 on a GPU); the device's rate (`achievable` = 1: measured)
+    kernel cost      fivecut's own model (`fivecut.model`) at a negligible size (`PROBE`, one
+                     sequence of `PROBE_TOKENS` tokens), forward, loss and backward, with
+                     `PROBE_LAYERS` blocks and with one: the difference per block, divided by the
+                     kernels the planner counts for a block's forward and backward
+                     (`fivecut.plan.cost.block_kernels`), is `kernel_us` (dispatch, autograd,
+                     Python and launch, as a real step pays them)
+    optimizer        AdamW steps over `TENSORS` tiny tensors (`tensor_us`: per tensor) and over
+                     one tensor of `BIG` elements (`memory_gbps`: `ADAMW_BYTES` a parameter)
+    link             all-reduces of `SIZES` bytes over all ranks, read through the ring's
+                     alpha-beta model of `fivecut.plan.cluster`, t = 2(n-1) alpha + 2(n-1)/n x
+                     bytes / bandwidth: the bandwidth from the two largest; then every op a step
+                     calls (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on a
+                     4-byte-a-rank tensor through `fivecut.comm`, each call after a burst of
+                     `BURST` tiny kernels (the ranks arrive apart, as between a step's kernels),
+                     less the burst: one call's time over its hops is that op's per-hop latency
+                     (a send's: half an exchange of a send and a recv with a neighbour)
 
 The machine is one node: its intra- and inter-node links are the same measured link.
 """
@@ -27,14 +34,26 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from fivecut import comm
 from fivecut.launch import local_device, spawn
-from fivecut.plan.cluster import Cluster, Device, Link
+from fivecut.ledger import Ledger
+from fivecut.model.args import ModelArgs
+from fivecut.model.transformer import Transformer
+from fivecut.plan.cluster import Cluster, Device, Link, hops_of
+from fivecut.plan.cost import ADAMW_BYTES, block_kernels
 
 MATMUL_SIZE = 512
-REPEATS = 9
-CHAIN = 50  # tiny multiplies in the per-kernel cost's measurement
-SIZES = (4, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
+REPEATS = 21
+PROBE = ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
+PROBE_TOKENS = 8
+PROBE_LAYERS = 4
+TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
+BIG = 1 << 22  # elements of the optimizer's per-parameter measurement
+BURST = 20  # tiny multiplies before each timed small collective
+SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def timed(fn, repeats: int, sync) -> float:
@@ -50,43 +69,114 @@ def timed(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def tiny_chain(device, dtype) -> None:
-    """`CHAIN` multiplies and a sum of an 8-element tensor, forward and backward: per-op cost only."""
-    x = torch.ones(8, device=device, dtype=dtype, requires_grad=True)
-    y = x
-    for _ in range(CHAIN):
-        y = y * 1.0001
-    y.sum().backward()
+def burst(x: torch.Tensor) -> None:
+    """`BURST` multiplies of a tiny tensor: a few kernels' worth of work between two collectives."""
+    for _ in range(BURST):
+        x = x * 1.0001
+
+
+def probe_step(layers: int, device, dtype):
+    """A forward, loss and backward of fivecut's model with `layers` blocks on `PROBE_TOKENS` tokens."""
+    args = ModelArgs(**{**PROBE.__dict__, "n_layers": layers})
+    model = Transformer(args).to(device=device, dtype=dtype)
+    model.init_weights(0)
+    tokens = torch.randint(0, args.vocab_size, (1, PROBE_TOKENS), device=device)
+
+    def step():
+        logits = model(tokens)  # [1, s, vocab]
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+
+    return step
+
+
+def adamw_step(shapes: list[int], device):
+    params = [torch.zeros(n, device=device, requires_grad=True) for n in shapes]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    return optimizer.step
+
+
+def op_call(op: str, group: comm.Group, device):
+    """One small call of `op` (4 bytes a rank) on `group`, as `fivecut.comm` issues it."""
+    n, me = group.size, group.rank
+    x = torch.zeros(n, device=device)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(x[:1], group)
+    if op == "all_gather":
+        return lambda: comm.all_gather(x[:1], group)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x, group)
+    if op == "all_to_all":
+        return lambda: comm.all_to_all_single(x, group)
+    peer = me ^ 1 if (me ^ 1) < n else me  # pairs 0-1, 2-3, ...: one message each way
+    out = torch.zeros(1, device=device)
+
+    def exchange():
+        for work in comm.batch_send_recv([(x[:1], peer)], [(out, peer)], group):
+            work.wait()
+
+    return exchange
+
+
+def op_latencies(device, sync, repeats: int) -> dict[str, float]:
+    """Seconds of one small call of each op in `OPS`, after a burst of kernels, less the burst."""
+    n = dist.get_world_size()
+    group = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, Ledger())
+    tiny = torch.ones(8, device=device)
+    alone = timed(lambda: burst(tiny), repeats, sync)
+    out = {}
+    for op in OPS:
+        call = op_call(op, group, device)
+        dist.barrier()
+        seconds = max(timed(lambda call=call: (burst(tiny), call()), repeats, sync) - alone, 0.0)
+        out[op] = seconds / (2 if op == "send" else 1)  # an exchange is a send and a recv
+    return out
 
 
 def measure_rank(repeats: int) -> dict:
-    """On each rank: its matmul FLOP/s and the median time of an all-reduce of each size."""
+    """On each rank: its matmul rate, the per-kernel and optimizer costs, and collective times."""
     device = local_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     dist.barrier()
-    seconds = timed(lambda: a @ b, repeats, sync)
-    flops = 2 * MATMUL_SIZE**3 / seconds
-    kernel = timed(lambda: tiny_chain(device, dtype), repeats, sync) / (3 * (CHAIN + 1))
+    flops = 2 * MATMUL_SIZE**3 / timed(lambda: a @ b, repeats, sync)
+    one = timed(probe_step(1, device, dtype), repeats, sync)
+    many = timed(probe_step(PROBE_LAYERS, device, dtype), repeats, sync)
+    kernel = max(many - one, 0.0) / (PROBE_LAYERS - 1) / block_kernels(PROBE, 0, "none")
+    tensor = timed(adamw_step([8] * TENSORS, device), repeats, sync) / TENSORS
+    big = timed(adamw_step([BIG], device), max(repeats // 4, 3), sync)
     reduces = {}
     for size in SIZES:
         x = torch.zeros(max(size // 4, 1), device=device)
         dist.barrier()
         reduces[size] = timed(lambda x=x: dist.all_reduce(x), repeats, sync)
-    return {"flops": flops, "kernel_s": kernel, "reduces": reduces, "dtype": str(dtype).removeprefix("torch.")}
+    calls = op_latencies(device, sync, repeats) if dist.get_world_size() > 1 else {}
+    return {
+        "flops": flops,
+        "kernel_s": kernel,
+        "tensor_s": tensor,
+        "memory_bps": ADAMW_BYTES * BIG / max(big - tensor, 1e-12),
+        "reduces": reduces,
+        "calls": calls,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
-def fit_link(times: dict[int, float], n: int) -> Link:
-    """alpha from the smallest all-reduce (all latency: t / hops), the bandwidth from the slope
-    between the two largest (their difference in wire bytes over their difference in time)."""
-    hops, factor = 2 * (n - 1), 2 * (n - 1) / n
-    sizes = sorted(times)
-    alpha = times[sizes[0]] / hops
-    big, bigger = sizes[-2], sizes[-1]
+def fit_link(times: dict[int, float], calls: dict[str, float], n: int) -> Link:
+    """The bandwidth from the slope between the two largest all-reduces (their difference in wire
+    bytes over their difference in time); each op's per-hop latency from its small call."""
+    factor = 2 * (n - 1) / n
+    big, bigger = sorted(times)[-2:]
     seconds = max(times[bigger] - times[big], 1e-12)
-    return Link(bandwidth_gbps=factor * (bigger - big) / seconds / 1e9, latency_us=alpha * 1e6)
+    hop = {op: calls[op] / hops_of(op, n) * 1e6 for op in OPS}
+    return Link(
+        bandwidth_gbps=factor * (bigger - big) / seconds / 1e9,
+        latency_us=hop["all_reduce"],
+        op_latency_us=tuple((op, us) for op, us in hop.items() if op != "all_reduce"),
+    )
 
 
 def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
@@ -94,7 +184,8 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
     results = spawn(measure_rank, ranks, repeats, timeout_s=600.0)
     slowest = min(r["flops"] for r in results)
     times = {size: max(r["reduces"][size] for r in results) for size in SIZES}
-    link = fit_link(times, ranks) if ranks > 1 else Link(1e3, 0.0)
+    calls = {op: max(r["calls"][op] for r in results) for op in OPS} if ranks > 1 else {}
+    link = fit_link(times, calls, ranks) if ranks > 1 else Link(1e3, 0.0)
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
     device = Device(
         name=f"{os.uname().nodename}-rank",
@@ -102,6 +193,8 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         memory_gb=memory_gb,
         achievable=1.0,
         kernel_us=max(r["kernel_s"] for r in results) * 1e6,
+        memory_gbps=min(r["memory_bps"] for r in results) / 1e9,
+        tensor_us=max(r["tensor_s"] for r in results) * 1e6,
         source=f"fivecut plan calibrate: {MATMUL_SIZE}^3 {results[0]['dtype']} matmuls on {ranks} ranks at once",
     )
     cluster = Cluster(1, ranks, device, link, link, name="this-machine")
@@ -109,4 +202,5 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         "flops": [r["flops"] for r in results],
         "kernel_s": [r["kernel_s"] for r in results],
         "all_reduce_s": times,
+        "call_s": calls,
     }

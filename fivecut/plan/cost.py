@@ -35,19 +35,30 @@ from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
+from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
-from fivecut.plan.volume import local_param_counts, pipeline_plan, predict, shard_group_sizes
+from fivecut.plan.volume import (
+    local_param_counts,
+    local_placements,
+    pipeline_plan,
+    predict,
+    shard_group_sizes,
+)
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
-GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
+GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "pp": "pp"}  # each cut's mesh group
 KERNELS_PER_LAYER = 30  # forward kernels of one block (MoE blocks: the router and dispatch add as many)
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
+ADAMW_BYTES = 64  # memory traffic of PyTorch's unfused AdamW a parameter: ~8 fp32 passes, read and write
+CLIP_BYTES = 20  # the gradient norm (square: read + write, sum: read) and the scale (read + write), fp32
+CLIP_KERNELS = 6  # per gradient tensor: cast, square, sum, weight, accumulate, scale
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
     "dp": "behind the backward, up to its length",
     "cp": "ring: behind the attention's compute; Ulysses: not hidden",
     "tp": "not hidden",
     "ep": "not hidden",
+    "etp": "not hidden",
     "pp": "in the simulated pipeline (each message's alpha-beta time is its latency)",
 }
 
@@ -57,7 +68,7 @@ class CutTime:
     cut: str
     wire_bytes: float  # per rank per step (`fivecut ledger`'s measure)
     link: str  # "intra" | "inter"
-    seconds: float  # alpha-beta time, all of it
+    seconds: float  # alpha-beta time, all of it: each call's latency + the bytes at the bandwidth
     exposed: float  # what is left after the overlap rule
     rule: str
 
@@ -72,6 +83,8 @@ class LayoutCost:
     makespan: float  # the simulated pipeline (or the compute alone without a pipeline)
     bubble: float
     cuts: list[CutTime] = field(default_factory=list)
+    optimizer: float = 0.0  # seconds of the step's tail: AdamW, clipping, the loss/flags/norm all-reduces
+    calls: dict[str, dict[str, float]] = field(default_factory=dict)  # cut -> op -> collective calls per step
     step: float = 0.0
     mfu: float = 0.0
     tokens_per_s: float = 0.0
@@ -107,13 +120,24 @@ def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recomp
     return {"F": forward, "B": 2 * forward + repeated, "recomputed": repeated}
 
 
+def block_forward_kernels(args, layer_id: int) -> int:
+    """Kernels of block `layer_id`'s forward (a MoE block's router and dispatch add as many)."""
+    return KERNELS_PER_LAYER * (2 if args.moe_layer(layer_id) else 1)
+
+
+def block_kernels(args, layer_id: int, mode: str) -> int:
+    """Kernels of block `layer_id`'s forward and backward (2x), a full recomputation's forward again."""
+    forward = block_forward_kernels(args, layer_id)
+    return 3 * forward + (forward if mode == "full" else 0)
+
+
 def stage_kernels(args, layers: range, first: bool, last: bool, recompute: tuple[str, int]) -> dict:
     """Kernels of one microbatch through a stage: {"F": forward, "B": backward + recomputed}."""
-    forward = sum(KERNELS_PER_LAYER * (2 if args.moe_layer(i) else 1) for i in layers)
-    forward += KERNELS_OUTSIDE * (first + last) / 2
     mode, every = recompute
-    repeated = sum(KERNELS_PER_LAYER for i in layers if layer_mode(i, mode, every) == "full")
-    return {"F": forward, "B": 2 * forward + repeated}
+    blocks = sum(block_forward_kernels(args, i) for i in layers)
+    outside = KERNELS_OUTSIDE * (first + last) / 2
+    total = sum(block_kernels(args, i, layer_mode(i, mode, every)) for i in layers)
+    return {"F": blocks + outside, "B": total - blocks + 2 * outside}
 
 
 def stage_seconds(works: dict, kernels: dict, cut: int, cluster: Cluster) -> dict:
@@ -134,9 +158,12 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb)
     compute *= t.accumulate
     makespan *= t.accumulate
-    cuts = collective_times(args, cfg, cluster, mesh, compute, records)
+    counts = local_param_counts(args, cfg, records=records)
+    calls = step_collective_calls(args, cfg, counts)
+    cuts = collective_times(args, cfg, cluster, mesh, compute, calls, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
-    step = makespan + exposed
+    tail = optimizer_seconds(args, cfg, cluster, counts, records) + tail_collectives(args, cfg, cluster)
+    step = makespan + exposed + tail
     tokens = t.global_batch * t.seq_len
     memory, rank = peak_memory(args, cfg, pp_rank_costs)
     traffic: dict[str, float] = {}
@@ -151,6 +178,8 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         makespan=makespan,
         bubble=bubble,
         cuts=cuts,
+        optimizer=tail,
+        calls=calls,
         step=step,
         mfu=args.flops_per_token(t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
@@ -174,8 +203,8 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
     kernels = [stage_kernels(args, layers[s], s == 0, s == last, recompute) for s in range(last + 1)]
     times = [stage_seconds(works[s], kernels[s], cut, cluster) for s in range(last + 1)]
-    f = max(x["F"] for x in times)  # the slowest stage sets the pace
-    b = max(x["B"] for x in times)
+    f = sum(x["F"] for x in times) / len(times)  # the stages' mean: the schedule's idle time
+    b = sum(x["B"] for x in times) / len(times)
     message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
     pp_group = mesh.group("pp")
     latency = cluster.link_for(pp_group.ranks).seconds("send", message, 2)
@@ -183,9 +212,14 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
         timeline = simulated(schedule, f, b / 2, b / 2, latency)
     else:
         timeline = simulated(schedule, f, b, None, latency)
-    mine = [s for s in range(last + 1) if schedule.stage_rank[s] == 0]
-    compute = sum(times[s]["F"] + times[s]["B"] for s in mine) * dims.microbatches
-    return compute, timeline.makespan, timeline.bubble, layers_by_rank(args, cfg)
+    busy = [
+        sum(times[s]["F"] + times[s]["B"] for s in range(last + 1) if schedule.stage_rank[s] == r)
+        for r in range(dims.pp)
+    ]
+    compute = busy[0] * dims.microbatches
+    idle = timeline.makespan * timeline.bubble  # a rank's mean idle time under the mean costs
+    makespan = max(busy) * dims.microbatches + idle  # the busiest rank's compute sets the pace
+    return compute, makespan, idle / makespan, layers_by_rank(args, cfg)
 
 
 def layers_by_rank(args, cfg) -> dict[int, list[range]]:
@@ -213,16 +247,18 @@ def simulated(schedule, f: float, b: float, w: float | None, latency: float):
 TIMELINES: dict[tuple, object] = {}
 
 
-def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, records=None) -> list[CutTime]:
-    """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time and what stays exposed."""
+def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, calls, records=None) -> list[CutTime]:
+    """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time (every call's
+    latency, `calls`, + the bytes at the link's bandwidth) and what stays exposed."""
     dims = cfg.parallel
     out = []
     for cut, (wire, _how) in predict(args, cfg, records=records).items():
         if cut not in GROUP_OF_CUT:
-            continue  # metrics and control: a few bytes per step
+            continue  # metrics and control: a few bytes per step (their calls: `tail_collectives`)
         group = mesh.group(GROUP_OF_CUT[cut])
         link = cluster.link_for(group.ranks)
-        seconds = wire / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 * max(group.size - 1, 1)
+        latency = sum(n * link.latency(op, group.size) for op, n in calls.get(cut, {}).items())
+        seconds = wire / (link.bandwidth_gbps * 1e9) + latency
         if cut == "dp":
             exposed = max(0.0, seconds - compute * 2 / 3)  # the backward is 2/3 of F + B
         elif cut == "cp" and dims.cp_mode == "ring":
@@ -235,6 +271,30 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, re
             CutTime(cut, wire, "intra" if link is cluster.intra else "inter", seconds, exposed, HIDDEN.get(cut, ""))
         )
     return out
+
+
+def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], records=None) -> float:
+    """AdamW over rank 0's (ZeRO: sharded) parameters and the gradient clipping before it, both
+    memory-bound: bytes a parameter (`ADAMW_BYTES`, `CLIP_BYTES`) at `memory_gbps`, and a fixed
+    cost per tensor (`tensor_us` a step, `CLIP_KERNELS` kernels a clip). ZeRO's optimizer and
+    clipping see one flat piece per reduce group and kind (decay or not) instead of every tensor."""
+    d = cluster.device
+    sizes = shard_group_sizes(cfg)
+    if cfg.parallel.zero >= 1:
+        held = sum(n / sizes[name] for name, n in counts.items())
+        tensors = 2 * sum(1 for n in counts.values() if n)
+    else:
+        held = sum(counts.values())
+        tensors = len((records or local_placements)(args, cfg, 0))
+    clip_held = held if cfg.parallel.zero >= 2 else sum(counts.values())
+    memory = (ADAMW_BYTES * held + CLIP_BYTES * clip_held) / (d.memory_gbps * 1e9)
+    return memory + tensors * (d.tensor_us + CLIP_KERNELS * d.kernel_us) * 1e-6
+
+
+def tail_collectives(args, cfg, cluster: Cluster) -> float:
+    """The step's small all-reduces (loss, stop flags, the gradient norm's groups): their latency."""
+    link = cluster.link_for(range(cfg.parallel.world_size))
+    return sum(k * link.latency("all_reduce", n) for n, k in step_calls(args, cfg).items())
 
 
 def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict[str, float], int]:
