@@ -3,6 +3,7 @@ measurement of a real step and a timed run, next to `cost_layout` with this mach
 calibrated cluster (`fivecut plan calibrate` with the layout's number of ranks).
 
     PYTHONPATH=. python benchmarks/plan_check.py [--steps 12] [--only SUBSTRING] [--out plan_check.md]
+        [--cluster cluster-2.toml --cluster cluster-4.toml]   # else calibrated first, per world size
 
 Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from fivecut.cli import build_parser, layout_config, spawned
 from fivecut.config import preset_args
 from fivecut.plan.calibrate import calibrate
+from fivecut.plan.cluster import cluster_toml, parse_cluster
 from fivecut.plan.cost import cost_layout
 
 LAYOUTS = [  # (model, layout): every cut and schedule, worlds of 2 and 4
@@ -119,6 +121,7 @@ def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
         "states": (states, planned_states),
         "acts": (acts, plan.memory["activations"]),
         "step": (measured_step, plan.step),
+        "parts": (plan.makespan, sum(c.exposed for c in plan.cuts if c.cut != "pp"), plan.optimizer),
     }
 
 
@@ -139,20 +142,23 @@ def ratio(m, p) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | layout | comm per cut: measured / planned (ratio) | model states (ratio) | activations (diff) "
-        "| step measured | step planned | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step measured | step planned | planned: pipeline + exposed comm + tail | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         comm = ", ".join(f"{cut} {m:,.0f}/{p:,.0f} ({ratio(m, p)})" for cut, (m, p) in r["comm"].items()) or "none"
         m_acts, p_acts = r["acts"]
         acts = "pipeline" if m_acts is None else f"{(p_acts - m_acts) / m_acts:+.1%}"
         sm, sp = r["step"]
+        parts = " + ".join(f"{x * 1e3:.1f}" for x in r["parts"])
         lines.append(
             f"| {r['model']} | {r['layout']} | {comm} | {ratio(*r['states'])} | {acts} "
-            f"| {sm * 1e3:.1f} ms | {sp * 1e3:.1f} ms | {sp / sm:.2f} |"
+            f"| {sm * 1e3:.1f} ms | {sp * 1e3:.1f} ms | {parts} | {sp / sm:.2f} |"
         )
     agree, total = ranking(rows)
-    lines.append(f"\npairwise ranking agreement (same world size): {agree}/{total} = {agree / max(total, 1):.0%}")
+    within = sum(0.75 <= r["step"][1] / r["step"][0] <= 1.25 for r in rows)
+    lines.append(f"\nplanned step within 25% of the measured median: {within}/{len(rows)}")
+    lines.append(f"pairwise ranking agreement (same world size): {agree}/{total} = {agree / max(total, 1):.0%}")
     return "\n".join(lines)
 
 
@@ -160,15 +166,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", default=None, help="keep the layouts whose 'model layout' contains this")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="the table; the calibrations used go next to it")
+    parser.add_argument(
+        "--calibrate-each",
+        action="store_true",
+        help="calibrate again just before each layout's run (the machine's load drifts between runs)",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="append",
+        default=[],
+        help="a `fivecut plan calibrate --ranks N` file to plan N-rank layouts with (else calibrated here)",
+    )
     ns = parser.parse_args()
     if ns.steps <= WARMUP:
         parser.error(f"--steps must be more than {WARMUP} (the first {WARMUP} are left out of the median)")
-    clusters: dict = {}
+    clusters = {c.world_size: c for c in map(parse_cluster, ns.cluster)}
     rows = []
     for model, layout in LAYOUTS:
         if ns.only and ns.only not in f"{model} {layout}":
             continue
+        if ns.calibrate_each:
+            clusters = {}
         rows.append(check(model, layout, ns.steps, clusters))
         print(table(rows[-1:]).splitlines()[2], flush=True)
     text = table(rows)
@@ -176,6 +195,10 @@ def main() -> None:
     if ns.out:
         with open(ns.out, "w") as f:
             f.write(text + "\n")
+        for world, cluster in clusters.items():  # the (last) calibrations the table was planned with
+            Path(ns.out).with_suffix(f".cluster{world}.toml").write_text(
+                cluster_toml(cluster, f"fivecut plan calibrate --ranks {world}, by benchmarks/plan_check.py")
+            )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Every rank runs as fivecut runs its ranks (`fivecut.launch.spawn`: one process each, one
 thread, gloo on CPU, NCCL on GPUs), all at once, so that the figures include the contention
-of ranks sharing the machine. Each figure is the slowest rank's median of `REPEATS` runs:
+of ranks sharing the machine. Each figure is the slowest rank's median of `REPEATS` runs, the
+compute ones in lockstep (`in_lockstep`: the ranks start together and wait for the slowest at
+the end, as between a step's collectives, so that a rank slowed on a shared core slows them):
 
     matmul rate      square matmuls of `MATMUL_SIZE` in the dtype runs use (fp32 on CPU,
                      bf16 on a GPU); the device's rate (`achievable` = 1: measured)
@@ -12,8 +14,9 @@ of ranks sharing the machine. Each figure is the slowest rank's median of `REPEA
                      kernels the planner counts for a block's forward and backward
                      (`fivecut.plan.cost.block_kernels`), is `kernel_us` (dispatch, autograd,
                      Python and launch, as a real step pays them)
-    optimizer        AdamW steps over `TENSORS` tiny tensors (`tensor_us`: per tensor) and over
-                     one tensor of `BIG` elements (`memory_gbps`: `ADAMW_BYTES` a parameter)
+    step's tail      the gradient norm, clipping and AdamW step (`step_tail`) over `TENSORS` tiny
+                     tensors (`tensor_us`: per tensor) and over one tensor of `BIG` elements
+                     (`memory_gbps`: `fivecut.plan.cost.TAIL_BYTES` a parameter)
     link             all-reduces of `SIZES` bytes over all ranks, read through the ring's
                      alpha-beta model of `fivecut.plan.cluster`, t = 2(n-1) alpha + 2(n-1)/n x
                      bytes / bandwidth: the bandwidth from the two largest; then every op a step
@@ -42,7 +45,7 @@ from fivecut.ledger import Ledger
 from fivecut.model.args import ModelArgs
 from fivecut.model.transformer import Transformer
 from fivecut.plan.cluster import Cluster, Device, Link, hops_of
-from fivecut.plan.cost import ADAMW_BYTES, block_kernels
+from fivecut.plan.cost import TAIL_BYTES, block_kernels
 
 MATMUL_SIZE = 512
 REPEATS = 21
@@ -50,7 +53,7 @@ PROBE = ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ff
 PROBE_TOKENS = 8
 PROBE_LAYERS = 4
 TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
-BIG = 1 << 22  # elements of the optimizer's per-parameter measurement
+BIG = 1 << 20  # elements of the optimizer's per-parameter measurement (its state: 16 MB)
 BURST = 20  # tiny multiplies before each timed small collective
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -67,6 +70,31 @@ def timed(fn, repeats: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def in_lockstep(fn, repeats: int, sync) -> float:
+    """Seconds of `fn` as the slowest rank runs it between two of a step's collectives: each run
+    starts together (a barrier) and ends with a one-element all-reduce, whose own time alone is
+    taken off. The ranks that share the machine's cores wait for one another, as in a step."""
+    if dist.get_world_size() == 1:
+        return timed(fn, repeats, sync)
+    flag = torch.zeros(1, device=local_device())
+    alone = timed(lambda: dist.all_reduce(flag), repeats, sync)
+
+    def together():
+        fn()
+        sync()
+        dist.all_reduce(flag)
+
+    together()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        together()
+        sync()
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times) - alone, 1e-9)
 
 
 def burst(x: torch.Tensor) -> None:
@@ -89,12 +117,24 @@ def probe_step(layers: int, device, dtype):
     return step
 
 
-def adamw_step(shapes: list[int], device):
+def step_tail(shapes: list[int], device):
+    """A step's tail over tensors of `shapes`: the gradient norm and clipping as
+    `fivecut.train.optim.clip_gradients` does them (without the norm's all-reduce), then AdamW."""
     params = [torch.zeros(n, device=device, requires_grad=True) for n in shapes]
     for p in params:
         p.grad = torch.ones_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
-    return optimizer.step
+
+    def tail():
+        squares = torch.zeros((), device=device)
+        for p in params:
+            squares += p.grad.detach().float().pow(2).sum()
+        scale = torch.clamp(1.0 / (squares.sqrt() + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(scale)
+        optimizer.step()
+
+    return tail
 
 
 def op_call(op: str, group: comm.Group, device):
@@ -142,12 +182,12 @@ def measure_rank(repeats: int) -> dict:
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     dist.barrier()
-    flops = 2 * MATMUL_SIZE**3 / timed(lambda: a @ b, repeats, sync)
-    one = timed(probe_step(1, device, dtype), repeats, sync)
-    many = timed(probe_step(PROBE_LAYERS, device, dtype), repeats, sync)
+    flops = 2 * MATMUL_SIZE**3 / in_lockstep(lambda: a @ b, repeats, sync)
+    one = in_lockstep(probe_step(1, device, dtype), repeats, sync)
+    many = in_lockstep(probe_step(PROBE_LAYERS, device, dtype), repeats, sync)
     kernel = max(many - one, 0.0) / (PROBE_LAYERS - 1) / block_kernels(PROBE, 0, "none")
-    tensor = timed(adamw_step([8] * TENSORS, device), repeats, sync) / TENSORS
-    big = timed(adamw_step([BIG], device), max(repeats // 4, 3), sync)
+    tensor = in_lockstep(step_tail([8] * TENSORS, device), repeats, sync) / TENSORS
+    big = in_lockstep(step_tail([BIG], device), max(repeats // 4, 3), sync)
     reduces = {}
     for size in SIZES:
         x = torch.zeros(max(size // 4, 1), device=device)
@@ -158,7 +198,7 @@ def measure_rank(repeats: int) -> dict:
         "flops": flops,
         "kernel_s": kernel,
         "tensor_s": tensor,
-        "memory_bps": ADAMW_BYTES * BIG / max(big - tensor, 1e-12),
+        "memory_bps": TAIL_BYTES * BIG / max(big - tensor, 1e-12),
         "reduces": reduces,
         "calls": calls,
         "dtype": str(dtype).removeprefix("torch."),

@@ -16,9 +16,10 @@ Per microbatch, through the blocks of rank 0's stages (F: forward, B: backward):
     ep       a MoE block: F 3 all-to-alls (counts, dispatch, combine), B 2
     etp      a MoE block: F 2 all-gathers and a reduce-scatter, B 1 and 1
     pp       each of rank 0's stages receives its input (F) and sends its input's gradient (B)
-             unless it is the first, sends its output (F) and receives its gradient (B) unless last
-    dp       once a step: ZeRO-0 an all-reduce a gradient bucket (`train.bucket_mb`) of each
-             reduce group; ZeRO-1/2 a reduce-scatter of each group's flat buffer and an
+             unless it is the first, sends its output (F) and receives its gradient (B) unless last;
+             once a step, a tied embedding's gradient is summed over the two ends
+    dp       once a step: ZeRO-0 an all-reduce a gradient bucket (`train.bucket_mb`, filled from
+             the last parameter) of each reduce group; ZeRO-1/2 a reduce-scatter of each group's flat buffer and an
              all-gather after the step; ZeRO-3 per microbatch an all-gather of each unit (every
              block, and the root) in the forward, again in the backward, and its reduce-scatter
 
@@ -28,8 +29,6 @@ gradient norm's, one over each group `fivecut.train.optim.grad_norm` sums over.
 """
 
 from __future__ import annotations
-
-import math
 
 from fivecut.plan.activations import layer_mode
 from fivecut.plan.volume import pipeline_plan, reduce_group_sizes, shard_group_sizes
@@ -130,15 +129,29 @@ def microbatch_calls(args, cfg) -> Calls:
     return out
 
 
-def data_calls(args, cfg, counts: dict[str, int], microbatches: int) -> Calls:
-    """The data cut's calls in a step; `counts`: rank 0's parameters by the group reducing them."""
+def buckets(numels: list[int], bucket_bytes: float) -> int:
+    """Gradient buckets of fp32 tensors of `numels`, cut as `fivecut.parallel.data.plan_buckets`
+    cuts them: a new bucket when the next tensor would overflow the current one."""
+    count, size = 0, 0.0
+    for n in numels:
+        if not count or size + 4 * n > bucket_bytes:
+            count, size = count + 1, 0.0
+        size += 4 * n
+    return count
+
+
+def data_calls(args, cfg, placements: dict, microbatches: int) -> Calls:
+    """The data cut's calls in a step; `placements`: rank 0's records, in the model's order."""
     d, t = cfg.parallel, cfg.train
     sizes = reduce_group_sizes(cfg)
-    reduced = {name: n for name, n in counts.items() if n and sizes[name] > 1}
+    groups: dict[str, list[int]] = {}
+    for pl in placements.values():
+        groups.setdefault(pl.reduce, []).append(pl.local_numel())
+    reduced = {name: numels for name, numels in groups.items() if sum(numels) and sizes[name] > 1}
     out: Calls = {}
-    if d.zero == 0:
-        for n in reduced.values():
-            add(out, "dp", "all_reduce", math.ceil(4 * n / (t.bucket_mb * 2**20)))
+    if d.zero == 0:  # buckets fill from the last parameter (the backward's order)
+        for numels in reduced.values():
+            add(out, "dp", "all_reduce", buckets(numels[::-1], t.bucket_mb * 2**20))
     elif d.zero < 3:
         add(out, "dp", "reduce_scatter", len(reduced))
         add(out, "dp", "all_gather", len(reduced))
@@ -162,12 +175,14 @@ def step_calls(args, cfg) -> dict[str, int]:
     return {n: k for n, k in sizes.items() if n > 1}
 
 
-def step_collective_calls(args, cfg, counts: dict[str, int]) -> Calls:
-    """Every cut's calls in one optimizer step on rank 0."""
+def step_collective_calls(args, cfg, placements: dict) -> Calls:
+    """Every cut's calls in one optimizer step on rank 0 (`placements`: its records)."""
     d, t = cfg.parallel, cfg.train
     microbatches = (d.microbatches if d.pp > 1 else 1) * t.accumulate
     out = {cut: {op: n * microbatches for op, n in ops.items()} for cut, ops in microbatch_calls(args, cfg).items()}
-    for cut, ops in data_calls(args, cfg, counts, microbatches).items():
+    for cut, ops in data_calls(args, cfg, placements, microbatches).items():
         for op, n in ops.items():
             add(out, cut, op, n)
+    if d.pp > 1 and args.tie_embeddings:  # the tied embedding's gradient, summed over the two ends
+        add(out, "pp", "all_reduce", 1)
     return out

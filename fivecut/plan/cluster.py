@@ -13,7 +13,7 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     achievable = 0.7              # the fraction of the peak a large matmul reaches
     kernel_us = 5                 # fixed microseconds per kernel (launch and dispatch; calibrated: measured)
     memory_gbps = 3350            # GB/s memory-bound passes reach (the optimizer, clipping)
-    tensor_us = 1                 # the optimizer's fixed microseconds per parameter tensor
+    tensor_us = 26                # fixed microseconds per parameter tensor of clipping and AdamW
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
@@ -64,7 +64,7 @@ class Device:
     source: str = ""
     kernel_us: float = 5.0  # fixed cost of one kernel (launch, per-op dispatch), whatever its size
     memory_gbps: float = 2000.0  # GB/s that memory-bound passes (AdamW, clipping) reach
-    tensor_us: float = 1.0  # AdamW's fixed cost per parameter tensor (its per-tensor kernels)
+    tensor_us: float = 26.0  # fixed cost per parameter tensor of the norm, clipping and AdamW (see DEVICES)
 
     @property
     def flops(self) -> float:
@@ -107,8 +107,9 @@ def hops_of(op: str, n: int) -> int:
 # H100 SXM5 and H200 SXM (bf16 1,979 TFLOPS with sparsity = 989.4 dense, NVLink 900 GB/s; 80 GB
 # HBM3 at 3.35 TB/s / 141 GB HBM3e at 4.8 TB/s), H800 SXM5 (H100's compute and memory, NVLink
 # 400 GB/s). memory_gbps is 80% of the data sheet's HBM bandwidth (what streaming kernels reach).
-# tensor_us: PyTorch's CUDA AdamW is the foreach one (a launch per op for a list of tensors),
-# about a microsecond a tensor, not the 12 kernels x kernel_us of the per-tensor loop on CPUs.
+# tensor_us: fivecut's clipping loops over the tensors (cast, square, sum, accumulate, scale:
+# 5 kernels at kernel_us = 5 us) and PyTorch's CUDA AdamW is the foreach one (a launch per op
+# for a list of tensors, about a microsecond a tensor): 26 us.
 DEVICES = {
     "A100": Device("A100", 312.0, 80, source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)", memory_gbps=1631),
     "H100": Device("H100", 989.4, 80, source="NVIDIA H100 Tensor Core GPU data sheet (SXM5)", memory_gbps=2680),

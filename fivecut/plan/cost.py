@@ -52,7 +52,7 @@ KERNELS_PER_LAYER = 30  # forward kernels of one block (MoE blocks: the router a
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
 ADAMW_BYTES = 64  # memory traffic of PyTorch's unfused AdamW a parameter: ~8 fp32 passes, read and write
 CLIP_BYTES = 20  # the gradient norm (square: read + write, sum: read) and the scale (read + write), fp32
-CLIP_KERNELS = 6  # per gradient tensor: cast, square, sum, weight, accumulate, scale
+TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
     "dp": "behind the backward, up to its length",
     "cp": "ring: behind the attention's compute; Ulysses: not hidden",
@@ -159,7 +159,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     compute *= t.accumulate
     makespan *= t.accumulate
     counts = local_param_counts(args, cfg, records=records)
-    calls = step_collective_calls(args, cfg, counts)
+    calls = step_collective_calls(args, cfg, (records or local_placements)(args, cfg, 0))
     cuts = collective_times(args, cfg, cluster, mesh, compute, calls, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
     tail = optimizer_seconds(args, cfg, cluster, counts, records) + tail_collectives(args, cfg, cluster)
@@ -275,9 +275,9 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
 
 def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], records=None) -> float:
     """AdamW over rank 0's (ZeRO: sharded) parameters and the gradient clipping before it, both
-    memory-bound: bytes a parameter (`ADAMW_BYTES`, `CLIP_BYTES`) at `memory_gbps`, and a fixed
-    cost per tensor (`tensor_us` a step, `CLIP_KERNELS` kernels a clip). ZeRO's optimizer and
-    clipping see one flat piece per reduce group and kind (decay or not) instead of every tensor."""
+    memory-bound: bytes a parameter (`ADAMW_BYTES`, `CLIP_BYTES`) at `memory_gbps`, and
+    `tensor_us` a tensor for both (their per-tensor kernels). ZeRO's optimizer and clipping
+    see one flat piece per reduce group and kind (decay or not) instead of every tensor."""
     d = cluster.device
     sizes = shard_group_sizes(cfg)
     if cfg.parallel.zero >= 1:
@@ -288,7 +288,7 @@ def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], recor
         tensors = len((records or local_placements)(args, cfg, 0))
     clip_held = held if cfg.parallel.zero >= 2 else sum(counts.values())
     memory = (ADAMW_BYTES * held + CLIP_BYTES * clip_held) / (d.memory_gbps * 1e9)
-    return memory + tensors * (d.tensor_us + CLIP_KERNELS * d.kernel_us) * 1e-6
+    return memory + tensors * d.tensor_us * 1e-6
 
 
 def tail_collectives(args, cfg, cluster: Cluster) -> float:
