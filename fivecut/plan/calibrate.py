@@ -53,7 +53,7 @@ PROBE = ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ff
 PROBE_TOKENS = 8
 PROBE_LAYERS = 4
 TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
-BIG = 1 << 20  # elements of the optimizer's per-parameter measurement (its state: 16 MB)
+BIG = 1 << 18  # elements of the tail's per-parameter measurement (a tensor of the size models hold)
 BURST = 20  # tiny multiplies before each timed small collective
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")

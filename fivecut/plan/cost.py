@@ -14,17 +14,26 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 embedding, final norm, head and loss on the stages holding them, the backward 2x
                 (split: B = W = 1x), a fully recomputed block its forward kernels again; this
                 per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs
-    bubble      fivecut's own schedule simulator (`pipeline.simulate`) with those F, B, W costs
-                and each boundary message's alpha-beta time as its latency
+    bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
+                F, B, W costs and each boundary message's alpha-beta time as its latency gives
+                a rank's idle time; the pipeline takes the busiest rank's compute + that idle
+                time (stages of unequal cost: the one with the head sets the pace)
     collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
-                NVLink inside a node, the network across nodes
+                NVLink inside a node, the network across nodes; every call
+                (`fivecut.plan.calls`, the counts `fivecut ledger` shows) pays its op's latency
+                hops (`Link.latency`: gloo's all-gather, reduce-scatter, all-to-all and send
+                each have their own), the bytes go at the link's bandwidth
     overlap     DP / ZeRO-1/2 gradient reduction hidden behind the backward up to its length;
                 ZeRO-3 gathers prefetched behind the compute up to its length; ring attention's
                 K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped
+    tail        after the backward: gradient clipping and AdamW over rank 0's parameters (ZeRO:
+                its shards), memory-bound (`TAIL_BYTES` a parameter at `memory_gbps`) + a fixed
+                `tensor_us` per tensor (ZeRO: per flat piece); and the latency of the step's
+                small all-reduces (loss, stop flags, the gradient norm's groups)
 
-Step time = the simulated pipeline makespan (compute, boundary messages and bubble) + the
-exposed collectives. MFU = the model's FLOPs per token (6N + 12 L h s, `ModelArgs`) x tokens
-per step / (world x peak x step time).
+Step time = the pipeline (compute, boundary messages and bubble) + the exposed collectives +
+the tail. MFU = the model's FLOPs per token (6N + 12 L h s, `ModelArgs`) x tokens per step /
+(world x peak x step time).
 """
 
 from __future__ import annotations
