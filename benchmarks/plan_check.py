@@ -13,8 +13,11 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
                  vs the planner's (only without a pipeline: there the planner gives the peak
                  over microbatches in flight, the ledger one microbatch)
     step         measured: the median of rank 0's step times (the trainer's metrics.jsonl,
-                 `step_time`) over the steps after the first `WARMUP`, of one run of `--steps`
-                 steps; planned: `cost_layout`'s step
+                 `step_time`) over the steps after the first `WARMUP` of a run of `--steps` steps;
+                 of `--runs` such runs (in passes over the layouts, minutes apart) the least
+                 disturbed, the smallest median. Planned: `cost_layout`'s step with the
+                 calibration of the layout's world size (`--runs` calibrations, one a pass, each
+                 figure at its least disturbed value; or the --cluster files given)
     ranking      the share of layout pairs of the same world size whose planned order of step
                  time is the measured order
 """
@@ -27,12 +30,13 @@ import itertools
 import json
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from fivecut.cli import build_parser, layout_config, spawned
 from fivecut.config import preset_args
 from fivecut.plan.calibrate import calibrate
-from fivecut.plan.cluster import cluster_toml, parse_cluster
+from fivecut.plan.cluster import Link, cluster_toml, parse_cluster
 from fivecut.plan.cost import cost_layout
 
 LAYOUTS = [  # (model, layout): every cut and schedule, worlds of 2 and 4
@@ -98,14 +102,17 @@ def timed_run(cfg):
     return result, statistics.median(times[WARMUP:])
 
 
-def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
+def measure(model: str, layout: str, steps: int) -> dict:
+    """One timed run of a layout: rank 0's ledger, memory, activations and median step time."""
     cfg = run_config(model, layout, steps)
-    args = preset_args(cfg.model)
-    world = cfg.parallel.world_size
-    if world not in clusters:
-        clusters[world] = calibrate(world)[0]
-    mine, measured_step = timed_run(cfg)
-    plan = cost_layout(args, cfg, clusters[world])
+    mine, step = timed_run(cfg)
+    return {"model": model, "layout": layout, "cfg": cfg, "result": mine, "steps": [step]}
+
+
+def compare(run: dict, cluster) -> dict:
+    """A layout's measurements (the least disturbed of its runs' medians) next to its plan."""
+    cfg, mine = run["cfg"], run["result"]
+    plan = cost_layout(preset_args(cfg.model), cfg, cluster)
     comm = {}
     for c in plan.cuts:
         measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == c.cut)
@@ -114,15 +121,37 @@ def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
     planned_states = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
     acts = sum(mine.activations.values()) if cfg.parallel.pp == 1 else None
     return {
-        "model": model,
-        "layout": layout,
-        "world": world,
+        "model": run["model"],
+        "layout": run["layout"],
+        "world": cfg.parallel.world_size,
         "comm": comm,
         "states": (states, planned_states),
         "acts": (acts, plan.memory["activations"]),
-        "step": (measured_step, plan.step),
+        "step": (min(run["steps"]), plan.step),
         "parts": (plan.makespan, sum(c.exposed for c in plan.cuts if c.cut != "pp"), plan.optimizer),
     }
+
+
+def least_disturbed(clusters: list):
+    """Of calibrations of the same machine, each figure at its least disturbed (fastest) value."""
+    best = clusters[0]
+    for c in clusters[1:]:
+        d, e = best.device, c.device
+        device = replace(
+            d,
+            peak_tflops=max(d.peak_tflops, e.peak_tflops),
+            kernel_us=min(d.kernel_us, e.kernel_us),
+            memory_gbps=max(d.memory_gbps, e.memory_gbps),
+            tensor_us=min(d.tensor_us, e.tensor_us),
+        )
+        mine, theirs = best.intra, dict(c.intra.op_latency_us)
+        link = Link(
+            max(mine.bandwidth_gbps, c.intra.bandwidth_gbps),
+            min(mine.latency_us, c.intra.latency_us),
+            tuple((op, min(us, theirs.get(op, us))) for op, us in mine.op_latency_us),
+        )
+        best = replace(best, device=device, intra=link, inter=link)
+    return best
 
 
 def ranking(rows: list[dict]) -> tuple[int, int]:
@@ -168,9 +197,10 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="keep the layouts whose 'model layout' contains this")
     parser.add_argument("--out", default=None, help="the table; the calibrations used go next to it")
     parser.add_argument(
-        "--calibrate-each",
-        action="store_true",
-        help="calibrate again just before each layout's run (the machine's load drifts between runs)",
+        "--runs",
+        type=int,
+        default=2,
+        help="timed runs of each layout and calibrations of each world, in passes; the least disturbed count",
     )
     parser.add_argument(
         "--cluster",
@@ -181,21 +211,31 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.steps <= WARMUP:
         parser.error(f"--steps must be more than {WARMUP} (the first {WARMUP} are left out of the median)")
-    clusters = {c.world_size: c for c in map(parse_cluster, ns.cluster)}
-    rows = []
-    for model, layout in LAYOUTS:
-        if ns.only and ns.only not in f"{model} {layout}":
-            continue
-        if ns.calibrate_each:
-            clusters = {}
-        rows.append(check(model, layout, ns.steps, clusters))
-        print(table(rows[-1:]).splitlines()[2], flush=True)
+    if ns.runs < 1:
+        parser.error("--runs must be at least 1")
+    given = {c.world_size: c for c in map(parse_cluster, ns.cluster)}
+    chosen = [(m, lay) for m, lay in LAYOUTS if not ns.only or ns.only in f"{m} {lay}"]
+    calibrations: dict[int, list] = {}
+    runs: dict[tuple[str, str], dict] = {}
+    for done in range(ns.runs):  # pass after pass, so that each layout's runs lie minutes apart
+        for model, layout in chosen:
+            world = run_config(model, layout, 2).parallel.world_size
+            if world not in given and len(calibrations.get(world, [])) <= done:
+                calibrations.setdefault(world, []).append(calibrate(world)[0])
+            run = measure(model, layout, ns.steps)
+            if (model, layout) in runs:
+                runs[model, layout]["steps"] += run["steps"]
+            else:
+                runs[model, layout] = run
+            print(f"{model} {layout}: {run['steps'][0] * 1e3:.1f} ms", flush=True)
+    clusters = {**{w: least_disturbed(cs) for w, cs in calibrations.items()}, **given}
+    rows = [compare(runs[key], clusters[runs[key]["cfg"].parallel.world_size]) for key in chosen]
     text = table(rows)
     print(text)
     if ns.out:
         with open(ns.out, "w") as f:
             f.write(text + "\n")
-        for world, cluster in clusters.items():  # the (last) calibrations the table was planned with
+        for world, cluster in clusters.items():  # the calibrations the table was planned with
             Path(ns.out).with_suffix(f".cluster{world}.toml").write_text(
                 cluster_toml(cluster, f"fivecut plan calibrate --ranks {world}, by benchmarks/plan_check.py")
             )
