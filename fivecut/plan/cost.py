@@ -13,7 +13,10 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 (norms, projections, RoPE, attention, SwiGLU, residuals), `KERNELS_OUTSIDE` for the
                 embedding, final norm, head and loss on the stages holding them, the backward 2x
                 (split: B = W = 1x), a fully recomputed block its forward kernels again; this
-                per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs
+                per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs;
+                plus the memory-bound kernels' traffic: the bytes each block saves for backward
+                (`fivecut.plan.activations`) written, read back and their gradient written, at
+                `memory_gbps`
     bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
                 F, B, W costs and each boundary message's alpha-beta time as its latency gives
                 a rank's idle time; the pipeline takes the busiest rank's compute + that idle
@@ -149,10 +152,30 @@ def stage_kernels(args, layers: range, first: bool, last: bool, recompute: tuple
     return {"F": blocks + outside, "B": total - blocks + 2 * outside}
 
 
-def stage_seconds(works: dict, kernels: dict, cut: int, cluster: Cluster) -> dict:
-    """F and B seconds of a stage: FLOPs (divided over `cut` TP ranks) at the rate + kernels x kernel_us."""
-    fixed = cluster.device.kernel_us * 1e-6
-    return {k: works[k] / cut / cluster.device.flops + kernels[k] * fixed for k in ("F", "B")}
+def stage_traffic(args, cfg, layers: range, rows: int) -> dict:
+    """Activation bytes the memory-bound kernels of a stage move for one microbatch of `rows`
+    sequences: what its blocks save for backward (`block_bytes` without recomputation) is
+    written once in the forward, read and its gradient written in the backward; a fully
+    recomputed block writes it once more."""
+    t = cfg.train
+    precision = precision_of(t.dtype, cfg.parallel.zero)
+    seq = t.seq_len // cfg.parallel.cp
+    forward = backward = 0.0
+    for i in layers:
+        saved = block_bytes(args, cfg, rows, seq, precision, i, mode="none")
+        forward += saved
+        backward += saved * (3 if layer_mode(i, t.recompute, t.recompute_every) == "full" else 2)
+    return {"F": forward, "B": backward}
+
+
+def stage_seconds(works: dict, kernels: dict, traffic: dict, cut: int, cluster: Cluster) -> dict:
+    """F and B seconds of a stage: FLOPs (divided over `cut` TP ranks) at the rate + kernels x
+    kernel_us + the activations' traffic at the memory bandwidth."""
+    d = cluster.device
+    return {
+        k: works[k] / cut / d.flops + kernels[k] * d.kernel_us * 1e-6 + traffic[k] / (d.memory_gbps * 1e9)
+        for k in ("F", "B")
+    }
 
 
 def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
@@ -202,16 +225,20 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     dims, t = cfg.parallel, cfg.train
     recompute = (t.recompute, t.recompute_every)
     cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
+    rows = tokens_mb // (t.seq_len // dims.cp)  # sequences per microbatch
     if dims.pp == 1:
-        work = stage_compute(args, range(args.n_layers), True, tokens_mb, t.seq_len, recompute)
-        timed = stage_seconds(work, stage_kernels(args, range(args.n_layers), True, True, recompute), cut, cluster)
+        every = range(args.n_layers)
+        work = stage_compute(args, every, True, tokens_mb, t.seq_len, recompute)
+        kernels = stage_kernels(args, every, True, True, recompute)
+        timed = stage_seconds(work, kernels, stage_traffic(args, cfg, every, rows), cut, cluster)
         seconds = timed["F"] + timed["B"]
         return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
     schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
     works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
     kernels = [stage_kernels(args, layers[s], s == 0, s == last, recompute) for s in range(last + 1)]
-    times = [stage_seconds(works[s], kernels[s], cut, cluster) for s in range(last + 1)]
+    traffic = [stage_traffic(args, cfg, layers[s], rows) for s in range(last + 1)]
+    times = [stage_seconds(works[s], kernels[s], traffic[s], cut, cluster) for s in range(last + 1)]
     f = sum(x["F"] for x in times) / len(times)  # the stages' mean: the schedule's idle time
     b = sum(x["B"] for x in times) / len(times)
     message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
@@ -328,11 +355,12 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     return best, best_rank
 
 
-def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int) -> float:
+def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None) -> float:
     """The activation closed form of block `layer`, once per kind of block (dense or MoE, its
-    recomputation mode) and layout: the blocks of a kind keep the same bytes."""
+    recomputation mode: `mode`, else the run's) and layout: the blocks of a kind keep the same bytes."""
     dims, t = cfg.parallel, cfg.train
-    moe, mode = args.moe_layer(layer), layer_mode(layer, t.recompute, t.recompute_every)
+    moe = args.moe_layer(layer)
+    mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (args, dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq, precision)
     key += (moe, mode)
     if key not in BLOCK_BYTES:
