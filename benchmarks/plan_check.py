@@ -143,6 +143,7 @@ def least_disturbed(clusters: list):
             kernel_us=min(d.kernel_us, e.kernel_us),
             memory_gbps=max(d.memory_gbps, e.memory_gbps),
             tensor_us=min(d.tensor_us, e.tensor_us),
+            overlap=max(d.overlap, e.overlap),
         )
         mine, theirs = best.intra, dict(c.intra.op_latency_us)
         link = Link(

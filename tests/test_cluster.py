@@ -45,7 +45,7 @@ def test_a_cluster_file_reads_back_as_written(tmp_path):
     assert parse_cluster(str(path)) == cluster
     calibrated = replace(  # every field calibration writes, an op latency of each kind included
         cluster,
-        device=replace(cluster.device, kernel_us=41.5, memory_gbps=2.25, tensor_us=115.0),
+        device=replace(cluster.device, kernel_us=41.5, memory_gbps=2.25, tensor_us=115.0, overlap=0.61),
         intra=Link(
             0.66, 143.0, (("all_gather", 688.0), ("reduce_scatter", 578.0), ("all_to_all", 672.0), ("send", 2.5))
         ),

@@ -25,6 +25,8 @@ the end, as between a step's collectives, so that a rank slowed on a shared core
                      `BURST` tiny kernels (the ranks arrive apart, as between a step's kernels),
                      less the burst: one call's time over its hops is that op's per-hop latency
                      (a send's: half an exchange of a send and a recv with a neighbour)
+    overlap          an all-reduce of `OVERLAP_BYTES` in flight while matmuls of about its length
+                     run: the share of the shorter that hides (`overlap_share`)
 
 The machine is one node: its intra- and inter-node links are the same measured link.
 """
@@ -56,6 +58,7 @@ TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
 BIG = 1 << 18  # elements of the tail's per-parameter measurement (a tensor of the size models hold)
 BURST = 20  # tiny multiplies before each timed small collective
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
+OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
@@ -95,6 +98,29 @@ def in_lockstep(fn, repeats: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return max(statistics.median(times) - alone, 1e-9)
+
+
+def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repeats: int) -> float:
+    """The share of an all-reduce of `OVERLAP_BYTES` that hides behind matmuls (`matmul_s` each)
+    issued while it is in flight: (compute + collective - both at once) / the shorter, in [0, 1]."""
+    x = torch.zeros(OVERLAP_BYTES // 4, device=a.device)
+    alone = in_lockstep(lambda: dist.all_reduce(x), repeats, sync)
+    count = torch.tensor([min(max(round(alone / matmul_s), 1), 256)], device=a.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs as many
+    count = int(count.item())
+
+    def matmuls():
+        for _ in range(count):
+            a @ b
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        matmuls()
+        work.wait()
+
+    compute = in_lockstep(matmuls, repeats, sync)
+    together = in_lockstep(both, repeats, sync)
+    return min(max((compute + alone - together) / min(compute, alone), 0.0), 1.0)
 
 
 def burst(x: torch.Tensor) -> None:
@@ -182,7 +208,8 @@ def measure_rank(repeats: int) -> dict:
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     dist.barrier()
-    flops = 2 * MATMUL_SIZE**3 / in_lockstep(lambda: a @ b, repeats, sync)
+    matmul_s = in_lockstep(lambda: a @ b, repeats, sync)
+    flops = 2 * MATMUL_SIZE**3 / matmul_s
     one = in_lockstep(probe_step(1, device, dtype), repeats, sync)
     many = in_lockstep(probe_step(PROBE_LAYERS, device, dtype), repeats, sync)
     kernel = max(many - one, 0.0) / (PROBE_LAYERS - 1) / block_kernels(PROBE, 0, "none")
@@ -194,6 +221,7 @@ def measure_rank(repeats: int) -> dict:
         dist.barrier()
         reduces[size] = timed(lambda x=x: dist.all_reduce(x), repeats, sync)
     calls = op_latencies(device, sync, repeats) if dist.get_world_size() > 1 else {}
+    overlap = overlap_share(a, b, matmul_s, sync, max(repeats // 3, 3)) if dist.get_world_size() > 1 else 1.0
     return {
         "flops": flops,
         "kernel_s": kernel,
@@ -201,6 +229,7 @@ def measure_rank(repeats: int) -> dict:
         "memory_bps": TAIL_BYTES * BIG / max(big - tensor, 1e-12),
         "reduces": reduces,
         "calls": calls,
+        "overlap": overlap,
         "dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -235,6 +264,7 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         kernel_us=max(r["kernel_s"] for r in results) * 1e6,
         memory_gbps=min(r["memory_bps"] for r in results) / 1e9,
         tensor_us=max(r["tensor_s"] for r in results) * 1e6,
+        overlap=min(r["overlap"] for r in results),
         source=f"fivecut plan calibrate: {MATMUL_SIZE}^3 {results[0]['dtype']} matmuls on {ranks} ranks at once",
     )
     cluster = Cluster(1, ranks, device, link, link, name="this-machine")

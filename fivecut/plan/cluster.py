@@ -14,6 +14,7 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     kernel_us = 5                 # fixed microseconds per kernel (launch and dispatch; calibrated: measured)
     memory_gbps = 3350            # GB/s memory-bound passes reach (the optimizer, clipping)
     tensor_us = 26                # fixed microseconds per parameter tensor of clipping and AdamW
+    overlap = 1                   # share of compute a collective in flight hides behind (0..1)
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
@@ -65,6 +66,7 @@ class Device:
     kernel_us: float = 5.0  # fixed cost of one kernel (launch, per-op dispatch), whatever its size
     memory_gbps: float = 2000.0  # GB/s that memory-bound passes (AdamW, clipping) reach
     tensor_us: float = 26.0  # fixed cost per parameter tensor of the norm, clipping and AdamW (see DEVICES)
+    overlap: float = 1.0  # share of concurrent compute a collective in flight hides behind (NCCL: all)
 
     @property
     def flops(self) -> float:
@@ -233,14 +235,15 @@ def device_from(table: dict, top: dict, where: str) -> Device:
             raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
         base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
     keys = ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us", "memory_gbps", "tensor_us")
+    keys += ("overlap",)
     device = replace(base, **{k: given[k] for k in keys if k in given})
     d = device
     if not (d.peak_tflops > 0 and d.memory_gb > 0 and 0 < d.achievable <= 1 and d.kernel_us >= 0) or not (
-        d.memory_gbps > 0 and d.tensor_us >= 0
+        d.memory_gbps > 0 and d.tensor_us >= 0 and 0 <= d.overlap <= 1
     ):
         raise ClusterError(
             f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0, "
-            "memory_gbps > 0, tensor_us >= 0"
+            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1"
         )
     return device
 
@@ -278,6 +281,7 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
         f"kernel_us = {d.kernel_us:.6g}",
         f"memory_gbps = {d.memory_gbps:.6g}",
         f"tensor_us = {d.tensor_us:.6g}",
+        f"overlap = {d.overlap:.6g}",
         f'source = "{d.source}"',
     ]
     for name, link in (("intra", cluster.intra), ("inter", cluster.inter)):

@@ -28,7 +28,9 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 each have their own), the bytes go at the link's bandwidth
     overlap     DP / ZeRO-1/2 gradient reduction hidden behind the backward up to its length;
                 ZeRO-3 gathers prefetched behind the compute up to its length; ring attention's
-                K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped
+                K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped; each
+                at most `Device.overlap` of that compute (NCCL: 1, its own SMs; gloo on ranks
+                that fill the CPU's cores: near 0, the collective needs the cores computing)
     tail        after the backward: gradient clipping and AdamW over rank 0's parameters (ZeRO:
                 its shards), memory-bound (`TAIL_BYTES` a parameter at `memory_gbps`) + a fixed
                 `tensor_us` per tensor (ZeRO: per flat piece); and the latency of the step's
@@ -287,6 +289,7 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
     """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time (every call's
     latency, `calls`, + the bytes at the link's bandwidth) and what stays exposed."""
     dims = cfg.parallel
+    hides = cluster.device.overlap  # the share of compute a collective in flight may hide behind
     out = []
     for cut, (wire, _how) in predict(args, cfg, records=records).items():
         if cut not in GROUP_OF_CUT:
@@ -296,9 +299,9 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
         latency = sum(n * link.latency(op, group.size) for op, n in calls.get(cut, {}).items())
         seconds = wire / (link.bandwidth_gbps * 1e9) + latency
         if cut == "dp":
-            exposed = max(0.0, seconds - compute * 2 / 3)  # the backward is 2/3 of F + B
+            exposed = max(0.0, seconds - hides * compute * 2 / 3)  # the backward is 2/3 of F + B
         elif cut == "cp" and dims.cp_mode == "ring":
-            exposed = max(0.0, seconds - compute / 3)  # at most behind the forward's share
+            exposed = max(0.0, seconds - hides * compute / 3)  # at most behind the forward's share
         elif cut == "pp":
             exposed = 0.0  # inside the simulated makespan
         else:
