@@ -14,10 +14,10 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
                  over microbatches in flight, the ledger one microbatch)
     step         measured: the median of rank 0's step times (the trainer's metrics.jsonl,
                  `step_time`) over the steps after the first `WARMUP` of a run of `--steps` steps;
-                 of `--runs` such runs (in passes over the layouts, minutes apart) the least
-                 disturbed, the smallest median. Planned: `cost_layout`'s step with the
-                 calibration of the layout's world size (`--runs` calibrations, one a pass, each
-                 figure at its least disturbed value; or the --cluster files given)
+                 of `--runs` such runs (in passes over the layouts, minutes apart) the median.
+                 Planned: `cost_layout`'s step with the calibration of the layout's world size
+                 (`--runs` calibrations, one a pass, each figure their median; or the --cluster
+                 files given): the machine's load by others drifts, both sides see the same
     ranking      the share of layout pairs of the same world size whose planned order of step
                  time is the measured order
 """
@@ -110,7 +110,7 @@ def measure(model: str, layout: str, steps: int) -> dict:
 
 
 def compare(run: dict, cluster) -> dict:
-    """A layout's measurements (the least disturbed of its runs' medians) next to its plan."""
+    """A layout's measurements (the median of its runs' medians) next to its plan."""
     cfg, mine = run["cfg"], run["result"]
     plan = cost_layout(preset_args(cfg.model), cfg, cluster)
     comm = {}
@@ -127,32 +127,29 @@ def compare(run: dict, cluster) -> dict:
         "comm": comm,
         "states": (states, planned_states),
         "acts": (acts, plan.memory["activations"]),
-        "step": (min(run["steps"]), plan.step),
+        "step": (statistics.median(run["steps"]), plan.step),
         "parts": (plan.makespan, sum(c.exposed for c in plan.cuts if c.cut != "pp"), plan.optimizer),
     }
 
 
-def least_disturbed(clusters: list):
-    """Of calibrations of the same machine, each figure at its least disturbed (fastest) value."""
-    best = clusters[0]
-    for c in clusters[1:]:
-        d, e = best.device, c.device
-        device = replace(
-            d,
-            peak_tflops=max(d.peak_tflops, e.peak_tflops),
-            kernel_us=min(d.kernel_us, e.kernel_us),
-            memory_gbps=max(d.memory_gbps, e.memory_gbps),
-            tensor_us=min(d.tensor_us, e.tensor_us),
-            overlap=max(d.overlap, e.overlap),
-        )
-        mine, theirs = best.intra, dict(c.intra.op_latency_us)
-        link = Link(
-            max(mine.bandwidth_gbps, c.intra.bandwidth_gbps),
-            min(mine.latency_us, c.intra.latency_us),
-            tuple((op, min(us, theirs.get(op, us))) for op, us in mine.op_latency_us),
-        )
-        best = replace(best, device=device, intra=link, inter=link)
-    return best
+def typical(clusters: list):
+    """Calibrations of the same machine (one a pass) as one: each figure's median over them."""
+    first = clusters[0]
+    med = statistics.median
+    device = replace(
+        first.device,
+        **{k: med(getattr(c.device, k) for c in clusters) for k in DEVICE_FIGURES},
+    )
+    ops = [op for op, _ in first.intra.op_latency_us]
+    link = Link(
+        med(c.intra.bandwidth_gbps for c in clusters),
+        med(c.intra.latency_us for c in clusters),
+        tuple((op, med(dict(c.intra.op_latency_us)[op] for c in clusters)) for op in ops),
+    )
+    return replace(first, device=device, intra=link, inter=link)
+
+
+DEVICE_FIGURES = ("peak_tflops", "kernel_us", "memory_gbps", "tensor_us", "overlap")
 
 
 def ranking(rows: list[dict]) -> tuple[int, int]:
@@ -200,8 +197,8 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         type=int,
-        default=2,
-        help="timed runs of each layout and calibrations of each world, in passes; the least disturbed count",
+        default=3,
+        help="timed runs of each layout and calibrations of each world, in passes; each figure's median counts",
     )
     parser.add_argument(
         "--cluster",
@@ -229,7 +226,7 @@ def main() -> None:
             else:
                 runs[model, layout] = run
             print(f"{model} {layout}: {run['steps'][0] * 1e3:.1f} ms", flush=True)
-    clusters = {**{w: least_disturbed(cs) for w, cs in calibrations.items()}, **given}
+    clusters = {**{w: typical(cs) for w, cs in calibrations.items()}, **given}
     rows = [compare(runs[key], clusters[runs[key]["cfg"].parallel.world_size]) for key in chosen]
     text = table(rows)
     print(text)
