@@ -21,9 +21,10 @@ the end, as between a step's collectives, so that a rank slowed on a shared core
                      alpha-beta model of `fivecut.plan.cluster`, t = 2(n-1) alpha + 2(n-1)/n x
                      bytes / bandwidth: the bandwidth from the two largest; then every op a step
                      calls (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on a
-                     4-byte-a-rank tensor through `fivecut.comm`, each call after a burst of
-                     `BURST` tiny kernels (the ranks arrive apart, as between a step's kernels),
-                     less the burst: one call's time over its hops is that op's per-hop latency
+                     4-byte-a-rank tensor through `fivecut.comm`, each call after the forward
+                     of one probe block (the kernels a step runs between two of its collectives,
+                     so the ranks arrive as far apart as in a step), less that forward alone:
+                     one call's time over its hops is that op's per-hop latency
                      (a send's: half an exchange of a send and a recv with a neighbour)
     overlap          an all-reduce of `OVERLAP_BYTES` in flight while matmuls of about its length
                      run: the share of the shorter that hides (`overlap_share`)
@@ -56,7 +57,6 @@ PROBE_TOKENS = 8
 PROBE_LAYERS = 4
 TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
 BIG = 1 << 18  # elements of the tail's per-parameter measurement (a tensor of the size models hold)
-BURST = 20  # tiny multiplies before each timed small collective
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
 OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -123,12 +123,6 @@ def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repea
     return min(max((compute + alone - together) / min(compute, alone), 0.0), 1.0)
 
 
-def burst(x: torch.Tensor) -> None:
-    """`BURST` multiplies of a tiny tensor: a few kernels' worth of work between two collectives."""
-    for _ in range(BURST):
-        x = x * 1.0001
-
-
 def probe_step(layers: int, device, dtype):
     """A forward, loss and backward of fivecut's model with `layers` blocks on `PROBE_TOKENS` tokens."""
     args = ModelArgs(**{**PROBE.__dict__, "n_layers": layers})
@@ -141,6 +135,20 @@ def probe_step(layers: int, device, dtype):
         F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
 
     return step
+
+
+def probe_block(device):
+    """The forward of one block of the probe model on `PROBE_TOKENS` tokens, without autograd."""
+    model = Transformer(PROBE).to(device)
+    model.init_weights(0)
+    block, rope = model.layers["0"], (model.rope_cos[:PROBE_TOKENS], model.rope_sin[:PROBE_TOKENS])
+    x = torch.randn(1, PROBE_TOKENS, PROBE.dim, device=device)
+
+    def forward():
+        with torch.no_grad():
+            block(x, rope)
+
+    return forward
 
 
 def step_tail(shapes: list[int], device):
@@ -186,16 +194,16 @@ def op_call(op: str, group: comm.Group, device):
 
 
 def op_latencies(device, sync, repeats: int) -> dict[str, float]:
-    """Seconds of one small call of each op in `OPS`, after a burst of kernels, less the burst."""
+    """Seconds of one small call of each op in `OPS` after a probe block's forward, less the forward."""
     n = dist.get_world_size()
     group = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, Ledger())
-    tiny = torch.ones(8, device=device)
-    alone = timed(lambda: burst(tiny), repeats, sync)
+    block = probe_block(device)
+    alone = timed(block, repeats, sync)
     out = {}
     for op in OPS:
         call = op_call(op, group, device)
         dist.barrier()
-        seconds = max(timed(lambda call=call: (burst(tiny), call()), repeats, sync) - alone, 0.0)
+        seconds = max(timed(lambda call=call: (block(), call()), repeats, sync) - alone, 0.0)
         out[op] = seconds / (2 if op == "send" else 1)  # an exchange is a send and a recv
     return out
 
