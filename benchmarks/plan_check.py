@@ -3,6 +3,7 @@ measurement of a real step and a timed run, next to `cost_layout` with this mach
 calibrated cluster (`fivecut plan calibrate` with the layout's number of ranks).
 
     PYTHONPATH=. python benchmarks/plan_check.py [--steps 12] [--only SUBSTRING] [--out plan_check.md]
+        [--cluster cluster-2.toml --cluster cluster-4.toml]   # else calibrated first, per world size
 
 Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
 
@@ -11,9 +12,12 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
     activations  bytes saved for backward, summed over rank 0's layers (step 1, one microbatch)
                  vs the planner's (only without a pipeline: there the planner gives the peak
                  over microbatches in flight, the ledger one microbatch)
-    step         measured: (wall time of a run of `--steps` steps - that of a 2-step run) /
-                 (steps - 2), so start-up and the first steps cancel; a difference of two runs,
-                 not a median over steps (RunResult keeps no per-step times)
+    step         measured: the median of rank 0's step times (the trainer's metrics.jsonl,
+                 `step_time`) over the steps after the first `WARMUP` of a run of `--steps` steps;
+                 of `--runs` such runs (in passes over the layouts, minutes apart) the median.
+                 Planned: `cost_layout`'s step with the calibration of the layout's world size
+                 (`--runs` calibrations, one a pass, each figure their median; or the --cluster
+                 files given): the machine's load by others drifts, both sides see the same
     ranking      the share of layout pairs of the same world size whose planned order of step
                  time is the measured order
 """
@@ -21,12 +25,18 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
-import time
+import json
+import statistics
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 
-from fivecut.cli import build_parser, layout_config, run_spawned
+from fivecut.cli import build_parser, layout_config, spawned
 from fivecut.config import preset_args
 from fivecut.plan.calibrate import calibrate
+from fivecut.plan.cluster import Link, cluster_toml, parse_cluster
 from fivecut.plan.cost import cost_layout
 
 LAYOUTS = [  # (model, layout): every cut and schedule, worlds of 2 and 4
@@ -60,37 +70,86 @@ def run_config(model: str, layout: str, steps: int):
     return layout_config(ns)
 
 
-def timed_run(cfg, measure: bool):
-    start = time.perf_counter()
-    result = run_spawned(cfg, 600.0, measure_activations=measure, what="plan_check")[0]
-    return result, time.perf_counter() - start
+WARMUP = 2  # steps left out of the median (allocator, first calls of each collective)
 
 
-def check(model: str, layout: str, steps: int, clusters: dict) -> dict:
-    short = run_config(model, layout, 2)
-    args = preset_args(short.model)
-    world = short.parallel.world_size
-    if world not in clusters:
-        clusters[world] = calibrate(world)[0]
-    mine, t_short = timed_run(short, True)
-    _, t_long = timed_run(run_config(model, layout, steps), False)
-    plan = cost_layout(args, short, clusters[world])
+def train_logged(cfg, measure: bool):
+    """One rank's training with rank 0's metrics.jsonl written (the quiet runs write none)."""
+    from fivecut.train.trainer import train
+
+    return train(cfg, quiet=False, measure_activations=measure)
+
+
+def timed_run(cfg):
+    """Rank 0's RunResult and the median of its step times after `WARMUP` steps."""
+    from fivecut.train.run import run_tokens
+
+    run_tokens(cfg)
+    with tempfile.TemporaryDirectory(prefix="fivecut-plan-check-") as out:
+        cfg = copy.deepcopy(cfg)
+        cfg.log.out_dir = out
+        result = spawned(
+            "plan_check",
+            train_logged,
+            cfg.parallel.world_size,
+            cfg,
+            True,
+            timeout_s=600.0,
+            collective_timeout_s=min(600.0, cfg.train.collective_timeout),
+        )[0]
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    times = [r["step_time"] for r in map(json.loads, lines) if "step_time" in r]
+    return result, statistics.median(times[WARMUP:])
+
+
+def measure(model: str, layout: str, steps: int) -> dict:
+    """One timed run of a layout: rank 0's ledger, memory, activations and median step time."""
+    cfg = run_config(model, layout, steps)
+    mine, step = timed_run(cfg)
+    return {"model": model, "layout": layout, "cfg": cfg, "result": mine, "steps": [step]}
+
+
+def compare(run: dict, cluster) -> dict:
+    """A layout's measurements (the median of its runs' medians) next to its plan."""
+    cfg, mine = run["cfg"], run["result"]
+    plan = cost_layout(preset_args(cfg.model), cfg, cluster)
     comm = {}
     for c in plan.cuts:
         measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == c.cut)
         comm[c.cut] = (measured, c.wire_bytes)
     states = sum(mine.memory[k] for k in ("params", "grads", "optimizer"))
     planned_states = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
-    acts = sum(mine.activations.values()) if short.parallel.pp == 1 else None
+    acts = sum(mine.activations.values()) if cfg.parallel.pp == 1 else None
     return {
-        "model": model,
-        "layout": layout,
-        "world": world,
+        "model": run["model"],
+        "layout": run["layout"],
+        "world": cfg.parallel.world_size,
         "comm": comm,
         "states": (states, planned_states),
         "acts": (acts, plan.memory["activations"]),
-        "step": ((t_long - t_short) / (steps - 2), plan.step),
+        "step": (statistics.median(run["steps"]), plan.step),
+        "parts": (plan.makespan, sum(c.exposed for c in plan.cuts if c.cut != "pp"), plan.optimizer),
     }
+
+
+def typical(clusters: list):
+    """Calibrations of the same machine (one a pass) as one: each figure's median over them."""
+    first = clusters[0]
+    med = statistics.median
+    device = replace(
+        first.device,
+        **{k: med(getattr(c.device, k) for c in clusters) for k in DEVICE_FIGURES},
+    )
+    ops = [op for op, _ in first.intra.op_latency_us]
+    link = Link(
+        med(c.intra.bandwidth_gbps for c in clusters),
+        med(c.intra.latency_us for c in clusters),
+        tuple((op, med(dict(c.intra.op_latency_us)[op] for c in clusters)) for op in ops),
+    )
+    return replace(first, device=device, intra=link, inter=link)
+
+
+DEVICE_FIGURES = ("peak_tflops", "kernel_us", "memory_gbps", "tensor_us", "overlap")
 
 
 def ranking(rows: list[dict]) -> tuple[int, int]:
@@ -110,20 +169,23 @@ def ratio(m, p) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | layout | comm per cut: measured / planned (ratio) | model states (ratio) | activations (diff) "
-        "| step measured | step planned | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step measured | step planned | planned: pipeline + exposed comm + tail | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         comm = ", ".join(f"{cut} {m:,.0f}/{p:,.0f} ({ratio(m, p)})" for cut, (m, p) in r["comm"].items()) or "none"
         m_acts, p_acts = r["acts"]
         acts = "pipeline" if m_acts is None else f"{(p_acts - m_acts) / m_acts:+.1%}"
         sm, sp = r["step"]
+        parts = " + ".join(f"{x * 1e3:.1f}" for x in r["parts"])
         lines.append(
             f"| {r['model']} | {r['layout']} | {comm} | {ratio(*r['states'])} | {acts} "
-            f"| {sm * 1e3:.1f} ms | {sp * 1e3:.1f} ms | {sp / sm:.2f} |"
+            f"| {sm * 1e3:.1f} ms | {sp * 1e3:.1f} ms | {parts} | {sp / sm:.2f} |"
         )
     agree, total = ranking(rows)
-    lines.append(f"\npairwise ranking agreement (same world size): {agree}/{total} = {agree / max(total, 1):.0%}")
+    within = sum(0.75 <= r["step"][1] / r["step"][0] <= 1.25 for r in rows)
+    lines.append(f"\nplanned step within 25% of the measured median: {within}/{len(rows)}")
+    lines.append(f"pairwise ranking agreement (same world size): {agree}/{total} = {agree / max(total, 1):.0%}")
     return "\n".join(lines)
 
 
@@ -131,22 +193,50 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", default=None, help="keep the layouts whose 'model layout' contains this")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="the table; the calibrations used go next to it")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="timed runs of each layout and calibrations of each world, in passes; each figure's median counts",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="append",
+        default=[],
+        help="a `fivecut plan calibrate --ranks N` file to plan N-rank layouts with (else calibrated here)",
+    )
     ns = parser.parse_args()
-    if ns.steps < 3:
-        parser.error("--steps must be at least 3 (the timed run minus a 2-step run)")
-    clusters: dict = {}
-    rows = []
-    for model, layout in LAYOUTS:
-        if ns.only and ns.only not in f"{model} {layout}":
-            continue
-        rows.append(check(model, layout, ns.steps, clusters))
-        print(table(rows[-1:]).splitlines()[2], flush=True)
+    if ns.steps <= WARMUP:
+        parser.error(f"--steps must be more than {WARMUP} (the first {WARMUP} are left out of the median)")
+    if ns.runs < 1:
+        parser.error("--runs must be at least 1")
+    given = {c.world_size: c for c in map(parse_cluster, ns.cluster)}
+    chosen = [(m, lay) for m, lay in LAYOUTS if not ns.only or ns.only in f"{m} {lay}"]
+    calibrations: dict[int, list] = {}
+    runs: dict[tuple[str, str], dict] = {}
+    for done in range(ns.runs):  # pass after pass, so that each layout's runs lie minutes apart
+        for model, layout in chosen:
+            world = run_config(model, layout, 2).parallel.world_size
+            if world not in given and len(calibrations.get(world, [])) <= done:
+                calibrations.setdefault(world, []).append(calibrate(world)[0])
+            run = measure(model, layout, ns.steps)
+            if (model, layout) in runs:
+                runs[model, layout]["steps"] += run["steps"]
+            else:
+                runs[model, layout] = run
+            print(f"{model} {layout}: {run['steps'][0] * 1e3:.1f} ms", flush=True)
+    clusters = {**{w: typical(cs) for w, cs in calibrations.items()}, **given}
+    rows = [compare(runs[key], clusters[runs[key]["cfg"].parallel.world_size]) for key in chosen]
     text = table(rows)
     print(text)
     if ns.out:
         with open(ns.out, "w") as f:
             f.write(text + "\n")
+        for world, cluster in clusters.items():  # the calibrations the table was planned with
+            Path(ns.out).with_suffix(f".cluster{world}.toml").write_text(
+                cluster_toml(cluster, f"fivecut plan calibrate --ranks {world}, by benchmarks/plan_check.py")
+            )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fivecut.cli import main
@@ -28,11 +30,28 @@ def test_a_ring_collective_costs_its_hops_and_its_wire_bytes():
     assert link.seconds("all_reduce", size, 1) == 0.0
 
 
+def test_an_op_may_have_its_own_latency_and_a_recv_is_its_send():
+    link = Link(bandwidth_gbps=100.0, latency_us=5.0, op_latency_us=(("all_gather", 7.0), ("send", 40.0)))
+    assert link.latency("all_gather", 4) == pytest.approx(3 * 7e-6, **EXACT)
+    assert link.latency("all_reduce", 4) == pytest.approx(6 * 5e-6, **EXACT)  # not given: latency_us
+    assert link.latency("recv", 2) == link.latency("send", 2) == pytest.approx(40e-6, **EXACT)
+    assert link.latency("reduce_scatter", 1) == 0.0
+
+
 def test_a_cluster_file_reads_back_as_written(tmp_path):
     cluster = parse_cluster("4x8xA100")
     path = tmp_path / "a100.toml"
     path.write_text(cluster_toml(cluster, "a note"))
     assert parse_cluster(str(path)) == cluster
+    calibrated = replace(  # every field calibration writes, an op latency of each kind included
+        cluster,
+        device=replace(cluster.device, kernel_us=41.5, memory_gbps=2.25, tensor_us=115.0, overlap=0.61),
+        intra=Link(
+            0.66, 143.0, (("all_gather", 688.0), ("reduce_scatter", 578.0), ("all_to_all", 672.0), ("send", 2.5))
+        ),
+    )
+    path.write_text(cluster_toml(calibrated))
+    assert parse_cluster(str(path)) == calibrated
 
 
 def test_a_file_may_name_a_preset_and_override_a_link(tmp_path):

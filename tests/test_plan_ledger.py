@@ -1,6 +1,7 @@
 """The planner's bytes equal the ledger's: `cost_layout`'s communication per cut and model-state
 memory are those `fivecut ledger` measures on a real step (tiny, 2 ranks), its activations
-within 5% (timing is not asserted: benchmarks/plan_check.py puts it in RESULTS.md)."""
+within 5%, and its collective calls per cut and op (what each call's latency multiplies) are
+the ledger's (timing is not asserted: benchmarks/plan_check.py puts it in RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,36 @@ def test_planned_bytes_are_the_measured_ones(layout):
     acts = sum(measured.activations.values())
     # the issue asks 5%; the closed forms land within 0.2% here, so 1% catches a term left out
     assert abs(plan.memory["activations"] - acts) <= 0.01 * acts
+    assert planned_calls(plan) == measured_calls(measured.ledger_rows)
+
+
+def measured_calls(rows) -> dict[tuple[str, str], float]:
+    """The ledger's calls by (cut, op), without the step's tail (loss, stop flags, the gradient
+    norm's all-reduces: `fivecut.plan.calls.step_calls` counts those by group size)."""
+    out: dict[tuple[str, str], float] = {}
+    for r in rows:
+        if r.cut in ("metrics", "control") or (r.phase == "optimizer" and r.op == "all_reduce"):
+            continue
+        out[r.cut, r.op] = out.get((r.cut, r.op), 0) + r.calls
+    return out
+
+
+def planned_calls(plan) -> dict[tuple[str, str], float]:
+    return {(cut, op): n for cut, ops in plan.calls.items() for op, n in ops.items()}
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("tiny", "dp=2,zero=1"),
+        ("tiny", "tp=2"),
+        ("tiny", "cp=2,cp_mode=ulysses"),
+        ("tiny", "pp=2,microbatches=4,pp_schedule=interleaved,pp_virtual=2"),
+        ("tiny-moe", "dp=2,ep=2,etp=2,tp=2"),
+    ],
+)
+def test_planned_calls_are_the_ledgers(model, layout):
+    cfg = layout_config(build_parser().parse_args(["ledger", "--model", model, "--layout", layout, "--steps", "1"]))
+    measured = run_spawned(cfg, 120.0, what=f"ledger {layout}")[0]
+    plan = cost_layout(preset_args(cfg.model), cfg, preset_cluster(1, cfg.parallel.world_size, "H100"))
+    assert planned_calls(plan) == measured_calls(measured.ledger_rows)

@@ -12,9 +12,13 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     memory_gb = 80
     achievable = 0.7              # the fraction of the peak a large matmul reaches
     kernel_us = 5                 # fixed microseconds per kernel (launch and dispatch; calibrated: measured)
+    memory_gbps = 3350            # GB/s memory-bound passes reach (the optimizer, clipping)
+    tensor_us = 26                # fixed microseconds per parameter tensor of clipping and AdamW
+    overlap = 1                   # share of compute a collective in flight hides behind (0..1)
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
+    all_gather_us = 3             # optional: one op's own latency per hop (default: latency_us)
     [links.inter]                 # between nodes (InfiniBand / RoCE), per GPU, per direction
     bandwidth_gbps = 50
     latency_us = 10
@@ -22,7 +26,9 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
 Each collective costs alpha + beta under the ring algorithms `fivecut.ledger` counts bytes by:
 a ring of n ranks takes n-1 (all-gather, reduce-scatter, all-to-all) or 2(n-1) (all-reduce)
 latency hops, and its wire bytes (`ring_factor` x tensor bytes) at the bandwidth of the slowest
-link it crosses: NVLink when the group lies in one node, the inter-node link otherwise.
+link it crosses: NVLink when the group lies in one node, the inter-node link otherwise. A link
+may give an op its own per-hop latency (`all_gather_us`, `reduce_scatter_us`, `all_to_all_us`,
+`send_us`: gloo's differ from its all-reduce's; NCCL's are alike, so the presets give none).
 
 The device figures are NVIDIA's data sheets (dense bf16 tensor-core peak, memory, NVLink
 bandwidth halved to one direction); inter-node bandwidth is the network interface per GPU of
@@ -58,6 +64,9 @@ class Device:
     achievable: float = 0.7  # fraction of the peak large matmuls reach
     source: str = ""
     kernel_us: float = 5.0  # fixed cost of one kernel (launch, per-op dispatch), whatever its size
+    memory_gbps: float = 2000.0  # GB/s that memory-bound passes (AdamW, clipping) reach
+    tensor_us: float = 26.0  # fixed cost per parameter tensor of the norm, clipping and AdamW (see DEVICES)
+    overlap: float = 1.0  # share of concurrent compute a collective in flight hides behind (NCCL: all)
 
     @property
     def flops(self) -> float:
@@ -65,27 +74,49 @@ class Device:
         return self.peak_tflops * 1e12 * self.achievable
 
 
+OWN_LATENCY = ("all_gather", "reduce_scatter", "all_to_all", "send")  # ops a link may time apart
+
+
 @dataclass(frozen=True)
 class Link:
     bandwidth_gbps: float  # GB/s per GPU, per direction
-    latency_us: float  # per hop of a ring
+    latency_us: float  # per hop of a ring (an all-reduce's)
+    op_latency_us: tuple[tuple[str, float], ...] = ()  # (op, per-hop latency) of the ops timed apart
+
+    def hop_us(self, op: str) -> float:
+        """The latency of one hop of `op` (a recv is its send's)."""
+        return dict(self.op_latency_us).get("send" if op == "recv" else op, self.latency_us)
+
+    def latency(self, op: str, n: int) -> float:
+        """Seconds of one call of `op` over `n` ranks before any byte: its hops x their latency."""
+        if n <= 1:
+            return 0.0
+        return hops_of(op, n) * self.hop_us(op) * 1e-6
 
     def seconds(self, op: str, tensor_bytes: float, n: int) -> float:
         """alpha-beta time of `op` on a tensor of `tensor_bytes` over a ring of `n` ranks."""
         if n <= 1 or tensor_bytes <= 0:
             return 0.0
-        hops = {"all_reduce": 2 * (n - 1), "send": 1, "recv": 1}.get(op, n - 1)
-        return hops * self.latency_us * 1e-6 + ring_factor(op, n) * tensor_bytes / (self.bandwidth_gbps * GB)
+        return self.latency(op, n) + ring_factor(op, n) * tensor_bytes / (self.bandwidth_gbps * GB)
 
 
-# NVIDIA data sheets: A100 SXM4 80GB (bf16 312 TFLOPS dense, NVLink 600 GB/s), H100 SXM5 and
-# H200 SXM (bf16 1,979 TFLOPS with sparsity = 989.4 dense, NVLink 900 GB/s; 80 / 141 GB),
-# H800 SXM5 (H100's compute, NVLink 400 GB/s).
+def hops_of(op: str, n: int) -> int:
+    """Latency hops of one call on a ring of `n`: all-reduce 2(n-1), a send or recv 1, the rest n-1."""
+    return {"all_reduce": 2 * (n - 1), "send": 1, "recv": 1}.get(op, n - 1)
+
+
+# NVIDIA data sheets: A100 SXM4 80GB (bf16 312 TFLOPS dense, NVLink 600 GB/s, HBM2e 2,039 GB/s),
+# H100 SXM5 and H200 SXM (bf16 1,979 TFLOPS with sparsity = 989.4 dense, NVLink 900 GB/s; 80 GB
+# HBM3 at 3.35 TB/s / 141 GB HBM3e at 4.8 TB/s), H800 SXM5 (H100's compute and memory, NVLink
+# 400 GB/s). memory_gbps is 80% of the data sheet's HBM bandwidth (what streaming kernels reach).
+# tensor_us: fivecut's clipping loops over the tensors (cast, square, sum, accumulate, scale:
+# 5 kernels at kernel_us = 5 us) and PyTorch's CUDA AdamW is the foreach one (a launch per op
+# for a list of tensors, about a microsecond a tensor): 26 us.
 DEVICES = {
-    "A100": Device("A100", 312.0, 80, source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)"),
-    "H100": Device("H100", 989.4, 80, source="NVIDIA H100 Tensor Core GPU data sheet (SXM5)"),
-    "H800": Device("H800", 989.4, 80, source="NVIDIA H800 SXM5 (H100 compute, 400 GB/s NVLink)"),
-    "H200": Device("H200", 989.4, 141, source="NVIDIA H200 Tensor Core GPU data sheet (SXM)"),
+    "A100": Device("A100", 312.0, 80, source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)", memory_gbps=1631),
+    "H100": Device("H100", 989.4, 80, source="NVIDIA H100 Tensor Core GPU data sheet (SXM5)", memory_gbps=2680),
+    "H800": Device("H800", 989.4, 80, source="NVIDIA H800 SXM5 (H100 compute, 400 GB/s NVLink)", memory_gbps=2680),
+    "H200": Device("H200", 989.4, 141, source="NVIDIA H200 Tensor Core GPU data sheet (SXM)", memory_gbps=3840),
 }
 INTRA = {  # NVLink, one direction
     "A100": Link(300.0, 3.0),
@@ -203,13 +234,16 @@ def device_from(table: dict, top: dict, where: str) -> Device:
         if missing:
             raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
         base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
-    fields = {
-        k: given[k] for k in ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us") if k in given
-    }
-    device = replace(base, **fields)
-    if not (device.peak_tflops > 0 and device.memory_gb > 0 and 0 < device.achievable <= 1 and device.kernel_us >= 0):
+    keys = ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us", "memory_gbps", "tensor_us")
+    keys += ("overlap",)
+    device = replace(base, **{k: given[k] for k in keys if k in given})
+    d = device
+    if not (d.peak_tflops > 0 and d.memory_gb > 0 and 0 < d.achievable <= 1 and d.kernel_us >= 0) or not (
+        d.memory_gbps > 0 and d.tensor_us >= 0 and 0 <= d.overlap <= 1
+    ):
         raise ClusterError(
-            f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0"
+            f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0, "
+            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1"
         )
     return device
 
@@ -219,12 +253,13 @@ def link_from(given: dict | None, default: Link | None, where: str) -> Link:
         if default is None:
             raise ClusterError(f"{where} is missing (bandwidth_gbps, latency_us): the device is not a preset")
         return default
+    own = tuple((op, float(given[f"{op}_us"])) for op in OWN_LATENCY if f"{op}_us" in given)
     try:
-        link = Link(float(given["bandwidth_gbps"]), float(given["latency_us"]))
+        link = Link(float(given["bandwidth_gbps"]), float(given["latency_us"]), own)
     except KeyError as missing:
         raise ClusterError(f"{where} needs {missing.args[0]}") from None
-    if not (link.bandwidth_gbps > 0 and link.latency_us >= 0):
-        raise ClusterError(f"{where}: bandwidth_gbps must be > 0 and latency_us >= 0")
+    if not (link.bandwidth_gbps > 0 and link.latency_us >= 0 and all(us >= 0 for _, us in own)):
+        raise ClusterError(f"{where}: bandwidth_gbps must be > 0 and latency_us (and each op's *_us) >= 0")
     return link
 
 
@@ -244,6 +279,9 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
         f"memory_gb = {d.memory_gb:.6g}",
         f"achievable = {d.achievable:.6g}",
         f"kernel_us = {d.kernel_us:.6g}",
+        f"memory_gbps = {d.memory_gbps:.6g}",
+        f"tensor_us = {d.tensor_us:.6g}",
+        f"overlap = {d.overlap:.6g}",
         f'source = "{d.source}"',
     ]
     for name, link in (("intra", cluster.intra), ("inter", cluster.inter)):
@@ -253,4 +291,5 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
             f"bandwidth_gbps = {link.bandwidth_gbps:.6g}",
             f"latency_us = {link.latency_us:.6g}",
         ]
+        lines += [f"{op}_us = {us:.6g}" for op, us in link.op_latency_us]
     return "\n".join(lines) + "\n"

@@ -14,18 +14,32 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 (norms, projections, RoPE, attention, SwiGLU, residuals), `KERNELS_OUTSIDE` for the
                 embedding, final norm, head and loss on the stages holding them, the backward 2x
                 (split: B = W = 1x), a fully recomputed block its forward kernels again; this
-                per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs
-    bubble      fivecut's own schedule simulator (`pipeline.simulate`) with those F, B, W costs
-                and each boundary message's alpha-beta time as its latency
+                per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs;
+                plus the memory-bound kernels' traffic: the bytes each block saves for backward
+                (`fivecut.plan.activations`) written, read back and their gradient written, at
+                `memory_gbps`
+    bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
+                F, B, W costs and each boundary message's alpha-beta time as its latency gives
+                a rank's idle time; the pipeline takes the busiest rank's compute + that idle
+                time (stages of unequal cost: the one with the head sets the pace)
     collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
-                NVLink inside a node, the network across nodes
+                NVLink inside a node, the network across nodes; every call
+                (`fivecut.plan.calls`, the counts `fivecut ledger` shows) pays its op's latency
+                hops (`Link.latency`: gloo's all-gather, reduce-scatter, all-to-all and send
+                each have their own), the bytes go at the link's bandwidth
     overlap     DP / ZeRO-1/2 gradient reduction hidden behind the backward up to its length;
                 ZeRO-3 gathers prefetched behind the compute up to its length; ring attention's
-                K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped
+                K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped; each
+                at most `Device.overlap` of that compute (NCCL: 1, its own SMs; gloo on ranks
+                that fill the CPU's cores: near 0, the collective needs the cores computing)
+    tail        after the backward: gradient clipping and AdamW over rank 0's parameters (ZeRO:
+                its shards), memory-bound (`TAIL_BYTES` a parameter at `memory_gbps`) + a fixed
+                `tensor_us` per tensor (ZeRO: per flat piece); and the latency of the step's
+                small all-reduces (loss, stop flags, the gradient norm's groups)
 
-Step time = the simulated pipeline makespan (compute, boundary messages and bubble) + the
-exposed collectives. MFU = the model's FLOPs per token (6N + 12 L h s, `ModelArgs`) x tokens
-per step / (world x peak x step time).
+Step time = the pipeline (compute, boundary messages and bubble) + the exposed collectives +
+the tail. MFU = the model's FLOPs per token (6N + 12 L h s, `ModelArgs`) x tokens per step /
+(world x peak x step time).
 """
 
 from __future__ import annotations
@@ -37,11 +51,13 @@ from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.buffers import buffer_bytes
+from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
 from fivecut.plan.volume import (
     layer_kinds,
     local_param_counts,
+    local_placements,
     pipeline_plan,
     predict,
     shard_group_sizes,
@@ -49,14 +65,18 @@ from fivecut.plan.volume import (
 )
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
-GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp"}  # the mesh group each cut runs on
+GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "pp": "pp"}  # each cut's mesh group
 KERNELS_PER_LAYER = 30  # forward kernels of one block (MoE blocks: the router and dispatch add as many)
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
+ADAMW_BYTES = 64  # memory traffic of PyTorch's unfused AdamW a parameter: ~8 fp32 passes, read and write
+CLIP_BYTES = 20  # the gradient norm (square: read + write, sum: read) and the scale (read + write), fp32
+TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
     "dp": "behind the backward, up to its length",
     "cp": "ring: behind the attention's compute; Ulysses: not hidden",
     "tp": "not hidden",
     "ep": "not hidden",
+    "etp": "not hidden",
     "pp": "in the simulated pipeline (each message's alpha-beta time is its latency)",
 }
 
@@ -66,7 +86,7 @@ class CutTime:
     cut: str
     wire_bytes: float  # per rank per step (`fivecut ledger`'s measure)
     link: str  # "intra" | "inter"
-    seconds: float  # alpha-beta time, all of it
+    seconds: float  # alpha-beta time, all of it: each call's latency + the bytes at the bandwidth
     exposed: float  # what is left after the overlap rule
     rule: str
 
@@ -81,6 +101,8 @@ class LayoutCost:
     makespan: float  # the simulated pipeline (or the compute alone without a pipeline)
     bubble: float
     cuts: list[CutTime] = field(default_factory=list)
+    optimizer: float = 0.0  # seconds of the step's tail: AdamW, clipping, the loss/flags/norm all-reduces
+    calls: dict[str, dict[str, float]] = field(default_factory=dict)  # cut -> op -> collective calls per step
     step: float = 0.0
     mfu: float = 0.0
     tokens_per_s: float = 0.0
@@ -116,19 +138,50 @@ def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recomp
     return {"F": forward, "B": 2 * forward + repeated, "recomputed": repeated}
 
 
+def block_forward_kernels(args, layer_id: int) -> int:
+    """Kernels of block `layer_id`'s forward (a MoE block's router and dispatch add as many)."""
+    return KERNELS_PER_LAYER * (2 if args.moe_layer(layer_id) else 1)
+
+
+def block_kernels(args, layer_id: int, mode: str) -> int:
+    """Kernels of block `layer_id`'s forward and backward (2x), a full recomputation's forward again."""
+    forward = block_forward_kernels(args, layer_id)
+    return 3 * forward + (forward if mode == "full" else 0)
+
+
 def stage_kernels(args, layers: range, first: bool, last: bool, recompute: tuple[str, int]) -> dict:
     """Kernels of one microbatch through a stage: {"F": forward, "B": backward + recomputed}."""
-    forward = sum(KERNELS_PER_LAYER * (2 if args.moe_layer(i) else 1) for i in layers)
-    forward += KERNELS_OUTSIDE * (first + last) / 2
     mode, every = recompute
-    repeated = sum(KERNELS_PER_LAYER for i in layers if layer_mode(i, mode, every) == "full")
-    return {"F": forward, "B": 2 * forward + repeated}
+    blocks = sum(block_forward_kernels(args, i) for i in layers)
+    outside = KERNELS_OUTSIDE * (first + last) / 2
+    total = sum(block_kernels(args, i, layer_mode(i, mode, every)) for i in layers)
+    return {"F": blocks + outside, "B": total - blocks + 2 * outside}
 
 
-def stage_seconds(works: dict, kernels: dict, cut: int, cluster: Cluster) -> dict:
-    """F and B seconds of a stage: FLOPs (divided over `cut` TP ranks) at the rate + kernels x kernel_us."""
-    fixed = cluster.device.kernel_us * 1e-6
-    return {k: works[k] / cut / cluster.device.flops + kernels[k] * fixed for k in ("F", "B")}
+def stage_traffic(args, cfg, layers: range, rows: int) -> dict:
+    """Activation bytes the memory-bound kernels of a stage move for one microbatch of `rows`
+    sequences: what its blocks save for backward (`block_bytes` without recomputation) is
+    written once in the forward, read and its gradient written in the backward; a fully
+    recomputed block writes it once more."""
+    t = cfg.train
+    precision = precision_of(t.dtype, cfg.parallel.zero)
+    seq = t.seq_len // cfg.parallel.cp
+    forward = backward = 0.0
+    for i in layers:
+        saved = block_bytes(args, cfg, rows, seq, precision, i, mode="none")
+        forward += saved
+        backward += saved * (3 if layer_mode(i, t.recompute, t.recompute_every) == "full" else 2)
+    return {"F": forward, "B": backward}
+
+
+def stage_seconds(works: dict, kernels: dict, traffic: dict, cut: int, cluster: Cluster) -> dict:
+    """F and B seconds of a stage: FLOPs (divided over `cut` TP ranks) at the rate + kernels x
+    kernel_us + the activations' traffic at the memory bandwidth."""
+    d = cluster.device
+    return {
+        k: works[k] / cut / d.flops + kernels[k] * d.kernel_us * 1e-6 + traffic[k] / (d.memory_gbps * 1e9)
+        for k in ("F", "B")
+    }
 
 
 def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
@@ -143,9 +196,12 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb)
     compute *= t.accumulate
     makespan *= t.accumulate
-    cuts = collective_times(args, cfg, cluster, mesh, compute, records)
+    counts = local_param_counts(args, cfg, records=records)
+    calls = step_collective_calls(args, cfg, (records or local_placements)(args, cfg, 0))
+    cuts = collective_times(args, cfg, cluster, mesh, compute, calls, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
-    step = makespan + exposed
+    tail = optimizer_seconds(args, cfg, cluster, counts, records) + tail_collectives(args, cfg, cluster)
+    step = makespan + exposed + tail
     tokens = t.global_batch * t.seq_len
     memory, rank = peak_memory(args, cfg, pp_rank_costs)
     traffic: dict[str, float] = {}
@@ -160,6 +216,8 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         makespan=makespan,
         bubble=bubble,
         cuts=cuts,
+        optimizer=tail,
+        calls=calls,
         step=step,
         mfu=args.flops_per_token(t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
@@ -173,18 +231,22 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     dims, t = cfg.parallel, cfg.train
     recompute = (t.recompute, t.recompute_every)
     cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
+    rows = tokens_mb // (t.seq_len // dims.cp)  # sequences per microbatch
     if dims.pp == 1:
-        work = stage_compute(args, range(args.n_layers), True, tokens_mb, t.seq_len, recompute)
-        timed = stage_seconds(work, stage_kernels(args, range(args.n_layers), True, True, recompute), cut, cluster)
+        every = range(args.n_layers)
+        work = stage_compute(args, every, True, tokens_mb, t.seq_len, recompute)
+        kernels = stage_kernels(args, every, True, True, recompute)
+        timed = stage_seconds(work, kernels, stage_traffic(args, cfg, every, rows), cut, cluster)
         seconds = timed["F"] + timed["B"]
         return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
     schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
     works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
     kernels = [stage_kernels(args, layers[s], s == 0, s == last, recompute) for s in range(last + 1)]
-    times = [stage_seconds(works[s], kernels[s], cut, cluster) for s in range(last + 1)]
-    f = max(x["F"] for x in times)  # the slowest stage sets the pace
-    b = max(x["B"] for x in times)
+    traffic = [stage_traffic(args, cfg, layers[s], rows) for s in range(last + 1)]
+    times = [stage_seconds(works[s], kernels[s], traffic[s], cut, cluster) for s in range(last + 1)]
+    f = sum(x["F"] for x in times) / len(times)  # the stages' mean: the schedule's idle time
+    b = sum(x["B"] for x in times) / len(times)
     message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
     pp_group = mesh.group("pp")
     latency = cluster.link_for(pp_group.ranks).seconds("send", message, 2)
@@ -192,9 +254,14 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
         timeline = simulated(schedule, f, b / 2, b / 2, latency)
     else:
         timeline = simulated(schedule, f, b, None, latency)
-    mine = [s for s in range(last + 1) if schedule.stage_rank[s] == 0]
-    compute = sum(times[s]["F"] + times[s]["B"] for s in mine) * dims.microbatches
-    return compute, timeline.makespan, timeline.bubble, layers_by_rank(args, cfg)
+    busy = [
+        sum(times[s]["F"] + times[s]["B"] for s in range(last + 1) if schedule.stage_rank[s] == r)
+        for r in range(dims.pp)
+    ]
+    compute = busy[0] * dims.microbatches
+    idle = timeline.makespan * timeline.bubble  # a rank's mean idle time under the mean costs
+    makespan = max(busy) * dims.microbatches + idle  # the busiest rank's compute sets the pace
+    return compute, makespan, idle / makespan, layers_by_rank(args, cfg)
 
 
 def layers_by_rank(args, cfg) -> dict[int, list[range]]:
@@ -222,20 +289,23 @@ def simulated(schedule, f: float, b: float, w: float | None, latency: float):
 TIMELINES: dict[tuple, object] = {}
 
 
-def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, records=None) -> list[CutTime]:
-    """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time and what stays exposed."""
+def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, calls, records=None) -> list[CutTime]:
+    """Each cut's wire bytes (the ledger's closed forms), their alpha-beta time (every call's
+    latency, `calls`, + the bytes at the link's bandwidth) and what stays exposed."""
     dims = cfg.parallel
+    hides = cluster.device.overlap  # the share of compute a collective in flight may hide behind
     out = []
     for cut, (wire, _how) in predict(args, cfg, records=records).items():
         if cut not in GROUP_OF_CUT:
-            continue  # metrics and control: a few bytes per step
+            continue  # metrics and control: a few bytes per step (their calls: `tail_collectives`)
         group = mesh.group(GROUP_OF_CUT[cut])
         link = cluster.link_for(group.ranks)
-        seconds = wire / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6 * max(group.size - 1, 1)
+        latency = sum(n * link.latency(op, group.size) for op, n in calls.get(cut, {}).items())
+        seconds = wire / (link.bandwidth_gbps * 1e9) + latency
         if cut == "dp":
-            exposed = max(0.0, seconds - compute * 2 / 3)  # the backward is 2/3 of F + B
+            exposed = max(0.0, seconds - hides * compute * 2 / 3)  # the backward is 2/3 of F + B
         elif cut == "cp" and dims.cp_mode == "ring":
-            exposed = max(0.0, seconds - compute / 3)  # at most behind the forward's share
+            exposed = max(0.0, seconds - hides * compute / 3)  # at most behind the forward's share
         elif cut == "pp":
             exposed = 0.0  # inside the simulated makespan
         else:
@@ -244,6 +314,30 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, re
             CutTime(cut, wire, "intra" if link is cluster.intra else "inter", seconds, exposed, HIDDEN.get(cut, ""))
         )
     return out
+
+
+def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], records=None) -> float:
+    """AdamW over rank 0's (ZeRO: sharded) parameters and the gradient clipping before it, both
+    memory-bound: bytes a parameter (`ADAMW_BYTES`, `CLIP_BYTES`) at `memory_gbps`, and
+    `tensor_us` a tensor for both (their per-tensor kernels). ZeRO's optimizer and clipping
+    see one flat piece per reduce group and kind (decay or not) instead of every tensor."""
+    d = cluster.device
+    sizes = shard_group_sizes(cfg)
+    if cfg.parallel.zero >= 1:
+        held = sum(n / sizes[name] for name, n in counts.items())
+        tensors = 2 * sum(1 for n in counts.values() if n)
+    else:
+        held = sum(counts.values())
+        tensors = len((records or local_placements)(args, cfg, 0))
+    clip_held = held if cfg.parallel.zero >= 2 else sum(counts.values())
+    memory = (ADAMW_BYTES * held + CLIP_BYTES * clip_held) / (d.memory_gbps * 1e9)
+    return memory + tensors * d.tensor_us * 1e-6
+
+
+def tail_collectives(args, cfg, cluster: Cluster) -> float:
+    """The step's small all-reduces (loss, stop flags, the gradient norm's groups): their latency."""
+    link = cluster.link_for(range(cfg.parallel.world_size))
+    return sum(k * link.latency("all_reduce", n) for n, k in step_calls(args, cfg).items())
 
 
 def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict[str, float], int]:
@@ -275,11 +369,12 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     return best, best_rank
 
 
-def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int) -> float:
+def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None) -> float:
     """The activation closed form of block `layer`, once per kind of block (dense or MoE, its
-    recomputation mode) and layout: the blocks of a kind keep the same bytes."""
+    recomputation mode: `mode`, else the run's) and layout: the blocks of a kind keep the same bytes."""
     dims, t = cfg.parallel, cfg.train
-    moe, mode = args.moe_layer(layer), layer_mode(layer, t.recompute, t.recompute_every)
+    moe = args.moe_layer(layer)
+    mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (args, dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq, precision)
     key += (moe, mode)
     if key not in BLOCK_BYTES:
