@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from fivecut.checks import checked_model_args
 from fivecut.cli import main
+from fivecut.config import load_config
+from fivecut.plan.buffers import buffer_bytes
+from fivecut.plan.volume import local_placements
 
 pytestmark = pytest.mark.multirank
 
@@ -42,3 +46,24 @@ def test_the_buffers_closed_form_is_exact(case, byte_cache, capsys):
 def test_zero2_keeps_one_bucket_in_flight(byte_cache, capsys):
     ratio = buffers_ratio("dp=2,zero=2", ("train.bucket_mb=0.5",), byte_cache, capsys)
     assert 0.9 < ratio <= 1.0
+
+
+SCREENED = [
+    ("tiny", "dp=2,zero=3"),
+    ("tiny", "dp=4,tp=2,zero=3"),
+    ("tiny", "dp=2,pp=2,zero=3,microbatches=4,pp_schedule=dualpipev,pp_virtual=2"),
+    ("tiny-moe", "dp=2,ep=2,zero=3"),
+    ("tiny-moe", "dp=4,ep=2,zero=1,pp=2,microbatches=2"),
+    ("tiny", "dp=2,zero=2"),
+]
+
+
+@pytest.mark.parametrize("model, layout", SCREENED)
+def test_the_screen_gives_the_buffers_of_the_real_cut(model, layout):
+    """The search counts buffers from one block of each kind (`composition`); the whole model cut
+    for real on the meta device gives the same bytes at every pipeline position."""
+    items = [f'model.preset="{model}"', "train.seq_len=64", "train.global_batch=8"]
+    cfg = load_config(None, items + [f"parallel.{x}".replace("=dualpipev", '="dualpipev"') for x in layout.split(",")])
+    args = checked_model_args(cfg)
+    for rank in range(cfg.parallel.pp):
+        assert buffer_bytes(args, cfg, rank) == buffer_bytes(args, cfg, rank, local_placements)

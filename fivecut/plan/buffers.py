@@ -21,7 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fivecut.parallel.data import padded
-from fivecut.plan.volume import layout_key, plain_dims, reduce_group_sizes, screened_placements, shard_group_sizes
+from fivecut.plan.volume import (
+    composition,
+    group_counts,
+    layout_key,
+    plain_dims,
+    reduce_group_sizes,
+    shard_group_sizes,
+)
 
 
 def buffer_bytes(args, cfg, pp_rank: int = 0, records=None) -> float:
@@ -78,39 +85,88 @@ class Units:
 
 def counted(args, cfg, pp_rank: int, records) -> Units:
     """`Units` of the rank at pipeline position `pp_rank`, once per model, layout without its data
-    cut and microbatches (they change no parameter a rank holds), and position."""
-    plain = plain_dims(cfg.parallel)
-    key = (id(records), args, layout_key(plain), cfg.train.seq_len, repr(cfg.moe), pp_rank)
+    cut and microbatches (they change no parameter a rank holds), and position: from the screen's
+    composition (one block of each kind, `fivecut.plan.volume.composition`), or from `records`."""
+    plain = replace(cfg, parallel=plain_dims(cfg.parallel))
+    key = (id(records), args, layout_key(plain.parallel), cfg.train.seq_len, repr(cfg.moe), pp_rank)
     if key not in COUNTED:
-        placements = (records or screened_placements)(args, replace(cfg, parallel=plain), pp_rank)
-        psi: dict[str, int] = {}
-        largest: dict[str, int] = {}
-        for pl in placements.values():
-            psi[pl.reduce] = psi.get(pl.reduce, 0) + pl.local_numel()
-            largest[pl.reduce] = max(largest.get(pl.reduce, 0), pl.local_numel())
-        COUNTED[key] = units_of(unit_sizes(placements), psi, largest)
+        COUNTED[key] = units_of(
+            *(held_units(records(args, plain, pp_rank)) if records else composed(args, plain, pp_rank))
+        )
     return COUNTED[key]
 
 
 COUNTED: dict[tuple, Units] = {}
 
 
-def units_of(sizes: dict[str, dict[str, int]], psi: dict, largest: dict) -> Units:
-    frozen = {name: tuple(sorted(parts.items())) for name, parts in sizes.items()}
-    embedding, head = frozen.pop("embedding"), frozen.pop("head")
-    blocks = tuple(frozen.values())
-    order = [u for u in (embedding, *blocks, head) if u]
+def composed(args, cfg, pp_rank: int) -> tuple[list, list, list]:
+    """(stage, unit, {group: count}) of the blocks and of the ends, and every distinct record, from
+    the screen's one block of each kind: a block adds its kind's counts."""
+    found = composition(args, cfg, pp_rank)
+    kinds = [group_counts(r.values()) for r in found.kinds]
+    blocks = [(stage, f"layers.{i}", kinds[k]) for stage, i, k in found.blocks]
+    ends = [(stage, end_unit(pl.name, stage), group_counts([pl])) for pl, stage in found.outside]
+    return blocks, ends, [pl for r in found.kinds for pl in r.values()] + [pl for pl, _ in found.outside]
+
+
+def held_units(placements: dict) -> tuple[list, list, list]:
+    """The same from a rank's records, one by one."""
+    records = list(placements.values())
+    blocks, ends = [], []
+    for pl in records:
+        if pl.name.startswith("layers."):
+            blocks.append((pl.stage, unit_of(pl.name), group_counts([pl])))
+        else:
+            ends.append((pl.stage, end_unit(pl.name, pl.stage), group_counts([pl])))
+    return blocks, ends, records
+
+
+def units_of(blocks: list, ends: list, records: list) -> Units:
+    """ZeRO-3's units: outside a pipeline the root (`transformer_units`: embedding, final norm and
+    head) and the blocks in order; in a stage its embedding, its blocks and its head (`stage_units`),
+    one stage after another, each stage's units gathered apart from the next stage's."""
+    by_unit: dict[tuple, dict[str, int]] = {}
+    for stage, name, parts in blocks + ends:
+        add_to(by_unit.setdefault((stage, name), {}), parts)
+    embedding, head, psi = {}, {}, {}
+    for (_, name), parts in by_unit.items():
+        add_to(psi, parts)
+        if name in ("embedding", "head"):
+            add_to(embedding if name == "embedding" else head, parts)
+    chain = tuple(frozen(parts) for (_, name), parts in by_unit.items() if name.startswith("layers."))
+    order: list[Parts] = []
+    for stage in dict.fromkeys(stage for stage, _, _ in blocks + ends):
+        names = ["embedding"] + [n for s, n, _ in blocks if s == stage] + ["head"]
+        order += [frozen(by_unit[(stage, n)]) for n in dict.fromkeys(names) if (stage, n) in by_unit] + [()]
+    largest: dict[str, int] = {}
+    for pl in records:
+        largest[pl.reduce] = max(largest.get(pl.reduce, 0), pl.local_numel())
     return Units(
         psi,
         largest,
-        embedding,
-        head,
-        blocks,
-        frozenset(zip(blocks, blocks[1:] + ((),))),
-        frozenset(zip(((),) + blocks[:-1], blocks)),
+        frozen(embedding),
+        frozen(head),
+        chain,
+        frozenset(zip(chain, chain[1:] + ((),))),
+        frozenset(zip(((),) + chain[:-1], chain)),
         frozenset(zip(order, order[1:] + [()])),
-        frozenset(order),
+        frozenset(u for u in order if u),
     )
+
+
+def add_to(total: dict[str, int], parts: dict[str, int]) -> None:
+    for g, n in parts.items():
+        total[g] = total.get(g, 0) + n
+
+
+def frozen(parts: dict[str, int]) -> Parts:
+    return tuple(sorted(parts.items()))
+
+
+def end_unit(name: str, stage: int | None) -> str:
+    """The unit of a parameter outside the blocks: the embedding, or the head (final norm, output,
+    and on a later stage of a pipeline the tied embedding's copy, which the output uses)."""
+    return "embedding" if name.startswith("tok_embeddings") and not stage else "head"
 
 
 def bucketed(zero: int, psi: int, n: int, r: int, bucket_bytes: float, pipelined: bool) -> float:
@@ -127,22 +183,9 @@ def bucketed(zero: int, psi: int, n: int, r: int, bucket_bytes: float, pipelined
     return max(filling + bucket, sent)  # while its gradients are flattened; once they are freed
 
 
-def unit_sizes(placements: dict) -> dict[str, dict[str, int]]:
-    """ZeRO-3's units as {unit: {reduce group: local parameters}}: the blocks in the order they run,
-    and the ends (`embedding`; `head`, the final norm and the output) as one root unit outside a
-    pipeline (`fivecut.parallel.zero.transformer_units`) or as units of their own in a stage."""
-    units: dict[str, dict[str, int]] = {"embedding": {}, "head": {}}
-    for pl in placements.values():
-        name = unit_of(pl.name)
-        units.setdefault(name, {})
-        units[name][pl.reduce] = units[name].get(pl.reduce, 0) + pl.local_numel()
-    return units
-
-
 def unit_of(name: str) -> str:
-    if name.startswith("layers."):
-        return ".".join(name.split(".")[:2])
-    return "embedding" if name.startswith("tok_embeddings") else "head"
+    """A block's ZeRO-3 unit: `layers.N`."""
+    return ".".join(name.split(".")[:2])
 
 
 def full(parts: Parts, sizes: dict[str, int], dtype_bytes: int) -> float:
