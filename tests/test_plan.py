@@ -8,6 +8,7 @@ from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.report import hiding_bandwidth
+from fivecut.plan.search import time_terms
 from fivecut.plan.volume import local_param_counts, predict
 
 
@@ -30,6 +31,7 @@ def test_the_specifications_3d_example_puts_tp_inside_nodes_and_dp_pp_across():
     }
     assert cost.traffic["intra"] == next(c.wire_bytes for c in cost.cuts if c.cut == "tp")
     assert 0 < cost.bubble < 1 and cost.step >= cost.makespan and 0 < cost.mfu < 1
+    assert sum(time_terms(cost).values()) == pytest.approx(cost.step)  # the plot's bars add up to the step
     needed = hiding_bandwidth(cost)  # GB/s per rank for each link's bytes in the compute's time
     assert needed == pytest.approx({link: wire / cost.compute / 1e9 for link, wire in cost.traffic.items()})
     assert set(needed) == {"intra", "inter"}

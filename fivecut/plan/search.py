@@ -259,11 +259,14 @@ def keep_smallest(result: SearchResult, cfg: Config, memory: float, args, cluste
 
 
 def time_terms(cost: LayoutCost) -> dict[str, float]:
-    """A step's seconds by what spends them: compute, the bubble, each cut's exposed collectives."""
+    """A step's seconds by what spends them: compute, the bubble, each cut's exposed collectives,
+    the tail after backward (clipping, AdamW, the step's small all-reduces)."""
     terms = {"compute": cost.compute, "bubble": max(cost.makespan - cost.compute, 0.0)}
     for c in cost.cuts:
         if c.exposed > 0:
             terms[c.cut] = terms.get(c.cut, 0.0) + c.exposed
+    if cost.optimizer > 0:
+        terms["optimizer"] = cost.optimizer
     return terms
 
 
