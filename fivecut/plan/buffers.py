@@ -46,6 +46,7 @@ BUFFERS: dict[tuple, float] = {}
 
 
 def data_cut_buffers(args, cfg, units: Units) -> float:
+    """The closed form of the module doc for the layout's data cut, from the rank's `Units`."""
     dims = cfg.parallel
     r = 2 if cfg.train.reduce_dtype == "bf16" else 4
     if dims.zero == 3:
@@ -69,7 +70,7 @@ Parts = tuple[tuple[str, int], ...]  # a unit's local parameters by reduce group
 @dataclass(frozen=True)
 class Units:
     """What the buffers' closed forms read of a rank's parameters: each reduce group's count and
-    largest parameter, ZeRO-3's units in the order they run (`unit_sizes`) and, as sets, the
+    largest parameter, ZeRO-3's units in the order they run (`units_of`) and, as sets, the
     pairs of neighbouring units that are gathered together (many blocks are alike)."""
 
     psi: dict[str, int]
