@@ -9,7 +9,9 @@ Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
 
     comm         wire bytes per cut on rank 0, the ledger's last step vs the planner (ratio)
     states       model-state bytes of rank 0 (params + grads + optimizer) measured vs planned
-    activations  bytes saved for backward, summed over rank 0's layers (step 1, one microbatch)
+    activations  bytes saved for backward, summed over a rank's layers (step 1, one microbatch),
+                 the mean over the ranks (a MoE layer's rows per rank follow its routing: the
+                 planner assumes it uniform, which is what the mean over EP ranks receives),
                  vs the planner's (only without a pipeline: there the planner gives the peak
                  over microbatches in flight, the ledger one microbatch)
     step         measured: the median of rank 0's step times (the trainer's metrics.jsonl,
@@ -81,7 +83,7 @@ def train_logged(cfg, measure: bool):
 
 
 def timed_run(cfg):
-    """Rank 0's RunResult and the median of its step times after `WARMUP` steps."""
+    """Every rank's RunResult and the median of rank 0's step times after `WARMUP` steps."""
     from fivecut.train.run import run_tokens
 
     run_tokens(cfg)
@@ -96,17 +98,17 @@ def timed_run(cfg):
             True,
             timeout_s=600.0,
             collective_timeout_s=min(600.0, cfg.train.collective_timeout),
-        )[0]
+        )
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
     times = [r["step_time"] for r in map(json.loads, lines) if "step_time" in r]
     return result, statistics.median(times[WARMUP:])
 
 
 def measure(model: str, layout: str, steps: int) -> dict:
-    """One timed run of a layout: rank 0's ledger, memory, activations and median step time."""
+    """One timed run of a layout: its ranks' ledgers, memory, activations and rank 0's median step time."""
     cfg = run_config(model, layout, steps)
-    mine, step = timed_run(cfg)
-    return {"model": model, "layout": layout, "cfg": cfg, "result": mine, "steps": [step]}
+    results, step = timed_run(cfg)
+    return {"model": model, "layout": layout, "cfg": cfg, "result": results[0], "results": results, "steps": [step]}
 
 
 def compare(run: dict, cluster) -> dict:
@@ -119,7 +121,9 @@ def compare(run: dict, cluster) -> dict:
         comm[c.cut] = (measured, c.wire_bytes)
     states = sum(mine.memory[k] for k in ("params", "grads", "optimizer"))
     planned_states = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
-    acts = sum(mine.activations.values()) if cfg.parallel.pp == 1 else None
+    acts = None
+    if cfg.parallel.pp == 1:  # the mean over ranks: a MoE layer's tokens per rank follow the routing
+        acts = statistics.mean(sum(r.activations.values()) for r in run["results"])
     return {
         "model": run["model"],
         "layout": run["layout"],
@@ -149,7 +153,16 @@ def typical(clusters: list):
     return replace(first, device=device, intra=link, inter=link)
 
 
-DEVICE_FIGURES = ("peak_tflops", "kernel_us", "memory_gbps", "tensor_us", "overlap")
+DEVICE_FIGURES = (
+    "peak_tflops",
+    "kernel_us",
+    "memory_gbps",
+    "tensor_us",
+    "overlap",
+    "attention_tflops",
+    "activation_gbps",
+    "loss_gbps",
+)
 
 
 def ranking(rows: list[dict]) -> tuple[int, int]:

@@ -3,17 +3,30 @@
 Every rank runs as fivecut runs its ranks (`fivecut.launch.spawn`: one process each, one
 thread, gloo on CPU, NCCL on GPUs), all at once, so that the figures include the contention
 of ranks sharing the machine. Each figure is the slowest rank's median of `REPEATS` runs, the
-compute ones in lockstep (`in_lockstep`: the ranks start together and wait for the slowest at
-the end, as between a step's collectives, so that a rank slowed on a shared core slows them):
+compute ones in lockstep (`lockstep_rounds`: the ranks start together and wait for the slowest
+at the end, as between a step's collectives, so that a rank slowed on a shared core slows them)
+and in rounds that run every compute probe once in turn, each figure derived within a round
+(a CPU's speed drifts by tens of percent over seconds; the figures that subtract one probe's
+time from another's must see the same machine):
 
-    matmul rate      square matmuls of `MATMUL_SIZE` in the dtype runs use (fp32 on CPU,
-                     bf16 on a GPU); the device's rate (`achievable` = 1: measured)
+    matmul rate      a linear layer's forward and backward (its three matmuls) on `LINEAR`
+                     (tokens, in, out; `LINEAR_GPU` on a GPU) in the dtype runs use (fp32 on
+                     CPU, bf16 on a GPU); the device's rate (`achievable` = 1: measured)
     kernel cost      fivecut's own model (`fivecut.model`) at a negligible size (`PROBE`, one
                      sequence of `PROBE_TOKENS` tokens), forward, loss and backward, with
                      `PROBE_LAYERS` blocks and with one: the difference per block, divided by the
                      kernels the planner counts for a block's forward and backward
                      (`fivecut.plan.cost.block_kernels`), is `kernel_us` (dispatch, autograd,
                      Python and launch, as a real step pays them)
+    attention        the fused causal attention's forward and backward on `ATTENTION`:
+                     `attention_tflops` (a CPU runs it several times slower than its matmuls)
+    activations      the same difference of steps at a training size (`BLOCK`, `BLOCK_ROWS`
+                     sequences): what a block takes beyond its matmuls, attention core and
+                     kernels, over the bytes the planner has its memory-bound kernels move
+                     (`fivecut.plan.cost.stage_traffic`), is `activation_gbps`
+    loss             the output head and cross-entropy, forward and backward, on `LOSS`: what
+                     they take beyond the head's matmuls, at `fivecut.plan.cost.LOSS_BYTES` a
+                     logit, is `loss_gbps`
     step's tail      the gradient norm, clipping and AdamW step (`step_tail`) over `TENSORS` tiny
                      tensors (`tensor_us`: per tensor) and over one tensor of `BIG` elements
                      (`memory_gbps`: `fivecut.plan.cost.TAIL_BYTES` a parameter)
@@ -37,6 +50,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -47,14 +61,21 @@ from fivecut.launch import local_device, spawn
 from fivecut.ledger import Ledger
 from fivecut.model.args import ModelArgs
 from fivecut.model.transformer import Transformer
+from fivecut.plan.activations import activation_bytes_per_layer
 from fivecut.plan.cluster import Cluster, Device, Link, hops_of
-from fivecut.plan.cost import TAIL_BYTES, block_kernels
+from fivecut.plan.cost import LOSS_BYTES, TAIL_BYTES, block_kernels, stage_compute
 
-MATMUL_SIZE = 512
+MATMUL_SIZE = 512  # the square matmuls an all-reduce's overlap is measured against
+LINEAR = (512, 512, 1536)  # tokens, in, out features of the layer whose matmuls give the rate (CPU)
+LINEAR_GPU = (8192, 4096, 12288)  # the same on a GPU, large enough for its tensor cores
+LOSS = (256, 256, 32768)  # tokens, width, vocabulary of the head and loss measured (logits out of cache)
 REPEATS = 21
 PROBE = ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
 PROBE_TOKENS = 8
 PROBE_LAYERS = 4
+ATTENTION = (4, 4, 128, 32)  # rows, heads, seq, head dim of the attention core's measurement
+BLOCK = ModelArgs(vocab_size=256, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=128)
+BLOCK_ROWS = 2  # sequences of BLOCK.max_seq_len tokens in the activation-rate measurement
 TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
 BIG = 1 << 18  # elements of the tail's per-parameter measurement (a tensor of the size models hold)
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
@@ -76,28 +97,39 @@ def timed(fn, repeats: int, sync) -> float:
 
 
 def in_lockstep(fn, repeats: int, sync) -> float:
-    """Seconds of `fn` as the slowest rank runs it between two of a step's collectives: each run
-    starts together (a barrier) and ends with a one-element all-reduce, whose own time alone is
-    taken off. The ranks that share the machine's cores wait for one another, as in a step."""
-    if dist.get_world_size() == 1:
-        return timed(fn, repeats, sync)
-    flag = torch.zeros(1, device=local_device())
-    alone = timed(lambda: dist.all_reduce(flag), repeats, sync)
+    """Median seconds of `fn` as the slowest rank runs it between two of a step's collectives
+    (`lockstep_rounds`)."""
+    return statistics.median(lockstep_rounds({"fn": fn}, repeats, sync)["fn"])
 
-    def together():
+
+def lockstep_rounds(probes: dict, rounds: int, sync) -> dict[str, list[float]]:
+    """Seconds of each of `probes` in each of `rounds` rounds, each round running every probe once
+    in turn, so that the figures derived from several probes see the machine in one state (its
+    speed drifts by tens of percent over seconds). Each run starts together (a barrier) and ends
+    with a one-element all-reduce, whose own time alone is taken off: the ranks that share the
+    machine's cores wait for one another, as between a step's collectives."""
+    alone, flag = 0.0, torch.zeros(1, device=local_device())
+    many = dist.get_world_size() > 1
+    if many:
+        alone = timed(lambda: dist.all_reduce(flag), rounds, sync)
+
+    def together(fn):
         fn()
         sync()
-        dist.all_reduce(flag)
+        if many:
+            dist.all_reduce(flag)
 
-    together()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        together()
-        sync()
-        times.append(time.perf_counter() - start)
-    return max(statistics.median(times) - alone, 1e-9)
+    for fn in probes.values():
+        together(fn)  # a warm-up each
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(rounds):
+        for name, fn in probes.items():
+            if many:
+                dist.barrier()
+            start = time.perf_counter()
+            together(fn)
+            times[name].append(max(time.perf_counter() - start - alone, 1e-9))
+    return times
 
 
 def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repeats: int) -> float:
@@ -123,12 +155,13 @@ def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repea
     return min(max((compute + alone - together) / min(compute, alone), 0.0), 1.0)
 
 
-def probe_step(layers: int, device, dtype):
-    """A forward, loss and backward of fivecut's model with `layers` blocks on `PROBE_TOKENS` tokens."""
-    args = ModelArgs(**{**PROBE.__dict__, "n_layers": layers})
+def probe_step(shape: ModelArgs, layers: int, rows: int, seq: int, device, dtype):
+    """A forward, loss and backward of fivecut's model of `shape` with `layers` blocks on `rows`
+    sequences of `seq` tokens."""
+    args = replace(shape, n_layers=layers)
     model = Transformer(args).to(device=device, dtype=dtype)
     model.init_weights(0)
-    tokens = torch.randint(0, args.vocab_size, (1, PROBE_TOKENS), device=device)
+    tokens = torch.randint(0, args.vocab_size, (rows, seq), device=device)
 
     def step():
         logits = model(tokens)  # [1, s, vocab]
@@ -149,6 +182,113 @@ def probe_block(device):
             block(x, rope)
 
     return forward
+
+
+def linear_shape(device) -> tuple[int, int, int]:
+    return LINEAR_GPU if device.type == "cuda" else LINEAR
+
+
+def linear_layer(device, dtype):
+    """A linear layer's forward and backward (its three matmuls: y = x W^T, dx = dy W, dW = dy^T x,
+    in the layouts a model's layers run them) on `linear_shape` = (tokens, in, out); and its FLOPs."""
+    tokens, n_in, n_out = linear_shape(device)
+    x = torch.randn(tokens, n_in, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n_out, n_in, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, n_out, device=device, dtype=dtype)
+
+    def layer():
+        x.grad = w.grad = None
+        F.linear(x, w).backward(grad)
+
+    return layer, 3 * 2 * tokens * n_in * n_out
+
+
+def head_and_loss(device, dtype):
+    """The output head and the cross-entropy, forward and backward, as fivecut's model and trainer
+    run them (fp32 logits), on `LOSS` = (tokens, width, vocabulary); and the head's FLOPs."""
+    tokens, width, vocab = LOSS
+    x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, width, device=device, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), device=device)
+
+    def loss():
+        x.grad = w.grad = None
+        F.cross_entropy(F.linear(x, w).float(), targets).backward()  # [tokens, vocab] logits
+
+    return loss, 3 * 2 * tokens * width * vocab
+
+
+def loss_rate(seconds: float, head_flops: float, flops: float) -> float:
+    """Bytes/s of the loss over the logits (`LOSS_BYTES` a logit): what the head and loss take
+    beyond the head's matmuls at `flops` (a head too large for the caches runs its matmuls slower
+    than a block's: that too is counted here, a logit at a time)."""
+    tokens, _, vocab = LOSS
+    moved = LOSS_BYTES * tokens * vocab
+    return moved / max(seconds - head_flops / flops, moved / 1e12)
+
+
+def attention_core(device, dtype):
+    """The fused causal attention (`scaled_dot_product_attention`, as fivecut's blocks call it),
+    forward and backward, on q, k, v of `ATTENTION` = [rows, heads, seq, head dim]; and its FLOPs
+    (forward 2 x 2 s w a token, causal: half; backward 2x)."""
+    rows, heads, seq, head_dim = ATTENTION
+    q, k, v = (torch.randn(rows, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
+    grad = torch.randn(rows, heads, seq, head_dim, device=device, dtype=dtype)
+
+    def core():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return core, 3 * 2 * seq * heads * head_dim * rows * seq
+
+
+def activation_rate(block_s: float, flops: float, attention: float, kernel_s: float) -> float:
+    """Bytes/s of `BLOCK`'s memory-bound kernels: what a block's forward and backward take beyond
+    its matmuls (at `flops`), its attention core (at `attention`) and its kernels' fixed cost,
+    over the bytes the planner has them move (what the block saves for backward, written once
+    and read back with its gradient: 3x; `fivecut.plan.cost.stage_traffic`)."""
+    tokens = BLOCK_ROWS * BLOCK.max_seq_len
+    work = stage_compute(BLOCK, range(1), False, tokens, BLOCK.max_seq_len, ("none", 1))
+    modelled = (work["F"] + work["B"]) / flops + (work["attention_F"] + work["attention_B"]) / attention
+    modelled += block_kernels(BLOCK, 0, "none") * kernel_s
+    moved = 3 * activation_bytes_per_layer(BLOCK, BLOCK_ROWS, BLOCK.max_seq_len, 1, False)
+    return moved / max(block_s - modelled, moved / 1e12)
+
+
+def compute_probes(device, dtype) -> tuple[dict, dict]:
+    """The probes of the compute figures (`compute_figures`), and the FLOPs of those that count them."""
+    layer, layer_flops = linear_layer(device, dtype)
+    loss, head_flops = head_and_loss(device, dtype)
+    core, core_flops = attention_core(device, dtype)
+    probes = {"linear": layer, "loss": loss, "attention": core}
+    for name, shape, rows, seq in (("probe", PROBE, 1, PROBE_TOKENS), ("block", BLOCK, BLOCK_ROWS, BLOCK.max_seq_len)):
+        probes[f"{name}_1"] = probe_step(shape, 1, rows, seq, device, dtype)
+        probes[f"{name}_{PROBE_LAYERS}"] = probe_step(shape, PROBE_LAYERS, rows, seq, device, dtype)
+    probes["tensors"] = step_tail([8] * TENSORS, device)
+    probes["big"] = step_tail([BIG], device)
+    return probes, {"linear": layer_flops, "loss": head_flops, "attention": core_flops}
+
+
+def compute_figures(t: dict[str, float], flops_of: dict[str, float]) -> dict[str, float]:
+    """The compute figures from one round of `compute_probes`' seconds `t`: the matmul rate (the
+    linear layer's), the per-kernel cost (a `PROBE` block's, less nothing: its matmuls are
+    negligible), the attention core's rate, the loss's and the activations' rates (each what its
+    probe takes beyond what the other figures already count), and the step tail's costs."""
+    flops = flops_of["linear"] / t["linear"]
+    per_block = {
+        name: max(t[f"{name}_{PROBE_LAYERS}"] - t[f"{name}_1"], 0.0) / (PROBE_LAYERS - 1) for name in ("probe", "block")
+    }
+    kernel = per_block["probe"] / block_kernels(PROBE, 0, "none")
+    attention = flops_of["attention"] / t["attention"]
+    tensor = t["tensors"] / TENSORS
+    return {
+        "flops": flops,
+        "kernel_s": kernel,
+        "attention_flops": attention,
+        "loss_bps": loss_rate(t["loss"], flops_of["loss"], flops),
+        "activation_bps": activation_rate(per_block["block"], flops, attention, kernel),
+        "tensor_s": tensor,
+        "memory_bps": TAIL_BYTES * BIG / max(t["big"] - tensor, 1e-12),
+    }
 
 
 def step_tail(shapes: list[int], device):
@@ -217,12 +357,10 @@ def measure_rank(repeats: int) -> dict:
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     dist.barrier()
     matmul_s = in_lockstep(lambda: a @ b, repeats, sync)
-    flops = 2 * MATMUL_SIZE**3 / matmul_s
-    one = in_lockstep(probe_step(1, device, dtype), repeats, sync)
-    many = in_lockstep(probe_step(PROBE_LAYERS, device, dtype), repeats, sync)
-    kernel = max(many - one, 0.0) / (PROBE_LAYERS - 1) / block_kernels(PROBE, 0, "none")
-    tensor = in_lockstep(step_tail([8] * TENSORS, device), repeats, sync) / TENSORS
-    big = in_lockstep(step_tail([BIG], device), max(repeats // 4, 3), sync)
+    probes, flops_of = compute_probes(device, dtype)
+    rounds = lockstep_rounds(probes, repeats, sync)
+    each = [compute_figures(dict(zip(rounds, seconds)), flops_of) for seconds in zip(*rounds.values())]
+    figures = {key: statistics.median(r[key] for r in each) for key in each[0]}
     reduces = {}
     for size in SIZES:
         x = torch.zeros(max(size // 4, 1), device=device)
@@ -231,14 +369,12 @@ def measure_rank(repeats: int) -> dict:
     calls = op_latencies(device, sync, repeats) if dist.get_world_size() > 1 else {}
     overlap = overlap_share(a, b, matmul_s, sync, max(repeats // 3, 3)) if dist.get_world_size() > 1 else 1.0
     return {
-        "flops": flops,
-        "kernel_s": kernel,
-        "tensor_s": tensor,
-        "memory_bps": TAIL_BYTES * BIG / max(big - tensor, 1e-12),
+        **figures,
         "reduces": reduces,
         "calls": calls,
         "overlap": overlap,
         "dtype": str(dtype).removeprefix("torch."),
+        "linear": "x".join(map(str, linear_shape(device))),
     }
 
 
@@ -273,7 +409,11 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         memory_gbps=min(r["memory_bps"] for r in results) / 1e9,
         tensor_us=max(r["tensor_s"] for r in results) * 1e6,
         overlap=min(r["overlap"] for r in results),
-        source=f"fivecut plan calibrate: {MATMUL_SIZE}^3 {results[0]['dtype']} matmuls on {ranks} ranks at once",
+        attention_tflops=min(r["attention_flops"] for r in results) / 1e12,
+        activation_gbps=min(r["activation_bps"] for r in results) / 1e9,
+        loss_gbps=min(r["loss_bps"] for r in results) / 1e9,
+        source=f"fivecut plan calibrate: a {results[0]['linear']} {results[0]['dtype']} linear layer's matmuls on "
+        f"{ranks} ranks at once",
     )
     cluster = Cluster(1, ranks, device, link, link, name="this-machine")
     return cluster, {

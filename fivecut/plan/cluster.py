@@ -15,6 +15,9 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     memory_gbps = 3350            # GB/s memory-bound passes reach (the optimizer, clipping)
     tensor_us = 26                # fixed microseconds per parameter tensor of clipping and AdamW
     overlap = 1                   # share of compute a collective in flight hides behind (0..1)
+    attention_tflops = 0          # the attention kernel's rate (0: peak x achievable, as the matmuls)
+    activation_gbps = 0           # GB/s of a block's memory-bound kernels (0: memory_gbps)
+    loss_gbps = 0                 # GB/s of the cross-entropy over the logits (0: memory_gbps)
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
@@ -67,11 +70,30 @@ class Device:
     memory_gbps: float = 2000.0  # GB/s that memory-bound passes (AdamW, clipping) reach
     tensor_us: float = 26.0  # fixed cost per parameter tensor of the norm, clipping and AdamW (see DEVICES)
     overlap: float = 1.0  # share of concurrent compute a collective in flight hides behind (NCCL: all)
+    attention_tflops: float = 0.0  # the attention kernel's rate (0: the matmuls' achievable rate)
+    activation_gbps: float = 0.0  # GB/s a block's memory-bound kernels move its activations at (0: memory_gbps)
+    loss_gbps: float = 0.0  # GB/s of the cross-entropy over the logits, LOSS_BYTES a logit (0: memory_gbps)
 
     @property
     def flops(self) -> float:
         """Achievable FLOP/s."""
         return self.peak_tflops * 1e12 * self.achievable
+
+    @property
+    def attention_flops(self) -> float:
+        """FLOP/s of the attention core (fused scaled-dot-product attention, forward and backward)."""
+        return self.attention_tflops * 1e12 if self.attention_tflops else self.flops
+
+    @property
+    def activation_bps(self) -> float:
+        """Bytes/s at which a block's memory-bound kernels (norms, RoPE, SwiGLU, residuals) move
+        the activations it saves for backward."""
+        return (self.activation_gbps or self.memory_gbps) * GB
+
+    @property
+    def loss_bps(self) -> float:
+        """Bytes/s of the cross-entropy's forward and backward over the logits."""
+        return (self.loss_gbps or self.memory_gbps) * GB
 
 
 OWN_LATENCY = ("all_gather", "reduce_scatter", "all_to_all", "send")  # ops a link may time apart
@@ -235,15 +257,18 @@ def device_from(table: dict, top: dict, where: str) -> Device:
             raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
         base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
     keys = ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us", "memory_gbps", "tensor_us")
-    keys += ("overlap",)
+    keys += ("overlap", "attention_tflops", "activation_gbps", "loss_gbps")
     device = replace(base, **{k: given[k] for k in keys if k in given})
     d = device
-    if not (d.peak_tflops > 0 and d.memory_gb > 0 and 0 < d.achievable <= 1 and d.kernel_us >= 0) or not (
-        d.memory_gbps > 0 and d.tensor_us >= 0 and 0 <= d.overlap <= 1
+    if (
+        not (d.peak_tflops > 0 and d.memory_gb > 0 and 0 < d.achievable <= 1 and d.kernel_us >= 0)
+        or not (d.memory_gbps > 0 and d.tensor_us >= 0 and 0 <= d.overlap <= 1)
+        or min(d.attention_tflops, d.activation_gbps, d.loss_gbps) < 0
     ):
         raise ClusterError(
             f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0, "
-            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1"
+            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1, attention_tflops, activation_gbps, loss_gbps >= 0 "
+            "(0: the matmuls' rate, memory_gbps)"
         )
     return device
 
@@ -282,6 +307,9 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
         f"memory_gbps = {d.memory_gbps:.6g}",
         f"tensor_us = {d.tensor_us:.6g}",
         f"overlap = {d.overlap:.6g}",
+        f"attention_tflops = {d.attention_tflops:.6g}",
+        f"activation_gbps = {d.activation_gbps:.6g}",
+        f"loss_gbps = {d.loss_gbps:.6g}",
         f'source = "{d.source}"',
     ]
     for name, link in (("intra", cluster.intra), ("inter", cluster.inter)):

@@ -7,9 +7,10 @@ records of the real cuts built on the meta device under a virtual mesh; only the
 model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`):
 
     compute     forward FLOPs of every microbatch through this rank's stages (2 x matmul
-                parameters per token + 4 s h for the attention scores, causal: half; MoE layers:
-                router, top-k routed and shared experts), backward 2x forward (split: B = W = 1x),
-                recomputation adds the forward it repeats; at the device's achievable rate,
+                parameters per token; MoE layers: router, top-k routed and shared experts),
+                backward 2x forward (split: B = W = 1x), recomputation adds the forward it
+                repeats, at the device's achievable rate; the attention core's (4 s w a token,
+                causal: half) at the attention kernel's rate (`Device.attention_flops`);
                 plus a fixed `kernel_us` per kernel: `KERNELS_PER_LAYER` forward kernels a block
                 (norms, projections, RoPE, attention, SwiGLU, residuals), `KERNELS_OUTSIDE` for the
                 embedding, final norm, head and loss on the stages holding them, the backward 2x
@@ -17,7 +18,8 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs;
                 plus the memory-bound kernels' traffic: the bytes each block saves for backward
                 (`fivecut.plan.activations`) written, read back and their gradient written, at
-                `memory_gbps`
+                `Device.activation_bps`, and on the last stage the cross-entropy's passes over
+                the logits (`LOSS_BYTES` a logit, vocab-parallel under TP) at `Device.loss_bps`
     bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
                 F, B, W costs and each boundary message's alpha-beta time as its latency gives
                 a rank's idle time; the pipeline takes the busiest rank's compute + that idle
@@ -70,7 +72,9 @@ KERNELS_PER_LAYER = 30  # forward kernels of one block (MoE blocks: the router a
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
 ADAMW_BYTES = 64  # memory traffic of PyTorch's unfused AdamW a parameter: ~8 fp32 passes, read and write
 CLIP_BYTES = 20  # the gradient norm (square: read + write, sum: read) and the scale (read + write), fp32
-TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES  # a parameter's bytes in a step's tail (clipping, then AdamW)
+TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES
+LOSS_BYTES = 16  # a logit's fp32 passes in the cross-entropy: the log-sum-exp's read, the gradient's
+# write, read and scale  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
     "dp": "behind the backward, up to its length",
     "cp": "ring: behind the attention's compute; Ulysses: not hidden",
@@ -109,33 +113,55 @@ class LayoutCost:
     traffic: dict[str, float] = field(default_factory=dict)  # link class -> wire bytes per rank per step
 
 
-def layer_forward_flops(args, layer_id: int, seq: int) -> float:
-    """Forward FLOPs per token of block `layer_id`: 2 x the matmul parameters one token passes
-    through + the causal attention scores and values (2 x 2 s w, half of them masked; w =
-    `attention_width`: h, or under multi-head latent attention H (qk + v) / 2)."""
+def layer_matmul_flops(args, layer_id: int) -> float:
+    """Forward matmul FLOPs per token of block `layer_id`: 2 x the matmul parameters one token
+    passes through (a MoE block: the router, its top-k routed and its shared experts)."""
     attention = args.attention_matmul_params()
     if args.moe_layer(layer_id):
         experts = (args.top_k + args.n_shared_experts) * 3 * args.dim * args.expert_dim
         mlp = args.dim * args.n_experts + experts
     else:
         mlp = 3 * args.dim * args.ffn_dim
-    return 2 * (attention + mlp) + 2 * seq * args.attention_width
+    return 2 * (attention + mlp)
+
+
+def attention_flops(args, seq: int) -> float:
+    """Forward FLOPs per token of the attention core: scores and values, 2 x 2 s w, half of them
+    masked (causal); w = `attention_width` (h, or under multi-head latent attention H (qk + v) / 2)."""
+    return 2 * seq * args.attention_width
+
+
+def layer_forward_flops(args, layer_id: int, seq: int) -> float:
+    """Forward FLOPs per token of block `layer_id`: its matmuls and its attention core."""
+    return layer_matmul_flops(args, layer_id) + attention_flops(args, seq)
 
 
 def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recompute: tuple[str, int]) -> dict:
-    """F, B and the forward a recomputation repeats, in FLOPs, for `tokens` tokens through a stage."""
-    forward = sum(layer_forward_flops(args, i, seq) for i in layers) * tokens
+    """FLOPs of `tokens` tokens through a stage: F and B of the matmuls (backward 2x forward,
+    with the forward a recomputation repeats) and of the attention core (`attention_F`,
+    `attention_B`: it runs on its own kernel, at `Device.attention_flops`), and on the last stage
+    the bytes the cross-entropy moves over the logits (`loss_F`, `loss_B`: `LOSS_BYTES` a logit)."""
+    matmuls = sum(layer_matmul_flops(args, i) for i in layers) * tokens
+    core = attention_flops(args, seq) * tokens * len(layers)
     mode, every = recompute
-    repeated = 0.0
+    repeated = repeated_core = 0.0
     for i in layers:
         kind = layer_mode(i, mode, every)
         if kind == "full":
-            repeated += layer_forward_flops(args, i, seq) * tokens
-        elif kind == "selective":  # the attention core and the SwiGLU product
-            repeated += (2 * seq * args.dim + 2 * args.dim) * tokens
-    if last:
-        forward += 2 * args.dim * args.vocab_size * tokens
-    return {"F": forward, "B": 2 * forward + repeated, "recomputed": repeated}
+            repeated += layer_matmul_flops(args, i) * tokens
+        if kind in ("full", "selective"):  # selective: the attention core (and the SwiGLU product)
+            repeated_core += attention_flops(args, seq) * tokens
+    logits = args.vocab_size * tokens if last else 0
+    matmuls += 2 * args.dim * logits
+    return {
+        "F": matmuls,
+        "B": 2 * matmuls + repeated,
+        "attention_F": core,
+        "attention_B": 2 * core + repeated_core,
+        "loss_F": LOSS_BYTES * logits / 3,  # the loss's passes over the logits: a third forward
+        "loss_B": LOSS_BYTES * logits * 2 / 3,
+        "recomputed": repeated + repeated_core,
+    }
 
 
 def block_forward_kernels(args, layer_id: int) -> int:
@@ -175,11 +201,17 @@ def stage_traffic(args, cfg, layers: range, rows: int) -> dict:
 
 
 def stage_seconds(works: dict, kernels: dict, traffic: dict, cut: int, cluster: Cluster) -> dict:
-    """F and B seconds of a stage: FLOPs (divided over `cut` TP ranks) at the rate + kernels x
-    kernel_us + the activations' traffic at the memory bandwidth."""
+    """F and B seconds of a stage: matmul FLOPs (divided over `cut` TP ranks) at the achievable
+    rate, the attention core's at the attention kernel's, kernels x kernel_us, and the
+    activations' traffic at the rate a block's memory-bound kernels move it, the loss's over
+    the logits (vocab-parallel under TP) at the cross-entropy's rate."""
     d = cluster.device
     return {
-        k: works[k] / cut / d.flops + kernels[k] * d.kernel_us * 1e-6 + traffic[k] / (d.memory_gbps * 1e9)
+        k: works[k] / cut / d.flops
+        + works[f"attention_{k}"] / cut / d.attention_flops
+        + works[f"loss_{k}"] / cut / d.loss_bps
+        + kernels[k] * d.kernel_us * 1e-6
+        + traffic[k] / d.activation_bps
         for k in ("F", "B")
     }
 
