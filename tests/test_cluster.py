@@ -45,9 +45,26 @@ def test_a_cluster_file_reads_back_as_written(tmp_path):
     assert parse_cluster(str(path)) == cluster
     calibrated = replace(  # every field calibration writes, an op latency of each kind included
         cluster,
-        device=replace(cluster.device, kernel_us=41.5, memory_gbps=2.25, tensor_us=115.0, overlap=0.61),
+        device=replace(
+            cluster.device,
+            kernel_us=41.5,
+            memory_gbps=2.25,
+            tensor_us=115.0,
+            overlap=0.61,
+            attention_tflops=0.011,
+            activation_gbps=4.8,
+            loss_gbps=0.65,
+        ),
         intra=Link(
-            0.66, 143.0, (("all_gather", 688.0), ("reduce_scatter", 578.0), ("all_to_all", 672.0), ("send", 2.5))
+            0.66,
+            143.0,
+            (
+                ("all_reduce", 820.0),
+                ("all_gather", 688.0),
+                ("reduce_scatter", 578.0),
+                ("all_to_all", 672.0),
+                ("send", 2.5),
+            ),
         ),
     )
     path.write_text(cluster_toml(calibrated))
@@ -102,6 +119,15 @@ def test_calibration_writes_a_cluster_file_of_this_machine_and_never_overwrites(
     cluster = parse_cluster(str(out))
     assert cluster.world_size == 2 and cluster.intra == cluster.inter
     assert cluster.device.peak_tflops > 0 and cluster.intra.bandwidth_gbps > 0 and cluster.device.achievable == 1
+    d = cluster.device
+    assert d.attention_tflops > 0 and d.activation_gbps > 0 and d.loss_gbps > 0  # measured, not the defaults
+    assert {op for op, _ in cluster.intra.op_latency_us} == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "send",
+    }
     written = out.read_text()
     assert main(["plan", "calibrate", "--out", str(out)]) == 2  # exists: refused, untouched
     assert out.read_text() == written and "--force" in capsys.readouterr().err

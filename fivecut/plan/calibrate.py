@@ -81,10 +81,11 @@ BIG = 1 << 18  # elements of the tail's per-parameter measurement (a tensor of t
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
 OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+MESSAGE = 16384  # elements a rank in each op's measured call: 64 KB of fp32, a small model's messages
 
 
-def timed(fn, repeats: int, sync) -> float:
-    """Median seconds of `fn` over `repeats` runs (after one warm-up)."""
+def timed(fn, repeats: int, sync, statistic=statistics.median) -> float:
+    """`statistic` (the median) of the seconds of `fn` over `repeats` runs (after one warm-up)."""
     fn()
     sync()
     times = []
@@ -93,7 +94,7 @@ def timed(fn, repeats: int, sync) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistic(times)
 
 
 def in_lockstep(fn, repeats: int, sync) -> float:
@@ -311,40 +312,47 @@ def step_tail(shapes: list[int], device):
     return tail
 
 
-def op_call(op: str, group: comm.Group, device):
-    """One small call of `op` (4 bytes a rank) on `group`, as `fivecut.comm` issues it."""
+def op_call(op: str, group: comm.Group, device, per_rank: int):
+    """One call of `op` with `per_rank` elements a rank on `group`, as `fivecut.comm` issues it
+    (all-gather: each rank's piece; reduce-scatter, all-to-all: every rank's)."""
     n, me = group.size, group.rank
-    x = torch.zeros(n, device=device)
+    x = torch.zeros(n * per_rank, device=device)
     if op == "all_reduce":
-        return lambda: comm.all_reduce(x[:1], group)
+        return lambda: comm.all_reduce(x[:per_rank], group)
     if op == "all_gather":
-        return lambda: comm.all_gather(x[:1], group)
+        return lambda: comm.all_gather(x[:per_rank], group)
     if op == "reduce_scatter":
         return lambda: comm.reduce_scatter(x, group)
     if op == "all_to_all":
         return lambda: comm.all_to_all_single(x, group)
     peer = me ^ 1 if (me ^ 1) < n else me  # pairs 0-1, 2-3, ...: one message each way
-    out = torch.zeros(1, device=device)
+    out = torch.zeros(per_rank, device=device)
 
     def exchange():
-        for work in comm.batch_send_recv([(x[:1], peer)], [(out, peer)], group):
+        for work in comm.batch_send_recv([(x[:per_rank], peer)], [(out, peer)], group):
             work.wait()
 
     return exchange
 
 
-def op_latencies(device, sync, repeats: int) -> dict[str, float]:
-    """Seconds of one small call of each op in `OPS` after a probe block's forward, less the forward."""
+def op_latencies(device, sync, repeats: int) -> dict[str, tuple[float, float]]:
+    """For each op in `OPS` (`MESSAGE` elements a rank) and a one-element all-reduce ("scalar"):
+    the mean seconds of a call after a probe block's forward, less the forward's, and the wire
+    bytes `fivecut.ledger` counts for it. Means, not medians: a step pays the sum of its calls,
+    and gloo's small calls have a long tail (their mean is up to twice their median)."""
     n = dist.get_world_size()
-    group = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, Ledger())
     block = probe_block(device)
-    alone = timed(block, repeats, sync)
+    alone = timed(block, repeats, sync, statistics.mean)
     out = {}
-    for op in OPS:
-        call = op_call(op, group, device)
+    for op, per_rank in [*((op, MESSAGE) for op in OPS), ("scalar", 1)]:
+        ledger = Ledger()
+        group = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, ledger)
+        call = op_call("all_reduce" if op == "scalar" else op, group, device, per_rank)
+        call()
+        wire = ledger.wire_bytes()  # one call's (an exchange: the send's)
         dist.barrier()
-        seconds = max(timed(lambda call=call: (block(), call()), repeats, sync) - alone, 0.0)
-        out[op] = seconds / (2 if op == "send" else 1)  # an exchange is a send and a recv
+        seconds = max(timed(lambda call=call: (block(), call()), repeats, sync, statistics.mean) - alone, 0.0)
+        out[op] = (seconds / (2 if op == "send" else 1), wire)  # an exchange is a send and a recv
     return out
 
 
@@ -378,17 +386,23 @@ def measure_rank(repeats: int) -> dict:
     }
 
 
-def fit_link(times: dict[int, float], calls: dict[str, float], n: int) -> Link:
+def fit_link(times: dict[int, float], calls: dict[str, tuple[float, float]], n: int) -> Link:
     """The bandwidth from the slope between the two largest all-reduces (their difference in wire
-    bytes over their difference in time); each op's per-hop latency from its small call."""
+    bytes over their difference in time); each op's per-hop latency from its call at `MESSAGE`
+    elements a rank, less its wire bytes at that bandwidth (gloo's calls of a few kilobytes cost
+    several times a one-element call's; the one-element all-reduce's is `latency_us`, what the
+    step's control all-reduces pay)."""
     factor = 2 * (n - 1) / n
     big, bigger = sorted(times)[-2:]
     seconds = max(times[bigger] - times[big], 1e-12)
-    hop = {op: calls[op] / hops_of(op, n) * 1e6 for op in OPS}
+    bandwidth = factor * (bigger - big) / seconds
+    hop = {
+        op: max(t - wire / bandwidth, 0.0) / hops_of(op, n) * 1e6 for op, (t, wire) in calls.items() if op != "scalar"
+    }
     return Link(
-        bandwidth_gbps=factor * (bigger - big) / seconds / 1e9,
-        latency_us=hop["all_reduce"],
-        op_latency_us=tuple((op, us) for op, us in hop.items() if op != "all_reduce"),
+        bandwidth_gbps=bandwidth / 1e9,
+        latency_us=calls["scalar"][0] / hops_of("all_reduce", n) * 1e6,
+        op_latency_us=tuple(hop.items()),
     )
 
 
@@ -397,7 +411,7 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
     results = spawn(measure_rank, ranks, repeats, timeout_s=600.0)
     slowest = min(r["flops"] for r in results)
     times = {size: max(r["reduces"][size] for r in results) for size in SIZES}
-    calls = {op: max(r["calls"][op] for r in results) for op in OPS} if ranks > 1 else {}
+    calls = {op: max(r["calls"][op] for r in results) for op in results[0]["calls"]} if ranks > 1 else {}
     link = fit_link(times, calls, ranks) if ranks > 1 else Link(1e3, 0.0)
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
     device = Device(

@@ -21,7 +21,8 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
-    all_gather_us = 3             # optional: one op's own latency per hop (default: latency_us)
+    all_gather_us = 3             # optional: one op's own latency per hop of a message (default:
+                                  # latency_us; also all_reduce_us, reduce_scatter_us, ...)
     [links.inter]                 # between nodes (InfiniBand / RoCE), per GPU, per direction
     bandwidth_gbps = 50
     latency_us = 10
@@ -30,8 +31,10 @@ Each collective costs alpha + beta under the ring algorithms `fivecut.ledger` co
 a ring of n ranks takes n-1 (all-gather, reduce-scatter, all-to-all) or 2(n-1) (all-reduce)
 latency hops, and its wire bytes (`ring_factor` x tensor bytes) at the bandwidth of the slowest
 link it crosses: NVLink when the group lies in one node, the inter-node link otherwise. A link
-may give an op its own per-hop latency (`all_gather_us`, `reduce_scatter_us`, `all_to_all_us`,
-`send_us`: gloo's differ from its all-reduce's; NCCL's are alike, so the presets give none).
+may give an op its own per-hop latency for a message (`all_reduce_us`, `all_gather_us`,
+`reduce_scatter_us`, `all_to_all_us`, `send_us`: gloo's differ from one another, and a call of
+a few kilobytes costs it several times a one-element all-reduce's `latency_us`, which the
+step's control all-reduces pay; NCCL's are alike, so the presets give none).
 
 The device figures are NVIDIA's data sheets (dense bf16 tensor-core peak, memory, NVLink
 bandwidth halved to one direction); inter-node bandwidth is the network interface per GPU of
@@ -96,13 +99,13 @@ class Device:
         return (self.loss_gbps or self.memory_gbps) * GB
 
 
-OWN_LATENCY = ("all_gather", "reduce_scatter", "all_to_all", "send")  # ops a link may time apart
+OWN_LATENCY = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")  # ops a link may time apart
 
 
 @dataclass(frozen=True)
 class Link:
     bandwidth_gbps: float  # GB/s per GPU, per direction
-    latency_us: float  # per hop of a ring (an all-reduce's)
+    latency_us: float  # per hop of a ring: a one-element all-reduce's (control), and every op's default
     op_latency_us: tuple[tuple[str, float], ...] = ()  # (op, per-hop latency) of the ops timed apart
 
     def hop_us(self, op: str) -> float:
@@ -114,6 +117,10 @@ class Link:
         if n <= 1:
             return 0.0
         return hops_of(op, n) * self.hop_us(op) * 1e-6
+
+    def control_latency(self, n: int) -> float:
+        """Seconds of a one-element all-reduce over `n` ranks (a step's loss, flags and norms)."""
+        return hops_of("all_reduce", n) * self.latency_us * 1e-6 if n > 1 else 0.0
 
     def seconds(self, op: str, tensor_bytes: float, n: int) -> float:
         """alpha-beta time of `op` on a tensor of `tensor_bytes` over a ring of `n` ranks."""

@@ -369,7 +369,7 @@ def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], recor
 def tail_collectives(args, cfg, cluster: Cluster) -> float:
     """The step's small all-reduces (loss, stop flags, the gradient norm's groups): their latency."""
     link = cluster.link_for(range(cfg.parallel.world_size))
-    return sum(k * link.latency("all_reduce", n) for n, k in step_calls(args, cfg).items())
+    return sum(k * link.control_latency(n) for n, k in step_calls(args, cfg).items())
 
 
 def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict[str, float], int]:
