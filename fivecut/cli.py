@@ -282,6 +282,7 @@ def same_layout_everywhere(dims: ParallelDims) -> None:
     others = sorted({(rank, layout) for rank, layout in enumerate(layouts) if layout != layouts[0]})
     if others:
         rank, layout = others[0]
+        dist.destroy_process_group()  # every rank refuses here: nothing more goes over the group
         raise ConfigError(
             f"parallel.layout='auto' reached {layouts[0]} on rank 0 but {layout} on rank {rank}; give every node "
             "the same parallel.cluster file"
