@@ -18,7 +18,8 @@ time from another's must see the same machine):
                      kernels the planner counts for a block's forward and backward
                      (`fivecut.plan.cost.block_kernels`), is `kernel_us` (dispatch, autograd,
                      Python and launch, as a real step pays them)
-    attention        the fused causal attention's forward and backward on `ATTENTION`:
+    attention        the fused causal attention's forward and backward on `ATTENTION`
+                     (`ATTENTION_GPU` on a GPU; the other probes are sized for a CPU):
                      `attention_tflops` (a CPU runs it several times slower than its matmuls)
     activations      the same difference of steps at a training size (`BLOCK`, `BLOCK_ROWS`
                      sequences): what a block takes beyond its matmuls, attention core and
@@ -73,7 +74,8 @@ REPEATS = 21
 PROBE = ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
 PROBE_TOKENS = 8
 PROBE_LAYERS = 4
-ATTENTION = (4, 4, 128, 32)  # rows, heads, seq, head dim of the attention core's measurement
+ATTENTION = (4, 4, 128, 32)  # rows, heads, seq, head dim of the attention core's measurement (CPU)
+ATTENTION_GPU = (2, 32, 4096, 128)  # the same on a GPU, large enough for its fused kernel
 BLOCK = ModelArgs(vocab_size=256, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=128)
 BLOCK_ROWS = 2  # sequences of BLOCK.max_seq_len tokens in the activation-rate measurement
 TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
@@ -232,7 +234,7 @@ def attention_core(device, dtype):
     """The fused causal attention (`scaled_dot_product_attention`, as fivecut's blocks call it),
     forward and backward, on q, k, v of `ATTENTION` = [rows, heads, seq, head dim]; and its FLOPs
     (forward 2 x 2 s w a token, causal: half; backward 2x)."""
-    rows, heads, seq, head_dim = ATTENTION
+    rows, heads, seq, head_dim = ATTENTION_GPU if device.type == "cuda" else ATTENTION
     q, k, v = (torch.randn(rows, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
     grad = torch.randn(rows, heads, seq, head_dim, device=device, dtype=dtype)
 
