@@ -8,6 +8,7 @@ import pytest
 
 from fivecut.cli import main
 from fivecut.plan.cluster import ClusterError, Link, cluster_toml, parse_cluster
+from fivecut.plan.cost import wire_seconds
 
 EXACT = dict(rel=1e-12)  # closed forms of a few operations on exact inputs
 
@@ -128,7 +129,18 @@ def test_calibration_writes_a_cluster_file_of_this_machine_and_never_overwrites(
         "all_to_all",
         "send",
     }
+    rates = {op for op, _ in cluster.intra.op_bandwidth_gbps}
+    assert rates == {"all_gather", "reduce_scatter", "all_to_all", "send"}  # the all-reduce's: bandwidth_gbps
     written = out.read_text()
     assert main(["plan", "calibrate", "--out", str(out)]) == 2  # exists: refused, untouched
     assert out.read_text() == written and "--force" in capsys.readouterr().err
     assert main(["plan", "calibrate", "--ranks", "0", "--out", str(tmp_path / "x.toml")]) == 2
+
+
+def test_a_cuts_bytes_go_at_each_of_its_ops_own_bandwidth():
+    link = Link(1.0, 0.0, (), (("all_gather", 0.25), ("send", 0.5)))
+    assert wire_seconds(1e9, {"all_reduce": 2}, link) == pytest.approx(1.0)
+    assert wire_seconds(1e9, {"all_gather": 1, "reduce_scatter": 1}, link) == pytest.approx(0.5 * 4 + 0.5 * 1)
+    assert wire_seconds(1e9, {}, link) == pytest.approx(1.0)  # no calls counted: the link's bandwidth
+    assert link.bandwidth("recv") == link.bandwidth("send") == pytest.approx(0.5e9)
+    assert link.seconds("send", 1e9, 2) == pytest.approx(2.0)

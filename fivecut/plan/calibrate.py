@@ -34,12 +34,14 @@ time from another's must see the same machine):
     link             all-reduces of `SIZES` bytes over all ranks, read through the ring's
                      alpha-beta model of `fivecut.plan.cluster`, t = 2(n-1) alpha + 2(n-1)/n x
                      bytes / bandwidth: the bandwidth from the two largest; then every op a step
-                     calls (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on a
-                     4-byte-a-rank tensor through `fivecut.comm`, each call after the forward
-                     of one probe block (the kernels a step runs between two of its collectives,
-                     so the ranks arrive as far apart as in a step), less that forward alone:
-                     one call's time over its hops is that op's per-hop latency
-                     (a send's: half an exchange of a send and a recv with a neighbour)
+                     calls (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
+                     `MESSAGES` elements a rank and a one-element all-reduce, through
+                     `fivecut.comm`, each call after the forward of one probe block (the kernels
+                     a step runs between two of its collectives, so the ranks arrive as far
+                     apart as in a step), less that forward alone, the mean over `REPEATS`
+                     rounds: an op's bandwidth from the slope between its two sizes, its per-hop
+                     latency from the smaller less its bytes (`fit_link`; a send's: half an
+                     exchange of a send and a recv with a neighbour)
     overlap          an all-reduce of `OVERLAP_BYTES` in flight while matmuls of about its length
                      run: the share of the shorter that hides (`overlap_share`)
 
@@ -83,7 +85,8 @@ BIG = 1 << 18  # elements of the tail's per-parameter measurement (a tensor of t
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor bytes
 OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
-MESSAGE = 16384  # elements a rank in each op's measured call: 64 KB of fp32, a small model's messages
+MESSAGES = (16384, 262144)  # elements a rank in each op's measured calls: 64 KB and 1 MB of fp32
+SLOWEST_FACTOR = 4.0  # an op's bandwidth is at most this times the all-reduce's (a noisy slope is bounded)
 
 
 def timed(fn, repeats: int, sync, statistic=statistics.median) -> float:
@@ -337,25 +340,28 @@ def op_call(op: str, group: comm.Group, device, per_rank: int):
     return exchange
 
 
-def op_latencies(device, sync, repeats: int) -> dict[str, tuple[float, float]]:
-    """For each op in `OPS` (`MESSAGE` elements a rank) and a one-element all-reduce ("scalar"):
-    the mean seconds of a call after a probe block's forward, less the forward's, and the wire
-    bytes `fivecut.ledger` counts for it. Means, not medians: a step pays the sum of its calls,
-    and gloo's small calls have a long tail (their mean is up to twice their median)."""
+def op_latencies(device, sync, repeats: int) -> dict[str, tuple[tuple[float, float], ...]]:
+    """For each op in `OPS`, at `MESSAGES` elements a rank, and for a one-element all-reduce
+    ("scalar"): (mean seconds of a call after a probe block's forward, less the forward's; the
+    wire bytes `fivecut.ledger` counts for it) a size. Means, not medians: a step pays the sum of
+    its calls, and gloo's small calls have a long tail (their mean is up to twice their median).
+    All in `lockstep_rounds`, so that every size of every op sees the machine in one state."""
     n = dist.get_world_size()
     block = probe_block(device)
-    alone = timed(block, repeats, sync, statistics.mean)
-    out = {}
-    for op, per_rank in [*((op, MESSAGE) for op in OPS), ("scalar", 1)]:
+    probes, wires = {"block": block}, {}
+    for op, per_rank in [*((op, size) for op in OPS for size in MESSAGES), ("scalar", 1)]:
         ledger = Ledger()
         group = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, ledger)
         call = op_call("all_reduce" if op == "scalar" else op, group, device, per_rank)
         call()
-        wire = ledger.wire_bytes()  # one call's (an exchange: the send's)
-        dist.barrier()
-        seconds = max(timed(lambda call=call: (block(), call()), repeats, sync, statistics.mean) - alone, 0.0)
-        out[op] = (seconds / (2 if op == "send" else 1), wire)  # an exchange is a send and a recv
-    return out
+        wires[op, per_rank] = ledger.wire_bytes()  # one call's (an exchange: the send's)
+        probes[f"{op} {per_rank}"] = lambda call=call: (block(), call())
+    means = {name: statistics.mean(times) for name, times in lockstep_rounds(probes, repeats, sync).items()}
+    out: dict[str, list] = {}
+    for (op, per_rank), wire in wires.items():
+        seconds = max(means[f"{op} {per_rank}"] - means["block"], 0.0)
+        out.setdefault(op, []).append((seconds / (2 if op == "send" else 1), wire))  # an exchange: a send, a recv
+    return {op: tuple(sizes) for op, sizes in out.items()}
 
 
 def measure_rank(repeats: int) -> dict:
@@ -388,24 +394,39 @@ def measure_rank(repeats: int) -> dict:
     }
 
 
-def fit_link(times: dict[int, float], calls: dict[str, tuple[float, float]], n: int) -> Link:
-    """The bandwidth from the slope between the two largest all-reduces (their difference in wire
-    bytes over their difference in time); each op's per-hop latency from its call at `MESSAGE`
-    elements a rank, less its wire bytes at that bandwidth (gloo's calls of a few kilobytes cost
-    several times a one-element call's; the one-element all-reduce's is `latency_us`, what the
-    step's control all-reduces pay)."""
+def fit_link(times: dict[int, float], calls: dict[str, tuple[tuple[float, float], ...]], n: int) -> Link:
+    """The all-reduce's bandwidth from the slope between the two largest all-reduces (their
+    difference in wire bytes over their difference in time); each op's own bandwidth from the
+    slope between its two `MESSAGES` (gloo's all-gather, reduce-scatter and all-to-all move
+    their bytes several times slower than its all-reduce), and its per-hop latency from its
+    smaller call less its bytes at that bandwidth (gloo's calls of a few kilobytes cost several
+    times a one-element call's; the one-element all-reduce's is `latency_us`, what the step's
+    control all-reduces pay)."""
     factor = 2 * (n - 1) / n
     big, bigger = sorted(times)[-2:]
     seconds = max(times[bigger] - times[big], 1e-12)
     bandwidth = factor * (bigger - big) / seconds
-    hop = {
-        op: max(t - wire / bandwidth, 0.0) / hops_of(op, n) * 1e6 for op, (t, wire) in calls.items() if op != "scalar"
-    }
+    rates, hops = {}, {}
+    for op in OPS:
+        (t_small, w_small), (t_large, w_large) = calls[op]
+        slope = (w_large - w_small) / (t_large - t_small) if t_large > t_small else bandwidth
+        rates[op] = min(slope, bandwidth * SLOWEST_FACTOR) if op != "all_reduce" else bandwidth
+        hops[op] = max(t_small - w_small / rates[op], 0.0) / hops_of(op, n) * 1e6
     return Link(
         bandwidth_gbps=bandwidth / 1e9,
-        latency_us=calls["scalar"][0] / hops_of("all_reduce", n) * 1e6,
-        op_latency_us=tuple(hop.items()),
+        latency_us=calls["scalar"][0][0] / hops_of("all_reduce", n) * 1e6,
+        op_latency_us=tuple(hops.items()),
+        op_bandwidth_gbps=tuple((op, rate / 1e9) for op, rate in rates.items() if op != "all_reduce"),
     )
+
+
+def slowest_calls(ranks: list[dict]) -> dict[str, tuple[tuple[float, float], ...]]:
+    """`op_latencies` of every rank as one: each call's slowest rank's seconds, and its bytes."""
+    first = ranks[0]
+    return {
+        op: tuple((max(r[op][i][0] for r in ranks), wire) for i, (_, wire) in enumerate(sizes))
+        for op, sizes in first.items()
+    }
 
 
 def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
@@ -413,7 +434,7 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
     results = spawn(measure_rank, ranks, repeats, timeout_s=600.0)
     slowest = min(r["flops"] for r in results)
     times = {size: max(r["reduces"][size] for r in results) for size in SIZES}
-    calls = {op: max(r["calls"][op] for r in results) for op in results[0]["calls"]} if ranks > 1 else {}
+    calls = slowest_calls([r["calls"] for r in results]) if ranks > 1 else {}
     link = fit_link(times, calls, ranks) if ranks > 1 else Link(1e3, 0.0)
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
     device = Device(

@@ -23,6 +23,7 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     latency_us = 3
     all_gather_us = 3             # optional: one op's own latency per hop of a message (default:
                                   # latency_us; also all_reduce_us, reduce_scatter_us, ...)
+    all_gather_gbps = 450         # optional: one op's own bandwidth (default: bandwidth_gbps)
     [links.inter]                 # between nodes (InfiniBand / RoCE), per GPU, per direction
     bandwidth_gbps = 50
     latency_us = 10
@@ -34,7 +35,9 @@ link it crosses: NVLink when the group lies in one node, the inter-node link oth
 may give an op its own per-hop latency for a message (`all_reduce_us`, `all_gather_us`,
 `reduce_scatter_us`, `all_to_all_us`, `send_us`: gloo's differ from one another, and a call of
 a few kilobytes costs it several times a one-element all-reduce's `latency_us`, which the
-step's control all-reduces pay; NCCL's are alike, so the presets give none).
+step's control all-reduces pay; NCCL's are alike, so the presets give none), and its own
+bandwidth (`all_gather_gbps`, ...: gloo's all-gather, reduce-scatter and all-to-all move their
+bytes several times slower than its all-reduce).
 
 The device figures are NVIDIA's data sheets (dense bf16 tensor-core peak, memory, NVLink
 bandwidth halved to one direction); inter-node bandwidth is the network interface per GPU of
@@ -107,10 +110,15 @@ class Link:
     bandwidth_gbps: float  # GB/s per GPU, per direction
     latency_us: float  # per hop of a ring: a one-element all-reduce's (control), and every op's default
     op_latency_us: tuple[tuple[str, float], ...] = ()  # (op, per-hop latency) of the ops timed apart
+    op_bandwidth_gbps: tuple[tuple[str, float], ...] = ()  # (op, GB/s) of the ops whose bytes go slower
 
     def hop_us(self, op: str) -> float:
         """The latency of one hop of `op` (a recv is its send's)."""
         return dict(self.op_latency_us).get("send" if op == "recv" else op, self.latency_us)
+
+    def bandwidth(self, op: str) -> float:
+        """Bytes/s at which `op`'s wire bytes go (a recv's are its send's)."""
+        return dict(self.op_bandwidth_gbps).get("send" if op == "recv" else op, self.bandwidth_gbps) * GB
 
     def latency(self, op: str, n: int) -> float:
         """Seconds of one call of `op` over `n` ranks before any byte: its hops x their latency."""
@@ -126,7 +134,7 @@ class Link:
         """alpha-beta time of `op` on a tensor of `tensor_bytes` over a ring of `n` ranks."""
         if n <= 1 or tensor_bytes <= 0:
             return 0.0
-        return self.latency(op, n) + ring_factor(op, n) * tensor_bytes / (self.bandwidth_gbps * GB)
+        return self.latency(op, n) + ring_factor(op, n) * tensor_bytes / self.bandwidth(op)
 
 
 def hops_of(op: str, n: int) -> int:
@@ -286,12 +294,17 @@ def link_from(given: dict | None, default: Link | None, where: str) -> Link:
             raise ClusterError(f"{where} is missing (bandwidth_gbps, latency_us): the device is not a preset")
         return default
     own = tuple((op, float(given[f"{op}_us"])) for op in OWN_LATENCY if f"{op}_us" in given)
+    rates = tuple((op, float(given[f"{op}_gbps"])) for op in OWN_LATENCY if f"{op}_gbps" in given)
     try:
-        link = Link(float(given["bandwidth_gbps"]), float(given["latency_us"]), own)
+        link = Link(float(given["bandwidth_gbps"]), float(given["latency_us"]), own, rates)
     except KeyError as missing:
         raise ClusterError(f"{where} needs {missing.args[0]}") from None
-    if not (link.bandwidth_gbps > 0 and link.latency_us >= 0 and all(us >= 0 for _, us in own)):
-        raise ClusterError(f"{where}: bandwidth_gbps must be > 0 and latency_us (and each op's *_us) >= 0")
+    if not (link.bandwidth_gbps > 0 and link.latency_us >= 0 and all(us >= 0 for _, us in own)) or any(
+        gbps <= 0 for _, gbps in rates
+    ):
+        raise ClusterError(
+            f"{where}: bandwidth_gbps (and each op's *_gbps) must be > 0 and latency_us (and each op's *_us) >= 0"
+        )
     return link
 
 
@@ -327,4 +340,5 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
             f"latency_us = {link.latency_us:.6g}",
         ]
         lines += [f"{op}_us = {us:.6g}" for op, us in link.op_latency_us]
+        lines += [f"{op}_gbps = {gbps:.6g}" for op, gbps in link.op_bandwidth_gbps]
     return "\n".join(lines) + "\n"

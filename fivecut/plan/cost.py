@@ -28,7 +28,8 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 NVLink inside a node, the network across nodes; every call
                 (`fivecut.plan.calls`, the counts `fivecut ledger` shows) pays its op's latency
                 hops (`Link.latency`: gloo's all-gather, reduce-scatter, all-to-all and send
-                each have their own), the bytes go at the link's bandwidth
+                each have their own), the bytes go at the link's bandwidth (an op's own, where
+                the link gives one: `wire_seconds`)
     overlap     DP / ZeRO-1/2 gradient reduction hidden behind the backward up to its length;
                 ZeRO-3 gathers prefetched behind the compute up to its length; ring attention's
                 K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped; each
@@ -332,8 +333,9 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
             continue  # metrics and control: a few bytes per step (their calls: `tail_collectives`)
         group = mesh.group(GROUP_OF_CUT[cut])
         link = cluster.link_for(group.ranks)
-        latency = sum(n * link.latency(op, group.size) for op, n in calls.get(cut, {}).items())
-        seconds = wire / (link.bandwidth_gbps * 1e9) + latency
+        ops = calls.get(cut, {})
+        latency = sum(n * link.latency(op, group.size) for op, n in ops.items())
+        seconds = wire_seconds(wire, ops, link) + latency
         if cut == "dp":
             exposed = max(0.0, seconds - hides * compute * 2 / 3)  # the backward is 2/3 of F + B
         elif cut == "cp" and dims.cp_mode == "ring":
@@ -346,6 +348,17 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
             CutTime(cut, wire, "intra" if link is cluster.intra else "inter", seconds, exposed, HIDDEN.get(cut, ""))
         )
     return out
+
+
+def wire_seconds(wire: float, ops: dict[str, float], link) -> float:
+    """Seconds of a cut's `wire` bytes on `link`: shared among its ops in proportion to their
+    calls (`ops`; exact where a cut's ops move like messages: ZeRO's reduce-scatter and
+    all-gather of the same buffers, SP's gathers and scatters of the same activations, a ring's
+    sends and receives), each share at its op's bandwidth (`Link.bandwidth`)."""
+    calls = sum(ops.values())
+    if not calls:
+        return wire / (link.bandwidth_gbps * 1e9)
+    return sum(wire * n / calls / link.bandwidth(op) for op, n in ops.items())
 
 
 def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], records=None) -> float:
