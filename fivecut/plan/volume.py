@@ -616,10 +616,21 @@ PLACEMENTS_KEPT = 1024
 
 def kept(key: tuple, value: dict) -> dict:
     """Remember `value` under `key` in PLACEMENTS, forgetting the oldest entry when full."""
-    if len(PLACEMENTS) >= PLACEMENTS_KEPT:
-        PLACEMENTS.pop(next(iter(PLACEMENTS)))
-    PLACEMENTS[key] = value
+    return remembered(PLACEMENTS, key, value, PLACEMENTS_KEPT)
+
+
+def remembered(cache: dict, key, value, limit: int):
+    """`cache[key] = value`, first forgetting `cache`'s oldest entry when it holds `limit`: the
+    planner's caches stay bounded however many searches a process runs."""
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
     return value
+
+
+def dims_key(dims, skip: str = "") -> tuple:
+    """`layout_key(dims)` with the field `skip` left out (None in its place): a cheap key of a layout."""
+    return tuple(None if k == skip else tuple(v) if isinstance(v, list) else v for k, v in vars(dims).items())
 
 
 def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
@@ -676,12 +687,6 @@ def virtual_mesh(dims, moe: bool) -> Mesh:
 
 
 MESHES: dict[tuple, Mesh] = {}  # see `virtual_mesh`
-
-
-@functools.cache
-def layer_kinds(args, layers: range, recompute: str, every: int) -> tuple[tuple[bool, str], ...]:
-    """(MoE, recomputation mode) of each block of `layers`: what sets its activation bytes."""
-    return tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for i in layers)
 
 
 def layout_key(dims) -> tuple:
