@@ -747,9 +747,9 @@ def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
     for stage, i, k in parts.blocks:
         for suffix, pl in parts.kinds[k].items():
             renamed = f"layers.{i}.{suffix}"
-            out[renamed] = replace(pl, name=renamed, stage=stage)
+            out[renamed] = altered(pl, name=renamed, stage=stage)
     for pl, stage in parts.outside:
-        out[pl.name] = replace(pl, stage=stage)
+        out[pl.name] = altered(pl, stage=stage)
     return padded_alone(out, cfg)
 
 
@@ -803,6 +803,14 @@ def ends_copy(args, sched, stages: list[int], last: int) -> bool:
     return args.tie_embeddings and sched is not None and last in stages and 0 not in stages
 
 
+def altered(pl: Placement, **fields) -> Placement:
+    """`dataclasses.replace(pl, **fields)` for a record, without its per-field work (a record
+    has no `__post_init__`): the screen renames and pads many thousands of them."""
+    out = object.__new__(Placement)
+    out.__dict__.update(vars(pl), **fields)
+    return out
+
+
 def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
     if not cfg.parallel.zero:
         return records
@@ -811,7 +819,7 @@ def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
     for i, (name, pl) in enumerate(records.items()):
         n, numel = sizes[pl.reduce], pl.local_numel()
         padded = -(-numel // n) * n
-        out[name] = replace(pl, flat=FlatSlot(i, 0, numel, padded, 0, padded // n))
+        out[name] = altered(pl, flat=FlatSlot(i, 0, numel, padded, 0, padded // n))
     return out
 
 
