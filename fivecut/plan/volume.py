@@ -659,10 +659,13 @@ PLAIN = {"zero": 0, "zero_shard": None, "reshard_after_forward": True}  # `plain
 
 
 def composed_key(args, cfg, pp_rank: int) -> tuple:
-    """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it."""
+    """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it;
+    a dense model's as `records_layout` gives it (its records are those of dp x cp ranks without cp)."""
     dims, t = cfg.parallel, cfg.train
     fields = vars(dims) | PLAIN
     fields["microbatches"] = least_microbatches(dims)
+    if not args.is_moe:
+        fields |= {"dp": dims.dp * dims.cp, "cp": 1, "cp_mode": "ring", "cp_ulysses": 1}
     if isinstance(dims.pp_layers, list):  # the one list among the fields (`layout_key`)
         fields["pp_layers"] = tuple(dims.pp_layers)
     plain = tuple(fields.values())
