@@ -27,7 +27,10 @@ says in one sentence what it gains over the second.
 from __future__ import annotations
 
 import copy
+import multiprocessing
+import os
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from fivecut.checks import LayoutError, validate_layout
@@ -198,21 +201,66 @@ def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
     """Every layout of `base`'s model, batch and sequence on `cluster`, fastest fitting first: all
     screened (`screened_placements`: exact counts, ZeRO buffers padded per parameter), the best
     EXACT x `top` costed again from the real cuts and ranked by that."""
-    world = cluster.world_size
     result = SearchResult([], rules=[line.strip() for line in __doc__.split("\n\n")[2].splitlines()[1:]])
-    capacity = cluster.device.memory_gb * 1e9
-    for shape in shapes(args, world, cluster, base.train.seq_len):
-        dp = world // (shape.tp * shape.pp * shape.cp)
-        if base.train.global_batch % dp:
-            continue
-        for zero, shard in data_cuts(dp * shape.cp, dp, shape, cluster):
-            result.ranked += fastest_fitting(args, base, cluster, shape, (zero, shard), result, capacity)
+    for part in searched_parts(args, base, cluster, list(shape_cuts(args, base, cluster))):
+        merge(result, part)
     result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
     exact = [Candidate(owned(c.cfg), cost_layout(args, c.cfg, cluster)) for c in result.ranked[: EXACT * top]]
     result.ranked = sorted((c for c in exact if c.cost.fits), key=lambda c: (c.cost.step, c.cost.memory["total"]))
     if result.smallest is not None:
         result.smallest.cfg = owned(result.smallest.cfg)
     return result
+
+
+def shape_cuts(args, base: Config, cluster: Cluster) -> Iterator[tuple[Shape, tuple[int, int | None]]]:
+    """Every (shape, data cut) of the search, in its order."""
+    world = cluster.world_size
+    for shape in shapes(args, world, cluster, base.train.seq_len):
+        dp = world // (shape.tp * shape.pp * shape.cp)
+        if base.train.global_batch % dp == 0:
+            for data in data_cuts(dp * shape.cp, dp, shape, cluster):
+                yield shape, data
+
+
+def searched_parts(args, base: Config, cluster: Cluster, pairs: list) -> Iterator[SearchResult]:
+    """`search_part` of consecutive runs of `pairs`, in order: on a pool of forked processes, one a
+    CPU, when there are CPUs and pairs enough; else here."""
+    workers = min(os.cpu_count() or 1, len(pairs) // POOLED_PAIRS)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        yield search_part((args, base, cluster, pairs))
+        return
+    size = -(-len(pairs) // (PARTS_A_WORKER * workers))
+    jobs = [(args, base, cluster, pairs[i : i + size]) for i in range(0, len(pairs), size)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        yield from pool.map(search_part, jobs)
+
+
+POOLED_PAIRS = 64  # (shape, data cut) pairs a process of the pool is worth at least
+PARTS_A_WORKER = 8  # runs of pairs a process takes in turn (they differ in cost: shorter runs even it out)
+
+
+def search_part(job) -> SearchResult:
+    """The fitting layouts of some (shape, data cut) pairs, in order, and the counts, the checks'
+    verdicts and the smallest layout among them."""
+    args, base, cluster, pairs = job
+    part = SearchResult([])
+    capacity = cluster.device.memory_gb * 1e9
+    for shape, data in pairs:
+        part.ranked += fastest_fitting(args, base, cluster, shape, data, part, capacity)
+    return part
+
+
+def merge(result: SearchResult, part: SearchResult) -> None:
+    """Add a later part of the search to `result` as if the search had gone on through it."""
+    result.ranked += part.ranked
+    result.tried += part.tried
+    result.invalid += part.invalid
+    result.too_big += part.too_big
+    result.checked.update(part.checked)
+    if part.smallest is not None and (
+        result.smallest is None or part.smallest.cost.memory["total"] < result.smallest.cost.memory["total"]
+    ):
+        result.smallest = part.smallest
 
 
 def owned(cfg: Config) -> Config:
