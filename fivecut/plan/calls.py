@@ -31,7 +31,7 @@ gradient norm's, one over each group `fivecut.train.optim.grad_norm` sums over.
 from __future__ import annotations
 
 from fivecut.plan.activations import layer_mode
-from fivecut.plan.volume import pipeline_plan, reduce_group_sizes, remembered, shard_group_sizes
+from fivecut.plan.volume import model_token, pipeline_plan, reduce_group_sizes, remembered, shard_group_sizes
 
 Calls = dict[str, dict[str, float]]  # cut -> op -> calls per step
 
@@ -114,8 +114,8 @@ def microbatch_calls(args, cfg) -> Calls:
     cuts they read, the stage split (any microbatch count) and recomputation. Shared: read it only."""
     d, t = cfg.parallel, cfg.train
     split = tuple(d.pp_layers) if d.pp_layers else None
-    key = (args, d.tp, d.sp, d.pp, d.pp_schedule, d.pp_virtual, split, d.cp, d.cp_mode, d.cp_ulysses, d.ep, d.etp)
-    key += (t.seq_len, t.recompute, t.recompute_every)
+    key = (model_token(args), d.tp, d.sp, d.pp, d.pp_schedule, d.pp_virtual, split, d.cp, d.cp_mode, d.cp_ulysses)
+    key += (d.ep, d.etp, t.seq_len, t.recompute, t.recompute_every)
     if key not in MICROBATCH_CALLS:
         remembered(MICROBATCH_CALLS, key, microbatch_calls_now(args, cfg), CACHED)
     return MICROBATCH_CALLS[key]

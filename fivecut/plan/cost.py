@@ -60,6 +60,7 @@ from fivecut.plan.volume import (
     dims_key,
     local_param_counts,
     local_placements,
+    model_token,
     pipeline_plan,
     predict,
     remembered,
@@ -328,12 +329,16 @@ class Simulated:
 def simulated(schedule, f: float, b: float, w: float | None, latency: float) -> Simulated:
     """`simulate`'s makespan and bubble (`timed`: the same floats), once per (schedule, costs): a
     search costs the same pipeline for every data cut; the schedule's order compiled once."""
-    name = (schedule.name, schedule.pp, schedule.n_stages, schedule.microbatches)
-    key = (*name, f, b, w, latency)
+    key = (schedule.name, schedule.pp, schedule.n_stages, schedule.microbatches, f, b, w, latency)
     if key not in TIMELINES:
-        program = PROGRAMS.get(name) or remembered(PROGRAMS, name, compiled(schedule), CACHED)
-        remembered(TIMELINES, key, Simulated(*timed(program, f, b, w, latency)), CACHED)
+        remembered(TIMELINES, key, Simulated(*timed(program_of(schedule), f, b, w, latency)), CACHED)
     return TIMELINES[key]
+
+
+def program_of(schedule):
+    """The schedule's `compiled` execution order, once per (name, ranks, stages, microbatches)."""
+    name = (schedule.name, schedule.pp, schedule.n_stages, schedule.microbatches)
+    return PROGRAMS.get(name) or remembered(PROGRAMS, name, compiled(schedule), CACHED)
 
 
 CACHED = 8192  # entries each of this module's caches keeps at most (the oldest go first)
@@ -424,7 +429,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
 def block_sequence(args, stage_ranges: list[range], recompute: str, every: int) -> tuple[dict, tuple]:
     """The (MoE, recomputation mode) kinds of a rank's blocks, in order, and each kind's first
     block; once per (model, stages, recomputation)."""
-    key = (args, tuple(stage_ranges), recompute, every)
+    key = (model_token(args), tuple(stage_ranges), recompute, every)
     if key not in SEQUENCES:
         order = tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for r in stage_ranges for i in r)
         ids = [i for r in stage_ranges for i in r]
@@ -443,7 +448,7 @@ def layout_key_of(args, cfg) -> tuple:
     the microbatch count (the stage split is the same for any count), the train fields they read."""
     t = cfg.train
     fields = (t.seq_len, t.dtype, t.reduce_dtype, t.bucket_mb, t.global_batch, repr(cfg.moe))
-    return (args, dims_key(cfg.parallel, "microbatches"), *fields)
+    return (model_token(args), dims_key(cfg.parallel, "microbatches"), *fields)
 
 
 def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None) -> float:
@@ -452,8 +457,8 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
     dims, t = cfg.parallel, cfg.train
     moe = args.moe_layer(layer)
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
-    key = (args, dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq, precision)
-    key += (moe, mode)
+    key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
+    key += (precision, moe, mode)
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,

@@ -26,6 +26,7 @@ says in one sentence what it gains over the second.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing
 import os
@@ -38,8 +39,8 @@ from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.args import divisors
 from fivecut.plan.cluster import Cluster
-from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, state_memory
-from fivecut.plan.volume import screened_placements
+from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, program_of, state_memory
+from fivecut.plan.volume import pipeline_plan, screened_placements
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("dualpipev", 2))  # GPipe: 1F1B's time, more memory
@@ -202,10 +203,16 @@ def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
     screened (`screened_placements`: exact counts, ZeRO buffers padded per parameter), the best
     EXACT x `top` costed again from the real cuts and ranked by that."""
     result = SearchResult([], rules=[line.strip() for line in __doc__.split("\n\n")[2].splitlines()[1:]])
-    for part in searched_parts(args, base, cluster, list(shape_cuts(args, base, cluster))):
-        merge(result, part)
-    result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
-    exact = [Candidate(owned(c.cfg), cost_layout(args, c.cfg, cluster)) for c in result.ranked[: EXACT * top]]
+    pairs = list(shape_cuts(args, base, cluster))
+    workers = pool_size(len(pairs))
+    if workers > 1:
+        shared_pipelines(args, base, cluster, pairs)
+    with worker_pool(workers) as pool:
+        for part in searched_parts(pool, workers, args, base, cluster, pairs):
+            merge(result, part)
+        result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
+        best = [(args, owned(c.cfg), cluster) for c in result.ranked[: EXACT * top]]
+        exact = [Candidate(job[1], cost) for job, cost in zip(best, pooled(pool, exact_cost, best))]
     result.ranked = sorted((c for c in exact if c.cost.fits), key=lambda c: (c.cost.step, c.cost.memory["total"]))
     if result.smallest is not None:
         result.smallest.cfg = owned(result.smallest.cfg)
@@ -222,17 +229,52 @@ def shape_cuts(args, base: Config, cluster: Cluster) -> Iterator[tuple[Shape, tu
                 yield shape, data
 
 
-def searched_parts(args, base: Config, cluster: Cluster, pairs: list) -> Iterator[SearchResult]:
-    """`search_part` of consecutive runs of `pairs`, in order: on a pool of forked processes, one a
-    CPU, when there are CPUs and pairs enough; else here."""
-    workers = min(os.cpu_count() or 1, len(pairs) // POOLED_PAIRS)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        yield search_part((args, base, cluster, pairs))
+def pool_size(pairs: int) -> int:
+    """Processes for a search of `pairs` (shape, data cut) pairs: one a CPU, where there are pairs
+    enough for each and processes can fork; 1: the search runs here."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(min(os.cpu_count() or 1, pairs // POOLED_PAIRS), 1)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """A pool of `workers` forked processes; None for one (the search runs here)."""
+    if workers < 2:
+        yield None
         return
-    size = -(-len(pairs) // (PARTS_A_WORKER * workers))
-    jobs = [(args, base, cluster, pairs[i : i + size]) for i in range(0, len(pairs), size)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        yield from pool.map(search_part, jobs)
+        yield pool
+
+
+def pooled(pool: ProcessPoolExecutor | None, work, jobs: list) -> list:
+    """`work` of each job, in order: on `pool`, or here without one."""
+    return list(map(work, jobs) if pool is None else pool.map(work, jobs))
+
+
+def searched_parts(pool, workers: int, args, base: Config, cluster: Cluster, pairs: list) -> list[SearchResult]:
+    """`search_part` of consecutive runs of `pairs`, in order (on `pool`: a few runs a process)."""
+    if pool is None:
+        return [search_part((args, base, cluster, pairs))]
+    size = -(-len(pairs) // (PARTS_A_WORKER * workers))
+    return pooled(pool, search_part, [(args, base, cluster, pairs[i : i + size]) for i in range(0, len(pairs), size)])
+
+
+def shared_pipelines(args, base: Config, cluster: Cluster, pairs: list) -> None:
+    """Build here, before the pool forks, every schedule the pairs' pipelines run and its compiled
+    order (`program_of`): each process would otherwise build them again."""
+    world, seen = cluster.world_size, set()
+    for shape, data in pairs:
+        rows = base.train.global_batch // (world // (shape.tp * shape.pp * shape.cp))
+        for split in batch_splits(rows, shape) if shape.pp > 1 else ():
+            if (shape.schedule, shape.pp, shape.virtual, split[0]) not in seen:
+                seen.add((shape.schedule, shape.pp, shape.virtual, split[0]))
+                program_of(pipeline_plan(args, layout_config(base, shape, *data, split, "none", world))[0])
+
+
+def exact_cost(job) -> LayoutCost:
+    """`cost_layout` from the real cuts (a pool's job: model, config, cluster)."""
+    return cost_layout(*job)
 
 
 POOLED_PAIRS = 64  # (shape, data cut) pairs a process of the pool is worth at least

@@ -8,6 +8,7 @@ come from the model built on the meta device: no memory, exact shapes.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 from fivecut.ledger import ring_factor
@@ -283,7 +284,7 @@ def pipeline_plan(args, cfg):
     for a search asks again for every data cut and batch split. Shared: read them only."""
     dims = cfg.parallel
     split = tuple(dims.pp_layers) if dims.pp_layers else None
-    key = (args, dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
+    key = (model_token(args), dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
     if key not in PIPELINES:
         sched = shared_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
         PIPELINES[key] = sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
@@ -628,6 +629,19 @@ def remembered(cache: dict, key, value, limit: int):
     return value
 
 
+def model_token(args) -> int:
+    """A number standing for the model `args` in cache keys, never reused: hashing a model's many
+    fields costs more than the rest of a key (an equal model elsewhere only gets its own number)."""
+    entry = TOKENS.get(id(args))
+    if entry is None or entry[0] is not args:  # kept with its number: its id stays its own meanwhile
+        entry = remembered(TOKENS, id(args), (args, next(TOKEN_NUMBERS)), PLACEMENTS_KEPT)
+    return entry[1]
+
+
+TOKENS: dict[int, tuple] = {}
+TOKEN_NUMBERS = itertools.count()
+
+
 def dims_key(dims, skip: str = "") -> tuple:
     """`layout_key(dims)` with the field `skip` left out (None in its place): a cheap key of a layout."""
     return tuple(None if k == skip else tuple(v) if isinstance(v, list) else v for k, v in vars(dims).items())
@@ -669,7 +683,7 @@ def composed_key(args, cfg, pp_rank: int) -> tuple:
     if isinstance(dims.pp_layers, list):  # the one list among the fields (`layout_key`)
         fields["pp_layers"] = tuple(dims.pp_layers)
     plain = tuple(fields.values())
-    return ("composed", args, plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    return ("composed", model_token(args), plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
 
 
 def least_microbatches(dims) -> int:
