@@ -8,7 +8,7 @@ ranks of one node), then how each rank's share of the global batch is cut into m
 accumulation steps, and the recomputation mode. `fivecut.checks.validate_layout` refuses the
 combinations a run would refuse; `fivecut.plan.cost.cost_layout` costs the others.
 
-Three rules keep the search to seconds; each only skips layouts that cannot be faster:
+Three rules prune the search; each only skips layouts that cannot be faster:
 
     recomputation   per (shape, data cut), "none", "selective" and "full" are tried in that
                     order and the first under which some batch split fits is kept: more
@@ -19,6 +19,13 @@ Three rules keep the search to seconds; each only skips layouts that cannot be f
                     bubble, more, smaller messages)
     model states    a (shape, data cut) whose parameters, gradients and optimizer state alone
                     exceed the device's memory is dropped before any batch split is tried
+
+The rest is bookkeeping. What a layout's cost reads is cached by the few fields it depends on (a
+rank's model states and buffers per layout without its microbatch count, each schedule's order
+compiled for timing, rank 0's calls per microbatch), and the (shape, data cut) pairs are searched
+on a pool of forked processes, one a CPU, whose parts are merged in the search's order: the
+ranking, counts and smallest layout are those one process finds. `benchmarks/plan_speed.py`
+times it and compares the ranking to the float.
 
 The first layout of the ranking is the fastest predicted step among those that fit; `why`
 says in one sentence what it gains over the second.
