@@ -632,13 +632,17 @@ def remembered(cache: dict, key, value, limit: int):
 def model_token(args) -> int:
     """A number standing for the model `args` in cache keys, never reused: hashing a model's many
     fields costs more than the rest of a key (an equal model elsewhere only gets its own number)."""
+    if LAST_TOKEN and LAST_TOKEN[0] is args:  # a search asks for one model many times in a row
+        return LAST_TOKEN[1]
     entry = TOKENS.get(id(args))
     if entry is None or entry[0] is not args:  # kept with its number: its id stays its own meanwhile
         entry = remembered(TOKENS, id(args), (args, next(TOKEN_NUMBERS)), PLACEMENTS_KEPT)
+    LAST_TOKEN[:] = entry
     return entry[1]
 
 
 TOKENS: dict[int, tuple] = {}
+LAST_TOKEN: list = []  # the last model asked for and its number
 TOKEN_NUMBERS = itertools.count()
 
 
