@@ -22,11 +22,13 @@ from dataclasses import dataclass, replace
 
 from fivecut.parallel.data import padded
 from fivecut.plan.volume import (
+    composed_key,
     composition,
     group_counts,
     layout_key,
     plain_dims,
     reduce_group_sizes,
+    remembered,
     shard_group_sizes,
 )
 
@@ -38,7 +40,7 @@ def buffer_bytes(args, cfg, pp_rank: int = 0, records=None) -> float:
     every = tuple(v for k, v in zip(vars(dims), layout_key(dims)) if k != "microbatches")
     key = (id(records), args, every, t.seq_len, t.dtype, t.reduce_dtype, t.bucket_mb, repr(cfg.moe), pp_rank)
     if key not in BUFFERS:
-        BUFFERS[key] = data_cut_buffers(args, cfg, counted(args, cfg, pp_rank, records))
+        remembered(BUFFERS, key, data_cut_buffers(args, cfg, counted(args, cfg, pp_rank, records)), COUNTED_KEPT)
     return BUFFERS[key]
 
 
@@ -88,16 +90,16 @@ def counted(args, cfg, pp_rank: int, records) -> Units:
     """`Units` of the rank at pipeline position `pp_rank`, once per model, layout without its data
     cut and microbatches (they change no parameter a rank holds), and position: from the screen's
     composition (one block of each kind, `fivecut.plan.volume.composition`), or from `records`."""
-    plain = replace(cfg, parallel=plain_dims(cfg.parallel))
-    key = (id(records), args, layout_key(plain.parallel), cfg.train.seq_len, repr(cfg.moe), pp_rank)
+    key = (id(records), composed_key(args, cfg, pp_rank))  # the layout as its records see it
     if key not in COUNTED:
-        COUNTED[key] = units_of(
-            *(held_units(records(args, plain, pp_rank)) if records else composed(args, plain, pp_rank))
-        )
+        plain = replace(cfg, parallel=plain_dims(cfg.parallel))
+        units = units_of(*(held_units(records(args, plain, pp_rank)) if records else composed(args, plain, pp_rank)))
+        remembered(COUNTED, key, units, COUNTED_KEPT)
     return COUNTED[key]
 
 
 COUNTED: dict[tuple, Units] = {}
+COUNTED_KEPT = 8192  # the oldest go first
 
 
 def composed(args, cfg, pp_rank: int) -> tuple[list, list, list]:

@@ -31,7 +31,7 @@ gradient norm's, one over each group `fivecut.train.optim.grad_norm` sums over.
 from __future__ import annotations
 
 from fivecut.plan.activations import layer_mode
-from fivecut.plan.volume import pipeline_plan, reduce_group_sizes, shard_group_sizes
+from fivecut.plan.volume import model_token, pipeline_plan, reduce_group_sizes, remembered, shard_group_sizes
 
 Calls = dict[str, dict[str, float]]  # cut -> op -> calls per step
 
@@ -110,7 +110,23 @@ def outside_calls(cfg, first: bool, last: bool) -> Calls:
 
 
 def microbatch_calls(args, cfg) -> Calls:
-    """tp, cp, ep, etp and pp calls of one microbatch through rank 0's stages."""
+    """tp, cp, ep, etp and pp calls of one microbatch through rank 0's stages; once per model, the
+    cuts they read, the stage split (any microbatch count) and recomputation. Shared: read it only."""
+    d, t = cfg.parallel, cfg.train
+    split = tuple(d.pp_layers) if d.pp_layers else None
+    key = (model_token(args), d.tp, d.sp, d.pp, d.pp_schedule, d.pp_virtual, split, d.cp, d.cp_mode, d.cp_ulysses)
+    key += (d.ep, d.etp, t.seq_len, t.recompute, t.recompute_every)
+    if key not in MICROBATCH_CALLS:
+        remembered(MICROBATCH_CALLS, key, microbatch_calls_now(args, cfg), CACHED)
+    return MICROBATCH_CALLS[key]
+
+
+CACHED = 8192  # entries each of this module's caches keeps at most (the oldest go first)
+MICROBATCH_CALLS: dict[tuple, Calls] = {}
+
+
+def microbatch_calls_now(args, cfg) -> Calls:
+    """`microbatch_calls` counted now."""
     t = cfg.train
     out: Calls = {}
     for layers, first, last in rank0_stages(args, cfg):
@@ -144,10 +160,7 @@ def data_calls(args, cfg, placements: dict, microbatches: int) -> Calls:
     """The data cut's calls in a step; `placements`: rank 0's records, in the model's order."""
     d, t = cfg.parallel, cfg.train
     sizes = reduce_group_sizes(cfg)
-    groups: dict[str, list[int]] = {}
-    for pl in placements.values():
-        groups.setdefault(pl.reduce, []).append(pl.local_numel())
-    reduced = {name: numels for name, numels in groups.items() if sum(numels) and sizes[name] > 1}
+    reduced = {name: numels for name, numels in grouped_numels(placements).items() if sum(numels) and sizes[name] > 1}
     out: Calls = {}
     if d.zero == 0:  # buckets fill from the last parameter (the backward's order)
         for numels in reduced.values():
@@ -160,6 +173,22 @@ def data_calls(args, cfg, placements: dict, microbatches: int) -> Calls:
         add(out, "dp", "all_gather", 2 * units * microbatches)
         add(out, "dp", "reduce_scatter", units * microbatches)
     return out
+
+
+def grouped_numels(placements: dict) -> dict[str, list[int]]:
+    """The records' local element counts by reduce group, in the model's order; once per records
+    object (a search passes the same shared records for many layouts). Shared: read it only."""
+    key = id(placements)
+    if key not in GROUPED or GROUPED[key][0] is not placements:
+        groups: dict[str, list[int]] = {}
+        for pl in placements.values():
+            groups.setdefault(pl.reduce, []).append(pl.local_numel())
+        remembered(GROUPED, key, (placements, groups), GROUPED_KEPT)  # kept: their id stays theirs
+    return GROUPED[key][1]
+
+
+GROUPED: dict[int, tuple] = {}
+GROUPED_KEPT = 1024  # as many as `fivecut.plan.volume` keeps records
 
 
 def step_calls(args, cfg) -> dict[str, int]:

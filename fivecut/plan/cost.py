@@ -51,18 +51,20 @@ from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import peak_in_flight
-from fivecut.parallel.pipeline.simulate import simulate
+from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.buffers import buffer_bytes
 from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import model_state_bytes
 from fivecut.plan.volume import (
-    layer_kinds,
+    dims_key,
     local_param_counts,
     local_placements,
+    model_token,
     pipeline_plan,
     predict,
+    remembered,
     shard_group_sizes,
     virtual_mesh,
 )
@@ -298,12 +300,20 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
 
 
 def layers_by_rank(args, cfg) -> dict[int, list[range]]:
-    """The layers of each pipeline position's stages (one stage of every layer without a pipeline)."""
+    """The layers of each pipeline position's stages (one stage of every layer without a pipeline);
+    once per pipeline plan. Shared: read it only."""
     if cfg.parallel.pp == 1:
         return {0: [range(args.n_layers)]}
-    schedule, layers = pipeline_plan(args, cfg)
-    owner = schedule.stage_rank
-    return {r: [layers[s] for s in range(schedule.n_stages) if owner[s] == r] for r in range(cfg.parallel.pp)}
+    schedule, layers = plan = pipeline_plan(args, cfg)
+    key = id(plan)  # `pipeline_plan`'s entries are kept for the process: an id is not reused
+    if key not in RANK_LAYERS:
+        owner = schedule.stage_rank
+        by_rank = {r: [layers[s] for s in range(schedule.n_stages) if owner[s] == r] for r in range(cfg.parallel.pp)}
+        remembered(RANK_LAYERS, key, (plan, by_rank), CACHED)
+    return RANK_LAYERS[key][1]
+
+
+RANK_LAYERS: dict[int, tuple] = {}  # id of a pipeline plan -> (the plan, kept alive, its `layers_by_rank`)
 
 
 def layout_memory(args, cfg) -> dict[str, float]:
@@ -311,15 +321,30 @@ def layout_memory(args, cfg) -> dict[str, float]:
     return peak_memory(args, cfg, layers_by_rank(args, cfg))[0]
 
 
-def simulated(schedule, f: float, b: float, w: float | None, latency: float):
-    """`simulate`, once per (schedule, costs): a search costs the same pipeline for every data cut."""
+@dataclass(frozen=True)
+class Simulated:
+    makespan: float
+    bubble: float
+
+
+def simulated(schedule, f: float, b: float, w: float | None, latency: float) -> Simulated:
+    """`simulate`'s makespan and bubble (`timed`: the same floats), once per (schedule, costs): a
+    search costs the same pipeline for every data cut; the schedule's order compiled once."""
     key = (schedule.name, schedule.pp, schedule.n_stages, schedule.microbatches, f, b, w, latency)
     if key not in TIMELINES:
-        TIMELINES[key] = simulate(schedule, f, b, w, latency)
+        remembered(TIMELINES, key, Simulated(*timed(program_of(schedule), f, b, w, latency)), CACHED)
     return TIMELINES[key]
 
 
-TIMELINES: dict[tuple, object] = {}
+def program_of(schedule):
+    """The schedule's `compiled` execution order, once per (name, ranks, stages, microbatches)."""
+    name = (schedule.name, schedule.pp, schedule.n_stages, schedule.microbatches)
+    return PROGRAMS.get(name) or remembered(PROGRAMS, name, compiled(schedule), CACHED)
+
+
+CACHED = 8192  # entries each of this module's caches keeps at most (the oldest go first)
+TIMELINES: dict[tuple, Simulated] = {}
+PROGRAMS: dict[tuple, object] = {}  # (name, pp, stages, microbatches) -> the schedule's `compiled` order
 
 
 def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, calls, records=None) -> list[CutTime]:
@@ -396,22 +421,47 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
     in_flight = [1] * dims.pp
     if dims.pp > 1:
         in_flight = in_flight_of(args, cfg)
+    held = layout_key_of(args, cfg)
+    every_state, buffers = all_rank_states(args, cfg, held), all_rank_buffers(args, cfg, held)
     best, best_rank, of_kind = None, 0, {}  # of_kind: (MoE, recompute mode) -> `block_bytes`, once a call
     for rank, stage_ranges in layers_by_rank.items():
-        states = rank_states(args, cfg, rank)
-        per_layer = [  # `block_bytes` once per kind of block (`layer_kinds`) in this call
-            of_kind[kind]
-            if kind in of_kind
-            else of_kind.setdefault(kind, block_bytes(args, cfg, rows, seq, precision, i))
-            for r in stage_ranges
-            for i, kind in zip(r, layer_kinds(args, r, t.recompute, t.recompute_every))
-        ]
+        states = dict(every_state[rank])
+        firsts, order = block_sequence(args, stage_ranges, t.recompute, t.recompute_every)
+        for kind, i in firsts.items():  # `block_bytes` once per kind of block in this call
+            if kind not in of_kind:
+                of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i)
+        per_layer = [of_kind[kind] for kind in order]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
-        states["buffers"] = buffer_bytes(args, cfg, rank)  # gathered ZeRO-3 units, reduction copies
+        states["buffers"] = buffers[rank]  # gathered ZeRO-3 units, reduction copies
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank
     return best, best_rank
+
+
+def block_sequence(args, stage_ranges: list[range], recompute: str, every: int) -> tuple[dict, tuple]:
+    """The (MoE, recomputation mode) kinds of a rank's blocks, in order, and each kind's first
+    block; once per (model, stages, recomputation)."""
+    key = (model_token(args), tuple(stage_ranges), recompute, every)
+    if key not in SEQUENCES:
+        order = tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for r in stage_ranges for i in r)
+        ids = [i for r in stage_ranges for i in r]
+        firsts = {}
+        for kind, i in zip(order, ids):
+            firsts.setdefault(kind, i)
+        remembered(SEQUENCES, key, (firsts, order), CACHED)
+    return SEQUENCES[key]
+
+
+SEQUENCES: dict[tuple, tuple] = {}
+
+
+def layout_key_of(args, cfg) -> tuple:
+    """What a rank's model states and buffers read of a layout: the model, every parallel field but
+    the microbatch count (the stage split is the same for any count), the train fields they read."""
+    t = cfg.train
+    fields = (t.seq_len, t.dtype, t.reduce_dtype, t.bucket_mb, t.global_batch, repr(cfg.moe))
+    return (model_token(args), dims_key(cfg.parallel, "microbatches"), *fields)
 
 
 def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None) -> float:
@@ -420,8 +470,8 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
     dims, t = cfg.parallel, cfg.train
     moe = args.moe_layer(layer)
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
-    key = (args, dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq, precision)
-    key += (moe, mode)
+    key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
+    key += (precision, moe, mode)
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -459,7 +509,30 @@ IN_FLIGHT: dict[tuple, list[int]] = {}
 def rank_states(args, cfg, pp_rank: int) -> dict[str, float]:
     """Parameters, gradients and optimizer state (bytes) of the rank at pipeline position `pp_rank`
     at its peak: under ZeRO-2/3 inside a pipeline the stages' full gradients (4 bytes a parameter)
-    exist from the first backward to the reduction after the last."""
+    exist from the first backward to the reduction after the last. Once per `layout_key_of`."""
+    return dict(all_rank_states(args, cfg, layout_key_of(args, cfg))[pp_rank])
+
+
+def all_rank_states(args, cfg, key: tuple) -> tuple[dict[str, float], ...]:
+    """`rank_states` of every pipeline position, once per `key` (`layout_key_of(args, cfg)`). Shared."""
+    if key not in STATES:
+        remembered(STATES, key, tuple(states_now(args, cfg, r) for r in range(cfg.parallel.pp)), CACHED)
+    return STATES[key]
+
+
+def all_rank_buffers(args, cfg, key: tuple) -> tuple[float, ...]:
+    """`buffer_bytes` of every pipeline position, once per `key` (`layout_key_of(args, cfg)`)."""
+    if key not in RANK_BUFFERS:
+        remembered(RANK_BUFFERS, key, tuple(buffer_bytes(args, cfg, r) for r in range(cfg.parallel.pp)), CACHED)
+    return RANK_BUFFERS[key]
+
+
+STATES: dict[tuple, tuple] = {}
+RANK_BUFFERS: dict[tuple, tuple] = {}
+
+
+def states_now(args, cfg, pp_rank: int) -> dict[str, float]:
+    """`rank_states` computed now."""
     dims = cfg.parallel
     sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
     counts = local_param_counts(args, cfg, pp_rank=pp_rank)

@@ -8,7 +8,7 @@ ranks of one node), then how each rank's share of the global batch is cut into m
 accumulation steps, and the recomputation mode. `fivecut.checks.validate_layout` refuses the
 combinations a run would refuse; `fivecut.plan.cost.cost_layout` costs the others.
 
-Three rules keep the search to seconds; each only skips layouts that cannot be faster:
+Three rules prune the search; each only skips layouts that cannot be faster:
 
     recomputation   per (shape, data cut), "none", "selective" and "full" are tried in that
                     order and the first under which some batch split fits is kept: more
@@ -20,14 +20,25 @@ Three rules keep the search to seconds; each only skips layouts that cannot be f
     model states    a (shape, data cut) whose parameters, gradients and optimizer state alone
                     exceed the device's memory is dropped before any batch split is tried
 
+The rest is bookkeeping. What a layout's cost reads is cached by the few fields it depends on (a
+rank's model states and buffers per layout without its microbatch count, each schedule's order
+compiled for timing, rank 0's calls per microbatch), and the (shape, data cut) pairs are searched
+on a pool of forked processes, one a CPU, whose parts are merged in the search's order: the
+ranking, counts and smallest layout are those one process finds. `benchmarks/plan_speed.py`
+times it and compares the ranking to the float.
+
 The first layout of the ranking is the fastest predicted step among those that fit; `why`
 says in one sentence what it gains over the second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import multiprocessing
+import os
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from fivecut.checks import LayoutError, validate_layout
@@ -35,8 +46,8 @@ from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.args import divisors
 from fivecut.plan.cluster import Cluster
-from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, state_memory
-from fivecut.plan.volume import screened_placements
+from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, program_of, state_memory
+from fivecut.plan.volume import pipeline_plan, screened_placements
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("dualpipev", 2))  # GPipe: 1F1B's time, more memory
@@ -198,21 +209,107 @@ def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
     """Every layout of `base`'s model, batch and sequence on `cluster`, fastest fitting first: all
     screened (`screened_placements`: exact counts, ZeRO buffers padded per parameter), the best
     EXACT x `top` costed again from the real cuts and ranked by that."""
-    world = cluster.world_size
     result = SearchResult([], rules=[line.strip() for line in __doc__.split("\n\n")[2].splitlines()[1:]])
-    capacity = cluster.device.memory_gb * 1e9
-    for shape in shapes(args, world, cluster, base.train.seq_len):
-        dp = world // (shape.tp * shape.pp * shape.cp)
-        if base.train.global_batch % dp:
-            continue
-        for zero, shard in data_cuts(dp * shape.cp, dp, shape, cluster):
-            result.ranked += fastest_fitting(args, base, cluster, shape, (zero, shard), result, capacity)
-    result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
-    exact = [Candidate(owned(c.cfg), cost_layout(args, c.cfg, cluster)) for c in result.ranked[: EXACT * top]]
+    pairs = list(shape_cuts(args, base, cluster))
+    workers = pool_size(len(pairs))
+    if workers > 1:
+        shared_pipelines(args, base, cluster, pairs)
+    with worker_pool(workers) as pool:
+        for part in searched_parts(pool, workers, args, base, cluster, pairs):
+            merge(result, part)
+        result.ranked.sort(key=lambda c: (c.cost.step, c.cost.memory["total"]))
+        best = [(args, owned(c.cfg), cluster) for c in result.ranked[: EXACT * top]]
+        exact = [Candidate(job[1], cost) for job, cost in zip(best, pooled(pool, exact_cost, best))]
     result.ranked = sorted((c for c in exact if c.cost.fits), key=lambda c: (c.cost.step, c.cost.memory["total"]))
     if result.smallest is not None:
         result.smallest.cfg = owned(result.smallest.cfg)
     return result
+
+
+def shape_cuts(args, base: Config, cluster: Cluster) -> Iterator[tuple[Shape, tuple[int, int | None]]]:
+    """Every (shape, data cut) of the search, in its order."""
+    world = cluster.world_size
+    for shape in shapes(args, world, cluster, base.train.seq_len):
+        dp = world // (shape.tp * shape.pp * shape.cp)
+        if base.train.global_batch % dp == 0:
+            for data in data_cuts(dp * shape.cp, dp, shape, cluster):
+                yield shape, data
+
+
+def pool_size(pairs: int) -> int:
+    """Processes for a search of `pairs` (shape, data cut) pairs: one a CPU, where there are pairs
+    enough for each and processes can fork; 1: the search runs here."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(min(os.cpu_count() or 1, pairs // POOLED_PAIRS), 1)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """A pool of `workers` forked processes; None for one (the search runs here)."""
+    if workers < 2:
+        yield None
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        yield pool
+
+
+def pooled(pool: ProcessPoolExecutor | None, work, jobs: list) -> list:
+    """`work` of each job, in order: on `pool`, or here without one."""
+    return list(map(work, jobs) if pool is None else pool.map(work, jobs))
+
+
+def searched_parts(pool, workers: int, args, base: Config, cluster: Cluster, pairs: list) -> list[SearchResult]:
+    """`search_part` of consecutive runs of `pairs`, in order (on `pool`: a few runs a process)."""
+    if pool is None:
+        return [search_part((args, base, cluster, pairs))]
+    size = -(-len(pairs) // (PARTS_A_WORKER * workers))
+    return pooled(pool, search_part, [(args, base, cluster, pairs[i : i + size]) for i in range(0, len(pairs), size)])
+
+
+def shared_pipelines(args, base: Config, cluster: Cluster, pairs: list) -> None:
+    """Build here, before the pool forks, every schedule the pairs' pipelines run and its compiled
+    order (`program_of`): each process would otherwise build them again."""
+    world, seen = cluster.world_size, set()
+    for shape, data in pairs:
+        rows = base.train.global_batch // (world // (shape.tp * shape.pp * shape.cp))
+        for split in batch_splits(rows, shape) if shape.pp > 1 else ():
+            if (shape.schedule, shape.pp, shape.virtual, split[0]) not in seen:
+                seen.add((shape.schedule, shape.pp, shape.virtual, split[0]))
+                program_of(pipeline_plan(args, layout_config(base, shape, *data, split, "none", world))[0])
+
+
+def exact_cost(job) -> LayoutCost:
+    """`cost_layout` from the real cuts (a pool's job: model, config, cluster)."""
+    return cost_layout(*job)
+
+
+POOLED_PAIRS = 64  # (shape, data cut) pairs a process of the pool is worth at least
+PARTS_A_WORKER = 8  # runs of pairs a process takes in turn (they differ in cost: shorter runs even it out)
+
+
+def search_part(job) -> SearchResult:
+    """The fitting layouts of some (shape, data cut) pairs, in order, and the counts, the checks'
+    verdicts and the smallest layout among them."""
+    args, base, cluster, pairs = job
+    part = SearchResult([])
+    capacity = cluster.device.memory_gb * 1e9
+    for shape, data in pairs:
+        part.ranked += fastest_fitting(args, base, cluster, shape, data, part, capacity)
+    return part
+
+
+def merge(result: SearchResult, part: SearchResult) -> None:
+    """Add a later part of the search to `result` as if the search had gone on through it."""
+    result.ranked += part.ranked
+    result.tried += part.tried
+    result.invalid += part.invalid
+    result.too_big += part.too_big
+    result.checked.update(part.checked)
+    if part.smallest is not None and (
+        result.smallest is None or part.smallest.cost.memory["total"] < result.smallest.cost.memory["total"]
+    ):
+        result.smallest = part.smallest
 
 
 def owned(cfg: Config) -> Config:

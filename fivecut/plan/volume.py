@@ -8,6 +8,7 @@ come from the model built on the meta device: no memory, exact shapes.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 from fivecut.ledger import ring_factor
@@ -283,7 +284,7 @@ def pipeline_plan(args, cfg):
     for a search asks again for every data cut and batch split. Shared: read them only."""
     dims = cfg.parallel
     split = tuple(dims.pp_layers) if dims.pp_layers else None
-    key = (args, dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
+    key = (model_token(args), dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual, cfg.train.seq_len, split)
     if key not in PIPELINES:
         sched = shared_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
         PIPELINES[key] = sched, stage_layers(args, sched.n_stages, cfg.train.seq_len, dims.pp_layers)
@@ -616,10 +617,38 @@ PLACEMENTS_KEPT = 1024
 
 def kept(key: tuple, value: dict) -> dict:
     """Remember `value` under `key` in PLACEMENTS, forgetting the oldest entry when full."""
-    if len(PLACEMENTS) >= PLACEMENTS_KEPT:
-        PLACEMENTS.pop(next(iter(PLACEMENTS)))
-    PLACEMENTS[key] = value
+    return remembered(PLACEMENTS, key, value, PLACEMENTS_KEPT)
+
+
+def remembered(cache: dict, key, value, limit: int):
+    """`cache[key] = value`, first forgetting `cache`'s oldest entry when it holds `limit`: the
+    planner's caches stay bounded however many searches a process runs."""
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
     return value
+
+
+def model_token(args) -> int:
+    """A number standing for the model `args` in cache keys, never reused: hashing a model's many
+    fields costs more than the rest of a key (an equal model elsewhere only gets its own number)."""
+    if LAST_TOKEN and LAST_TOKEN[0] is args:  # a search asks for one model many times in a row
+        return LAST_TOKEN[1]
+    entry = TOKENS.get(id(args))
+    if entry is None or entry[0] is not args:  # kept with its number: its id stays its own meanwhile
+        entry = remembered(TOKENS, id(args), (args, next(TOKEN_NUMBERS)), PLACEMENTS_KEPT)
+    LAST_TOKEN[:] = entry
+    return entry[1]
+
+
+TOKENS: dict[int, tuple] = {}
+LAST_TOKEN: list = []  # the last model asked for and its number
+TOKEN_NUMBERS = itertools.count()
+
+
+def dims_key(dims, skip: str = "") -> tuple:
+    """`layout_key(dims)` with the field `skip` left out (None in its place): a cheap key of a layout."""
+    return tuple(None if k == skip else tuple(v) if isinstance(v, list) else v for k, v in vars(dims).items())
 
 
 def screened_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
@@ -648,14 +677,17 @@ PLAIN = {"zero": 0, "zero_shard": None, "reshard_after_forward": True}  # `plain
 
 
 def composed_key(args, cfg, pp_rank: int) -> tuple:
-    """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it."""
+    """The key of `screened_placements`'s records: `layout_key(plain_dims(dims))` without building it;
+    a dense model's as `records_layout` gives it (its records are those of dp x cp ranks without cp)."""
     dims, t = cfg.parallel, cfg.train
     fields = vars(dims) | PLAIN
     fields["microbatches"] = least_microbatches(dims)
+    if not args.is_moe:
+        fields |= {"dp": dims.dp * dims.cp, "cp": 1, "cp_mode": "ring", "cp_ulysses": 1}
     if isinstance(dims.pp_layers, list):  # the one list among the fields (`layout_key`)
         fields["pp_layers"] = tuple(dims.pp_layers)
     plain = tuple(fields.values())
-    return ("composed", args, plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
+    return ("composed", model_token(args), plain, t.bucket_mb, t.global_batch, t.seq_len, repr(cfg.moe), pp_rank)
 
 
 def least_microbatches(dims) -> int:
@@ -676,12 +708,6 @@ def virtual_mesh(dims, moe: bool) -> Mesh:
 
 
 MESHES: dict[tuple, Mesh] = {}  # see `virtual_mesh`
-
-
-@functools.cache
-def layer_kinds(args, layers: range, recompute: str, every: int) -> tuple[tuple[bool, str], ...]:
-    """(MoE, recomputation mode) of each block of `layers`: what sets its activation bytes."""
-    return tuple((args.moe_layer(i), layer_mode(i, recompute, every)) for i in layers)
 
 
 def layout_key(dims) -> tuple:
@@ -742,9 +768,9 @@ def composed_placements(args, cfg, pp_rank: int) -> dict[str, Placement]:
     for stage, i, k in parts.blocks:
         for suffix, pl in parts.kinds[k].items():
             renamed = f"layers.{i}.{suffix}"
-            out[renamed] = replace(pl, name=renamed, stage=stage)
+            out[renamed] = altered(pl, name=renamed, stage=stage)
     for pl, stage in parts.outside:
-        out[pl.name] = replace(pl, stage=stage)
+        out[pl.name] = altered(pl, stage=stage)
     return padded_alone(out, cfg)
 
 
@@ -798,6 +824,14 @@ def ends_copy(args, sched, stages: list[int], last: int) -> bool:
     return args.tie_embeddings and sched is not None and last in stages and 0 not in stages
 
 
+def altered(pl: Placement, **fields) -> Placement:
+    """`dataclasses.replace(pl, **fields)` for a record, without its per-field work (a record
+    has no `__post_init__`): the screen renames and pads many thousands of them."""
+    out = object.__new__(Placement)
+    out.__dict__.update(vars(pl), **fields)
+    return out
+
+
 def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
     if not cfg.parallel.zero:
         return records
@@ -806,7 +840,7 @@ def padded_alone(records: dict[str, Placement], cfg) -> dict[str, Placement]:
     for i, (name, pl) in enumerate(records.items()):
         n, numel = sizes[pl.reduce], pl.local_numel()
         padded = -(-numel // n) * n
-        out[name] = replace(pl, flat=FlatSlot(i, 0, numel, padded, 0, padded // n))
+        out[name] = altered(pl, flat=FlatSlot(i, 0, numel, padded, 0, padded // n))
     return out
 
 

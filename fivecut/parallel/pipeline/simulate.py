@@ -69,6 +69,57 @@ def simulate(
     return Timeline(schedule, rows, costs, makespan, bubble)
 
 
+@dataclass(frozen=True)
+class Program:
+    """A schedule's execution order compiled for `timed`: each step's rank, what it does (a compute
+    kind, "recv" or "send") and the message it waits for or issues (an index), once per schedule."""
+
+    pp: int
+    steps: tuple[tuple[int, str, int], ...]
+    messages: int
+    acting: tuple[int, ...]  # the ranks with any action
+
+
+def compiled(schedule: Schedule) -> Program:
+    slots: dict[tuple[str, int, int], int] = {}
+    steps = []
+    for rank, i in execution_order(schedule):
+        a = schedule.actions[rank][i]
+        if a.kind in COMPUTE:
+            steps.append((rank, a.kind, -1))
+        elif a.kind in RECEIVES:
+            steps.append((rank, "recv", slots.setdefault((a.kind, a.stage, a.microbatch), len(slots))))
+        else:
+            kind, step = PARTNER[a.kind]
+            steps.append((rank, "send", slots.setdefault((kind, a.stage + step, a.microbatch), len(slots))))
+    acting = tuple(r for r in range(schedule.pp) if schedule.actions[r])
+    return Program(schedule.pp, tuple(steps), len(slots), acting)
+
+
+def timed(program: Program, cost_f: float, cost_b: float, cost_w: float | None, cost_comm: float):
+    """(makespan, bubble) of `simulate` with these costs, without the timeline: the same clock, the
+    same sums in the same order, so the same floats."""
+    costs = {"F": cost_f, "B": cost_b, "W": 1.0 if cost_w is None else cost_w}
+    if any(c < 0 for c in (*costs.values(), cost_comm)):
+        raise ValueError(f"costs must not be negative: {costs | {'comm': cost_comm}}")
+    ends = [0.0] * program.pp
+    sent = [0.0] * program.messages
+    spans: list[list[float]] = [[] for _ in range(program.pp)]  # each rank's compute, in order
+    for rank, op, slot in program.steps:
+        free = ends[rank]
+        if op == "recv":
+            end = max(free, sent[slot] + cost_comm)
+        elif op == "send":
+            end = sent[slot] = free
+        else:
+            end = free + costs[op]
+            spans[rank].append(end - free)
+        ends[rank] = end
+    makespan = max((ends[r] for r in program.acting), default=0.0)
+    busy = sum(d for row in spans for d in row)
+    return makespan, 1.0 - busy / (program.pp * makespan) if makespan else 0.0
+
+
 def label(schedule: Schedule, a: Action) -> str:
     """`F3` forward of microbatch 3; a prime per chunk for the rank's later stages (`B3'` = second stage)."""
     return f"{a.kind}{a.microbatch}" + "'" * schedule.chunk(a.stage)
