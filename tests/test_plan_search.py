@@ -127,6 +127,7 @@ def test_plan_writes_json_and_png_and_says_why(tmp_path, capsys):
     assert " wins by " in text or "ties with" in text
     record = json.loads((out / "plan.json").read_text())
     assert record["written_by"] == "fivecut plan" and 1 <= len(record["layouts"]) <= 3
+    assert [rule.split(":")[0] for rule in record["rules"]] == ["recomputation", "batch splits", "model states"]
     first = record["layouts"][0]
     assert first["fits"] and set(first["memory_bytes"]) >= {"params", "grads", "optimizer", "activations"}
     assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"

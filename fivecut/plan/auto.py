@@ -78,7 +78,7 @@ def planned_layout(cfg: Config, args: ModelArgs, world: int, per_node: int) -> A
     cluster = cluster_for_world(cfg.parallel.cluster, world, per_node)
     base = copy.deepcopy(cfg)
     base.parallel = ParallelDims()
-    result = search(args, base, cluster, top=2)
+    result = search(args, base, cluster, top=2, workers=1)  # every rank plans: one process each
     if not result.tried:
         raise ConfigError(
             f"parallel.layout='auto': no layout of {world} ranks can run this model and batch (dp must divide "

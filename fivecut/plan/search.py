@@ -37,6 +37,7 @@ import contextlib
 import copy
 import multiprocessing
 import os
+import re
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -205,13 +206,14 @@ def valid(cfg: Config, args, world: int, seen: dict) -> bool:
     return seen[key]
 
 
-def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
+def search(args, base: Config, cluster: Cluster, top: int = 5, workers: int | None = None) -> SearchResult:
     """Every layout of `base`'s model, batch and sequence on `cluster`, fastest fitting first: all
     screened (`screened_placements`: exact counts, ZeRO buffers padded per parameter), the best
-    EXACT x `top` costed again from the real cuts and ranked by that."""
-    result = SearchResult([], rules=[line.strip() for line in __doc__.split("\n\n")[2].splitlines()[1:]])
+    EXACT x `top` costed again from the real cuts and ranked by that. `workers`: the processes
+    it runs on (default: `pool_size`, one a CPU; 1: this one)."""
+    result = SearchResult([], rules=pruning_rules())
     pairs = list(shape_cuts(args, base, cluster))
-    workers = pool_size(len(pairs))
+    workers = pool_size(len(pairs)) if workers is None else workers
     if workers > 1:
         shared_pipelines(args, base, cluster, pairs)
     with worker_pool(workers) as pool:
@@ -224,6 +226,19 @@ def search(args, base: Config, cluster: Cluster, top: int = 5) -> SearchResult:
     if result.smallest is not None:
         result.smallest.cfg = owned(result.smallest.cfg)
     return result
+
+
+def pruning_rules() -> list[str]:
+    """The module doc's three rules, one line each (plan.json's "rules")."""
+    block = __doc__.split("\n\n")[3]
+    rules: list[str] = []
+    for line in block.splitlines():
+        if line[4] != " ":  # a rule's first line, "name   text"; deeper lines continue it
+            name, text = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            rules.append(f"{name}: {text}")
+        else:
+            rules[-1] += " " + line.strip()
+    return rules
 
 
 def shape_cuts(args, base: Config, cluster: Cluster) -> Iterator[tuple[Shape, tuple[int, int | None]]]:
