@@ -254,32 +254,36 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         optimizer=tail,
         calls=calls,
         step=step,
-        mfu=args.flops_per_token(t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
+        mfu=model_flops(args, t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
         traffic=traffic,
     )
+
+
+def model_flops(args, seq: int) -> float:
+    """`ModelArgs.flops_per_token`, once per model and sequence (it counts every parameter)."""
+    key = (model_token(args), seq)
+    if key not in MODEL_FLOPS:
+        remembered(MODEL_FLOPS, key, args.flops_per_token(seq), STAGES_KEPT)
+    return MODEL_FLOPS[key]
+
+
+MODEL_FLOPS: dict[tuple, float] = {}
 
 
 def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     """Seconds of compute on rank 0 per micro-step, the simulated makespan, the bubble, and the
     layers of each stage (for memory)."""
     dims, t = cfg.parallel, cfg.train
-    recompute = (t.recompute, t.recompute_every)
     cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
-    rows = tokens_mb // (t.seq_len // dims.cp)  # sequences per microbatch
     if dims.pp == 1:
-        every = range(args.n_layers)
-        work = stage_compute(args, every, True, tokens_mb, t.seq_len, recompute)
-        kernels = stage_kernels(args, every, True, True, recompute)
-        timed = stage_seconds(work, kernels, stage_traffic(args, cfg, every, rows), cut, cluster)
+        timed = stage_seconds(*stage_work(args, cfg, range(args.n_layers), True, True, tokens_mb), cut, cluster)
         seconds = timed["F"] + timed["B"]
         return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
     schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
-    works = [stage_compute(args, layers[s], s == last, tokens_mb, t.seq_len, recompute) for s in range(last + 1)]
-    kernels = [stage_kernels(args, layers[s], s == 0, s == last, recompute) for s in range(last + 1)]
-    traffic = [stage_traffic(args, cfg, layers[s], rows) for s in range(last + 1)]
-    times = [stage_seconds(works[s], kernels[s], traffic[s], cut, cluster) for s in range(last + 1)]
+    works = [stage_work(args, cfg, layers[s], s == 0, s == last, tokens_mb) for s in range(last + 1)]
+    times = [stage_seconds(*work, cut, cluster) for work in works]
     f = sum(x["F"] for x in times) / len(times)  # the stages' mean: the schedule's idle time
     b = sum(x["B"] for x in times) / len(times)
     message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
@@ -297,6 +301,29 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     idle = timeline.makespan * timeline.bubble  # a rank's mean idle time under the mean costs
     makespan = max(busy) * dims.microbatches + idle  # the busiest rank's compute sets the pace
     return compute, makespan, idle / makespan, layers_by_rank(args, cfg)
+
+
+def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int) -> tuple[dict, dict, dict]:
+    """A stage's FLOPs, kernels and activation traffic for one microbatch of `tokens_mb` tokens
+    (`stage_compute`, `stage_kernels`, `stage_traffic`), once per stage and the fields they read:
+    a search costs the same stages under many data cuts and clusters."""
+    d, t = cfg.parallel, cfg.train
+    key = (model_token(args), layers.start, layers.stop, first, last, tokens_mb, t.seq_len, t.dtype, d.zero >= 3)
+    key += (t.recompute, t.recompute_every, d.tp, d.sp, d.cp, d.cp_mode, d.cp_ulysses, d.etp, d.ep)
+    if key not in STAGE_WORK:
+        recompute = (t.recompute, t.recompute_every)
+        rows = tokens_mb // (t.seq_len // d.cp)  # sequences per microbatch
+        work = (
+            stage_compute(args, layers, last, tokens_mb, t.seq_len, recompute),
+            stage_kernels(args, layers, first, last, recompute),
+            stage_traffic(args, cfg, layers, rows),
+        )
+        remembered(STAGE_WORK, key, work, STAGES_KEPT)
+    return STAGE_WORK[key]
+
+
+STAGE_WORK: dict[tuple, tuple] = {}
+STAGES_KEPT = 1 << 16  # stages `stage_work` remembers (the oldest forgotten first)
 
 
 def layers_by_rank(args, cfg) -> dict[int, list[range]]:
