@@ -30,6 +30,7 @@ import argparse
 import copy
 import itertools
 import json
+import pickle
 import statistics
 import tempfile
 from dataclasses import replace
@@ -145,10 +146,12 @@ def typical(clusters: list):
         **{k: med(getattr(c.device, k) for c in clusters) for k in DEVICE_FIGURES},
     )
     ops = [op for op, _ in first.intra.op_latency_us]
+    rated = [op for op, _ in first.intra.op_bandwidth_gbps]
     link = Link(
         med(c.intra.bandwidth_gbps for c in clusters),
         med(c.intra.latency_us for c in clusters),
         tuple((op, med(dict(c.intra.op_latency_us)[op] for c in clusters)) for op in ops),
+        tuple((op, med(dict(c.intra.op_bandwidth_gbps)[op] for c in clusters)) for op in rated),
     )
     return replace(first, device=device, intra=link, inter=link)
 
@@ -202,6 +205,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measured(chosen: list, passes: int, steps: int, given: dict) -> tuple[dict, dict]:
+    """Each layout's timed runs, `passes` passes over them (each layout's runs minutes apart), and
+    a calibration of each world size a pass (but those `given`)."""
+    calibrations: dict[int, list] = {}
+    runs: dict[tuple[str, str], dict] = {}
+    for done in range(passes):
+        for model, layout in chosen:
+            world = run_config(model, layout, 2).parallel.world_size
+            if world not in given and len(calibrations.get(world, [])) <= done:
+                calibrations.setdefault(world, []).append(calibrate(world)[0])
+            run = measure(model, layout, steps)
+            if (model, layout) in runs:
+                runs[model, layout]["steps"] += run["steps"]
+            else:
+                runs[model, layout] = run
+            print(f"{model} {layout}: {run['steps'][0] * 1e3:.1f} ms", flush=True)
+    return runs, calibrations
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -219,6 +241,12 @@ def main() -> None:
         default=[],
         help="a `fivecut plan calibrate --ranks N` file to plan N-rank layouts with (else calibrated here)",
     )
+    parser.add_argument(
+        "--keep",
+        default=None,
+        help="a file to pickle the runs and calibrations into; if it exists, they are read from it "
+        "instead of measured (a changed time model re-planned against the same measurements)",
+    )
     ns = parser.parse_args()
     if ns.steps <= WARMUP:
         parser.error(f"--steps must be more than {WARMUP} (the first {WARMUP} are left out of the median)")
@@ -226,19 +254,13 @@ def main() -> None:
         parser.error("--runs must be at least 1")
     given = {c.world_size: c for c in map(parse_cluster, ns.cluster)}
     chosen = [(m, lay) for m, lay in LAYOUTS if not ns.only or ns.only in f"{m} {lay}"]
-    calibrations: dict[int, list] = {}
-    runs: dict[tuple[str, str], dict] = {}
-    for done in range(ns.runs):  # pass after pass, so that each layout's runs lie minutes apart
-        for model, layout in chosen:
-            world = run_config(model, layout, 2).parallel.world_size
-            if world not in given and len(calibrations.get(world, [])) <= done:
-                calibrations.setdefault(world, []).append(calibrate(world)[0])
-            run = measure(model, layout, ns.steps)
-            if (model, layout) in runs:
-                runs[model, layout]["steps"] += run["steps"]
-            else:
-                runs[model, layout] = run
-            print(f"{model} {layout}: {run['steps'][0] * 1e3:.1f} ms", flush=True)
+    if ns.keep and Path(ns.keep).exists():
+        runs, calibrations = pickle.loads(Path(ns.keep).read_bytes())
+        chosen = [key for key in chosen if key in runs]
+    else:
+        runs, calibrations = measured(chosen, ns.runs, ns.steps, given)
+        if ns.keep:
+            Path(ns.keep).write_bytes(pickle.dumps((runs, calibrations)))
     clusters = {**{w: typical(cs) for w, cs in calibrations.items()}, **given}
     rows = [compare(runs[key], clusters[runs[key]["cfg"].parallel.world_size]) for key in chosen]
     text = table(rows)

@@ -35,7 +35,9 @@ time from another's must see the same machine):
                      alpha-beta model of `fivecut.plan.cluster`, t = 2(n-1) alpha + 2(n-1)/n x
                      bytes / bandwidth: the bandwidth from the two largest; then every op a step
                      calls (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) at
-                     `MESSAGES` elements a rank and a one-element all-reduce, through
+                     `MESSAGES` elements a rank on pairs of ranks, every pair at once (the
+                     groups of a few ranks that most cuts use, beside the others' work;
+                     `op_groups`), and a one-element all-reduce over the world, through
                      `fivecut.comm`, each call after the forward of one probe block (the kernels
                      a step runs between two of its collectives, so the ranks arrive as far
                      apart as in a step), less that forward alone, the mean over `REPEATS`
@@ -86,6 +88,7 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor byt
 OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 MESSAGES = (16384, 262144)  # elements a rank in each op's measured calls: 64 KB and 1 MB of fp32
+OP_ROUNDS = 5  # the ops' rounds, in `REPEATS`: a few ms each, and their means swing by tens of percent over 21
 SLOWEST_FACTOR = 4.0  # an op's bandwidth is at most this times the all-reduce's (a noisy slope is bounded)
 
 
@@ -340,23 +343,40 @@ def op_call(op: str, group: comm.Group, device, per_rank: int):
     return exchange
 
 
+def op_groups() -> tuple[comm.Group, comm.Group]:
+    """The group each op's calls are timed on, and the world's (the scalar all-reduce's: a step's
+    control calls span every rank). Ops go over pairs of ranks, every pair at once: a layout's
+    TP, CP, EP and ZeRO groups on a few ranks share the machine with the other groups' ranks, and
+    gloo's latency per hop on a pair is not a world-wide ring's (with 4 ranks on 2 cores it is
+    about twice). An odd world times its ops on the world."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    world = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, Ledger())
+    if n <= 2 or n % 2:
+        return world, world
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, n, 2)]  # every rank creates every group
+    first = me - me % 2
+    return comm.Group("calibrate", (first, first + 1), pairs[me // 2], Ledger()), world
+
+
 def op_latencies(device, sync, repeats: int) -> dict[str, tuple[tuple[float, float], ...]]:
-    """For each op in `OPS`, at `MESSAGES` elements a rank, and for a one-element all-reduce
-    ("scalar"): (mean seconds of a call after a probe block's forward, less the forward's; the
-    wire bytes `fivecut.ledger` counts for it) a size. Means, not medians: a step pays the sum of
-    its calls, and gloo's small calls have a long tail (their mean is up to twice their median).
-    All in `lockstep_rounds`, so that every size of every op sees the machine in one state."""
-    n = dist.get_world_size()
+    """For each op in `OPS`, at `MESSAGES` elements a rank on pairs of ranks (`op_groups`), and for
+    a one-element all-reduce over the world ("scalar"): (mean seconds of a call after a probe
+    block's forward, less the forward's; the wire bytes `fivecut.ledger` counts for it) a size.
+    Means, not medians: a step pays the sum of its calls, and gloo's small calls have a long tail
+    (their mean is up to twice their median). All in `lockstep_rounds`, so that every size of
+    every op sees the machine in one state."""
     block = probe_block(device)
+    pair, world = op_groups()
     probes, wires = {"block": block}, {}
     for op, per_rank in [*((op, size) for op in OPS for size in MESSAGES), ("scalar", 1)]:
         ledger = Ledger()
-        group = comm.Group("calibrate", tuple(range(n)), dist.group.WORLD, ledger)
+        group = replace(world if op == "scalar" else pair, ledger=ledger)
         call = op_call("all_reduce" if op == "scalar" else op, group, device, per_rank)
         call()
         wires[op, per_rank] = ledger.wire_bytes()  # one call's (an exchange: the send's)
         probes[f"{op} {per_rank}"] = lambda call=call: (block(), call())
-    means = {name: statistics.mean(times) for name, times in lockstep_rounds(probes, repeats, sync).items()}
+    rounds = lockstep_rounds(probes, OP_ROUNDS * repeats, sync)
+    means = {name: statistics.mean(times) for name, times in rounds.items()}
     out: dict[str, list] = {}
     for (op, per_rank), wire in wires.items():
         seconds = max(means[f"{op} {per_rank}"] - means["block"], 0.0)
@@ -399,9 +419,10 @@ def fit_link(times: dict[int, float], calls: dict[str, tuple[tuple[float, float]
     difference in wire bytes over their difference in time); each op's own bandwidth from the
     slope between its two `MESSAGES` (gloo's all-gather, reduce-scatter and all-to-all move
     their bytes several times slower than its all-reduce), and its per-hop latency from its
-    smaller call less its bytes at that bandwidth (gloo's calls of a few kilobytes cost several
-    times a one-element call's; the one-element all-reduce's is `latency_us`, what the step's
-    control all-reduces pay)."""
+    smaller call less its bytes at that bandwidth, over the hops of the pairs it was timed on
+    (`op_ranks`; gloo's calls of a few kilobytes cost several times a one-element call's; the
+    one-element all-reduce's over the world is `latency_us`, what the step's control all-reduces
+    pay)."""
     factor = 2 * (n - 1) / n
     big, bigger = sorted(times)[-2:]
     seconds = max(times[bigger] - times[big], 1e-12)
@@ -411,13 +432,18 @@ def fit_link(times: dict[int, float], calls: dict[str, tuple[tuple[float, float]
         (t_small, w_small), (t_large, w_large) = calls[op]
         slope = (w_large - w_small) / (t_large - t_small) if t_large > t_small else bandwidth
         rates[op] = min(slope, bandwidth * SLOWEST_FACTOR) if op != "all_reduce" else bandwidth
-        hops[op] = max(t_small - w_small / rates[op], 0.0) / hops_of(op, n) * 1e6
+        hops[op] = max(t_small - w_small / rates[op], 0.0) / hops_of(op, op_ranks(n)) * 1e6
     return Link(
         bandwidth_gbps=bandwidth / 1e9,
         latency_us=calls["scalar"][0][0] / hops_of("all_reduce", n) * 1e6,
         op_latency_us=tuple(hops.items()),
         op_bandwidth_gbps=tuple((op, rate / 1e9) for op, rate in rates.items() if op != "all_reduce"),
     )
+
+
+def op_ranks(n: int) -> int:
+    """The ranks each op's calls were timed on in a world of `n` (`op_groups`)."""
+    return n if n <= 2 or n % 2 else 2
 
 
 def slowest_calls(ranks: list[dict]) -> dict[str, tuple[tuple[float, float], ...]]:
