@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -46,6 +47,7 @@ def test_a_cluster_file_reads_back_as_written(tmp_path):
     assert parse_cluster(str(path)) == cluster
     calibrated = replace(  # every field calibration writes, an op latency of each kind included
         cluster,
+        cores_per_node=2,
         device=replace(
             cluster.device,
             kernel_us=41.5,
@@ -94,6 +96,7 @@ def test_a_file_may_name_a_preset_and_override_a_link(tmp_path):
         ),
         ("[cluster]\nnodes = 1\ngpus_per_node = 8\ndevice = 'H100'\n[links.intra]\nlatency_us = 1\n", "bandwidth_gbps"),
         ("[cluster\n", "not valid TOML"),
+        ("[cluster]\nnodes = 1\ngpus_per_node = 4\ncores_per_node = -2\ndevice = 'H100'\n", "cores_per_node"),
     ],
 )
 def test_a_bad_cluster_file_is_refused_naming_the_key(tmp_path, text, said):
@@ -119,6 +122,7 @@ def test_calibration_writes_a_cluster_file_of_this_machine_and_never_overwrites(
     assert main(["plan", "calibrate", "--ranks", "2", "--out", str(out)]) == 0
     cluster = parse_cluster(str(out))
     assert cluster.world_size == 2 and cluster.intra == cluster.inter
+    assert cluster.cores_per_node == len(os.sched_getaffinity(0))  # a CPU's ranks share its cores
     assert cluster.device.peak_tflops > 0 and cluster.intra.bandwidth_gbps > 0 and cluster.device.achievable == 1
     d = cluster.device
     assert d.attention_tflops > 0 and d.activation_gbps > 0 and d.loss_gbps > 0  # measured, not the defaults

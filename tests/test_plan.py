@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
-from fivecut.plan.cost import cost_layout
+from fivecut.plan.cost import call_ranks, cost_layout, shared_cores
 from fivecut.plan.report import hiding_bandwidth
 from fivecut.plan.search import time_terms
 from fivecut.plan.volume import local_param_counts, predict
+
+EXACT = dict(rel=1e-12)  # the same closed form on the same inputs
 
 
 def planned(model: str, layout: str, cluster: str, *flags: str):
@@ -74,3 +78,29 @@ def test_memory_follows_hybrid_sharding_and_the_pipelined_zero_peak():
     staged, cfg, args = planned("llama3-8b", "dp=4,pp=2,zero=2,microbatches=2", "1x8xH100", "--seq", "2048")
     local = sum(local_param_counts(args, cfg, pp_rank=staged.memory_rank).values())
     assert staged.memory["grads"] == 4 * local
+
+
+def test_on_a_cpu_host_a_pipelines_waiting_ranks_leave_their_cores_to_the_computing_ones(tmp_path):
+    """4 ranks on 2 shared cores, their rates measured all busy: a pipeline's time shrinks to the
+    larger of its ranks' mean busy share and cores / ranks (a core each at most); GPUs and a
+    layout without a pipeline keep their time."""
+    gpus = parse_cluster("1x4xH100")
+    host = replace(gpus, cores_per_node=2)
+    flags = ("--seq", "256", "--global-batch", "8")
+    for layout in ("pp=2,dp=2,microbatches=2", "pp=4,microbatches=2,pp_schedule=gpipe"):
+        _, cfg, args = planned("tiny", layout, "1x4xH100", *flags)
+        alone, shared = cost_layout(args, cfg, gpus), cost_layout(args, cfg, host)
+        busy = alone.compute / alone.makespan  # rank 0's compute; the stages of tiny cost about alike
+        assert shared.makespan / alone.makespan == pytest.approx(max(busy, 0.5), rel=0.05)
+        assert shared.makespan < alone.makespan and shared.bubble == pytest.approx(alone.bubble, **EXACT)
+    assert shared_cores(host, 0.3) == 0.5 and shared_cores(host, 0.8) == 0.8  # bounded by a core each
+    assert shared_cores(gpus, 0.3) == 1.0 and shared_cores(replace(host, cores_per_node=4), 0.3) == 1.0
+    _, cfg, args = planned("tiny", "dp=4", "1x4xH100", *flags)
+    assert cost_layout(args, cfg, host).step == cost_layout(args, cfg, gpus).step
+
+
+def test_usps_all_to_alls_pay_the_latency_of_its_ulysses_ranks_only():
+    _, cfg, _ = planned("tiny", "cp=8,cp_mode=usp,cp_ulysses=2", "1x8xH100", "--seq", "256", "--global-batch", "8")
+    assert call_ranks("cp", "all_to_all", cfg.parallel, 8) == 2  # the Ulysses pairs, not the ring of 8
+    assert call_ranks("cp", "send", cfg.parallel, 8) == 8  # a send's latency is one hop on any group
+    assert call_ranks("tp", "all_to_all", cfg.parallel, 8) == 8

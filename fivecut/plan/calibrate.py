@@ -47,7 +47,8 @@ time from another's must see the same machine):
     overlap          an all-reduce of `OVERLAP_BYTES` in flight while matmuls of about its length
                      run: the share of the shorter that hides (`overlap_share`)
 
-The machine is one node: its intra- and inter-node links are the same measured link.
+The machine is one node: its intra- and inter-node links are the same measured link. On a CPU
+its cores (`cores_per_node`) are shared by the ranks, whose rates were measured all busy at once.
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ def lockstep_rounds(probes: dict, rounds: int, sync) -> dict[str, list[float]]:
 
 def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repeats: int) -> float:
     """The share of an all-reduce of `OVERLAP_BYTES` that hides behind matmuls (`matmul_s` each)
-    issued while it is in flight: (compute + collective - both at once) / the shorter, in [0, 1]."""
+    issued while it is in flight: (compute + collective - both at once) / the shorter, in [0, 1];
+    each round times the three in turn (`lockstep_rounds`) and gives a share, and the median
+    share counts (a difference of three noisy times swings from 0 to 1 between single runs)."""
     x = torch.zeros(OVERLAP_BYTES // 4, device=a.device)
     alone = in_lockstep(lambda: dist.all_reduce(x), repeats, sync)
     count = torch.tensor([min(max(round(alone / matmul_s), 1), 256)], device=a.device)
@@ -159,9 +162,12 @@ def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repea
         matmuls()
         work.wait()
 
-    compute = in_lockstep(matmuls, repeats, sync)
-    together = in_lockstep(both, repeats, sync)
-    return min(max((compute + alone - together) / min(compute, alone), 0.0), 1.0)
+    rounds = lockstep_rounds({"compute": matmuls, "alone": lambda: dist.all_reduce(x), "both": both}, repeats, sync)
+    shares = [
+        (compute + alone - together) / min(compute, alone)
+        for compute, alone, together in zip(rounds["compute"], rounds["alone"], rounds["both"])
+    ]
+    return min(max(statistics.median(shares), 0.0), 1.0)
 
 
 def probe_step(shape: ModelArgs, layers: int, rows: int, seq: int, device, dtype):
@@ -403,13 +409,14 @@ def measure_rank(repeats: int) -> dict:
         dist.barrier()
         reduces[size] = timed(lambda x=x: dist.all_reduce(x), repeats, sync)
     calls = op_latencies(device, sync, repeats) if dist.get_world_size() > 1 else {}
-    overlap = overlap_share(a, b, matmul_s, sync, max(repeats // 3, 3)) if dist.get_world_size() > 1 else 1.0
+    overlap = overlap_share(a, b, matmul_s, sync, repeats) if dist.get_world_size() > 1 else 1.0
     return {
         **figures,
         "reduces": reduces,
         "calls": calls,
         "overlap": overlap,
         "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
         "linear": "x".join(map(str, linear_shape(device))),
     }
 
@@ -478,7 +485,8 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         source=f"fivecut plan calibrate: a {results[0]['linear']} {results[0]['dtype']} linear layer's matmuls on "
         f"{ranks} ranks at once",
     )
-    cluster = Cluster(1, ranks, device, link, link, name="this-machine")
+    cores = 0 if results[0]["device"] == "cuda" else len(os.sched_getaffinity(0))  # a CPU's ranks share its cores
+    cluster = Cluster(1, ranks, device, link, link, name="this-machine", cores_per_node=cores)
     return cluster, {
         "flops": [r["flops"] for r in results],
         "kernel_s": [r["kernel_s"] for r in results],

@@ -5,6 +5,8 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     [cluster]
     nodes = 32                    # or gpus = 256: the world, a whole number of nodes
     gpus_per_node = 8
+    cores_per_node = 0            # optional: the CPU cores a node's ranks share (a CPU host, as
+                                  # `fivecut plan calibrate` writes it); 0: a device each (GPUs)
     device = "H100"               # a preset below, or a [device] table
     [device]                      # optional: overrides or defines the device
     name = "H100"
@@ -177,6 +179,7 @@ class Cluster:
     intra: Link
     inter: Link
     name: str = ""
+    cores_per_node: int = 0  # CPU cores a node's ranks share, its rates measured with every rank busy (0: GPUs)
 
     @property
     def world_size(self) -> int:
@@ -241,7 +244,13 @@ def cluster_from_table(table: dict, where: str) -> Cluster:
     preset = device.name.upper() if device.name.upper() in DEVICES else None
     intra = link_from(links.get("intra"), INTRA.get(preset), f"{where}: [links.intra]")
     inter = link_from(links.get("inter"), INTER.get(preset), f"{where}: [links.inter]")
-    return Cluster(top["nodes"], top["gpus_per_node"], device, intra, inter, top.get("name", Path(where).stem))
+    cores = top.get("cores_per_node", 0)
+    if not isinstance(cores, int) or cores < 0:
+        raise ClusterError(
+            f"{where}: [cluster] cores_per_node must be an integer >= 0 (0: a device each; got {cores!r})"
+        )
+    name = top.get("name", Path(where).stem)
+    return Cluster(top["nodes"], top["gpus_per_node"], device, intra, inter, name, cores)
 
 
 def whole_nodes(gpus, per_node, where: str) -> int:
@@ -317,6 +326,7 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
         f'name = "{cluster.name}"',
         f"nodes = {cluster.nodes}",
         f"gpus_per_node = {cluster.gpus_per_node}",
+        *([f"cores_per_node = {cluster.cores_per_node}"] if cluster.cores_per_node else []),
         "",
         "[device]",
         f'name = "{d.name}"',

@@ -23,7 +23,9 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
     bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
                 F, B, W costs and each boundary message's alpha-beta time as its latency gives
                 a rank's idle time; the pipeline takes the busiest rank's compute + that idle
-                time (stages of unequal cost: the one with the head sets the pace)
+                time (stages of unequal cost: the one with the head sets the pace); on a CPU
+                host whose ranks share its cores (`Cluster.cores_per_node`) the ranks waiting in
+                the bubble leave their cores to the computing ones (`shared_cores`)
     collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
                 NVLink inside a node, the network across nodes; every call
                 (`fivecut.plan.calls`, the counts `fivecut ledger` shows) pays its op's latency
@@ -297,10 +299,21 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
         sum(times[s]["F"] + times[s]["B"] for s in range(last + 1) if schedule.stage_rank[s] == r)
         for r in range(dims.pp)
     ]
-    compute = busy[0] * dims.microbatches
     idle = timeline.makespan * timeline.bubble  # a rank's mean idle time under the mean costs
     makespan = max(busy) * dims.microbatches + idle  # the busiest rank's compute sets the pace
-    return compute, makespan, idle / makespan, layers_by_rank(args, cfg)
+    faster = shared_cores(cluster, sum(busy) / len(busy) * dims.microbatches / makespan)
+    return busy[0] * dims.microbatches * faster, makespan * faster, idle / makespan, layers_by_rank(args, cfg)
+
+
+def shared_cores(cluster: Cluster, busy_share: float) -> float:
+    """What a pipeline's time is multiplied by when a node's ranks share its `cores_per_node` CPU
+    cores: the rates were calibrated with every rank busy, and a rank waiting in the bubble leaves
+    its core to the computing ones, which then run as if `busy_share` of the node's ranks shared
+    the cores (never faster than a core each). GPUs (0 cores): 1."""
+    cores, ranks = cluster.cores_per_node, cluster.gpus_per_node
+    if not cores or ranks <= cores:
+        return 1.0
+    return max(busy_share, cores / ranks)
 
 
 def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int) -> tuple[dict, dict, dict]:
@@ -386,7 +399,7 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
         group = mesh.group(GROUP_OF_CUT[cut])
         link = cluster.link_for(group.ranks)
         ops = calls.get(cut, {})
-        latency = sum(n * link.latency(op, group.size) for op, n in ops.items())
+        latency = sum(n * link.latency(op, call_ranks(cut, op, dims, group.size)) for op, n in ops.items())
         seconds = wire_seconds(wire, ops, link) + latency
         if cut == "dp":
             exposed = max(0.0, seconds - hides * compute * 2 / 3)  # the backward is 2/3 of F + B
@@ -400,6 +413,14 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
             CutTime(cut, wire, "intra" if link is cluster.intra else "inter", seconds, exposed, HIDDEN.get(cut, ""))
         )
     return out
+
+
+def call_ranks(cut: str, op: str, dims, group_size: int) -> int:
+    """The ranks one call of `op` spans in `cut`'s group of `group_size`: USP's all-to-alls go over
+    its Ulysses ranks (`cp_ulysses`) and its ring's sends to one neighbour, not over all cp ranks."""
+    if cut == "cp" and op == "all_to_all" and dims.cp_mode == "usp":
+        return dims.cp_ulysses
+    return group_size
 
 
 def wire_seconds(wire: float, ops: dict[str, float], link) -> float:
