@@ -56,6 +56,7 @@ def planned_calls(plan) -> dict[tuple[str, str], float]:
     "model, layout",
     [
         ("tiny", "dp=2,zero=1"),
+        ("tiny", "dp=2,zero=2 --set train.bucket_mb=0.5"),  # a reduce-scatter and a gather a bucket
         ("tiny", "tp=2"),
         ("tiny", "cp=2,cp_mode=ulysses"),
         ("tiny", "pp=2,microbatches=4,pp_schedule=interleaved,pp_virtual=2"),
@@ -63,7 +64,11 @@ def planned_calls(plan) -> dict[tuple[str, str], float]:
     ],
 )
 def test_planned_calls_are_the_ledgers(model, layout):
-    cfg = layout_config(build_parser().parse_args(["ledger", "--model", model, "--layout", layout, "--steps", "1"]))
+    layout, *sets = layout.split(" --set ")
+    flags = [f for s in sets for f in ("--set", s)]
+    cfg = layout_config(
+        build_parser().parse_args(["ledger", "--model", model, "--layout", layout, "--steps", "1", *flags])
+    )
     measured = run_spawned(cfg, 120.0, what=f"ledger {layout}")[0]
     plan = cost_layout(preset_args(cfg.model), cfg, preset_cluster(1, cfg.parallel.world_size, "H100"))
     assert planned_calls(plan) == measured_calls(measured.ledger_rows)

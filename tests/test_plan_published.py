@@ -3,7 +3,9 @@
 DeepSeek-V3 (arXiv 2412.19437, section 3.2): 2048 H800, EP64 x PP16 (DualPipe) x DP with ZeRO-1,
 sequences of 4,096, a batch of 15,360 sequences. Llama 3.1 405B (arXiv 2407.21783, table 4):
 8,192 H100, TP8 x PP16 (interleaved) x DP64, sequences of 8,192, 16M tokens a step, 38-43% MFU
-(BF16). Both fit only under full recomputation in fivecut's memory model: autocast over fp32
+(BF16); its data cut is FSDP that shards parameters, gradients and optimizer state and does not
+reshard after the forward (section 3.3.2): fivecut's ZeRO-3 with `reshard_after_forward=false`.
+Both fit only under full recomputation in fivecut's memory model: autocast over fp32
 weights keeps each microbatch's bf16 copies of the weights and of SP's gathered inputs.
 """
 
@@ -40,7 +42,7 @@ def test_llama3_405b_fits_and_its_mfu_is_within_10_points_of_metas_43():
     c = cost(
         "llama3-405b",
         "1024x8xH100",
-        "dp=64,tp=8,sp=true,pp=16,pp_schedule=interleaved,pp_virtual=2,microbatches=32,zero=1",
+        "dp=64,tp=8,sp=true,pp=16,pp_schedule=interleaved,pp_virtual=2,microbatches=32,zero=3,reshard_after_forward=false",
         *("--seq", "8192", "--global-batch-tokens", "16M", "--set", 'train.recompute="full"'),
     )
     assert c.fits

@@ -93,6 +93,35 @@ def test_sharded_gradients_match_single_process(stage, dp, accumulate):
         torch.testing.assert_close(logits, ref_logits[rank * rows : (rank + 1) * rows], **LOGIT_TOL)
 
 
+def updated_then_forward(stage: int):
+    """ZeRO-`stage` on 2 ranks in buckets of 0.05 MB: every rank adds 1 to its shards (an update),
+    `after_step` launches the gathers; what is in flight then and after the next forward, and that
+    forward's logits."""
+    mesh = Mesh(ParallelDims(dp=2, zero=stage), "cpu")
+    par = parallelize(build_model(get_preset("tiny"), seed=0), mesh, ParallelizeOptions(bucket_mb=0.05))
+    for shard in par.sync.shards:
+        shard.local.add_(1.0)
+    par.sync.after_step()
+    in_flight = len(par.sync.gathers)
+    with torch.no_grad():
+        logits = par.module(torch.as_tensor(TOKENS[:32].astype(np.int64)).view(1, 32))
+    return in_flight, len(par.sync.shards), len(par.sync.gathers), logits
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_gathers_run_into_the_next_forward_which_waits_for_each(stage):
+    """The gathers of the updated shards are not waited for in `after_step`: each unit's forward
+    waits for its buckets', and computes on the updated parameters (those of one process + 1)."""
+    model = build_model(get_preset("tiny"), seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        reference = model(torch.as_tensor(TOKENS[:32].astype(np.int64)).view(1, 32))
+    for in_flight, buckets, left, logits in spawn(updated_then_forward, 2, stage):
+        assert in_flight == buckets > 2 and left == 0
+        torch.testing.assert_close(logits, reference, **LOGIT_TOL)
+
+
 def test_zero3_without_resharding_after_forward():
     ref_grads, _, _ = one_step_gradients(1, 1, 25.0)
     grads, _ = spawn(sharded_step_gradients, 2, 3, 2, 1, False)[0]

@@ -89,7 +89,8 @@ class GradSync(Protocol):
     def no_sync(self) -> AbstractContextManager: ...  # accumulate locally: no communication
     def zero_grad(self) -> None: ...
     def reduce(self) -> None: ...  # reduce every gradient now (after a pipeline schedule's backwards)
-    def after_step(self) -> None: ...  # after the optimizer step (ZeRO gathers parameters)
+    def after_step(self) -> None: ...  # after the optimizer step (ZeRO-1/2 launch the parameters' gathers)
+    def settle(self) -> None: ...  # every parameter whole now (before a checkpoint or any read outside forward)
     def pieces(self) -> list[Piece]: ...  # what this rank's optimizer updates
     def held(self, param: nn.Parameter, lo: int, hi: int) -> Held: ...  # flat elements [lo, hi) of `param`
     def flat_slots(self) -> dict[nn.Parameter, FlatSlot]: ...  # ZeRO: each parameter's place in a flat shard
@@ -178,7 +179,10 @@ class GradReducer(abc.ABC):
         return self.sync and self.group.size > 1
 
     def after_step(self) -> None:
-        """Called after the optimizer step (ZeRO gathers the updated parameters here)."""
+        """Called after the optimizer step (ZeRO-1/2 launch the updated parameters' gathers here)."""
+
+    def settle(self) -> None:
+        """Every parameter is whole and final (ZeRO-1/2: their gathers waited for)."""
 
     def reduce(self) -> None:
         """Reduce every bucket now (after a pipeline schedule ran its backwards under `no_sync`)."""
@@ -330,6 +334,10 @@ class SyncSet:
     def after_step(self) -> None:
         for sync in self.syncs:
             sync.after_step()
+
+    def settle(self) -> None:
+        for sync in self.syncs:
+            sync.settle()
 
     def pieces(self) -> list[Piece]:
         return [piece for sync in self.syncs for piece in sync.pieces()]

@@ -15,8 +15,10 @@ ZeRO-3 gathers once, 2Psi.)
 
 Stages 1 and 2 reuse the bucket machinery of DDP (`fivecut.parallel.data`): a bucket's
 gradients are reduce-scattered as soon as backward has produced them; after the
-optimizer step every rank all-gathers the updated shards into the parameters, which are
-views of the flat buffers. Stage 2 reduces every micro-step (accumulating into the
+optimizer step every rank launches the all-gathers of the updated shards into the
+parameters, which are views of the flat buffers, and the next forward waits for each just
+before the first unit that reads it (the gathers overlap the forward; `settle` waits for
+all, before a checkpoint). Stage 2 reduces every micro-step (accumulating into the
 shard) and frees each bucket's full gradients as soon as they are sent; stage 1 keeps
 them and, like DDP, communicates only on the last micro-step. Stage 2 keeps at most one
 bucket in flight: launching a bucket first waits for the one before, whose flat copy of the
@@ -228,6 +230,8 @@ class ZeroDataParallel(DataParallel):
         super().__init__(module, group, bucket_mb, reduce_dtype, params, kinds)
         self.shards = [self._shard_bucket(b) for b in self.buckets]
         self.shard_of = dict(zip(map(id, self.buckets), self.shards))
+        self.gathers: dict[int, tuple] = {}  # shard index -> (its gather in flight since the step, its input)
+        self._wait_before_use(module)
         if stage == 2:  # gradients live in the shards only; full ones exist per bucket, in flight
             for bucket in self.buckets:
                 bucket.flat = None
@@ -328,10 +332,38 @@ class ZeroDataParallel(DataParallel):
         self.replicas.finish()
 
     def after_step(self) -> None:
-        """Every rank updated its shard; gather all shards back into the parameters."""
-        works = [comm.all_gather_into(s.full, s.local.clone(), self.group, async_op=True) for s in self.shards]
-        for work in works:
-            comm.wait(work, "all_gather", self.group)
+        """Every rank updated its shard: launch the gathers of all shards back into the parameters,
+        the first the forward needs first (buckets fill from the last parameter). Each is waited for
+        just before the first unit that reads it runs (`_wait_before_use`), so that the gathers
+        overlap the next step's forward, as Megatron's overlapped parameter gather does."""
+        for i in reversed(range(len(self.shards))):
+            shard, mine = self.shards[i], self.shards[i].local.clone()  # [size] kept until the gather is done
+            self.gathers[i] = (comm.all_gather_into(shard.full, mine, self.group, async_op=True), mine)
+
+    def settle(self) -> None:
+        self._gathered(list(self.gathers))
+
+    def _gathered(self, shards: list[int]) -> None:
+        """Wait for the gathers in flight of these shards (indices into `shards`)."""
+        for i in shards:
+            if i in self.gathers:
+                work, _mine = self.gathers.pop(i)
+                comm.wait(work, "all_gather", self.group)
+
+    def _wait_before_use(self, module: nn.Module) -> None:
+        """Before each unit (`stage_units`: embedding, blocks, head) of each stage in `module` runs
+        its forward, wait for the gathers of the shards that hold its parameters (the hooks sit on
+        the unit's own modules, outside what `train.compile` compiles); a parameter outside every
+        unit waits before the module that holds it runs."""
+        shard_of = {id(p): i for i, shard in enumerate(self.shards) for p in shard.params}
+        stages = [m for m in module.modules() if hasattr(m, "layers")]  # the model, or a pipeline's stages
+        units = [modules for stage in stages for _name, modules in stage_units(stage)]
+        covered = {id(p) for modules in units for p in unique_params(modules)}
+        units += [[m] for m in module.modules() if any(id(p) not in covered for p in m.parameters(recurse=False))]
+        for modules in units:
+            shards = sorted({shard_of[id(p)] for p in unique_params(modules) if id(p) in shard_of})
+            for m in modules if shards else []:
+                m.register_forward_pre_hook(lambda m, args, shards=shards: self._gathered(shards))
 
 
 # ---------------------------------------------------------------- ZeRO-3
@@ -465,6 +497,9 @@ class FullyShardedDataParallel:
 
     def after_step(self) -> None:
         """Nothing to do: the next forward gathers the updated shards."""
+
+    def settle(self) -> None:
+        """Nothing to do: a unit's parameters are read only while it is gathered."""
 
     def reduce(self) -> None:
         """Outside a pipeline nothing to do: every backward reduce-scattered as it went and, at the

@@ -18,9 +18,9 @@ Per microbatch, through the blocks of rank 0's stages (F: forward, B: backward):
     pp       each of rank 0's stages receives its input (F) and sends its input's gradient (B)
              unless it is the first, sends its output (F) and receives its gradient (B) unless last;
              once a step, a tied embedding's gradient is summed over the two ends
-    dp       once a step: ZeRO-0 an all-reduce a gradient bucket (`train.bucket_mb`, filled from
-             the last parameter) of each reduce group; ZeRO-1/2 a reduce-scatter of each group's flat buffer and an
-             all-gather after the step; ZeRO-3 per microbatch an all-gather of each unit (every
+    dp       once a step, a gradient bucket (`train.bucket_mb`, filled from the last parameter) of
+             each reduce group: ZeRO-0 an all-reduce, ZeRO-1/2 a reduce-scatter and, after the step,
+             an all-gather of its shard; ZeRO-3 per microbatch an all-gather of each unit (every
              block, and the root) in the forward, again in the backward, and its reduce-scatter
 
 A fully recomputed block issues its forward's tp, cp, ep and etp calls again in its backward.
@@ -162,12 +162,11 @@ def data_calls(args, cfg, placements: dict, microbatches: int) -> Calls:
     sizes = reduce_group_sizes(cfg)
     reduced = {name: numels for name, numels in grouped_numels(placements).items() if sum(numels) and sizes[name] > 1}
     out: Calls = {}
-    if d.zero == 0:  # buckets fill from the last parameter (the backward's order)
+    if d.zero < 3:  # buckets fill from the last parameter (the backward's order)
         for numels in reduced.values():
-            add(out, "dp", "all_reduce", buckets(numels[::-1], t.bucket_mb * 2**20))
-    elif d.zero < 3:
-        add(out, "dp", "reduce_scatter", len(reduced))
-        add(out, "dp", "all_gather", len(reduced))
+            n = buckets(numels[::-1], t.bucket_mb * 2**20)
+            for op in ("all_reduce",) if d.zero == 0 else ("reduce_scatter", "all_gather"):
+                add(out, "dp", op, n)
     elif reduced:
         units = sum(len(layers) for layers, _, _ in rank0_stages(args, cfg)) + 1
         add(out, "dp", "all_gather", 2 * units * microbatches)

@@ -33,6 +33,8 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 each have their own), the bytes go at the link's bandwidth (an op's own, where
                 the link gives one: `wire_seconds`)
     overlap     DP / ZeRO-1/2 gradient reduction hidden behind the backward up to its length;
+                ZeRO-1/2's gathers of the updated shards behind the next step's first forward,
+                but for the first bucket's, which the forward waits for (`data_exposed`);
                 ZeRO-3 gathers prefetched behind the compute up to its length; ring attention's
                 K/V passes behind the attention's compute; TP, Ulysses, EP not overlapped; each
                 at most `Device.overlap` of that compute (NCCL: 1, its own SMs; gloo on ranks
@@ -81,7 +83,8 @@ TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES
 LOSS_BYTES = 16  # a logit's fp32 passes in the cross-entropy: the log-sum-exp's read, the gradient's
 # write, read and scale  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
-    "dp": "behind the backward, up to its length",
+    "dp": "reduction behind the backward; ZeRO-1/2's gathers behind the next forward (not the first "
+    "bucket's); ZeRO-3's prefetched behind the compute",
     "cp": "ring: behind the attention's compute; Ulysses: not hidden",
     "tp": "not hidden",
     "ep": "not hidden",
@@ -402,7 +405,7 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
         latency = sum(n * link.latency(op, call_ranks(cut, op, dims, group.size)) for op, n in ops.items())
         seconds = wire_seconds(wire, ops, link) + latency
         if cut == "dp":
-            exposed = max(0.0, seconds - hides * compute * 2 / 3)  # the backward is 2/3 of F + B
+            exposed = data_exposed(cfg, seconds, wire, ops, link, group.size, hides * compute)
         elif cut == "cp" and dims.cp_mode == "ring":
             exposed = max(0.0, seconds - hides * compute / 3)  # at most behind the forward's share
         elif cut == "pp":
@@ -413,6 +416,22 @@ def collective_times(args, cfg, cluster: Cluster, mesh: Mesh, compute: float, ca
             CutTime(cut, wire, "intra" if link is cluster.intra else "inter", seconds, exposed, HIDDEN.get(cut, ""))
         )
     return out
+
+
+def data_exposed(cfg, seconds: float, wire: float, ops: dict[str, float], link, n: int, hiding: float) -> float:
+    """What the data cut leaves exposed of its `seconds`, `hiding` the compute a collective in flight
+    may hide behind (`Device.overlap` x the step's F + B): the gradient reduction hides behind the
+    backward (2/3 of it); ZeRO-1/2's gathers of the updated shards (`after_step`) behind the next
+    step's first forward (of its first micro-step and microbatch), but for the gather of the bucket
+    that forward needs first, which its first unit waits for whole."""
+    gather = 0.0
+    if cfg.parallel.zero in (1, 2) and ops.get("all_gather"):
+        calls = ops["all_gather"]
+        gather = wire * calls / sum(ops.values()) / link.bandwidth("all_gather") + calls * link.latency("all_gather", n)
+    first = gather / ops["all_gather"] if gather else 0.0  # a bucket's share
+    window = hiding / 3 / (cfg.train.accumulate * (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1))
+    reduction = max(0.0, seconds - gather - hiding * 2 / 3)
+    return reduction + first + max(0.0, gather - first - window)
 
 
 def call_ranks(cut: str, op: str, dims, group_size: int) -> int:

@@ -60,8 +60,9 @@ def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> None:
     with ctx.mesh.ledger.phase("optimizer"):
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
         ctx.optimizer.step()
-        ctx.par.sync.after_step()
+        ctx.par.sync.after_step()  # ZeRO-1/2: the gathers go on into the next forward
         if ctx.par.experts is not None:
+            ctx.par.sync.settle()  # EPLB moves whole experts
             for layer, elements in ctx.par.move_experts(ctx.optimizer).items():
                 moe["local"][layer]["moved_elements"] = elements
 
@@ -94,6 +95,7 @@ def train(
     except BaseException:
         log.abort()
         raise
+    ctx.par.sync.settle()  # the trained parameters whole for whatever reads them next
     result.ledger_rows = ctx.mesh.ledger.rows()  # the training step's, not the sample's
     if cfg.log.sample_prompt:
         log.print(sample_line(ctx, cfg.log.sample_prompt, cfg.log.sample_tokens))
@@ -168,6 +170,7 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
     cfg = ctx.cfg
     if cfg.checkpoint.dir is None:
         return None
+    ctx.par.sync.settle()
     meta = {
         "skipped_total": guard.total if guard is not None else 0,
         "layout": ctx.mesh.dims.describe(),
