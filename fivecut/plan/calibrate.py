@@ -45,7 +45,8 @@ time from another's must see the same machine):
                      latency from the smaller less its bytes (`fit_link`; a send's: half an
                      exchange of a send and a recv with a neighbour)
     overlap          an all-reduce of `OVERLAP_BYTES` in flight while matmuls of about its length
-                     run: the share of the shorter that hides (`overlap_share`)
+                     run: the share of the shorter that hides (`overlap_share`), the median of
+                     per-round shares; 0 where the ranks fill a CPU's cores (`spare_cores`)
 
 The machine is one node: its intra- and inter-node links are the same measured link. On a CPU
 its cores (`cores_per_node`) are shared by the ranks, whose rates were measured all busy at once.
@@ -168,6 +169,16 @@ def overlap_share(a: torch.Tensor, b: torch.Tensor, matmul_s: float, sync, repea
         for compute, alone, together in zip(rounds["compute"], rounds["alone"], rounds["both"])
     ]
     return min(max(statistics.median(shares), 0.0), 1.0)
+
+
+def spare_cores(device) -> bool:
+    """Whether a collective in flight can run beside the compute: on a GPU (its own engines) or on
+    a CPU with cores to spare beyond one a rank. Where the ranks fill the cores, gloo's threads
+    take the cores the compute runs on, and nothing hides: the measured share swings between 0
+    and ~0.8 from one calibration to the next around that (five calibrations with 2 ranks on 2
+    cores: 0.0, 0.01, 0.12, 0.35, 0.78), and planning the step with 0 brought every layout with
+    a data-parallel reduction closer to its measured time."""
+    return device.type == "cuda" or len(os.sched_getaffinity(0)) > dist.get_world_size()
 
 
 def probe_step(shape: ModelArgs, layers: int, rows: int, seq: int, device, dtype):
@@ -409,7 +420,9 @@ def measure_rank(repeats: int) -> dict:
         dist.barrier()
         reduces[size] = timed(lambda x=x: dist.all_reduce(x), repeats, sync)
     calls = op_latencies(device, sync, repeats) if dist.get_world_size() > 1 else {}
-    overlap = overlap_share(a, b, matmul_s, sync, repeats) if dist.get_world_size() > 1 else 1.0
+    overlap = 1.0  # one rank: nothing to hide
+    if dist.get_world_size() > 1:
+        overlap = overlap_share(a, b, matmul_s, sync, repeats) if spare_cores(device) else 0.0
     return {
         **figures,
         "reduces": reduces,
