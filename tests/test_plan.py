@@ -104,3 +104,16 @@ def test_usps_all_to_alls_pay_the_latency_of_its_ulysses_ranks_only():
     assert call_ranks("cp", "all_to_all", cfg.parallel, 8) == 2  # the Ulysses pairs, not the ring of 8
     assert call_ranks("cp", "send", cfg.parallel, 8) == 8  # a send's latency is one hop on any group
     assert call_ranks("tp", "all_to_all", cfg.parallel, 8) == 8
+
+
+def test_zero12s_gathers_hide_behind_the_next_forward_but_for_the_first_buckets():
+    """ZeRO-1/2's gathers of the updated shards run after the step and the next forward waits for
+    the first bucket's: in one bucket all of the gathers are exposed; in many, one bucket's share
+    (the rest hides behind that forward). The reduce-scatters hide behind the backward. On H100
+    every op moves alike, so the gathers are half of the cut's time."""
+    flags = ("--seq", "256", "--global-batch", "8")
+    for buckets_mb in ("25", "0.25"):
+        cost, _, _ = planned("tiny", "dp=8,zero=1", "1x8xH100", *flags, "--set", f"train.bucket_mb={buckets_mb}")
+        dp, calls = next(c for c in cost.cuts if c.cut == "dp"), cost.calls["dp"]["all_gather"]
+        assert calls == cost.calls["dp"]["reduce_scatter"] and (calls == 1) == (buckets_mb == "25")
+        assert dp.exposed == pytest.approx(dp.seconds / 2 / calls, rel=1e-9)
