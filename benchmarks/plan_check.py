@@ -165,6 +165,8 @@ DEVICE_FIGURES = (
     "attention_tflops",
     "activation_gbps",
     "loss_gbps",
+    "recompute_us",
+    "action_us",
 )
 
 

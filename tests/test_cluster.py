@@ -57,6 +57,8 @@ def test_a_cluster_file_reads_back_as_written(tmp_path):
             attention_tflops=0.011,
             activation_gbps=4.8,
             loss_gbps=0.65,
+            recompute_us=68.0,
+            action_us=380.0,
         ),
         intra=Link(
             0.66,
@@ -126,6 +128,7 @@ def test_calibration_writes_a_cluster_file_of_this_machine_and_never_overwrites(
     assert cluster.device.peak_tflops > 0 and cluster.intra.bandwidth_gbps > 0 and cluster.device.achievable == 1
     d = cluster.device
     assert d.attention_tflops > 0 and d.activation_gbps > 0 and d.loss_gbps > 0  # measured, not the defaults
+    assert d.recompute_us > 0 and d.action_us >= 0  # a checkpointed block's kernels, a real pipeline step's
     assert {op for op, _ in cluster.intra.op_latency_us} == {
         "all_reduce",
         "all_gather",

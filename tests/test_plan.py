@@ -8,10 +8,21 @@ import pytest
 
 from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
-from fivecut.plan.cost import call_ranks, cost_layout, shared_cores
+from fivecut.plan.cost import (
+    EMBEDDING_GRAD_BYTES,
+    KERNELS_PER_EXPERT,
+    KERNELS_PER_LAYER,
+    block_forward_kernels,
+    call_ranks,
+    compute_actions,
+    cost_layout,
+    dense_embedding,
+    shared_cores,
+    stage_work,
+)
 from fivecut.plan.report import hiding_bandwidth
 from fivecut.plan.search import time_terms
-from fivecut.plan.volume import local_param_counts, predict
+from fivecut.plan.volume import local_param_counts, pipeline_plan, predict
 
 EXACT = dict(rel=1e-12)  # the same closed form on the same inputs
 
@@ -117,3 +128,62 @@ def test_zero12s_gathers_hide_behind_the_next_forward_but_for_the_first_buckets(
         dp, calls = next(c for c in cost.cuts if c.cut == "dp"), cost.calls["dp"]["all_gather"]
         assert calls == cost.calls["dp"]["reduce_scatter"] and (calls == 1) == (buckets_mb == "25")
         assert dp.exposed == pytest.approx(dp.seconds / 2 / calls, rel=1e-9)
+
+
+def with_device(cluster, **figures):
+    return replace(cluster, device=replace(cluster.device, **figures))
+
+
+def test_every_pipeline_action_pays_its_fixed_cost_on_the_critical_path():
+    """GPipe on p ranks with m microbatches of equal stages is (m + p - 1) F's and B's long: a
+    fixed cost a per action (`Device.action_us`) adds 2a(m + p - 1) to it, and nothing without a
+    pipeline. The split backward's W is an action too."""
+    flags = ("--seq", "256", "--global-batch", "8")
+    h100 = parse_cluster("1x4xH100")
+    _, cfg, args = planned("tiny", "pp=4,microbatches=4,pp_schedule=gpipe,pp_layers=[1,1,1,1]", "1x4xH100", *flags)
+    a = 1e-3
+    without, charged = cost_layout(args, cfg, h100), cost_layout(args, cfg, with_device(h100, action_us=a * 1e6))
+    assert charged.makespan - without.makespan == pytest.approx(2 * a * (4 + 4 - 1), rel=1e-9)
+    schedule = pipeline_plan(args, cfg)[0]
+    assert [compute_actions(schedule, r) for r in range(4)] == [8] * 4
+    _, cfg, _ = planned("tiny", "pp=2,microbatches=4,pp_schedule=zb1p", "1x2xH100", *flags)
+    assert compute_actions(pipeline_plan(args, cfg)[0], 0) == 12  # F, B, W of each microbatch
+    _, cfg, args = planned("tiny", "dp=4", "1x4xH100", *flags)
+    assert cost_layout(args, cfg, with_device(h100, action_us=1e3)).step == cost_layout(args, cfg, h100).step
+
+
+def test_a_recomputed_forwards_kernels_cost_what_calibration_measured_for_them():
+    """Full recomputation runs each block's forward kernels again in backward, under the
+    checkpoint's hooks: each at `Device.recompute_us` (0: `kernel_us`)."""
+    flags = ("--seq", "256", "--global-batch", "8", "--set", 'train.recompute="full"')
+    h100 = parse_cluster("1x1xH100")
+    _, cfg, args = planned("tiny", "dp=1", "1x1xH100", *flags)
+    plain = cost_layout(args, cfg, h100).step
+    assert cost_layout(args, cfg, with_device(h100, recompute_us=h100.device.kernel_us)).step == pytest.approx(plain)
+    dearer = cost_layout(args, cfg, with_device(h100, recompute_us=h100.device.kernel_us + 100)).step
+    assert dearer - plain == pytest.approx(args.n_layers * KERNELS_PER_LAYER * 100e-6, rel=1e-9)
+
+
+def test_the_embeddings_dense_gradient_is_paid_each_microbatch_but_under_a_split_backward():
+    flags = ("--seq", "256", "--global-batch", "8")
+    for layout, dense in (
+        ("dp=2", True),
+        ("pp=2,microbatches=4", True),
+        ("pp=2,microbatches=4,pp_schedule=zb1p", False),
+    ):
+        _, cfg, args = planned("small", layout, "1x2xH100", *flags)
+        assert dense_embedding(args, cfg) == dense
+        first = stage_work(args, cfg, range(1), True, False, 64)[0]["embedding_B"]
+        assert first == (EMBEDDING_GRAD_BYTES * args.vocab_size * args.dim if dense else 0)
+        assert stage_work(args, cfg, range(1, 2), False, False, 64)[0]["embedding_B"] == 0
+
+
+def test_a_moe_blocks_kernels_grow_with_the_experts_a_rank_holds():
+    _, cfg, args = planned("tiny-moe", "dp=2,ep=2", "1x2xH100", "--seq", "256", "--global-batch", "8")
+    dense, moe = block_forward_kernels(args, 0, 4), block_forward_kernels(args, 1, 4)
+    assert dense == KERNELS_PER_LAYER and moe - block_forward_kernels(args, 1, 2) == 2 * KERNELS_PER_EXPERT
+    assert (
+        stage_work(args, cfg, range(2), True, True, 64)[1]["F"]
+        - stage_work(args, replace(cfg, parallel=replace(cfg.parallel, ep=1, dp=2)), range(2), True, True, 64)[1]["F"]
+        == -4 * KERNELS_PER_EXPERT
+    )

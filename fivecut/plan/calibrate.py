@@ -17,7 +17,15 @@ time from another's must see the same machine):
                      `PROBE_LAYERS` blocks and with one: the difference per block, divided by the
                      kernels the planner counts for a block's forward and backward
                      (`fivecut.plan.cost.block_kernels`), is `kernel_us` (dispatch, autograd,
-                     Python and launch, as a real step pays them)
+                     Python and launch, as a real step pays them); the same with every block
+                     fully recomputed (`apply_recompute`): what a block costs beyond the plain
+                     one, over its forward kernels, is `recompute_us`
+    pipeline         one real step of fivecut's pipeline executor (`PipelineStep`, 1F1B, 4
+                     microbatches) of the probe model over pairs of ranks, every pair at once:
+                     what it takes beyond the planner's own costing of that step
+                     (`fivecut.plan.cost.pipeline_time`), over a rank's F and B actions, is
+                     `action_us` (the executor's bookkeeping, an autograd call, posting and
+                     waking for messages)
     attention        the fused causal attention's forward and backward on `ATTENTION`
                      (`ATTENTION_GPU` on a GPU; the other probes are sized for a CPU):
                      `attention_tflops` (a CPU runs it several times slower than its matmuls)
@@ -57,6 +65,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -64,13 +73,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fivecut import comm
+from fivecut.config import Config, ModelConfig, TrainConfig
 from fivecut.launch import local_device, spawn
+from fivecut.layout import ParallelDims
 from fivecut.ledger import Ledger
 from fivecut.model.args import ModelArgs
 from fivecut.model.transformer import Transformer
+from fivecut.parallel.parallelize import token_loss_sum
+from fivecut.parallel.pipeline.executor import PipelineStep
+from fivecut.parallel.pipeline.schedule import build_schedule
+from fivecut.parallel.pipeline.split import cut_stage, stage_layers
+from fivecut.parallel.recompute import apply_recompute
+from fivecut.parallel.saved import SavedActivations
 from fivecut.plan.activations import activation_bytes_per_layer
 from fivecut.plan.cluster import Cluster, Device, Link, hops_of
-from fivecut.plan.cost import LOSS_BYTES, TAIL_BYTES, block_kernels, stage_compute
+from fivecut.plan.cost import (
+    LOSS_BYTES,
+    TAIL_BYTES,
+    block_forward_kernels,
+    block_kernels,
+    compute_actions,
+    pipeline_time,
+    stage_compute,
+)
+from fivecut.plan.volume import virtual_mesh
 
 MATMUL_SIZE = 512  # the square matmuls an all-reduce's overlap is measured against
 LINEAR = (512, 512, 1536)  # tokens, in, out features of the layer whose matmuls give the rate (CPU)
@@ -90,6 +116,7 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce tensor byt
 OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 MESSAGES = (16384, 262144)  # elements a rank in each op's measured calls: 64 KB and 1 MB of fp32
+PIPELINE_MICROBATCHES = 4  # microbatches of the pipeline probe's step (one `PROBE_TOKENS` sequence each)
 OP_ROUNDS = 5  # the ops' rounds, in `REPEATS`: a few ms each, and their means swing by tens of percent over 21
 SLOWEST_FACTOR = 4.0  # an op's bandwidth is at most this times the all-reduce's (a noisy slope is bounded)
 
@@ -181,12 +208,13 @@ def spare_cores(device) -> bool:
     return device.type == "cuda" or len(os.sched_getaffinity(0)) > dist.get_world_size()
 
 
-def probe_step(shape: ModelArgs, layers: int, rows: int, seq: int, device, dtype):
+def probe_step(shape: ModelArgs, layers: int, rows: int, seq: int, device, dtype, recompute: str = "none"):
     """A forward, loss and backward of fivecut's model of `shape` with `layers` blocks on `rows`
-    sequences of `seq` tokens."""
+    sequences of `seq` tokens, every block recomputed in `recompute` mode (`apply_recompute`)."""
     args = replace(shape, n_layers=layers)
     model = Transformer(args).to(device=device, dtype=dtype)
     model.init_weights(0)
+    apply_recompute(model, recompute, 1, SavedActivations())
     tokens = torch.randint(0, args.vocab_size, (rows, seq), device=device)
 
     def step():
@@ -275,7 +303,7 @@ def activation_rate(block_s: float, flops: float, attention: float, kernel_s: fl
     tokens = BLOCK_ROWS * BLOCK.max_seq_len
     work = stage_compute(BLOCK, range(1), False, tokens, BLOCK.max_seq_len, ("none", 1))
     modelled = (work["F"] + work["B"]) / flops + (work["attention_F"] + work["attention_B"]) / attention
-    modelled += block_kernels(BLOCK, 0, "none") * kernel_s
+    modelled += block_kernels(BLOCK, 0) * kernel_s
     moved = 3 * activation_bytes_per_layer(BLOCK, BLOCK_ROWS, BLOCK.max_seq_len, 1, False)
     return moved / max(block_s - modelled, moved / 1e12)
 
@@ -289,6 +317,8 @@ def compute_probes(device, dtype) -> tuple[dict, dict]:
     for name, shape, rows, seq in (("probe", PROBE, 1, PROBE_TOKENS), ("block", BLOCK, BLOCK_ROWS, BLOCK.max_seq_len)):
         probes[f"{name}_1"] = probe_step(shape, 1, rows, seq, device, dtype)
         probes[f"{name}_{PROBE_LAYERS}"] = probe_step(shape, PROBE_LAYERS, rows, seq, device, dtype)
+    for layers in (1, PROBE_LAYERS):
+        probes[f"recompute_{layers}"] = probe_step(PROBE, layers, 1, PROBE_TOKENS, device, dtype, recompute="full")
     probes["tensors"] = step_tail([8] * TENSORS, device)
     probes["big"] = step_tail([BIG], device)
     return probes, {"linear": layer_flops, "loss": head_flops, "attention": core_flops}
@@ -301,14 +331,17 @@ def compute_figures(t: dict[str, float], flops_of: dict[str, float]) -> dict[str
     probe takes beyond what the other figures already count), and the step tail's costs."""
     flops = flops_of["linear"] / t["linear"]
     per_block = {
-        name: max(t[f"{name}_{PROBE_LAYERS}"] - t[f"{name}_1"], 0.0) / (PROBE_LAYERS - 1) for name in ("probe", "block")
+        name: max(t[f"{name}_{PROBE_LAYERS}"] - t[f"{name}_1"], 0.0) / (PROBE_LAYERS - 1)
+        for name in ("probe", "block", "recompute")
     }
-    kernel = per_block["probe"] / block_kernels(PROBE, 0, "none")
+    kernel = per_block["probe"] / block_kernels(PROBE, 0)
+    again = max(per_block["recompute"] - per_block["probe"], 0.0) / block_forward_kernels(PROBE, 0)
     attention = flops_of["attention"] / t["attention"]
     tensor = t["tensors"] / TENSORS
     return {
         "flops": flops,
         "kernel_s": kernel,
+        "recompute_s": again,
         "attention_flops": attention,
         "loss_bps": loss_rate(t["loss"], flops_of["loss"], flops),
         "activation_bps": activation_rate(per_block["block"], flops, attention, kernel),
@@ -375,7 +408,60 @@ def op_groups() -> tuple[comm.Group, comm.Group]:
     return comm.Group("calibrate", (first, first + 1), pairs[me // 2], Ledger()), world
 
 
-def op_latencies(device, sync, repeats: int) -> dict[str, tuple[tuple[float, float], ...]]:
+def pipeline_probe(group: comm.Group, device, dtype):
+    """One real step of fivecut's pipeline executor (`PipelineStep`, 1F1B) over `group` (a stage a
+    rank) on `PIPELINE_PROBE`: `PROBE` with `PROBE_LAYERS` blocks cut as the planner cuts it,
+    `PIPELINE_MICROBATCHES` microbatches of one sequence of `PROBE_TOKENS` tokens."""
+    cfg = pipeline_probe_config(group.size)
+    args = replace(PROBE, n_layers=PROBE_LAYERS)
+    model = Transformer(args).to(device=device, dtype=dtype)
+    model.init_weights(0)
+    me, last = group.rank, group.size - 1
+    layers = stage_layers(args, group.size, PROBE_TOKENS)
+    stage = cut_stage(model, layers[me], me == 0, me == last)
+    step = PipelineStep(
+        build_schedule("1f1b", group.size, PIPELINE_MICROBATCHES),
+        {me: stage},
+        group,
+        token_loss_sum,
+        hidden_shape=(1, PROBE_TOKENS, args.dim),
+        positions=torch.arange(PROBE_TOKENS, device=device),
+        forward_context=lambda microbatch: nullcontext(),
+        dtype=dtype,
+    )
+    tokens = torch.randint(0, args.vocab_size, (1, PROBE_TOKENS), device=device)
+    batches = [(tokens, tokens)] * PIPELINE_MICROBATCHES
+    ledger, tokens_in_batch = Ledger(), cfg.train.global_batch * PROBE_TOKENS
+    return lambda: step.run(batches, tokens_in_batch, ledger)
+
+
+def pipeline_probe_config(stages: int) -> Config:
+    """`pipeline_probe`'s step as a layout the planner costs (`pipeline_time`)."""
+    shape = {k: getattr(PROBE, k) for k in ("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")}
+    return Config(
+        model=ModelConfig(**shape, n_layers=PROBE_LAYERS),
+        train=TrainConfig(global_batch=PIPELINE_MICROBATCHES, seq_len=PROBE_TOKENS),
+        parallel=ParallelDims(pp=stages, pp_schedule="1f1b", microbatches=PIPELINE_MICROBATCHES),
+    )
+
+
+def action_seconds(measured: float, cluster: Cluster, stages: int) -> float:
+    """What a pipeline action (an F or B of a microbatch on a stage) costs beyond the planner's
+    model of its compute and message (`pipeline_time` with no such cost): `pipeline_probe`'s
+    `measured` step less the planner's, over a rank's actions. The executor's bookkeeping, an
+    autograd call a B, posting a message and waking for one: fixed costs a stage's kernels leave out."""
+    if stages < 2:
+        return 0.0
+    cfg = pipeline_probe_config(stages)
+    cluster = replace(cluster, device=replace(cluster.device, action_us=0.0))
+    args = replace(PROBE, n_layers=PROBE_LAYERS)
+    tokens = PROBE_TOKENS  # a microbatch: one sequence
+    planned = pipeline_time(args, cfg, cluster, virtual_mesh(cfg.parallel, False), tokens)[1]
+    schedule = build_schedule("1f1b", stages, PIPELINE_MICROBATCHES)
+    return max(measured - planned, 0.0) / compute_actions(schedule, 0)
+
+
+def op_latencies(device, sync, repeats: int, pair: comm.Group, world: comm.Group) -> dict[str, tuple]:
     """For each op in `OPS`, at `MESSAGES` elements a rank on pairs of ranks (`op_groups`), and for
     a one-element all-reduce over the world ("scalar"): (mean seconds of a call after a probe
     block's forward, less the forward's; the wire bytes `fivecut.ledger` counts for it) a size.
@@ -383,7 +469,6 @@ def op_latencies(device, sync, repeats: int) -> dict[str, tuple[tuple[float, flo
     (their mean is up to twice their median). All in `lockstep_rounds`, so that every size of
     every op sees the machine in one state."""
     block = probe_block(device)
-    pair, world = op_groups()
     probes, wires = {"block": block}, {}
     for op, per_rank in [*((op, size) for op in OPS for size in MESSAGES), ("scalar", 1)]:
         ledger = Ledger()
@@ -419,15 +504,19 @@ def measure_rank(repeats: int) -> dict:
         x = torch.zeros(max(size // 4, 1), device=device)
         dist.barrier()
         reduces[size] = timed(lambda x=x: dist.all_reduce(x), repeats, sync)
-    calls = op_latencies(device, sync, repeats) if dist.get_world_size() > 1 else {}
-    overlap = 1.0  # one rank: nothing to hide
+    calls, overlap, pipeline = {}, 1.0, 0.0  # one rank: no messages, nothing to hide, no pipeline
     if dist.get_world_size() > 1:
+        pair, world = op_groups()
+        calls = op_latencies(device, sync, repeats, pair, world)
         overlap = overlap_share(a, b, matmul_s, sync, repeats) if spare_cores(device) else 0.0
+        pipeline = in_lockstep(pipeline_probe(pair, device, dtype), repeats, sync)
     return {
         **figures,
         "reduces": reduces,
         "calls": calls,
         "overlap": overlap,
+        "pipeline_s": pipeline,
+        "pipeline_stages": op_ranks(dist.get_world_size()),
         "dtype": str(dtype).removeprefix("torch."),
         "device": device.type,
         "linear": "x".join(map(str, linear_shape(device))),
@@ -489,6 +578,7 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         memory_gb=memory_gb,
         achievable=1.0,
         kernel_us=max(r["kernel_s"] for r in results) * 1e6,
+        recompute_us=max(r["recompute_s"] for r in results) * 1e6,
         memory_gbps=min(r["memory_bps"] for r in results) / 1e9,
         tensor_us=max(r["tensor_s"] for r in results) * 1e6,
         overlap=min(r["overlap"] for r in results),
@@ -500,6 +590,9 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
     )
     cores = 0 if results[0]["device"] == "cuda" else len(os.sched_getaffinity(0))  # a CPU's ranks share its cores
     cluster = Cluster(1, ranks, device, link, link, name="this-machine", cores_per_node=cores)
+    pipeline = max(r["pipeline_s"] for r in results)
+    action = action_seconds(pipeline, cluster, results[0]["pipeline_stages"])
+    cluster = replace(cluster, device=replace(device, action_us=action * 1e6))
     return cluster, {
         "flops": [r["flops"] for r in results],
         "kernel_s": [r["kernel_s"] for r in results],

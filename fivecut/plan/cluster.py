@@ -20,6 +20,10 @@ A cluster is written `NODESxGPUSxDEVICE` (`32x8xH100`) or as a TOML file:
     attention_tflops = 0          # the attention kernel's rate (0: peak x achievable, as the matmuls)
     activation_gbps = 0           # GB/s of a block's memory-bound kernels (0: memory_gbps)
     loss_gbps = 0                 # GB/s of the cross-entropy over the logits (0: memory_gbps)
+    recompute_us = 0              # fixed microseconds per kernel of a forward recomputed in backward
+                                  # (the checkpoint's saved-tensor hooks as well; 0: kernel_us)
+    action_us = 0                 # fixed microseconds per pipeline action (an F, B or W of a microbatch
+                                  # on a stage: the executor, an autograd call, its message); 0: none
     [links.intra]                 # inside a node (NVLink / NVSwitch), per GPU, per direction
     bandwidth_gbps = 450          # GB/s
     latency_us = 3
@@ -81,6 +85,8 @@ class Device:
     attention_tflops: float = 0.0  # the attention kernel's rate (0: the matmuls' achievable rate)
     activation_gbps: float = 0.0  # GB/s a block's memory-bound kernels move its activations at (0: memory_gbps)
     loss_gbps: float = 0.0  # GB/s of the cross-entropy over the logits, LOSS_BYTES a logit (0: memory_gbps)
+    recompute_us: float = 0.0  # fixed cost of one kernel of a recomputed forward (0: kernel_us)
+    action_us: float = 0.0  # fixed cost of one pipeline action beyond its kernels and message (calibrated)
 
     @property
     def flops(self) -> float:
@@ -102,6 +108,11 @@ class Device:
     def loss_bps(self) -> float:
         """Bytes/s of the cross-entropy's forward and backward over the logits."""
         return (self.loss_gbps or self.memory_gbps) * GB
+
+    @property
+    def recompute_s(self) -> float:
+        """Seconds of one kernel of a forward that a checkpoint runs again in backward."""
+        return (self.recompute_us or self.kernel_us) * 1e-6
 
 
 OWN_LATENCY = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")  # ops a link may time apart
@@ -281,18 +292,18 @@ def device_from(table: dict, top: dict, where: str) -> Device:
             raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
         base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
     keys = ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us", "memory_gbps", "tensor_us")
-    keys += ("overlap", "attention_tflops", "activation_gbps", "loss_gbps")
+    keys += ("overlap", "attention_tflops", "activation_gbps", "loss_gbps", "recompute_us", "action_us")
     device = replace(base, **{k: given[k] for k in keys if k in given})
     d = device
     if (
         not (d.peak_tflops > 0 and d.memory_gb > 0 and 0 < d.achievable <= 1 and d.kernel_us >= 0)
         or not (d.memory_gbps > 0 and d.tensor_us >= 0 and 0 <= d.overlap <= 1)
-        or min(d.attention_tflops, d.activation_gbps, d.loss_gbps) < 0
+        or min(d.attention_tflops, d.activation_gbps, d.loss_gbps, d.recompute_us, d.action_us) < 0
     ):
         raise ClusterError(
             f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0, "
-            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1, attention_tflops, activation_gbps, loss_gbps >= 0 "
-            "(0: the matmuls' rate, memory_gbps)"
+            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1, attention_tflops, activation_gbps, loss_gbps, "
+            "recompute_us, action_us >= 0 (0: the matmuls' rate, memory_gbps, kernel_us, none)"
         )
     return device
 
@@ -340,6 +351,8 @@ def cluster_toml(cluster: Cluster, note: str = "") -> str:
         f"attention_tflops = {d.attention_tflops:.6g}",
         f"activation_gbps = {d.activation_gbps:.6g}",
         f"loss_gbps = {d.loss_gbps:.6g}",
+        f"recompute_us = {d.recompute_us:.6g}",
+        f"action_us = {d.action_us:.6g}",
         f'source = "{d.source}"',
     ]
     for name, link in (("intra", cluster.intra), ("inter", cluster.inter)):

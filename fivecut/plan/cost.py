@@ -12,16 +12,23 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 repeats, at the device's achievable rate; the attention core's (4 s w a token,
                 causal: half) at the attention kernel's rate (`Device.attention_flops`);
                 plus a fixed `kernel_us` per kernel: `KERNELS_PER_LAYER` forward kernels a block
-                (norms, projections, RoPE, attention, SwiGLU, residuals), `KERNELS_OUTSIDE` for the
-                embedding, final norm, head and loss on the stages holding them, the backward 2x
-                (split: B = W = 1x), a fully recomputed block its forward kernels again; this
-                per-op cost dominates tiny models (and CPUs), and is a few microseconds on GPUs;
+                (norms, projections, RoPE, attention, SwiGLU, residuals; a MoE block adds its
+                router and dispatch, `KERNELS_MOE`, and `KERNELS_PER_EXPERT` for each routed expert
+                the rank holds), `KERNELS_OUTSIDE` for the embedding, final norm, head and loss on
+                the stages holding them, the backward 2x (split: B = W = 1x); a fully recomputed
+                block runs its forward kernels again at `recompute_us` each (under the
+                checkpoint's saved-tensor hooks); this per-op cost dominates tiny models (and
+                CPUs), and is a few microseconds on GPUs;
                 plus the memory-bound kernels' traffic: the bytes each block saves for backward
                 (`fivecut.plan.activations`) written, read back and their gradient written, at
-                `Device.activation_bps`, and on the last stage the cross-entropy's passes over
-                the logits (`LOSS_BYTES` a logit, vocab-parallel under TP) at `Device.loss_bps`
+                `Device.activation_bps`, on the last stage the cross-entropy's passes over
+                the logits (`LOSS_BYTES` a logit, vocab-parallel under TP) at `Device.loss_bps`,
+                and on the first the embedding's dense [V, h] gradient each microbatch
+                (`EMBEDDING_GRAD_BYTES` an element, but under a split backward) at `memory_gbps`
     bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
-                F, B, W costs and each boundary message's alpha-beta time as its latency gives
+                F, B, W costs (each with a fixed `Device.action_us`: what the executor's action
+                costs beyond its kernels, measured on a real `PipelineStep` by calibration) and
+                each boundary message's alpha-beta time as its latency gives
                 a rank's idle time; the pipeline takes the busiest rank's compute + that idle
                 time (stages of unequal cost: the one with the head sets the pace); on a CPU
                 host whose ranks share its cores (`Cluster.cores_per_node`) the ranks waiting in
@@ -75,11 +82,15 @@ from fivecut.plan.volume import (
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "pp": "pp"}  # each cut's mesh group
-KERNELS_PER_LAYER = 30  # forward kernels of one block (MoE blocks: the router and dispatch add as many)
+KERNELS_PER_LAYER = 30  # forward kernels of a block (~42 top-level aten ops: `kernel_us` is measured per 30)
+KERNELS_MOE = 22  # a MoE block's router, top-k, dispatch and combine beyond a dense block's (~31 aten ops)
+KERNELS_PER_EXPERT = 6  # each routed expert a rank holds: its rows' gather, three matmuls, SwiGLU, scatter (~8 ops)
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
 ADAMW_BYTES = 64  # memory traffic of PyTorch's unfused AdamW a parameter: ~8 fp32 passes, read and write
 CLIP_BYTES = 20  # the gradient norm (square: read + write, sum: read) and the scale (read + write), fp32
 TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES
+EMBEDDING_GRAD_BYTES = 16  # an embedding element's fp32 passes a backward: the dense [V, h] gradient zeroed,
+# then added into `.grad` (read both, write); the lookup's scatter of the microbatch's rows is negligible
 LOSS_BYTES = 16  # a logit's fp32 passes in the cross-entropy: the log-sum-exp's read, the gradient's
 # write, read and scale  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
@@ -144,11 +155,16 @@ def layer_forward_flops(args, layer_id: int, seq: int) -> float:
     return layer_matmul_flops(args, layer_id) + attention_flops(args, seq)
 
 
-def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recompute: tuple[str, int]) -> dict:
+def stage_compute(
+    args, layers: range, last: bool, tokens: int, seq: int, recompute: tuple[str, int], embedding: bool = False
+) -> dict:
     """FLOPs of `tokens` tokens through a stage: F and B of the matmuls (backward 2x forward,
     with the forward a recomputation repeats) and of the attention core (`attention_F`,
-    `attention_B`: it runs on its own kernel, at `Device.attention_flops`), and on the last stage
-    the bytes the cross-entropy moves over the logits (`loss_F`, `loss_B`: `LOSS_BYTES` a logit)."""
+    `attention_B`: it runs on its own kernel, at `Device.attention_flops`); on the last stage
+    the bytes the cross-entropy moves over the logits (`loss_F`, `loss_B`: `LOSS_BYTES` a logit);
+    with `embedding` (the first stage, `dense_embedding`), the bytes the embedding's backward
+    moves over its dense [V, h] gradient (`embedding_B`: `EMBEDDING_GRAD_BYTES` an element, each
+    microbatch, at `Device.memory_gbps`)."""
     matmuls = sum(layer_matmul_flops(args, i) for i in layers) * tokens
     core = attention_flops(args, seq) * tokens * len(layers)
     mode, every = recompute
@@ -168,28 +184,33 @@ def stage_compute(args, layers: range, last: bool, tokens: int, seq: int, recomp
         "attention_B": 2 * core + repeated_core,
         "loss_F": LOSS_BYTES * logits / 3,  # the loss's passes over the logits: a third forward
         "loss_B": LOSS_BYTES * logits * 2 / 3,
+        "embedding_F": 0.0,
+        "embedding_B": EMBEDDING_GRAD_BYTES * args.vocab_size * args.dim if embedding else 0.0,
         "recomputed": repeated + repeated_core,
     }
 
 
-def block_forward_kernels(args, layer_id: int) -> int:
-    """Kernels of block `layer_id`'s forward (a MoE block's router and dispatch add as many)."""
-    return KERNELS_PER_LAYER * (2 if args.moe_layer(layer_id) else 1)
+def block_forward_kernels(args, layer_id: int, experts: int = 0) -> int:
+    """Kernels of block `layer_id`'s forward; a MoE block's router and dispatch add theirs, and
+    each of the `experts` routed experts the rank holds its own (fivecut's experts run one by one)."""
+    if not args.moe_layer(layer_id):
+        return KERNELS_PER_LAYER
+    return KERNELS_PER_LAYER + KERNELS_MOE + KERNELS_PER_EXPERT * experts
 
 
-def block_kernels(args, layer_id: int, mode: str) -> int:
-    """Kernels of block `layer_id`'s forward and backward (2x), a full recomputation's forward again."""
-    forward = block_forward_kernels(args, layer_id)
-    return 3 * forward + (forward if mode == "full" else 0)
+def block_kernels(args, layer_id: int, experts: int = 0) -> int:
+    """Kernels of block `layer_id`'s forward and backward (2x)."""
+    return 3 * block_forward_kernels(args, layer_id, experts)
 
 
-def stage_kernels(args, layers: range, first: bool, last: bool, recompute: tuple[str, int]) -> dict:
-    """Kernels of one microbatch through a stage: {"F": forward, "B": backward + recomputed}."""
+def stage_kernels(args, layers: range, first: bool, last: bool, recompute: tuple[str, int], experts: int = 0) -> dict:
+    """Kernels of one microbatch through a stage whose MoE blocks hold `experts` routed experts each:
+    {"F": forward, "B": backward, "R": the forward kernels a full recomputation runs again in backward}."""
     mode, every = recompute
-    blocks = sum(block_forward_kernels(args, i) for i in layers)
+    forward = {i: block_forward_kernels(args, i, experts) for i in layers}
     outside = KERNELS_OUTSIDE * (first + last) / 2
-    total = sum(block_kernels(args, i, layer_mode(i, mode, every)) for i in layers)
-    return {"F": blocks + outside, "B": total - blocks + 2 * outside}
+    again = sum(k for i, k in forward.items() if layer_mode(i, mode, every) == "full")
+    return {"F": sum(forward.values()) + outside, "B": 2 * (sum(forward.values()) + outside), "R": again}
 
 
 def stage_traffic(args, cfg, layers: range, rows: int) -> dict:
@@ -214,14 +235,17 @@ def stage_seconds(works: dict, kernels: dict, traffic: dict, cut: int, cluster: 
     activations' traffic at the rate a block's memory-bound kernels move it, the loss's over
     the logits (vocab-parallel under TP) at the cross-entropy's rate."""
     d = cluster.device
-    return {
+    seconds = {
         k: works[k] / cut / d.flops
         + works[f"attention_{k}"] / cut / d.attention_flops
         + works[f"loss_{k}"] / cut / d.loss_bps
         + kernels[k] * d.kernel_us * 1e-6
         + traffic[k] / d.activation_bps
+        + works[f"embedding_{k}"] / cut / (d.memory_gbps * 1e9)
         for k in ("F", "B")
     }
+    seconds["B"] += kernels["R"] * d.recompute_s
+    return seconds
 
 
 def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
@@ -288,7 +312,12 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
     works = [stage_work(args, cfg, layers[s], s == 0, s == last, tokens_mb) for s in range(last + 1)]
-    times = [stage_seconds(*work, cut, cluster) for work in works]
+    action = cluster.device.action_us * 1e-6  # an F, B, W of a microbatch on a stage: each one action
+    backwards = 2 if schedule.split_backward else 1
+    times = [
+        {"F": x["F"] + action, "B": x["B"] + backwards * action}
+        for x in (stage_seconds(*work, cut, cluster) for work in works)
+    ]
     f = sum(x["F"] for x in times) / len(times)  # the stages' mean: the schedule's idle time
     b = sum(x["B"] for x in times) / len(times)
     message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
@@ -306,6 +335,11 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     makespan = max(busy) * dims.microbatches + idle  # the busiest rank's compute sets the pace
     faster = shared_cores(cluster, sum(busy) / len(busy) * dims.microbatches / makespan)
     return busy[0] * dims.microbatches * faster, makespan * faster, idle / makespan, layers_by_rank(args, cfg)
+
+
+def compute_actions(schedule, rank: int) -> int:
+    """The F, B and W actions of `rank` in a step of `schedule` (`Device.action_us` each)."""
+    return sum(a.kind in ("F", "B", "W") for a in schedule.actions[rank])
 
 
 def shared_cores(cluster: Cluster, busy_share: float) -> float:
@@ -330,12 +364,18 @@ def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int
         recompute = (t.recompute, t.recompute_every)
         rows = tokens_mb // (t.seq_len // d.cp)  # sequences per microbatch
         work = (
-            stage_compute(args, layers, last, tokens_mb, t.seq_len, recompute),
-            stage_kernels(args, layers, first, last, recompute),
+            stage_compute(args, layers, last, tokens_mb, t.seq_len, recompute, first and dense_embedding(args, cfg)),
+            stage_kernels(args, layers, first, last, recompute, args.n_experts // d.ep),
             stage_traffic(args, cfg, layers, rows),
         )
         remembered(STAGE_WORK, key, work, STAGES_KEPT)
     return STAGE_WORK[key]
+
+
+def dense_embedding(args, cfg) -> bool:
+    """Whether the embedding's backward writes a dense [V, h] gradient each microbatch: not under a
+    split backward (zero-bubble schedules: W adds the rows a microbatch looked up, `wgrad`)."""
+    return cfg.parallel.pp == 1 or not pipeline_plan(args, cfg)[0].split_backward
 
 
 STAGE_WORK: dict[tuple, tuple] = {}
