@@ -2,7 +2,7 @@
 measurement of a real step and a timed run, next to `cost_layout` with this machine's
 calibrated cluster (`fivecut plan calibrate` with the layout's number of ranks).
 
-    PYTHONPATH=. python benchmarks/plan_check.py [--steps 12] [--only SUBSTRING] [--out plan_check.md]
+    PYTHONPATH=. python benchmarks/plan_check.py [--steps 12] [--runs 5] [--only SUBSTRING] [--out plan_check.md]
         [--cluster cluster-2.toml --cluster cluster-4.toml]   # else calibrated first, per world size
 
 Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         type=int,
-        default=3,
+        default=5,
         help="timed runs of each layout and calibrations of each world, in passes; each figure's median counts",
     )
     parser.add_argument(
