@@ -22,7 +22,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fivecut.config import SHAKESPEARE, Config, ConfigError, ModelConfig, model_label, nest, parse_override, preset_args
+from fivecut.config import (
+    ADAMW_KERNELS,
+    SHAKESPEARE,
+    Config,
+    ConfigError,
+    ModelConfig,
+    model_label,
+    nest,
+    parse_override,
+    preset_args,
+)
 from fivecut.layout import COUNTS, MESH_DIMS, MoEOptions, ParallelDims
 from fivecut.model.args import MLA_ONLY, MOE_ONLY, ModelArgs, divisors
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
@@ -201,6 +211,8 @@ def train_problems(t) -> list[str]:
             out.append(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
     if t.recompute not in RECOMPUTE_MODES:
         out.append(f"train.recompute={t.recompute!r}; choose {', '.join(RECOMPUTE_MODES)}")
+    if t.adamw not in ADAMW_KERNELS:
+        out.append(f"train.adamw={t.adamw!r}; choose {', '.join(ADAMW_KERNELS)}")
     return out + fault_problems(t)
 
 

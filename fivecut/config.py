@@ -62,6 +62,7 @@ class ModelConfig:
     v_head_dim: int | None = None
 
 
+ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)
 SHAKESPEARE = "shakespeare"  # the built-in corpus data.source can name (`fivecut.train.data` reads it)
 
 
@@ -88,6 +89,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    adamw: str = "auto"  # AdamW's kernel: "auto" (fused wherever torch has one), "fused" or "foreach"
     dtype: str = "fp32"  # "fp32" | "bf16" (autocast compute, fp32 master weights and optimizer state)
     reduce_dtype: str = "fp32"  # dtype of gradient reductions: "fp32" | "bf16"
     recompute: str = "none"  # activation recomputation: "none" | "full" (a block keeps its input) | "selective"

@@ -79,6 +79,7 @@ from fivecut.layout import ParallelDims
 from fivecut.ledger import Ledger
 from fivecut.model.args import ModelArgs
 from fivecut.model.transformer import Transformer
+from fivecut.parallel.data import Piece
 from fivecut.parallel.parallelize import token_loss_sum
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.parallel.pipeline.schedule import build_schedule
@@ -97,6 +98,7 @@ from fivecut.plan.cost import (
     stage_compute,
 )
 from fivecut.plan.volume import virtual_mesh
+from fivecut.train.optim import build_optimizer, clip_gradients
 
 MATMUL_SIZE = 512  # the square matmuls an all-reduce's overlap is measured against
 LINEAR = (512, 512, 1536)  # tokens, in, out features of the layer whose matmuls give the rate (CPU)
@@ -351,20 +353,16 @@ def compute_figures(t: dict[str, float], flops_of: dict[str, float]) -> dict[str
 
 
 def step_tail(shapes: list[int], device):
-    """A step's tail over tensors of `shapes`: the gradient norm and clipping as
-    `fivecut.train.optim.clip_gradients` does them (without the norm's all-reduce), then AdamW."""
-    params = [torch.zeros(n, device=device, requires_grad=True) for n in shapes]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    """A step's tail over tensors of `shapes`: the gradient norm and clipping
+    (`fivecut.train.optim.clip_gradients`, without the norm's all-reduce), then AdamW with the
+    kernel a run takes by default on `device` (`build_optimizer`)."""
+    pieces = [Piece(torch.zeros(n, device=device, requires_grad=True), decays=True) for n in shapes]
+    for piece in pieces:
+        piece.tensor.grad = torch.ones_like(piece.tensor)
+    optimizer = build_optimizer(pieces, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
     def tail():
-        squares = torch.zeros((), device=device)
-        for p in params:
-            squares += p.grad.detach().float().pow(2).sum()
-        scale = torch.clamp(1.0 / (squares.sqrt() + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(scale)
+        clip_gradients(pieces, 1.0, groups=[])
         optimizer.step()
 
     return tail

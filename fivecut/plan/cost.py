@@ -86,9 +86,11 @@ KERNELS_PER_LAYER = 30  # forward kernels of a block (~42 top-level aten ops: `k
 KERNELS_MOE = 22  # a MoE block's router, top-k, dispatch and combine beyond a dense block's (~31 aten ops)
 KERNELS_PER_EXPERT = 6  # each routed expert a rank holds: its rows' gather, three matmuls, SwiGLU, scatter (~8 ops)
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
-ADAMW_BYTES = 64  # memory traffic of PyTorch's unfused AdamW a parameter: ~8 fp32 passes, read and write
-CLIP_BYTES = 20  # the gradient norm (square: read + write, sum: read) and the scale (read + write), fp32
-TAIL_BYTES = ADAMW_BYTES + CLIP_BYTES
+# memory traffic of AdamW a parameter (`train.adamw`): fused reads the parameter, its gradient and
+# both moments and writes all but the gradient once (7 fp32 passes); foreach makes ~16 passes
+ADAMW_BYTES = {"fused": 28, "foreach": 64}
+CLIP_BYTES = 12  # the gradient norm (one read, multi-tensor) and the scale (read + write), fp32
+TAIL_BYTES = ADAMW_BYTES["fused"] + CLIP_BYTES  # what calibration's tail (the default kernel) moves a parameter
 EMBEDDING_GRAD_BYTES = 16  # an embedding element's fp32 passes a backward: the dense [V, h] gradient zeroed,
 # then added into `.grad` (read both, write); the lookup's scatter of the microbatch's rows is negligible
 LOSS_BYTES = 16  # a logit's fp32 passes in the cross-entropy: the log-sum-exp's read, the gradient's
@@ -507,7 +509,8 @@ def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], recor
         held = sum(counts.values())
         tensors = len((records or local_placements)(args, cfg, 0))
     clip_held = held if cfg.parallel.zero >= 2 else sum(counts.values())
-    memory = (ADAMW_BYTES * held + CLIP_BYTES * clip_held) / (d.memory_gbps * 1e9)
+    adamw = ADAMW_BYTES["foreach" if cfg.train.adamw == "foreach" else "fused"]
+    memory = (adamw * held + CLIP_BYTES * clip_held) / (d.memory_gbps * 1e9)
     return memory + tensors * d.tensor_us * 1e-6
 
 

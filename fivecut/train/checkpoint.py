@@ -178,10 +178,12 @@ def state_table(par, optimizer: torch.optim.Optimizer) -> Table:
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """AdamW's state before its first step (what it would create lazily), so that a load can fill it."""
     for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # their step counts live beside the parameters
         for t in group["params"]:
             if not optimizer.state.get(t):
                 zeros = {key: torch.zeros_like(t, memory_format=torch.preserve_format) for key in MOMENTS}
-                optimizer.state[t] = {"step": torch.zeros((), dtype=torch.float32), **zeros}
+                step = torch.zeros((), dtype=torch.float32, device=t.device if on_device else "cpu")
+                optimizer.state[t] = {"step": step, **zeros}
 
 
 def moe_state(par) -> dict:

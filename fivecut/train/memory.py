@@ -47,3 +47,13 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def step_peak_bytes(device: torch.device) -> int | None:
+    """The most bytes the allocator held on `device` since the last call (a step's real peak),
+    and a new count from here; None where torch keeps no such count (the CPU)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak

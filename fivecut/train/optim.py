@@ -3,19 +3,36 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from fivecut import comm
 from fivecut.comm import Group
 
 
-def build_optimizer(pieces, lr: float, weight_decay: float, betas, eps: float) -> torch.optim.AdamW:
-    """AdamW over `Piece`s: whole parameters, or ZeRO shards cut where the kind of parameter changes."""
+def adamw_kernel(requested: str, device: torch.device) -> tuple[str, str | None]:
+    """The AdamW kernel that runs on `device` for `train.adamw`, and a note when "fused" was asked
+    for where torch has no fused kernel (then foreach runs). "auto" is fused wherever torch has it
+    (CUDA and the CPU in torch >= 2.4): one kernel reads and writes each tensor once."""
+    if requested == "foreach":
+        return "foreach", None
+    if device.type in _get_fused_kernels_supported_devices():
+        return "fused", None
+    note = f'train.adamw = "fused": torch has no fused AdamW on {device.type}; running foreach instead'
+    return "foreach", note if requested == "fused" else None
+
+
+def build_optimizer(pieces, lr: float, weight_decay: float, betas, eps: float, kernel: str = "auto"):
+    """AdamW over `Piece`s: whole parameters, or ZeRO shards cut where the kind of parameter changes.
+    `kernel` is `adamw_kernel`'s answer ("auto" resolves it on the pieces' device)."""
     decay = [piece.tensor for piece in pieces if piece.decays]
     no_decay = [piece.tensor for piece in pieces if not piece.decays]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    if kernel == "auto":
+        kernel, _ = adamw_kernel("auto", pieces[0].tensor.device if pieces else torch.device("cpu"))
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, **{kernel: True})
 
 
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
@@ -36,13 +53,26 @@ def grad_norm(pieces, groups: list[Group]) -> torch.Tensor:
     `groups` (ZeRO's dp group when gradients are sharded, the tp group under tensor
     parallelism, the pp group under pipeline parallelism); a piece with k copies on those
     ranks (replicated over tp, tied on two pipeline stages) has `norm_weight` 1/k: it counts once."""
-    grads = [(p.tensor.grad, p.norm_weight) for p in pieces if p.tensor.grad is not None]
-    squares = torch.zeros((), device=grads[0][0].device if grads else "cpu")
-    for g, weight in grads:
-        squares += g.detach().float().pow(2).sum() * weight
+    by_weight = defaultdict(list)  # norm_weight -> the gradients that count with it
+    for p in pieces:
+        if p.tensor.grad is not None:
+            by_weight[p.norm_weight].append(p.tensor.grad.detach())
+    squares = torch.zeros((), device=pieces[0].tensor.device if pieces else "cpu")
+    for weight, grads in by_weight.items():
+        squares += sum_of_squares(grads) * weight
     for group in groups:
         comm.all_reduce(squares, group)
     return squares.sqrt()
+
+
+def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of every element's square over `grads`, in fp32. On a GPU one multi-tensor kernel
+    (`_foreach_norm`, whose block-wise reductions keep fp32 accurate). On the CPU torch's norm
+    kernel accumulates sequentially (6e-5 relative error at 3M elements, measured against fp64),
+    so there each tensor's squares are summed by `sum`, which adds in a cascade (5e-8)."""
+    if grads[0].device.type == "cpu":
+        return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def clip_gradients(pieces, max_norm: float, groups: list[Group]) -> float:
@@ -50,7 +80,7 @@ def clip_gradients(pieces, max_norm: float, groups: list[Group]) -> float:
     norm = grad_norm(pieces, groups)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for piece in pieces:
-            if piece.tensor.grad is not None:
-                piece.tensor.grad.mul_(scale.to(piece.tensor.grad.dtype))
+        grads = [piece.tensor.grad for piece in pieces if piece.tensor.grad is not None]
+        for dtype in {g.dtype for g in grads}:  # one multi-tensor scale a dtype
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
     return float(norm)

@@ -26,7 +26,7 @@ from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
-from fivecut.train.optim import build_optimizer
+from fivecut.train.optim import adamw_kernel, build_optimizer
 from fivecut.train.resume import Resume
 from fivecut.weights.load import load_into, model_args, run_tokenizer, source_of
 
@@ -77,7 +77,10 @@ def setup(cfg: Config) -> Context:
     par = build_parallel(args, mesh, device, t.seed, t, cfg.moe)
     if cfg.model.init_from is not None:  # the published weights replace the seed's
         load_into(par, source_of(cfg.model.init_from))
-    optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    kernel, note = adamw_kernel(t.adamw, device)
+    if note and dist.get_rank() == 0:
+        print(f"fivecut: {note}", flush=True)
+    optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, kernel)
     sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
     val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")

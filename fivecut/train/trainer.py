@@ -16,7 +16,7 @@ from fivecut.ledger import Row
 from fivecut.train import checkpoint
 from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, signal_stop
 from fivecut.train.infer import greedy_sample
-from fivecut.train.memory import format_bytes, model_state_bytes
+from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
 from fivecut.train.resume import resume_changes
@@ -206,6 +206,9 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
     result.grad_norms.append(norm)
     record = {"step": step, "loss": loss, "lr": ctx.optimizer.param_groups[0]["lr"], "grad_norm": norm}
     record.update(skipped=skipped, skipped_total=guard.total)
+    peak = step_peak_bytes(ctx.device)  # a GPU's allocator: the step's peak, every byte it held
+    if peak is not None:
+        record["peak_allocated_gib"] = peak / 2**30
     if moe is not None:
         result.moe.append(moe)
         record["moe"] = moe

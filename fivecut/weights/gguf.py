@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFValueType
 
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import FileTokenizer
@@ -88,6 +87,8 @@ class GGUFSource:
         field = self._fields.get(key)
         if field is None:
             return default
+        from gguf import GGUFValueType  # the gguf package only where a GGUF file is read
+
         value = field.contents()
         return float(str(np.float32(value))) if field.types[0] == GGUFValueType.FLOAT32 else float(value)
 
