@@ -40,7 +40,7 @@ from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
-from fivecut.plan.cluster import cluster_toml, parse_cluster
+from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
@@ -56,6 +56,7 @@ VAL_LOSS_RTOL = 1e-5  # the validation loss: a forward with the trained weights,
 
 INPUT_REFUSED = 2  # exit status of an input refused before anything runs
 FAILED = 1  # exit status of a FAIL, and of a run that did not complete (a rank raised, died or ran out of time)
+NOTHING_FITS = 1  # exit status of a plan search in which no layout fits the devices (an answer, not a bad input)
 
 
 class RunFailed(RuntimeError):
@@ -120,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fivecut",
         description="Train transformer LMs cut five ways.",
         epilog=f"exit status: 0 done (verify: PASS); {FAILED} verify's FAIL, or a run that did not complete (a rank "
-        f"raised, died or passed --timeout); {INPUT_REFUSED} an input refused before anything ran",
+        f"raised, died or passed --timeout), or a plan search in which no layout fits; {INPUT_REFUSED} an input "
+        "refused before anything ran",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -838,8 +840,9 @@ def plan_search(ns, cluster) -> int:
           f"{cfg.train.dtype}; {cluster.describe()}")  # fmt: skip
     print(f"{result.tried} layouts costed, {result.too_big} too big, {result.invalid} refused by the layout checks")
     if not result.ranked:
-        print(f"no layout fits in {cluster.device.memory_gb:g} GB{least_memory(result.smallest)}")
-        return 0
+        print(f"no layout fits in {cluster.device.memory_gb:g} GB{least_memory(result)}")
+        print(grown_line(ns, args, cluster))
+        return NOTHING_FITS
     top = result.ranked[: ns.top]
     print_ranking(top, cluster)
     print("\n" + why(result.ranked[0], result.ranked[1:]))
@@ -850,15 +853,43 @@ def plan_search(ns, cluster) -> int:
     return 0
 
 
-def least_memory(smallest) -> str:
-    """What the layout needing least memory would need, and its largest term."""
+def least_memory(result) -> str:
+    """What the layout needing least memory would need a device, and its largest term (or, where
+    every layout's model states alone were too big, the least of those)."""
+    smallest, states = result.smallest, result.least_states
+    if smallest is None and states is None:
+        return " (the layout checks refused every layout of this world)"
     if smallest is None:
-        return " (every layout's model states alone exceed it)"
+        return (
+            f"; the one needing least, {states.cfg.parallel.settings()}, needs more than {states.states / 1e9:.1f} GB "
+            "a device for its model states alone (parameters, gradients, optimizer state)"
+        )
     m = smallest.cost.memory
     largest = max((k for k in m if k != "total"), key=m.get)
     return (
         f"; the one needing least, {smallest.layout} with recompute {smallest.recompute}, needs "
         f"{m['total'] / 1e9:.1f} GB, most of it {largest} ({m[largest] / 1e9:.1f} GB)"
+    )
+
+
+def grown_line(ns, args, cluster) -> str:
+    """On how many devices of this kind the model would fit: the planner's search of larger clusters
+    of the same nodes (`grown_cluster`), and how to plan there."""
+    from fivecut.plan.search import MOST_DEVICES, STATE_BYTES, grown_cluster
+
+    grown = grown_cluster(args, cluster, lambda world: plan_config(ns, world)[0])
+    nodes = f"nodes of {cluster.gpus_per_node} {cluster.device.name}"
+    if grown is None:
+        return f"nor on any cluster of twice, 4 times, ... its {nodes} up to {MOST_DEVICES:,} devices"
+    c, fit = grown.cluster, grown.fitting
+    preset = SPELLING.match(ns.cluster.strip()) is not None
+    where = f"--cluster {c.nodes}x{c.gpus_per_node}x{c.device.name}" if preset else f"nodes = {c.nodes} in {ns.cluster}"
+    fewer = f"; on {', '.join(map(str, grown.searched[:-1]))} nodes none fits" if len(grown.searched) > 1 else ""
+    return (
+        f"it fits on {c.world_size:,} devices ({c.nodes:,} {nodes}; the first of 2, 4, 8, ... times the cluster's "
+        f"nodes on which a layout fits: fewer than {grown.least_devices:,} devices cannot hold the model states, "
+        f"{STATE_BYTES} bytes a parameter{fewer}): {fit.layout} with recompute {fit.recompute} needs "
+        f"{fit.cost.memory['total'] / 1e9:.1f} GB a device; plan it with {where}"
     )
 
 
