@@ -880,7 +880,10 @@ def grown_line(ns, args, cluster) -> str:
     grown = grown_cluster(args, cluster, lambda world: plan_config(ns, world)[0])
     nodes = f"nodes of {cluster.gpus_per_node} {cluster.device.name}"
     if grown is None:
-        return f"nor on any cluster of twice, 4 times, ... its {nodes} up to {MOST_DEVICES:,} devices"
+        return (
+            f"nor on any cluster of 2, 4, 8, ... times its {nodes} up to {MOST_DEVICES:,} devices with this global "
+            f"batch; give a larger --global-batch (the data and pipeline cuts of more devices need more sequences)"
+        )
     c, fit = grown.cluster, grown.fitting
     preset = SPELLING.match(ns.cluster.strip()) is not None
     where = f"--cluster {c.nodes}x{c.gpus_per_node}x{c.device.name}" if preset else f"nodes = {c.nodes} in {ns.cluster}"
