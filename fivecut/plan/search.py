@@ -28,7 +28,9 @@ ranking, counts and smallest layout are those one process finds. `benchmarks/pla
 times it and compares the ranking to the float.
 
 The first layout of the ranking is the fastest predicted step among those that fit; `why`
-says in one sentence what it gains over the second.
+says in one sentence what it gains over the second. When nothing fits, `grown_cluster` finds the
+first cluster of 2, 4, 8, ... times the nodes on which a layout fits (`first_fitting`: the same
+pairs, memory model and checks, stopping at the first fit).
 """
 
 from __future__ import annotations
