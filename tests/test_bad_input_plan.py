@@ -79,6 +79,7 @@ BAD_CLUSTERS = [
     (H100 + '[device]\npeak_tflops = "fast"\n', "device.peak_tflops must be a finite number > 0, not 'fast'"),
     (H100 + '[links.intra]\nbandwidth_gbps = "fast"\nlatency_us = 3\n', "links.intra.bandwidth_gbps must be a finite"),
     (H100 + "[device]\nmemory_gb = nan\n", "device.memory_gb must be a finite number > 0, not nan"),
+    (H100 + "[links.intra]\nbandwidth_gbps = inf\nlatency_us = 3\n", "links.intra.bandwidth_gbps must be a finite"),
     (H100 + "[device]\nachievable = 1.5\n", "device.achievable must be a finite number in (0, 1]"),
     (H100 + "[links.inter]\nbandwidth_gbps = 50\nlatency_us = -1\n", "links.inter.latency_us must be"),
     (H100.replace("nodes = 1", "nodes = true"), "cluster.nodes must be an integer >= 1, not True"),
