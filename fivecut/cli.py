@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
-from fivecut.plan.cluster import cluster_toml, parse_cluster
+from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
@@ -55,6 +56,7 @@ VAL_LOSS_RTOL = 1e-5  # the validation loss: a forward with the trained weights,
 
 INPUT_REFUSED = 2  # exit status of an input refused before anything runs
 FAILED = 1  # exit status of a FAIL, and of a run that did not complete (a rank raised, died or ran out of time)
+NOTHING_FITS = 1  # exit status of a plan search in which no layout fits the devices (an answer, not a bad input)
 
 
 class RunFailed(RuntimeError):
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fivecut",
         description="Train transformer LMs cut five ways.",
         epilog=f"exit status: 0 done (verify: PASS); {FAILED} verify's FAIL, or a run that did not complete (a rank "
-        f"raised, died or passed --timeout); {INPUT_REFUSED} an input refused before anything ran",
+        f"raised, died or passed --timeout), or a plan search in which no layout fits; {INPUT_REFUSED} an input "
+        "refused before anything ran",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -201,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = plan_sub.add_parser(
         "calibrate", help="measure this machine's matmul rate and gloo/NCCL link; write it as a cluster TOML"
     )
-    calibrate.add_argument("--ranks", type=int, default=2, help="ranks to measure at once (default 2)")
+    calibrate.add_argument(
+        "--ranks", type=int, default=2, help="ranks to measure at once (default 2; at most the GPUs, or 2 a CPU core)"
+    )
     calibrate.add_argument("--out", default="cluster-local.toml", help="the cluster file to write (a new file)")
     calibrate.add_argument("--force", action="store_true", help="replace --out if it exists")
     calibrate.set_defaults(func=cmd_plan_calibrate)
@@ -806,6 +811,7 @@ def cmd_ledger(ns) -> int:
 def cmd_plan(ns) -> int:
     if ns.cluster is None:
         raise ConfigError("fivecut plan needs --cluster (e.g. --cluster 32x8xH100, or a cluster TOML file)")
+    check_plan_flags(ns)
     cluster = parse_cluster(ns.cluster)
     if ns.layout is None:
         return plan_search(ns, cluster)
@@ -828,15 +834,16 @@ def plan_search(ns, cluster) -> int:
     from fivecut.plan.search import search, why
 
     cfg, args = plan_config(ns, cluster.world_size)
-    result = search(args, cfg, cluster, max(ns.top, 1))
+    result = search(args, cfg, cluster, ns.top)
     head = plan_header(ns, cfg, cluster)
     print(f"search: {ns.model}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch} sequences, "
           f"{cfg.train.dtype}; {cluster.describe()}")  # fmt: skip
     print(f"{result.tried} layouts costed, {result.too_big} too big, {result.invalid} refused by the layout checks")
     if not result.ranked:
-        print(f"no layout fits in {cluster.device.memory_gb:g} GB{least_memory(result.smallest)}")
-        return 0
-    top = result.ranked[: max(ns.top, 1)]
+        print(f"no layout fits in {cluster.device.memory_gb:g} GB{least_memory(result)}")
+        print(grown_line(ns, args, cluster))
+        return NOTHING_FITS
+    top = result.ranked[: ns.top]
     print_ranking(top, cluster)
     print("\n" + why(result.ranked[0], result.ranked[1:]))
     print("\nthe best layout in full:")
@@ -846,15 +853,46 @@ def plan_search(ns, cluster) -> int:
     return 0
 
 
-def least_memory(smallest) -> str:
-    """What the layout needing least memory would need, and its largest term."""
+def least_memory(result) -> str:
+    """What the layout needing least memory would need a device, and its largest term (or, where
+    every layout's model states alone were too big, the least of those)."""
+    smallest, states = result.smallest, result.least_states
+    if smallest is None and states is None:
+        return " (the layout checks refused every layout of this world)"
     if smallest is None:
-        return " (every layout's model states alone exceed it)"
+        return (
+            f"; the one needing least, {states.cfg.parallel.settings()}, needs more than {states.states / 1e9:.1f} GB "
+            "a device for its model states alone (parameters, gradients, optimizer state)"
+        )
     m = smallest.cost.memory
     largest = max((k for k in m if k != "total"), key=m.get)
     return (
         f"; the one needing least, {smallest.layout} with recompute {smallest.recompute}, needs "
         f"{m['total'] / 1e9:.1f} GB, most of it {largest} ({m[largest] / 1e9:.1f} GB)"
+    )
+
+
+def grown_line(ns, args, cluster) -> str:
+    """On how many devices of this kind the model would fit: the planner's search of larger clusters
+    of the same nodes (`grown_cluster`), and how to plan there."""
+    from fivecut.plan.search import MOST_DEVICES, STATE_BYTES, grown_cluster
+
+    grown = grown_cluster(args, cluster, lambda world: plan_config(ns, world)[0])
+    nodes = f"nodes of {cluster.gpus_per_node} {cluster.device.name}"
+    if grown is None:
+        return (
+            f"nor on any cluster of 2, 4, 8, ... times its {nodes} up to {MOST_DEVICES:,} devices with this global "
+            f"batch; give a larger --global-batch (the data and pipeline cuts of more devices need more sequences)"
+        )
+    c, fit = grown.cluster, grown.fitting
+    preset = SPELLING.match(ns.cluster.strip()) is not None
+    where = f"--cluster {c.nodes}x{c.gpus_per_node}x{c.device.name}" if preset else f"nodes = {c.nodes} in {ns.cluster}"
+    fewer = f"; on {', '.join(map(str, grown.searched[:-1]))} nodes none fits" if len(grown.searched) > 1 else ""
+    return (
+        f"it fits on {c.world_size:,} devices ({c.nodes:,} {nodes}; the first of 2, 4, 8, ... times the cluster's "
+        f"nodes on which a layout fits: fewer than {grown.least_devices:,} devices cannot hold the model states, "
+        f"{STATE_BYTES} bytes a parameter{fewer}): {fit.layout} with recompute {fit.recompute} needs "
+        f"{fit.cost.memory['total'] / 1e9:.1f} GB a device; plan it with {where}"
     )
 
 
@@ -895,10 +933,30 @@ def write_plan(folder: str, costed: list, cluster, head: dict) -> list[str]:
     return [str(out / "plan.json"), str(out / "plan.png")]
 
 
+PLAN_COUNTS = {"top": "layouts to print and plot", "seq": "tokens a sequence", "global_batch": "sequences a step"}
+
+
+def check_plan_flags(ns) -> None:
+    """The plan's numbers and its folder, before a model is read or a layout searched."""
+    for dest, meaning in PLAN_COUNTS.items():
+        value = getattr(ns, dest)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{dest.replace('_', '-')} {value}: give the {meaning}, a whole number >= 1")
+    if ns.global_batch_tokens is not None:
+        token_count(ns.global_batch_tokens)
+    check_plan_folder(Path(ns.out))
+
+
 def check_plan_folder(out: Path) -> None:
-    """--out may hold an earlier plan (replaced) but nothing else of the same names."""
+    """--out: a folder that exists or can be made, and written; it may hold an earlier plan
+    (replaced) but nothing else of the same names."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder for plan.json and plan.png")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, not a folder; give a folder path for the plan")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: the folder {existing} cannot be written; give a folder you can write")
     old = out / "plan.json"
     if old.exists():
         try:
@@ -918,6 +976,8 @@ def plan_config(ns, world: int | None = None) -> tuple[Config, object]:
     cfg.train.seq_len = ns.seq if ns.seq is not None else args.max_seq_len
     cfg = with_layout(cfg, ns.layout, ns.overrides, {})
     args = checks.checked_model_args(cfg)
+    if ns.layout is not None:  # the default batch divides by tp: its sizes first
+        checks.refuse(f"invalid layout {ns.layout}", cfg.parallel.problems(), LayoutError)
     cfg.train.global_batch = plan_batch(ns, cfg, world or cfg.parallel.world_size)
     checks.refuse("invalid options", checks.option_problems(cfg))
     if ns.layout is not None:
@@ -980,6 +1040,8 @@ def token_count(text: str) -> int:
         value = float(digits) * scale
     except ValueError:
         raise ConfigError(f"--global-batch-tokens {text!r} is not a token count; write e.g. 4M or 512K") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"--global-batch-tokens {text!r} is not a finite number; write a token count, e.g. 4M")
     if value < 1 or value != int(value):
         raise ConfigError(f"--global-batch-tokens {text!r} must be a whole number of tokens >= 1")
     return int(value)
@@ -1024,8 +1086,11 @@ def cmd_plan_calibrate(ns) -> int:
     checks.check_new_file("--out", ns.out, ".toml")
     if Path(ns.out).exists() and not ns.force:
         raise ConfigError(f"--out {ns.out} exists; give another file name, or --force to replace it")
-    from fivecut.plan.calibrate import calibrate
+    from fivecut.plan.calibrate import calibrate, rank_room
 
+    room, machine = rank_room()
+    if ns.ranks > room:
+        raise ConfigError(f"--ranks {ns.ranks}: this machine has {machine}; give --ranks {room} or fewer")
     cluster, raw = calibrate(ns.ranks)
     Path(ns.out).write_text(cluster_toml(cluster, f"written by fivecut plan calibrate --ranks {ns.ranks}"))
     rates = ", ".join(f"{f / 1e9:.1f}" for f in raw["flops"])

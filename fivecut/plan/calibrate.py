@@ -562,6 +562,22 @@ def slowest_calls(ranks: list[dict]) -> dict[str, tuple[tuple[float, float], ...
     }
 
 
+RANKS_A_CORE = 2  # the most ranks a CPU core is shared by in a calibration (benchmarks/plan_check.py checked
+# the planner against 4-rank runs on 2 cores, calibrated with 4 ranks: the rates of ranks sharing cores)
+
+
+def rank_room() -> tuple[int, str]:
+    """The most ranks a calibration of this machine runs at once, and the machine's figure in words:
+    on a GPU host its GPUs (a rank each: `fivecut.launch.spawn` would put more on the CPU, which is
+    not the device being calibrated); on a CPU host RANKS_A_CORE a core (its rates are measured
+    with every rank busy, `cores_per_node`; more ranks than that measure the scheduler, not the cores)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        return gpus, f"{gpus} GPU{'s' if gpus > 1 else ''} (one a rank)"
+    cores = len(os.sched_getaffinity(0))
+    return RANKS_A_CORE * cores, f"{cores} CPU core{'s' if cores > 1 else ''} (at most {RANKS_A_CORE} ranks a core)"
+
+
 def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
     """This machine as a one-node cluster of `ranks` ranks, and the raw measurements."""
     results = spawn(measure_rank, ranks, repeats, timeout_s=600.0)

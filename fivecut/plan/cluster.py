@@ -57,8 +57,10 @@ This file is torch-free.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -236,39 +238,130 @@ def parse_cluster(spec: str) -> Cluster:
             f"--cluster {spec!r} is neither NODESxGPUSxDEVICE (e.g. 32x8xH100; devices: {', '.join(DEVICES)}) "
             "nor a cluster TOML file"
         )
+    return cluster_from_table(read_toml(path), str(path))
+
+
+def read_toml(path: Path) -> dict:
+    """A cluster file's tables; a file that cannot be read, is not UTF-8 or is not TOML is refused by name."""
     try:
-        table = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as err:
+        raise ClusterError(f"{path}: cannot be read ({err.strerror}); give a cluster TOML file you can read") from None
+    except UnicodeDecodeError as err:
+        raise ClusterError(
+            f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the cluster "
+            "file as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as err:
         raise ClusterError(f"{path}: not valid TOML ({err})") from None
-    return cluster_from_table(table, str(path))
+
+
+@dataclass(frozen=True)
+class Field:
+    """What one key of a cluster file holds: text, an integer or a finite number, within `allows`."""
+
+    kind: str  # "text", "integer" or "number"
+    allows: Callable[[float], bool] = lambda value: True
+    words: str = ""  # the values `allows` lets through, in words ("> 0")
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` for this key (None: nothing)."""
+        if self.kind == "text":
+            right = isinstance(value, str)
+        elif self.kind == "integer":
+            right = isinstance(value, int) and not isinstance(value, bool) and self.allows(value)
+        else:
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            right = number and self.allows(value)
+        if right:
+            return None
+        wanted = {"text": "a string", "integer": "an integer", "number": "a finite number"}[self.kind]
+        return f"must be {wanted}{' ' + self.words if self.words else ''}, not {shown(value)}"
+
+
+def shown(value) -> str:
+    """A TOML value as a message quotes it, with its kind where the kind is the mistake."""
+    if isinstance(value, dict):
+        return "a table"
+    kind = {bool: "true/false", str: "a string", list: "an array"}.get(type(value))
+    return f"{value!r} ({kind})" if kind else repr(value)
+
+
+TEXT = Field("text")
+POSITIVE = Field("number", lambda v: v > 0, "> 0")
+NOT_NEGATIVE = Field("number", lambda v: v >= 0, ">= 0")
+COUNT = Field("integer", lambda v: v >= 1, ">= 1")
+CLUSTER_FIELDS = {
+    "name": TEXT,
+    "nodes": COUNT,
+    "gpus": COUNT,
+    "gpus_per_node": COUNT,
+    "cores_per_node": Field("integer", lambda v: v >= 0, ">= 0 (0: a device each)"),
+    "device": TEXT,
+}
+DEVICE_FIELDS = {
+    "name": TEXT,
+    "source": TEXT,
+    "peak_tflops": POSITIVE,
+    "memory_gb": POSITIVE,
+    "achievable": Field("number", lambda v: 0 < v <= 1, "in (0, 1]"),
+    "kernel_us": NOT_NEGATIVE,
+    "memory_gbps": POSITIVE,
+    "tensor_us": NOT_NEGATIVE,
+    "overlap": Field("number", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    **dict.fromkeys(("attention_tflops", "activation_gbps", "loss_gbps", "recompute_us", "action_us"), NOT_NEGATIVE),
+}
+LINK_FIELDS = {
+    "bandwidth_gbps": POSITIVE,
+    "latency_us": NOT_NEGATIVE,
+    **{f"{op}_us": NOT_NEGATIVE for op in OWN_LATENCY},
+    **{f"{op}_gbps": POSITIVE for op in OWN_LATENCY},
+}
+SCHEMA = {"cluster": CLUSTER_FIELDS, "device": DEVICE_FIELDS, "links": {"intra": LINK_FIELDS, "inter": LINK_FIELDS}}
+
+
+def table_problems(table: dict, schema: dict, path: str = "") -> list[str]:
+    """Each key of `table` (at the dotted `path` of a cluster file) that `schema` does not know or
+    whose value is of the wrong kind or out of range, by its dotted path."""
+    out = []
+    for key, value in table.items():
+        dotted = f"{path}.{key}" if path else key
+        expected = schema.get(key)
+        if expected is None:
+            out.append(f"unknown key {dotted}; {f'[{path}]' if path else 'a cluster file'} has {', '.join(schema)}")
+        elif isinstance(expected, dict) and not isinstance(value, dict):
+            out.append(f"{dotted} must be a table ([{dotted}] and its keys), not {shown(value)}")
+        elif isinstance(expected, dict):
+            out += table_problems(value, expected, dotted)
+        elif (problem := expected.problem(value)) is not None:
+            out.append(f"{dotted} {problem}")
+    return out
 
 
 def cluster_from_table(table: dict, where: str) -> Cluster:
+    problems = table_problems(table, SCHEMA)
+    if len(problems) == 1:
+        raise ClusterError(f"{where}: {problems[0]}")
+    if problems:
+        raise ClusterError(f"{where}:\n  - " + "\n  - ".join(problems))
     top = dict(table.get("cluster", {}))
     if "gpus" in top and "nodes" not in top:  # the world, for nodes of gpus_per_node
         top["nodes"] = whole_nodes(top["gpus"], top.get("gpus_per_node"), where)
     for key in ("nodes", "gpus_per_node"):
-        if not isinstance(top.get(key), int) or top[key] < 1:
-            raise ClusterError(f"{where}: [cluster] {key} must be an integer >= 1 (got {top.get(key)!r})")
+        if key not in top:
+            raise ClusterError(f"{where}: [cluster] needs {key}, an integer >= 1")
     device = device_from(table, top, where)
     links = table.get("links", {})
     preset = device.name.upper() if device.name.upper() in DEVICES else None
     intra = link_from(links.get("intra"), INTRA.get(preset), f"{where}: [links.intra]")
     inter = link_from(links.get("inter"), INTER.get(preset), f"{where}: [links.inter]")
-    cores = top.get("cores_per_node", 0)
-    if not isinstance(cores, int) or cores < 0:
-        raise ClusterError(
-            f"{where}: [cluster] cores_per_node must be an integer >= 0 (0: a device each; got {cores!r})"
-        )
     name = top.get("name", Path(where).stem)
-    return Cluster(top["nodes"], top["gpus_per_node"], device, intra, inter, name, cores)
+    return Cluster(top["nodes"], top["gpus_per_node"], device, intra, inter, name, top.get("cores_per_node", 0))
 
 
-def whole_nodes(gpus, per_node, where: str) -> int:
-    if not isinstance(gpus, int) or not isinstance(per_node, int) or gpus < 1 or per_node < 1:
-        raise ClusterError(
-            f"{where}: [cluster] gpus and gpus_per_node must be integers >= 1 (got {gpus!r}, {per_node!r})"
-        )
+def whole_nodes(gpus: int, per_node: int | None, where: str) -> int:
+    if per_node is None:
+        raise ClusterError(f"{where}: [cluster] gpus = {gpus} needs gpus_per_node, an integer >= 1")
     if gpus % per_node:
         raise ClusterError(
             f"{where}: [cluster] gpus = {gpus} is not a whole number of nodes of gpus_per_node = {per_node}; "
@@ -279,8 +372,10 @@ def whole_nodes(gpus, per_node, where: str) -> int:
 
 
 def device_from(table: dict, top: dict, where: str) -> Device:
+    """The preset `[cluster] device` names, with the `[device]` table's keys over it (every key
+    checked by `table_problems` already)."""
     named = top.get("device")
-    base = DEVICES.get(str(named).upper()) if named is not None else None
+    base = DEVICES.get(named.upper()) if named is not None else None
     if named is not None and base is None and "device" not in table:
         raise ClusterError(
             f"{where}: unknown device {named!r}; use one of {', '.join(DEVICES)} or add a [device] table"
@@ -291,41 +386,21 @@ def device_from(table: dict, top: dict, where: str) -> Device:
         if missing:
             raise ClusterError(f"{where}: [device] needs {', '.join(missing)} (or [cluster] device = a preset)")
         base = Device(given["name"], float(given["peak_tflops"]), float(given["memory_gb"]))
-    keys = ("name", "peak_tflops", "memory_gb", "achievable", "source", "kernel_us", "memory_gbps", "tensor_us")
-    keys += ("overlap", "attention_tflops", "activation_gbps", "loss_gbps", "recompute_us", "action_us")
-    device = replace(base, **{k: given[k] for k in keys if k in given})
-    d = device
-    if (
-        not (d.peak_tflops > 0 and d.memory_gb > 0 and 0 < d.achievable <= 1 and d.kernel_us >= 0)
-        or not (d.memory_gbps > 0 and d.tensor_us >= 0 and 0 <= d.overlap <= 1)
-        or min(d.attention_tflops, d.activation_gbps, d.loss_gbps, d.recompute_us, d.action_us) < 0
-    ):
-        raise ClusterError(
-            f"{where}: [device] needs peak_tflops > 0, memory_gb > 0, 0 < achievable <= 1, kernel_us >= 0, "
-            "memory_gbps > 0, tensor_us >= 0, 0 <= overlap <= 1, attention_tflops, activation_gbps, loss_gbps, "
-            "recompute_us, action_us >= 0 (0: the matmuls' rate, memory_gbps, kernel_us, none)"
-        )
-    return device
+    return replace(base, **{k: float(v) if k not in ("name", "source") else v for k, v in given.items()})
 
 
 def link_from(given: dict | None, default: Link | None, where: str) -> Link:
+    """A `[links.*]` table (every key checked by `table_problems` already), or the preset's link."""
     if given is None:
         if default is None:
             raise ClusterError(f"{where} is missing (bandwidth_gbps, latency_us): the device is not a preset")
         return default
+    missing = [k for k in ("bandwidth_gbps", "latency_us") if k not in given]
+    if missing:
+        raise ClusterError(f"{where} needs {', '.join(missing)}")
     own = tuple((op, float(given[f"{op}_us"])) for op in OWN_LATENCY if f"{op}_us" in given)
     rates = tuple((op, float(given[f"{op}_gbps"])) for op in OWN_LATENCY if f"{op}_gbps" in given)
-    try:
-        link = Link(float(given["bandwidth_gbps"]), float(given["latency_us"]), own, rates)
-    except KeyError as missing:
-        raise ClusterError(f"{where} needs {missing.args[0]}") from None
-    if not (link.bandwidth_gbps > 0 and link.latency_us >= 0 and all(us >= 0 for _, us in own)) or any(
-        gbps <= 0 for _, gbps in rates
-    ):
-        raise ClusterError(
-            f"{where}: bandwidth_gbps (and each op's *_gbps) must be > 0 and latency_us (and each op's *_us) >= 0"
-        )
-    return link
+    return Link(float(given["bandwidth_gbps"]), float(given["latency_us"]), own, rates)
 
 
 def cluster_toml(cluster: Cluster, note: str = "") -> str:

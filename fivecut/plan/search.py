@@ -28,13 +28,16 @@ ranking, counts and smallest layout are those one process finds. `benchmarks/pla
 times it and compares the ranking to the float.
 
 The first layout of the ranking is the fastest predicted step among those that fit; `why`
-says in one sentence what it gains over the second.
+says in one sentence what it gains over the second. When nothing fits, `grown_cluster` finds the
+first cluster of 2, 4, 8, ... times the nodes on which a layout fits (`first_fitting`: the same
+pairs, memory model and checks, stopping at the first fit).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import multiprocessing
 import os
 import re
@@ -89,12 +92,22 @@ class Candidate:
 
 
 @dataclass
+class StatesOnly:
+    """A layout the model-states rule dropped: its parameters, gradients and optimizer state alone
+    exceed the device, the bytes on its fullest rank (a bound below all it would need)."""
+
+    cfg: Config
+    states: float
+
+
+@dataclass
 class SearchResult:
     ranked: list[Candidate]  # fitting layouts, fastest first
     tried: int = 0  # layouts costed (memory at least)
     invalid: int = 0  # refused by the checks a run makes
     too_big: int = 0  # costed and over the device's memory
     smallest: Candidate | None = None  # the layout needing least memory, when none fits
+    least_states: StatesOnly | None = None  # the least model states of the layouts dropped before costing
     rules: list[str] = field(default_factory=list)
     checked: dict = field(default_factory=dict)  # the layout checks' verdicts (`valid`)
 
@@ -225,6 +238,8 @@ def search(args, base: Config, cluster: Cluster, top: int = 5, workers: int | No
     result.ranked = sorted((c for c in exact if c.cost.fits), key=lambda c: (c.cost.step, c.cost.memory["total"]))
     if result.smallest is not None:
         result.smallest.cfg = owned(result.smallest.cfg)
+    if result.least_states is not None:
+        result.least_states.cfg = owned(result.least_states.cfg)
     return result
 
 
@@ -325,6 +340,10 @@ def merge(result: SearchResult, part: SearchResult) -> None:
         result.smallest is None or part.smallest.cost.memory["total"] < result.smallest.cost.memory["total"]
     ):
         result.smallest = part.smallest
+    if part.least_states is not None and (
+        result.least_states is None or part.least_states.states < result.least_states.states
+    ):
+        result.least_states = part.least_states
 
 
 def owned(cfg: Config) -> Config:
@@ -341,8 +360,11 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
     if not splits or not valid(first, args, world, result.checked):
         result.invalid += 1
         return []
-    if state_memory(args, first) > capacity:
+    states = state_memory(args, first)
+    if states > capacity:
         result.too_big += 1
+        if result.least_states is None or states < result.least_states.states:
+            result.least_states = StatesOnly(first, states)
         return []
     for recompute in RECOMPUTE:
         fitting = []
@@ -368,6 +390,59 @@ def keep_smallest(result: SearchResult, cfg: Config, memory: float, args, cluste
     the user is shown)."""
     if result.smallest is None or memory < result.smallest.cost.memory["total"]:
         result.smallest = Candidate(cfg, cost_layout(args, cfg, cluster, screened_placements))
+
+
+STATE_BYTES = 16  # model-state bytes a parameter at the least (`fivecut.plan.memory`: fp32 master, gradient, 2 moments)
+MOST_DEVICES = 1 << 17  # the largest cluster `grown_cluster` tries
+
+
+@dataclass
+class Grown:
+    """A cluster of more nodes of the same kind on which a layout fits, and that layout."""
+
+    cluster: Cluster
+    fitting: Candidate  # the first layout found to fit there, not the fastest
+    searched: list[int]  # the node counts whose layouts were tried, in order (the last: `cluster`'s)
+    least_devices: int  # fewer devices cannot hold the model states (STATE_BYTES a parameter)
+
+
+def grown_cluster(args, cluster: Cluster, config_for) -> Grown | None:
+    """The first cluster of 2, 4, 8, ... times `cluster`'s nodes (its device, links and GPUs a node;
+    at most MOST_DEVICES devices) on which a layout of `config_for(world)` (the run's config for
+    that world) fits, by the search's own memory model; None if none does. A cluster too small to
+    hold the model states spread over all its devices (STATE_BYTES a parameter: no cut holds fewer)
+    is passed over unsearched."""
+    least = math.ceil(STATE_BYTES * args.num_params() / (cluster.device.memory_gb * 1e9))  # devices, at the least
+    searched, nodes = [], 2 * cluster.nodes
+    while nodes * cluster.gpus_per_node <= MOST_DEVICES:
+        bigger = replace(cluster, nodes=nodes)
+        if bigger.world_size >= least:
+            searched.append(nodes)
+            found = first_fitting(args, config_for(bigger.world_size), bigger)
+            if found is not None:
+                return Grown(bigger, found, searched, least)
+        nodes *= 2
+    return None
+
+
+def first_fitting(args, base: Config, cluster: Cluster) -> Candidate | None:
+    """A layout of `base` that fits on `cluster`, costed from the real cuts, or None: the search's
+    (shape, data cut) pairs in its order and, in each, its recomputation modes and batch splits,
+    stopping at the first that fits (the fastest is `search`'s to find, on that cluster)."""
+    world, seen = cluster.world_size, {}
+    capacity = cluster.device.memory_gb * 1e9
+    for shape, data in shape_cuts(args, base, cluster):
+        splits = batch_splits(base.train.global_batch // (world // (shape.tp * shape.pp * shape.cp)), shape)
+        first = layout_config(base, shape, *data, splits[0], "none", world) if splits else None
+        if first is None or not valid(first, args, world, seen) or state_memory(args, first) > capacity:
+            continue
+        for recompute, split in ((r, s) for r in RECOMPUTE for s in splits):
+            cfg = layout_config(base, shape, *data, split, recompute, world)
+            if layout_memory(args, cfg)["total"] <= capacity:
+                cost = cost_layout(args, owned(cfg), cluster)
+                if cost.fits:
+                    return Candidate(owned(cfg), cost)
+    return None
 
 
 def time_terms(cost: LayoutCost) -> dict[str, float]:
