@@ -478,16 +478,16 @@ def stage_count_problem(dims: ParallelDims, n_layers: int, stages: int) -> str:
     """Too few layers for the stages: each fix offered is one that can be followed (a pipeline
     keeps pp >= 2; interleaved keeps pp_virtual >= 2)."""
     per = stages // dims.pp
-    fixes = [f"a model of at least {stages} layers (model.n_layers)"]
+    fixes = []
+    if 2 <= n_layers // per < dims.pp:
+        fixes.append(f"lower pp to {n_layers // per} (parallel.pp={n_layers // per})")
     if per > 1 and n_layers >= dims.pp:
-        virtual = n_layers // dims.pp
-        if dims.pp_schedule == "interleaved" and virtual >= 2:
-            fixes.append(f"parallel.pp_virtual={virtual}")
-        fixes.append("a schedule of one stage per rank (parallel.pp_schedule='1f1b' or 'zb1p')")
-    if n_layers // per >= 2 and n_layers // per < dims.pp:
-        fixes.append(f"parallel.pp={n_layers // per}")
+        if dims.pp_schedule == "interleaved" and n_layers // dims.pp >= 2:
+            fixes.append(f"set parallel.pp_virtual={n_layers // dims.pp}")
+        fixes.append("use a schedule of one stage per rank (parallel.pp_schedule='1f1b' or 'zb1p')")
+    fixes.append(f"use a model of at least {stages} layers (model.n_layers)")
     where = f" ({per} per rank under {dims.pp_schedule})" if per > 1 else ""
-    return f"{n_layers} layers cannot fill {stages} pipeline stages{where}; use " + ", or ".join(fixes)
+    return f"{n_layers} layers cannot fill {stages} pipeline stages{where}; " + ", or ".join(fixes)
 
 
 def stages_per_rank(name: str, virtual: int) -> int:
