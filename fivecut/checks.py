@@ -409,23 +409,21 @@ def resolve_microbatches(cfg: Config) -> None:
     written into `cfg` so that every reader (the run, verify, ledger, the planner) sees the count.
     A count given by hand is kept, and refused by `validate_layout` if it cannot work."""
     dims, t = cfg.parallel, cfg.train
-    if dims.microbatches is not None or dims.pp <= 1 or dims.pp_schedule not in PP_SCHEDULES:
+    if dims.microbatches is not None or dims.pp <= 1:
         return
     least = fewest_microbatches(dims.pp_schedule, dims.pp)
     dims.microbatches = least  # what `validate_layout` refuses, naming the cause, when nothing below fits
-    split = dims.dp * t.accumulate
-    if (
-        min(dims.dp, t.accumulate, dims.pp_virtual) < 1
-        or t.global_batch % split
-        or any(
-            schedule_rule_problems(dims.pp_schedule, dims.pp, least, dims.pp_virtual)
-            + list(schedule_problem(dims.pp_schedule, dims.pp, least, dims.pp_virtual))
-        )
-    ):
+    if not schedule_runs(dims.pp_schedule, dims.pp, least, dims.pp_virtual) or min(dims.dp, t.accumulate) < 1:
         return
+    split = dims.dp * t.accumulate
     rows = t.global_batch // split
-    counts = [m for m in range(least, rows + 1) if rows % m == 0]
-    fits = [m for m in counts if not schedule_problem(dims.pp_schedule, dims.pp, m, dims.pp_virtual)]
+    if t.global_batch % split:  # `batch_problems` names global_batch
+        return
+    fits = [
+        m
+        for m in range(least, rows + 1)
+        if rows % m == 0 and schedule_runs(dims.pp_schedule, dims.pp, m, dims.pp_virtual)
+    ]
     if not fits:
         raise LayoutError(
             f"parallel.microbatches is unset and no count fits: {dims.pp_schedule} with pp={dims.pp} needs at "
@@ -434,6 +432,13 @@ def resolve_microbatches(cfg: Config) -> None:
             "parallel.microbatches"
         )
     dims.microbatches = fits[0]
+
+
+def schedule_runs(name: str, pp: int, microbatches: int, virtual: int) -> bool:
+    """The schedule's rules and its built form both accept these counts."""
+    if name not in PP_SCHEDULES or min(pp, virtual) < 1 or schedule_rule_problems(name, pp, microbatches, virtual):
+        return False
+    return not schedule_problem(name, pp, microbatches, virtual)
 
 
 def built_schedule(name: str, pp: int, microbatches: int, virtual: int):
