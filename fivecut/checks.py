@@ -68,6 +68,7 @@ def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
         check_preset(cfg.model.preset)
     refuse("invalid options", option_problems(cfg))
     args = checked_model_args(cfg)
+    resolve_microbatches(cfg)
     t = cfg.train
     validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, world_size)
     refuse("invalid [moe] options", moe_problems(cfg.moe, args, cfg.parallel))
@@ -211,6 +212,11 @@ def train_problems(t) -> list[str]:
             out.append(f"train.{key}={getattr(t, key)!r}; choose fp32 or bf16")
     if t.recompute not in RECOMPUTE_MODES:
         out.append(f"train.recompute={t.recompute!r}; choose {', '.join(RECOMPUTE_MODES)}")
+    elif t.recompute == "none" and t.recompute_every > 1:
+        out.append(
+            f"train.recompute_every={t.recompute_every} picks the blocks train.recompute recomputes, but "
+            "train.recompute='none'; set train.recompute='full' or 'selective', or remove train.recompute_every"
+        )
     if t.adamw not in ADAMW_KERNELS:
         out.append(f"train.adamw={t.adamw!r}; choose {', '.join(ADAMW_KERNELS)}")
     return out + fault_problems(t)
@@ -366,7 +372,7 @@ def validate_layout(
     problems = structural_problems(dims)
     if accumulate < 1:
         problems.append(f"train.accumulate={accumulate} must be >= 1")
-    sizes = [getattr(dims, n) for n in MESH_DIMS + COUNTS] + [accumulate]
+    sizes = [getattr(dims, n) for n in MESH_DIMS + COUNTS if getattr(dims, n) is not None] + [accumulate]
     if min(sizes) < 1:  # the checks below divide by these numbers
         refuse("invalid layout " + dims.settings(), problems, LayoutError)
     problems += (
@@ -381,7 +387,8 @@ def validate_layout(
 
 def structural_problems(dims: ParallelDims) -> list[str]:
     """The layout's own fields, then the pipeline schedule's rules."""
-    return dims.problems() + schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
+    microbatches = 1 if dims.microbatches is None else dims.microbatches  # None: no pipeline to cut for
+    return dims.problems() + schedule_rule_problems(dims.pp_schedule, dims.pp, microbatches, dims.pp_virtual)
 
 
 def schedule_rule_problems(name: str, pp: int, microbatches: int, virtual: int) -> list[str]:
@@ -399,6 +406,51 @@ def schedule_rule_problems(name: str, pp: int, microbatches: int, virtual: int) 
     if virtual > 1 and name not in ("interleaved", "dualpipev"):
         out.append(f"pp_virtual={virtual} only applies to interleaved or dualpipev, not {name}")
     return out
+
+
+def fewest_microbatches(name: str, pp: int) -> int:
+    """The fewest microbatches with which every rank of schedule `name` works at once: DualPipeV
+    fills its V with 2*pp; 1F1B, ZB-H1 and interleaved 1F1B (in groups of pp) need pp; GPipe runs
+    on fewer, but then its stages only wait for each other, so pp as well."""
+    return 2 * pp if name == "dualpipev" else pp
+
+
+def resolve_microbatches(cfg: Config) -> None:
+    """parallel.microbatches left unset under a pipeline: the fewest the schedule needs that also
+    divides the rows each rank runs per accumulation step (global_batch / (dp * accumulate)),
+    written into `cfg` so that every reader (the run, verify, ledger, the planner) sees the count.
+    A count given by hand is kept, and refused by `validate_layout` if it cannot work."""
+    dims, t = cfg.parallel, cfg.train
+    if dims.microbatches is not None or dims.pp <= 1:
+        return
+    least = fewest_microbatches(dims.pp_schedule, dims.pp)
+    dims.microbatches = least  # what `validate_layout` refuses, naming the cause, when nothing below fits
+    if not schedule_runs(dims.pp_schedule, dims.pp, least, dims.pp_virtual) or min(dims.dp, t.accumulate) < 1:
+        return
+    split = dims.dp * t.accumulate
+    rows = t.global_batch // split
+    if t.global_batch % split:  # `batch_problems` names global_batch
+        return
+    fits = [
+        m
+        for m in range(least, rows + 1)
+        if rows % m == 0 and schedule_runs(dims.pp_schedule, dims.pp, m, dims.pp_virtual)
+    ]
+    if not fits:
+        raise LayoutError(
+            f"parallel.microbatches is unset and no count fits: {dims.pp_schedule} with pp={dims.pp} needs at "
+            f"least {least} microbatches, and each rank runs {rows} rows per step (train.global_batch="
+            f"{t.global_batch} / dp*accumulate={split}); set train.global_batch={least * split}, or give "
+            "parallel.microbatches"
+        )
+    dims.microbatches = fits[0]
+
+
+def schedule_runs(name: str, pp: int, microbatches: int, virtual: int) -> bool:
+    """The schedule's rules and its built form both accept these counts."""
+    if name not in PP_SCHEDULES or min(pp, virtual) < 1 or schedule_rule_problems(name, pp, microbatches, virtual):
+        return False
+    return not schedule_problem(name, pp, microbatches, virtual)
 
 
 def built_schedule(name: str, pp: int, microbatches: int, virtual: int):
@@ -430,11 +482,29 @@ def pipeline_problems(dims: ParallelDims, model, seq_len: int) -> list[str]:
     if not schedule_rule_problems(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual):
         out += schedule_problem(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
     stages = dims.pp * stages_per_rank(dims.pp_schedule, dims.pp_virtual)
+    if model.n_layers < stages:
+        return out + [stage_count_problem(dims, model.n_layers, stages)]
     try:
         stage_layers(model, stages, seq_len, dims.pp_layers)
     except ValueError as err:
         out.append(str(err))
     return out
+
+
+def stage_count_problem(dims: ParallelDims, n_layers: int, stages: int) -> str:
+    """Too few layers for the stages: each fix offered is one that can be followed (a pipeline
+    keeps pp >= 2; interleaved keeps pp_virtual >= 2)."""
+    per = stages // dims.pp
+    fixes = []
+    if 2 <= n_layers // per < dims.pp:
+        fixes.append(f"lower pp to {n_layers // per} (parallel.pp={n_layers // per})")
+    if per > 1 and n_layers >= dims.pp:
+        if dims.pp_schedule == "interleaved" and n_layers // dims.pp >= 2:
+            fixes.append(f"set parallel.pp_virtual={n_layers // dims.pp}")
+        fixes.append("use a schedule of one stage per rank (parallel.pp_schedule='1f1b' or 'zb1p')")
+    fixes.append(f"use a model of at least {stages} layers (model.n_layers)")
+    where = f" ({per} per rank under {dims.pp_schedule})" if per > 1 else ""
+    return f"{n_layers} layers cannot fill {stages} pipeline stages{where}; " + ", or ".join(fixes)
 
 
 def stages_per_rank(name: str, virtual: int) -> int:

@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from fivecut import checks
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except (ConfigError, LayoutError, ValueError, FileNotFoundError) as err:
         print_error(f"error: {err}")
+        tell_torchrun(f"error: {err}")
         return INPUT_REFUSED
     except RunFailed as err:
         print_error(f"error: {err}")
@@ -103,6 +105,16 @@ def says_errors() -> bool:
     """Whether this process reports input errors: under torchrun every rank finds the same
     mistake, and rank 0 alone says it (the others exit with the same status, quietly)."""
     return os.environ.get("RANK", "0") == "0"
+
+
+def tell_torchrun(line: str) -> None:
+    """Under torchrun, the agent's report of failed ranks shows each rank's error file, if it wrote
+    one, in place of a link to torchrun's documentation: there it names the refusal too."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            record = {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}  # torch's ErrorHandler's form
+            Path(path).write_text(json.dumps({"message": record}))
 
 
 def print_error(line: str) -> None:
@@ -251,6 +263,7 @@ def cmd_train(ns) -> int:
     cfg = planned.cfg if planned is not None else cfg
     checks.validate(cfg, world)
     path = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume)
+    checkpoint.refuse_other_run(cfg.checkpoint.dir, ns.resume, cfg)  # one run per checkpoint.dir
     resume_changes(path, checkpoint.read_meta(path) if path else None, cfg, ns.accept)  # a changed run: refused here
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
@@ -420,6 +433,7 @@ def eval_config(ns) -> tuple[Config, str | None]:
     run = [f"train.eval_batches={ns.batches}", f"train.global_batch={ns.batch_size}", f"train.seq_len={ns.seq_len}"]
     cfg = apply_overrides(base, run + ["train.eval_every=1", "log.progress=false"])
     cfg = with_layout(cfg, ns.layout, ns.overrides, EVAL_FLAGS, CHECKPOINT_MODEL if path else {})
+    checks.resolve_microbatches(cfg)
     checks.check_eval_shape(cfg)
     checks.validate(cfg, cfg.parallel.world_size)
     checks.check_folders(cfg, out_dir=False)
@@ -979,6 +993,7 @@ def plan_config(ns, world: int | None = None) -> tuple[Config, object]:
     if ns.layout is not None:  # the default batch divides by tp: its sizes first
         checks.refuse(f"invalid layout {ns.layout}", cfg.parallel.problems(), LayoutError)
     cfg.train.global_batch = plan_batch(ns, cfg, world or cfg.parallel.world_size)
+    checks.resolve_microbatches(cfg)
     checks.refuse("invalid options", checks.option_problems(cfg))
     if ns.layout is not None:
         t = cfg.train

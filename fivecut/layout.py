@@ -27,7 +27,7 @@ class ParallelDims:
     pp: int = 1  # pipeline stages (ranks)
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1  # stages per pipeline rank (interleaved, dualpipev)
-    microbatches: int = 1  # pipeline microbatches per step
+    microbatches: int | None = None  # pipeline microbatches per step; None: the fewest that work (`checks`)
     pp_layers: list[int] | None = None  # layers per pipeline stage; None: balanced by cost
     cp: int = 1  # context-parallel ranks (sequence split inside attention)
     cp_mode: str = "ring"  # "ring" | "ulysses" | "usp"
@@ -48,7 +48,8 @@ class ParallelDims:
 
     def problems(self) -> list[str]:
         """What is wrong with these fields on their own (sizes, names, cuts that need another cut)."""
-        out = [f"parallel.{n}={getattr(self, n)} must be >= 1" for n in (*MESH_DIMS, *COUNTS) if getattr(self, n) < 1]
+        counts = [n for n in (*MESH_DIMS, *COUNTS) if getattr(self, n) is not None]  # microbatches: None is unset
+        out = [f"parallel.{n}={getattr(self, n)} must be >= 1" for n in counts if getattr(self, n) < 1]
         if self.zero not in (0, 1, 2, 3):
             out.append(f"parallel.zero={self.zero}; ZeRO stages are 0, 1, 2, 3")
         if self.cp_mode not in CP_MODES:

@@ -22,7 +22,8 @@ sha256. The learning rate and the data are functions of the step.
 A save goes to `.tmp-step-N`, and only when every rank has written, the checksums are recorded
 and a COMPLETE marker is in place, is it renamed to `step-N` (atomic on one filesystem): a
 save killed half-way leaves the previous checkpoint intact and the partial one is ignored and
-cleaned up at the next start.
+cleaned up at the next start. A folder that cannot be written (any more) ends the save on every
+rank with one `CheckpointError` naming it and the step still intact.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from fivecut.comm import CollectiveError, backend_reason
 from fivecut.parallel.placement import Placement
 from fivecut.train.data import file_sha256
+from fivecut.train.resume import check_new_run
 
 VERSION = 1
 META = "fivecut.json"
@@ -394,24 +396,81 @@ def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
     """Write this step's checkpoint from every rank in parallel; visible only once complete."""
     root = Path(root)
     tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    with collectives(f"save of step {step}"):
-        dist.barrier()
+    with collectives(f"save of step {step}"), unwritable(root, step):
+        agree(rank_zero(lambda: fresh_folder(tmp)))  # every rank waits for the folder, or stops with rank 0
         writer = dcp.FileSystemWriter(str(tmp))
         dcp.save({}, storage_writer=writer, planner=TableSavePlanner(state_table(par, optimizer)))
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (own_checksums(tmp), moe_state(par)))
-    if dist.get_rank() == 0:
-        files = {name: record for sums, _ in every for name, record in sums.items()}
-        files[".metadata"] = [file_sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
-        moe = {layer: record for _, state in every for layer, record in state.items()}
-        publish(tmp, final, meta | {"step": step, "version": VERSION, "files": files, "moe": moe})
-        prune(root, keep)
-    with collectives(f"save of step {step}"):
-        dist.barrier()
+        agree(rank_zero(lambda: finish(tmp, final, meta | {"step": step}, every, root, keep)))
     return final
+
+
+def fresh_folder(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def finish(tmp: Path, final: Path, meta: dict, every: list, root: Path, keep: int) -> None:
+    """Rank 0: the checksums and MoE state every rank reported, the meta, the rename; old ones pruned."""
+    files = {name: record for sums, _ in every for name, record in sums.items()}
+    files[".metadata"] = [file_sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
+    moe = {layer: record for _, state in every for layer, record in state.items()}
+    publish(tmp, final, meta | {"version": VERSION, "files": files, "moe": moe})
+    prune(root, keep)
+
+
+def rank_zero(work) -> OSError | None:
+    """Run `work` on rank 0 only; the OSError it raised (None on the other ranks, or when it succeeded)."""
+    if dist.get_rank() != 0:
+        return None
+    try:
+        work()
+    except OSError as err:
+        return err
+    return None
+
+
+def agree(error: OSError | None) -> None:
+    """Every rank learns rank 0's error (a barrier too) and raises it, so that all stop together."""
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise box[0]
+
+
+@contextmanager
+def unwritable(root: Path, step: int):
+    """A folder that cannot be written (a write of any rank, or rank 0's folder, meta or rename):
+    one `CheckpointError` naming it and the newest checkpoint, which the failed save left intact."""
+    try:
+        yield
+    except CheckpointException as err:
+        oserrors = [e for e, _ in err.failures.values() if isinstance(e, OSError)]
+        if not oserrors:
+            raise
+        raise save_failed(root, step, oserrors[0]) from None
+    except OSError as err:
+        raise save_failed(root, step, err) from None
+
+
+def save_failed(root: Path, step: int, err: OSError) -> CheckpointError:
+    earlier = newest(root)
+    intact = f"step {read_meta(earlier)['step']} is intact in {earlier}" if earlier else "no earlier checkpoint"
+    return CheckpointError(
+        f"checkpoint.dir={str(root)!r} cannot be written ({err.strerror or err}): step {step} was not saved; "
+        f"{intact}; make the folder writable and start the run again (it resumes from there), or give "
+        "another checkpoint.dir"
+    )
+
+
+def refuse_other_run(root: str | None, resume: str, cfg) -> None:
+    """`--resume never` saves into a checkpoint.dir that holds no run (`fivecut.train.resume.check_new_run`)."""
+    if resume != "never" or root is None:
+        return
+    folder = Path(root).expanduser()
+    found = newest(folder)
+    check_new_run(folder, found, read_meta(found) if found is not None else None, cfg)
 
 
 def own_checksums(tmp: Path) -> dict[str, list]:

@@ -10,6 +10,12 @@ a history, in every later checkpoint's `fivecut.json` (`overrides`).
 
 `cmd_train` calls `resume_changes` before any process group is formed; `trainer.resume_from`
 calls it again (the same answer) to print the line and record what was accepted.
+
+A checkpoint.dir holds one run: the run its checkpoints' saved config names. `--resume auto`
+continues it (a changed run refused, as above); `--resume never` starts a new run, so it is
+refused (`check_new_run`) where the folder holds any complete checkpoint, before anything is
+written: its first save would replace that run's checkpoint of the same step and leave the other
+run's later steps as the newest.
 """
 
 from __future__ import annotations
@@ -163,6 +169,22 @@ def resume_changes(path: Path | None, meta: dict | None, cfg: Config, accept: li
     accepted = [c for c in refused if c.key in accept]
     notes = [note for key in accept if (note := idle_override(key, changes, meta))]
     return Resume(meta["step"], changes, accepted, notes)
+
+
+def check_new_run(root: Path, newest: Path | None, meta: dict | None, cfg: Config) -> None:
+    """`--resume never` into checkpoint.dir `root`, whose newest complete checkpoint is `newest`
+    (`meta`: its fivecut.json; None: the folder holds none): refused, naming the folder, that step,
+    whose run it is, and the ways out."""
+    if newest is None:
+        return
+    changed = [c for c in config_changes(meta["config"], cfg) if RESUME_RULES.get(c.key, REFUSED) == REFUSED]
+    whose = f"another run ({', '.join(map(str, changed[:3]))})" if changed else "an earlier run of this config"
+    resume = "" if changed else ", or continue that run with --resume auto"
+    raise ConfigError(
+        f"--resume never starts a new run, but checkpoint.dir={str(root)!r} holds the checkpoints of {whose}, "
+        f"newest step {meta['step']} ({newest.name}), which this run would overwrite; give this run another "
+        f"checkpoint.dir (--set checkpoint.dir=...), or remove {root} first{resume}"
+    )
 
 
 def idle_override(key: str, changes: list[Change], meta: dict) -> str | None:

@@ -255,7 +255,7 @@ class Logger:
         n_params = model_args(self.cfg.model).num_params()
         self.print(
             f"fivecut: {model_label(self.cfg.model)} model, {n_params / 1e6:.2f}M parameters, layout "
-            f"{self.cfg.parallel.describe()} ({dist.get_world_size()} ranks, {ctx.device.type}), "
+            f"{run_layout(self.cfg.parallel)} ({dist.get_world_size()} ranks, {ctx.device.type}), "
             f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} "
             f"TFLOP/s ({self.peak_source})"
         )
@@ -334,6 +334,11 @@ class Logger:
         )
         self.print(f"loss curve: {path}")
         return str(path)
+
+
+def run_layout(dims) -> str:
+    """The cuts, and under a pipeline its microbatches (given, or the count `checks` chose)."""
+    return dims.describe() + (f",microbatches={dims.microbatches}" if dims.pp > 1 else "")
 
 
 def moe_summary(moe: dict | None) -> str:
