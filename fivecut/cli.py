@@ -650,9 +650,9 @@ def execution_of_runs(cfg: Config) -> str:
 
 
 def rtol_text(rtol: float) -> str:
-    """1e-05 as 1e-05, 2.5e-04 as 2.5e-04: one digit when that is exact."""
+    """1e-05 as 1e-05 (one digit when that is exact), 2.5e-4 as 0.00025."""
     short = f"{rtol:.0e}"
-    return short if float(short) == rtol else f"{rtol:.1e}"
+    return short if float(short) == rtol else f"{rtol:g}"
 
 
 def tolerance_line(steps: int, tolerances: Tolerances, dtype: str) -> str:

@@ -22,7 +22,7 @@ def observed(peak: Peak, rates: list[float]) -> tuple[list[float], list[str]]:
 
 
 def test_a_measured_peak_is_raised_by_a_faster_step_and_said_once():
-    peak = Peak(0.10, "best CPU matmul at 2 threads", measured=True)
+    peak = Peak(0.10, "best CPU matmul, 2 threads", measured=True)
     mfus, lines = observed(peak, [0.05, 0.135, 0.12, 0.15, 0.14])
     assert mfus == pytest.approx([0.5, 1.0, 0.12 / 0.135, 1.0, 0.14 / 0.15])
     assert max(mfus) <= 1.0 and peak.tflops == 0.15
@@ -40,7 +40,7 @@ def test_a_given_peak_is_kept_and_said_once(source):
 
 
 def test_steps_below_the_peak_say_nothing():
-    peak = Peak(0.10, "best CPU matmul at 1 threads", measured=True)
+    peak = Peak(0.10, "best CPU matmul, 1 thread", measured=True)
     mfus, lines = observed(peak, [0.05, 0.1, 0.09])
     assert mfus == pytest.approx([0.5, 1.0, 0.9]) and lines == [] and not peak.exceeded
 
@@ -53,7 +53,7 @@ def test_where_the_peak_comes_from():
     cpu = torch.device("cpu")
     assert peak_tflops(cpu, "fp32", configured=2.5) == Peak(2.5, "log.peak_tflops")
     measured = peak_tflops(cpu, "fp32")
-    assert measured.measured and measured.tflops > 0 and measured.source == "best CPU matmul at 1 threads"
+    assert measured.measured and measured.tflops > 0 and measured.source == "best CPU matmul, 1 thread"
 
 
 def test_a_run_says_once_that_a_step_beat_the_users_peak(capsys, tmp_path):

@@ -70,7 +70,7 @@ def peak_tflops(device: torch.device, dtype: str, configured: float = 0.0) -> Pe
                 return Peak(bf16 if dtype == "bf16" else fp32, f"{name} data sheet")
         return Peak(0.0, f"unknown GPU {name}; set log.peak_tflops")
     threads = torch.get_num_threads()
-    return Peak(measured_matmul_tflops(dtype), f"best CPU matmul at {threads} threads", measured=True)
+    return Peak(measured_matmul_tflops(dtype), f"best CPU matmul, {threads} thread{'s' * (threads > 1)}", measured=True)
 
 
 def measured_matmul_tflops(dtype: str, n: int = 1024, repeats: int = 10, min_seconds: float = 0.2) -> float:
