@@ -693,13 +693,14 @@ def eplb_problems(opts: MoEOptions, args: ModelArgs, ep: int) -> list[str]:
 # ---------------------------------------------------------------- command-line arguments
 
 
-def check_run_arguments(steps: int, timeout: float, rtol: float | None = None) -> None:
-    """`verify` / `ledger`: a run that compares something, a timeout, a tolerance."""
+def check_run_arguments(steps: int, timeout: float, tolerances: dict[str, float | None] | None = None) -> None:
+    """`verify` / `ledger`: a run that compares something, a timeout, the tolerances given ({flag: value})."""
     problems = timeout_problems(timeout)
     if steps < 1:
         problems.insert(0, f"--steps={steps} compares nothing; give --steps >= 1")
-    if rtol is not None and not (math.isfinite(rtol) and rtol > 0):
-        problems.append(f"--rtol={rtol} must be > 0 (the largest relative loss difference accepted), e.g. 1e-5")
+    for flag, rtol in (tolerances or {}).items():
+        if rtol is not None and not (math.isfinite(rtol) and rtol > 0):
+            problems.append(f"{flag}={rtol} must be > 0 (the largest relative difference accepted), e.g. 1e-5")
     refuse("invalid arguments", problems)
 
 

@@ -45,8 +45,9 @@ from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
 
-# verify's tolerances, each the largest relative difference from the single process (fp32) accepted at a step.
-# The gradient norm before clipping is compared because AdamW hides a scaled gradient from the loss, not from it.
+# verify's tolerances, each the largest relative difference from the single process accepted at a step, by the
+# dtype both runs compute in (train.dtype). The gradient norm before clipping is compared because AdamW hides a
+# scaled gradient from the loss, not from it.
 LOSS_RTOL = 1e-5  # the loss, every step: layouts differ only in the order of floating-point sums (DESIGN.md)
 FIRST_GRAD_NORM_RTOL = 1e-5  # step 1's gradient norm: identical weights, only the order of sums differs
 # steps after the first: AdamW's first update is about lr * sign(g) per entry, so an entry whose gradient is zero
@@ -54,6 +55,47 @@ FIRST_GRAD_NORM_RTOL = 1e-5  # step 1's gradient norm: identical weights, only t
 # moved the norm by 3e-4 from rounding alone, while a gradient halved on any one cut moves it by 8.5e-2 or more
 LATER_GRAD_NORM_RTOL = 1e-3
 VAL_LOSS_RTOL = 1e-5  # the validation loss: a forward with the trained weights, same bar as the training loss
+
+# bf16 (autocast, fp32 masters): each matmul's output is rounded to 8 significant bits, so a change in the order of
+# sums (the batch split otherwise) moves a value by far more than in fp32. Measured, not guessed: the largest drift
+# of two single-process bf16 runs of verify's own run (10 steps) that differ only in the split of the batch
+# (train.accumulate 1 against 2 and 4), over tiny, tiny-moe and tiny-mla on the CPU:
+#     python benchmarks/verify_drift.py --dtype bf16   (benchmarks/RESULTS.md, "verify's tolerances under bf16")
+# loss 1.1e-4, validation loss 1.0e-4, step 1's gradient norm 3.9e-5, later gradient norms 3.3e-2. Each tolerance
+# sits 5x or more above that; the first three at 1e-3 also cover ZeRO-3, whose bf16 gathers round parameters and
+# gradients where autocast keeps fp32 (dp=2,zero=3 measured 3.2e-4 loss, 2.9e-4 step 1's norm), and stay under one
+# bf16 rounding (2^-8 = 3.9e-3), while a gradient doubled on one of two ranks moves step 1's norm by ~0.5.
+BF16_LOSS_RTOL = 1e-3
+BF16_FIRST_GRAD_NORM_RTOL = 1e-3
+BF16_LATER_GRAD_NORM_RTOL = 2e-1  # 6x the 3.3e-2 of a split batch (AdamW's sign(g) moves, see above); cp=2 5.8e-2
+BF16_VAL_LOSS_RTOL = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """verify's bar for each compared quantity: a relative difference from the single process."""
+
+    loss: float  # the training loss, every step (--rtol)
+    val_loss: float  # the validation loss (--rtol)
+    first_grad_norm: float  # the gradient norm before clipping at step 1 (--grad-rtol)
+    later_grad_norm: float  # ... at steps 2 on (--later-grad-rtol)
+
+    def at(self, name: str, step: int) -> float:
+        """The tolerance of quantity `name` (a key of `verify_series`) at `step`."""
+        if name == "grad_norm":
+            return self.first_grad_norm if step == 1 else self.later_grad_norm
+        return self.loss if name == "loss" else self.val_loss
+
+
+TOLERANCES = {  # train.dtype -> verify's default tolerances
+    "fp32": Tolerances(LOSS_RTOL, VAL_LOSS_RTOL, FIRST_GRAD_NORM_RTOL, LATER_GRAD_NORM_RTOL),
+    "bf16": Tolerances(BF16_LOSS_RTOL, BF16_VAL_LOSS_RTOL, BF16_FIRST_GRAD_NORM_RTOL, BF16_LATER_GRAD_NORM_RTOL),
+}
+TOLERANCE_FLAGS = {  # verify's flag -> the fields of `Tolerances` it sets, and what they are
+    "--rtol": (("loss", "val_loss"), "loss and validation loss"),
+    "--grad-rtol": (("first_grad_norm",), "gradient norm at step 1"),
+    "--later-grad-rtol": (("later_grad_norm",), "gradient norm at steps 2 on"),
+}
 
 INPUT_REFUSED = 2  # exit status of an input refused before anything runs
 FAILED = 1  # exit status of a FAIL, and of a run that did not complete (a rank raised, died or ran out of time)
@@ -168,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
-    verify.add_argument("--rtol", type=float, default=LOSS_RTOL, help="largest relative loss difference accepted")
+    add_tolerance_arguments(verify)
     verify.set_defaults(func=cmd_verify)
 
     ledger = sub.add_parser("ledger", help="one step under a layout: communication measured vs predicted")
@@ -248,6 +290,18 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is reported")
     add_overrides(parser)
+
+
+def add_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    """verify's tolerances, each defaulting to the run's dtype's (`TOLERANCES`)."""
+    fp32, bf16 = TOLERANCES["fp32"], TOLERANCES["bf16"]
+    for flag, (fields, what) in TOLERANCE_FLAGS.items():
+        parser.add_argument(
+            flag,
+            type=float,
+            help=f"largest relative difference of the {what} accepted (default: {getattr(fp32, fields[0]):g} under "
+            f"fp32, {getattr(bf16, fields[0]):g} under bf16)",
+        )
 
 
 # ---------------------------------------------------------------- train
@@ -495,7 +549,7 @@ LAYOUT_UNUSED = {
 
 def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout` and every --set."""
-    checks.check_run_arguments(ns.steps, ns.timeout, getattr(ns, "rtol", None))
+    checks.check_run_arguments(ns.steps, ns.timeout, tolerance_flags(ns))
     checks.check_preset(ns.model, key="--model")
     args = preset_args(ModelConfig(preset=ns.model))
     tokenizer = "byte" if args.vocab_size <= 256 else "gpt2"
@@ -579,30 +633,52 @@ def cmd_verify(ns) -> int:
     cfg = verify_config(ns)
     backend, device = verify_device(cfg)
     layout = cfg.parallel.settings()
+    tolerances = verify_tolerances(cfg.train.dtype, tolerance_flags(ns))
     print(
         f"verify: {model_label(cfg.model)}, layout {layout} vs single process, {cfg.train.steps} steps, "
-        f"{cfg.train.dtype} on {device} ({backend}); loss, gradient norm before clipping, validation loss at step "
-        f"{cfg.train.eval_every}"
+        f"{precision_of_runs(cfg)} on {device} ({backend}), {execution_of_runs(cfg)}; loss, gradient norm before "
+        f"clipping, validation loss at step {cfg.train.eval_every}"
     )
-    print(tolerance_line(cfg.train.steps, ns.rtol))
+    print(tolerance_line(cfg.train.steps, tolerances, cfg.train.dtype))
     reference = run_spawned(reference_of(cfg), ns.timeout, device=device, what="verify, the single process")[0]
     result = run_spawned(cfg, ns.timeout, device=device, what=f"verify, layout {layout}")[0]
     diffs = print_comparison(verify_series(reference), verify_series(result))
-    return verdict(diffs, ns.rtol)
+    return verdict(diffs, tolerances)
 
 
-def rtol_at(name: str, step: int, loss_rtol: float) -> float:
-    """The tolerance of quantity `name` at `step` (see LOSS_RTOL and the others)."""
-    if name == "grad_norm":
-        return FIRST_GRAD_NORM_RTOL if step == 1 else LATER_GRAD_NORM_RTOL
-    return loss_rtol if name == "loss" else VAL_LOSS_RTOL
+def tolerance_flags(ns) -> dict[str, float | None]:
+    """verify's tolerance flags as given (None: not given); `ledger` has none."""
+    return {flag: getattr(ns, flag[2:].replace("-", "_"), None) for flag in TOLERANCE_FLAGS}
 
 
-def tolerance_line(steps: int, loss_rtol: float) -> str:
-    later = f", {LATER_GRAD_NORM_RTOL:.0e} at steps 2-{steps}" if steps > 1 else ""
+def verify_tolerances(dtype: str, flags: dict[str, float | None]) -> Tolerances:
+    """The dtype's tolerances, each flag given replacing the fields it sets."""
+    given = {field: value for flag, value in flags.items() if value is not None for field in TOLERANCE_FLAGS[flag][0]}
+    return dataclasses.replace(TOLERANCES[dtype], **given)
+
+
+def precision_of_runs(cfg: Config) -> str:
+    """The dtype both runs compute in, and the layout's gradient reductions when they are not fp32."""
+    reduced = ", the layout's gradients reduced in bf16" if cfg.train.reduce_dtype == "bf16" else ""
+    return f"both runs {cfg.train.dtype}{reduced}"
+
+
+def execution_of_runs(cfg: Config) -> str:
+    """Whether the layout is compiled (`reference_of` keeps the single process eager)."""
+    return "the layout compiled (train.compile), the single process eager" if cfg.train.compile else "both eager"
+
+
+def rtol_text(rtol: float) -> str:
+    """1e-05 as 1e-05 (one digit when that is exact), 2.5e-4 as 0.00025."""
+    short = f"{rtol:.0e}"
+    return short if float(short) == rtol else f"{rtol:g}"
+
+
+def tolerance_line(steps: int, tolerances: Tolerances, dtype: str) -> str:
+    later = f", {rtol_text(tolerances.later_grad_norm)} at steps 2-{steps}" if steps > 1 else ""
     return (
-        f"tolerances (relative difference): loss {loss_rtol:g} at every step; gradient norm "
-        f"{FIRST_GRAD_NORM_RTOL:.0e} at step 1{later}; validation loss {VAL_LOSS_RTOL:.0e}"
+        f"tolerances ({dtype}; relative difference): loss {rtol_text(tolerances.loss)} at every step; gradient norm "
+        f"{rtol_text(tolerances.first_grad_norm)} at step 1{later}; validation loss {rtol_text(tolerances.val_loss)}"
     )
 
 
@@ -655,23 +731,32 @@ def print_comparison(reference: dict, layout: dict) -> dict[str, dict[int, float
     return diffs
 
 
-def verdict(diffs: dict[str, dict[int, float]], loss_rtol: float) -> int:
-    """The PASS/FAIL line: the largest relative difference of each quantity (the gradient norm's of
-    step 1 and of later steps apart, as their tolerances differ); FAIL names each step over its tolerance."""
-    worst: dict[str, float] = {}
-    over = []
-    for name, by_step in diffs.items():
-        for step, rel in by_step.items():
-            label = "later_grad_norm" if name == "grad_norm" and step > 1 else name
-            worst[label] = max(worst.get(label, 0.0), rel)
-            if not rel <= rtol_at(name, step, loss_rtol):
-                over.append(f"{name} at step {step} {rel:.3e} > {rtol_at(name, step, loss_rtol):g}")
-    summary = " ".join(f"max_rel_{label}_diff={value:.3e}" for label, value in worst.items())
+def verdict(diffs: dict[str, dict[int, float]], tolerances: Tolerances) -> int:
+    """The PASS/FAIL line: the largest relative difference of each quantity (`worst_differences`);
+    FAIL names each step over its tolerance."""
+    over = [
+        f"{name} at step {step} {rel:.3e} > {tolerances.at(name, step):g}"
+        for name, by_step in diffs.items()
+        for step, rel in by_step.items()
+        if not rel <= tolerances.at(name, step)
+    ]
+    summary = " ".join(f"max_rel_{label}_diff={value:.3e}" for label, value in worst_differences(diffs).items())
     if over:
         print(f"FAIL {summary} (exceeded: {'; '.join(over)})")
         return FAILED
     print(f"PASS {summary}")
     return 0
+
+
+def worst_differences(diffs: dict[str, dict[int, float]]) -> dict[str, float]:
+    """The largest relative difference of each quantity, the gradient norm's of step 1 (`grad_norm`)
+    and of later steps (`later_grad_norm`) apart, as their tolerances differ."""
+    worst: dict[str, float] = {}
+    for name, by_step in diffs.items():
+        for step, rel in by_step.items():
+            label = "later_grad_norm" if name == "grad_norm" and step > 1 else name
+            worst[label] = max(worst.get(label, 0.0), rel)
+    return worst
 
 
 def print_memory(measured: dict[str, int], cfg: Config) -> None:

@@ -6,7 +6,7 @@ and without a pipeline, accumulation, dense and MoE models with each MoE option;
     PYTHONPATH=. python scripts/parity_matrix.py --only tp2-sp cp2-ring --out /tmp/parity.md
 
 Each row is verify's comparison, run through verify's own functions (`cli.verify_config`,
-`cli.reference_of`, `cli.run_spawned`, `cli.rtol_at`): the layout's run against a single process
+`cli.reference_of`, `cli.run_spawned`, `cli.TOLERANCES`): the layout's run against a single process
 from the same seed in fp32, loss at every step, gradient norm, validation loss at the last step,
 under verify's tolerances. Rows that share a single-process reference (same model, options and
 steps) run it once. A row whose option is not on this commit (a layout key that `ParallelDims`
@@ -315,12 +315,12 @@ def compared(row: Row, steps: int, references: dict) -> dict[str, dict[int, floa
 
 
 def judged(row: Row, steps: int, diffs: dict[str, dict[int, float]], seconds: float) -> Outcome:
-    """The row's figures and PASS/FAIL under verify's tolerances (`cli.rtol_at`)."""
+    """The row's figures and PASS/FAIL under verify's tolerances (`cli.TOLERANCES`)."""
     over = [
         f"{name} at step {step} {rel:.2e}"
         for name, by_step in diffs.items()
         for step, rel in by_step.items()
-        if not rel <= cli.rtol_at(name, step, cli.LOSS_RTOL)
+        if not rel <= cli.TOLERANCES["fp32"].at(name, step)
     ]
     worst = {name: max(by_step.values(), default=float("inf")) for name, by_step in diffs.items()}
     out = Outcome(row, "FAIL" if over else "PASS", steps, seconds, note="; ".join(over))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fivecut.launch
 from fivecut import checks
-from fivecut.cli import LOSS_RTOL, main, verdict, verify_config
+from fivecut.cli import LOSS_RTOL, TOLERANCES, main, verdict, verify_config
 from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.presets import PRESETS, runnable_presets
@@ -580,7 +580,7 @@ def test_a_timed_out_verify_is_one_line_end_to_end(capsys, monkeypatch, tmp_path
 
 
 def verdict_of(capsys, diffs: dict, steps: int = 3) -> tuple[int, str]:
-    code = verdict({name: dict(enumerate(values, start=1)) for name, values in diffs.items()}, LOSS_RTOL)
+    code = verdict({name: dict(enumerate(values, start=1)) for name, values in diffs.items()}, TOLERANCES["fp32"])
     return code, capsys.readouterr().out
 
 

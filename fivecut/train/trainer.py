@@ -251,13 +251,13 @@ class Logger:
         out = Path(self.cfg.log.out_dir)
         self.sink = MetricsSink(out, append=resumed)  # a resumed run continues its metrics
         (out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-        self.peak, self.peak_source = peak_tflops(ctx.device, self.cfg.train.dtype, self.cfg.log.peak_tflops)
+        self.peak = peak_tflops(ctx.device, self.cfg.train.dtype, self.cfg.log.peak_tflops)
         n_params = model_args(self.cfg.model).num_params()
         self.print(
             f"fivecut: {model_label(self.cfg.model)} model, {n_params / 1e6:.2f}M parameters, layout "
             f"{run_layout(self.cfg.parallel)} ({dist.get_world_size()} ranks, {ctx.device.type}), "
-            f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak:.3g} "
-            f"TFLOP/s ({self.peak_source})"
+            f"{self.cfg.train.global_batch}x{self.cfg.train.seq_len} tokens per step; peak {self.peak.tflops:.3g} "
+            f"TFLOP/s ({self.peak.source})"
         )
         if self.cfg.log.progress:
             from tqdm import tqdm
@@ -295,8 +295,11 @@ class Logger:
             return
         t = self.cfg.train
         tokens_per_s = t.global_batch * t.seq_len / elapsed
-        achieved = tokens_per_s * self.ctx.flops_per_token / dist.get_world_size() / 1e12
-        record.update(tokens_per_s=tokens_per_s, mfu=achieved / self.peak if self.peak else 0.0, step_time=elapsed)
+        achieved = tokens_per_s * self.ctx.flops_per_token / dist.get_world_size() / 1e12  # TFLOP/s per device
+        exceeded = self.peak.observe(achieved, record["step"])
+        if exceeded is not None:
+            self.print(exceeded)
+        record.update(tokens_per_s=tokens_per_s, mfu=self.peak.mfu(achieved), step_time=elapsed)
         self.records.append(record)
         self.sink.write(record)
         text = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s  MFU {100 * record['mfu']:.1f}%"
