@@ -191,7 +191,7 @@ def train_problems(t) -> list[str]:
     if t.loss_chunk_tokens < 0:
         out.append(
             f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 (tokens per chunk of the head and loss); "
-            "set it to e.g. 1024, or 0 for the full logits"
+            "set it to e.g. 512, or 0 for the full logits"
         )
     out += schedule_of_lr_problems(t) + adam_problems(t)
     if t.eval_every > 0 and t.eval_batches < 1:

@@ -95,7 +95,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block
     # the head and the cross-entropy computed together, this many tokens at a time (per rank and
     # microbatch), so that only one chunk's logits [chunk, vocab] exist; 0: the full logits
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int = 512
     seed: int = 0
     eval_every: int = 50  # 0 disables periodic validation
     eval_batches: int = 8

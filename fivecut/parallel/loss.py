@@ -41,7 +41,7 @@ def cross_entropy_per_token(logits: torch.Tensor, targets: torch.Tensor) -> torc
 
 def compute_weight(weight: torch.Tensor, device_type: str) -> torch.Tensor:
     """The weight the chunks' matmuls read: cast once to the autocast dtype (not once per chunk)."""
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return weight.to(torch.get_autocast_dtype(device_type))
     return weight
 
