@@ -90,7 +90,7 @@ def measure(args, dtype: str) -> dict[str, tuple[float, int]]:
     hidden, linear, targets = inputs(model.vocab_size, model.dim, (args.batch, args.seq), args.device)
     sides = {"full (PyTorch)": (full_step, linear), "chunked": (chunked_step, LossHead(linear, args.chunk))}
     times = {name: [] for name in sides}
-    for name, (step, head) in sides.items():  # warm-up
+    for step, head in sides.values():  # warm-up
         step(hidden, head, targets)
     for r in range(args.repeats):
         for name in list(sides)[:: 1 if r % 2 == 0 else -1]:
