@@ -7,11 +7,11 @@ Per microbatch, through the blocks of rank 0's stages (F: forward, B: backward):
     tp       a dense block: F 2 all-reduces (g after attention and MLP), B 2 (f); a MoE block its
              attention's 1 and 1 and an all-gather each way of the tokens its experts see; the
              embedding and the vocab-parallel loss: F 1 + 2 a chunk of the loss head, B 1. Under SP
-             each all-reduce of a block is an all-gather and a reduce-scatter, the backward gathers again
-             what the forward
-             gathered (B: all-gather 4, reduce-scatter 2 a block), and each norm weight's gradient
-             is summed over tp (an all-reduce each: the records' `summed_over`); outside the blocks
-             F all-gather 1, reduce-scatter 1, all-reduce 2, B all-gather 2, reduce-scatter 1
+             each all-reduce of a block is an all-gather and a reduce-scatter, the backward gathers
+             again what the forward gathered (B: all-gather 4, reduce-scatter 2 a block), and each
+             norm weight's gradient is summed over tp (an all-reduce each: the records'
+             `summed_over`); outside the blocks F all-gather 1, reduce-scatter 1, all-reduce 2,
+             B all-gather 2, reduce-scatter 1
     cp       Ulysses (and USP's Ulysses part): 4 all-to-alls a block each way (q, k, v, out);
              ring (and USP's ring part) of r ranks: F r-1 sends and receives a block, B 3(r-1)
     ep       a MoE block: F 3 all-to-alls (counts, dispatch, combine), B 2

@@ -539,8 +539,8 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
                 of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i)
         per_layer = [of_kind[kind] for kind in order]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
-        if any(r.stop == args.n_layers for r in stage_ranges):  # the last stage: the head and loss's peak
-            states["activations"] += loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens)
+        last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
+        states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
         states["buffers"] = buffers[rank]  # gathered ZeRO-3 units, reduction copies
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
