@@ -199,6 +199,11 @@ def train_problems(t) -> list[str]:
         return out
     out += at_least("train", t, ("steps", "global_batch", "seq_len", "accumulate", "recompute_every"), 1)
     out += at_least("train", t, ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "eval_every"), 0)
+    if t.loss_chunk_tokens < 0:
+        out.append(
+            f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 (tokens per chunk of the head and loss); "
+            "set it to e.g. 512, or 0 for the full logits"
+        )
     out += schedule_of_lr_problems(t) + adam_problems(t)
     if t.eval_every > 0 and t.eval_batches < 1:
         out.append(

@@ -1157,7 +1157,7 @@ def print_plan(cost, cfg: Config, cluster) -> None:
     print(cluster.describe())
     m = cost.memory
     print(f"\nmemory per rank (pipeline position {cost.memory_rank}, the fullest):")
-    for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+    for key in ("params", "grads", "optimizer", "activations", "loss", "buffers", "total"):
         print(f"  {key:<12} {format_bytes(m[key]):>12}")
     verdict = (
         "fits" if cost.fits else f"does NOT fit; the largest term is {max(m, key=lambda k: m[k] * (k != 'total'))}"

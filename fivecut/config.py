@@ -95,6 +95,9 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: "none" | "full" (a block keeps its input) | "selective"
     recompute_every: int = 1  # recompute every k-th transformer block (1: all of them)
     compile: bool = False  # torch.compile each transformer block
+    # the head and the cross-entropy computed together, this many tokens at a time (per rank and
+    # microbatch), so that only one chunk's logits [chunk, vocab] exist; 0: the full logits
+    loss_chunk_tokens: int = 512
     seed: int = 0
     eval_every: int = 50  # 0 disables periodic validation
     eval_batches: int = 8

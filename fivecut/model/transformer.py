@@ -395,11 +395,15 @@ class Transformer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
         self.init_buffers()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [b, s] (or hidden [b, s, dim] when this stage has no
         embedding); positions [s] or [b, s], default arange(s) -- pass them when
         the hidden input is a sequence-parallel slice.
-        Returns logits [b, s, vocab] (or hidden [b, s, dim] without output)."""
+        Returns logits [b, s, vocab] (or hidden [b, s, dim] without output).
+        With targets [b, s] the head must be a loss head (`fivecut.parallel.loss.LossHead`,
+        installed by `parallelize`): it returns the sum of token losses, the logits never whole."""
         if positions is None:  # from the input, not from h: sequence parallelism may cut h along s
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -409,7 +413,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h)
+            h = self.output(h) if targets is None else self.output(h, targets)
         return h
 
 

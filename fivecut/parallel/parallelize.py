@@ -1,8 +1,10 @@
 """`parallelize`: apply the cuts to a single-device model, in one fixed order.
 
     1. pipeline split      this rank's stages of the model (without a pipeline: one stage, the model);
+                           the last stage's head becomes a loss head computing the loss in chunks of
+                           tokens (`fivecut.parallel.loss`; train.loss_chunk_tokens = 0: full logits);
                            a split-backward schedule (zb1p, dualpipev) defers the linear layers'
-                           weight gradients to W (`pipeline.wgrad`)
+                           weight gradients to W (`pipeline.wgrad`; the loss head's are computed in F)
     then on each stage, in this order:
     2. EP                  experts over the ep group, and the MoE runtime (capacity, balancing, statistics)
     3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms);
@@ -50,6 +52,7 @@ from fivecut.parallel.expert import (
     apply_expert_tensor_parallel,
     expert_slice,
 )
+from fivecut.parallel.loss import install_loss_head
 from fivecut.parallel.pipeline.schedule import Schedule, build_schedule, check
 from fivecut.parallel.pipeline.split import cut_stage, stage_layers
 from fivecut.parallel.pipeline.wgrad import WeightGrads, defer_weight_grads
@@ -116,6 +119,14 @@ class Parallelized:
     pipeline: Pipeline | None = None  # pipeline parallelism: the schedule and this rank's stages
     experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
     compiled: CompileRecord | None = None  # train.compile: the blocks compiled, Dynamo's counts
+    loss_in_head: bool = False  # the head is a `LossHead`: given targets, it returns the loss, chunk by chunk
+
+    def forward_loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor):
+        """The sum of token losses of one forward (no pipeline): computed in the head a chunk of
+        tokens at a time, or (train.loss_chunk_tokens = 0) from the full logits."""
+        if self.loss_in_head:
+            return self.module(inputs, positions, targets)
+        return self.loss_sum(self.module(inputs, positions), targets)
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -174,6 +185,7 @@ class ParallelizeOptions:
     recompute_every: int = 1  # recompute the blocks whose layer id is a multiple of this
     param_dtype: torch.dtype | None = None  # bf16 under train.dtype = "bf16": what ZeRO-3 gathers
     compile: bool = False  # torch.compile each block (`fivecut.parallel.compile`)
+    loss_chunk_tokens: int = 512  # tokens per chunk of the head and loss (`fivecut.parallel.loss`); 0: full logits
 
     @classmethod
     def from_train(cls, train, moe: MoEOptions | None, seed: int, device) -> ParallelizeOptions:
@@ -190,6 +202,7 @@ class ParallelizeOptions:
             recompute_every=train.recompute_every,
             param_dtype=torch.bfloat16 if train.dtype == "bf16" else None,
             compile=train.compile,
+            loss_chunk_tokens=train.loss_chunk_tokens,
         )
 
 
@@ -201,6 +214,7 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     o = options or ParallelizeOptions()
     dims, args = mesh.dims, model.args
     schedule, stages = split_pipeline(model, mesh, o.seq_len or args.max_seq_len, o.seed, o.device)
+    loss_in_head = loss_heads(stages, o.loss_chunk_tokens)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
     saved, runtimes, compiled = SavedActivations(), {}, start_record() if o.compile else None
@@ -223,8 +237,9 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     experts = expert_balancer(args, mesh, o.moe, runtimes, module)
     loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
     return Parallelized(
-        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled
-    )
+        module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled,
+        loss_in_head,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- 1. the pipeline split
@@ -249,6 +264,16 @@ def materialized(stage: nn.Module, seed: int, device) -> nn.Module:
         stage.to_empty(device=device)
         stage.init_weights(seed)
     return stage
+
+
+def loss_heads(stages: dict[int, nn.Module], chunk_tokens: int) -> bool:
+    """The head of the stage that holds it computes the loss in chunks of `chunk_tokens` (0: the
+    full logits, and the head stays a linear layer); whether the heads do."""
+    if chunk_tokens == 0:
+        return False
+    for stage in stages.values():
+        install_loss_head(stage, chunk_tokens)
+    return True
 
 
 def split_backward(schedule: Schedule | None, stages: dict[int, nn.Module]) -> WeightGrads | None:

@@ -43,6 +43,7 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.model.transformer import RMSNorm
+from fivecut.parallel.loss import LossHead
 from fivecut.parallel.pipeline.wgrad import DeferredEmbedding, deferred_lookup
 from fivecut.parallel.placement import Change, Slice
 from fivecut.parallel.saved import SavedActivations
@@ -225,11 +226,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None, None
 
 
+def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int):
+    """Each token's loss from logits [T, V_pad/t] cut by vocabulary over `group`: [T] fp32."""
+    start = group.rank * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, group)
+
+
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
     """Sum of token losses from logits [b, s, V_pad/t] cut by vocabulary over `group`."""
-    start = group.rank * logits.shape[-1]
-    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), start, vocab_size, group)
-    return losses.sum()
+    return vocab_parallel_token_losses(logits.flatten(0, 1), targets.flatten(), group, vocab_size).sum()
 
 
 # ---------------------------------------------------------------- applying the plan
@@ -277,13 +282,20 @@ def parallelize_block(
 
 
 def parallelize_head(model: nn.Module, group: Group, vocab: int, sequence_parallel: bool, saved) -> Changes:
-    """The output projection cut by vocabulary (the embedding's shard when tied); logits stay cut."""
+    """The output projection cut by vocabulary (the embedding's shard when tied); logits stay cut.
+    A loss head (`LossHead`) computes each chunk's token losses from its logits [C, V_pad/t] with
+    the vocabulary-parallel cross-entropy. With SP the head's input is gathered to [b, s, h] first."""
     changes = {}
     if model.args.tie_embeddings and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight  # the same vocabulary shard
         model.output.out_features = model.output.weight.shape[0]
     else:
         changes["output.weight"] = column_parallel(model.output, group, padded_out=vocab)
+    if isinstance(model.output, LossHead):
+        vocab_size = model.args.vocab_size
+        model.output.token_losses = lambda logits, targets: vocab_parallel_token_losses(
+            logits, targets, group, vocab_size
+        )
     make_region(model.output, group, sequence_parallel, saved, reduce_output=False)
     return changes
 

@@ -241,3 +241,18 @@ def stage_activation_bytes(
     kept = sum(block(i, mode) for i, mode in modes.items())
     transient = max((block(i, "none") - block(i, mode) for i, mode in modes.items() if mode != "none"), default=0.0)
     return {"kept": kept, "transient": transient, "peak": kept + transient}
+
+
+def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chunk: int = 0) -> float:
+    """The head and cross-entropy's peak on the last stage, over what the blocks keep: T = `tokens`
+    of one microbatch on this rank (the head sees the whole sequence under SP), V/t vocabulary
+    columns, a = the matmuls' bytes (`BYTES[precision]`).
+        full logits (chunk = 0)   T*V/t * (a + 4 + 4): the logits, their fp32 upcast (fp32: the
+                                  log-softmax) and their fp32 gradient
+        chunked (chunk = C)       C'*V/t * (a + 4 + 4) for one chunk of C' = min(C, T) tokens, plus
+                                  what the loss head keeps from its forward to its backward: dW in
+                                  fp32 (4*V/t*h) and d hidden (a*T*h)"""
+    columns, a = -(-args.vocab_size // tp), BYTES[precision]
+    if chunk == 0:
+        return tokens * columns * (a + FP32 + FP32)
+    return min(chunk, tokens) * columns * (a + FP32 + FP32) + FP32 * columns * args.dim + a * tokens * args.dim

@@ -6,11 +6,12 @@ Per microbatch, through the blocks of rank 0's stages (F: forward, B: backward):
 
     tp       a dense block: F 2 all-reduces (g after attention and MLP), B 2 (f); a MoE block its
              attention's 1 and 1 and an all-gather each way of the tokens its experts see; the
-             embedding and the vocab-parallel loss: F 3, B 1. Under SP each all-reduce of a block
-             is an all-gather and a reduce-scatter, the backward gathers again what the forward
-             gathered (B: all-gather 4, reduce-scatter 2 a block), and each norm weight's gradient
-             is summed over tp (an all-reduce each: the records' `summed_over`); outside the blocks
-             F all-gather 1, reduce-scatter 1, all-reduce 2, B all-gather 2, reduce-scatter 1
+             embedding and the vocab-parallel loss: F 1 + 2 a chunk of the loss head, B 1. Under SP
+             each all-reduce of a block is an all-gather and a reduce-scatter, the backward gathers
+             again what the forward gathered (B: all-gather 4, reduce-scatter 2 a block), and each
+             norm weight's gradient is summed over tp (an all-reduce each: the records'
+             `summed_over`); outside the blocks F all-gather 1, reduce-scatter 1, all-reduce 2,
+             B all-gather 2, reduce-scatter 1
     cp       Ulysses (and USP's Ulysses part): 4 all-to-alls a block each way (q, k, v, out);
              ring (and USP's ring part) of r ranks: F r-1 sends and receives a block, B 3(r-1)
     ep       a MoE block: F 3 all-to-alls (counts, dispatch, combine), B 2
@@ -96,17 +97,25 @@ def outside_calls(cfg, first: bool, last: bool) -> Calls:
     out: Calls = {}
     if d.tp == 1:
         return out
+    chunks = loss_chunks(cfg)  # the loss's two all-reduces, once per chunk of the head
     if d.sp:
         add(out, "Ftp", "all_gather", first)
         add(out, "Ftp", "reduce_scatter", last)
-        add(out, "Ftp", "all_reduce", 2 * last)
-        add(out, "Btp", "all_gather", first + last)
+        add(out, "Ftp", "all_reduce", 2 * last * chunks)
+        add(out, "Btp", "all_gather", first + last * (cfg.train.loss_chunk_tokens == 0))  # a loss head: no regather
         add(out, "Btp", "reduce_scatter", first)
         add(out, "Btp", "all_reduce", last)  # the final norm's weight
     else:
-        add(out, "Ftp", "all_reduce", first + 2 * last)
+        add(out, "Ftp", "all_reduce", first + 2 * last * chunks)
         add(out, "Btp", "all_reduce", first)
     return out
+
+
+def loss_chunks(cfg) -> int:
+    """The chunks of a microbatch's tokens on one rank that a loss head runs (1 with the full logits)."""
+    d, t = cfg.parallel, cfg.train
+    tokens = t.global_batch // (d.dp * t.accumulate * (d.microbatches if d.pp > 1 else 1)) * (t.seq_len // d.cp)
+    return -(-tokens // t.loss_chunk_tokens) if t.loss_chunk_tokens > 0 else 1
 
 
 def microbatch_calls(args, cfg) -> Calls:
@@ -115,7 +124,7 @@ def microbatch_calls(args, cfg) -> Calls:
     d, t = cfg.parallel, cfg.train
     split = tuple(d.pp_layers) if d.pp_layers else None
     key = (model_token(args), d.tp, d.sp, d.pp, d.pp_schedule, d.pp_virtual, split, d.cp, d.cp_mode, d.cp_ulysses)
-    key += (d.ep, d.etp, t.seq_len, t.recompute, t.recompute_every)
+    key += (d.ep, d.etp, t.seq_len, t.recompute, t.recompute_every, loss_chunks(cfg), t.loss_chunk_tokens == 0)
     if key not in MICROBATCH_CALLS:
         remembered(MICROBATCH_CALLS, key, microbatch_calls_now(args, cfg), CACHED)
     return MICROBATCH_CALLS[key]

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.buffers import buffer_bytes
 from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
@@ -542,6 +542,8 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
                 of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i)
         per_layer = [of_kind[kind] for kind in order]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
+        last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
+        states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
         states["buffers"] = buffers[rank]  # gathered ZeRO-3 units, reduction copies
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:

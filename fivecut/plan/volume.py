@@ -113,7 +113,10 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
            and a linear's output is bf16 (`message_bytes`); the linears save autocast's bf16
            casts of a region's input, not the gathered input, so SP regathers nothing; under
            ZeRO-3 (bf16 units) everything is bf16 and the inputs are regathered, as in fp32;
-    both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced),
+           A loss head (train.loss_chunk_tokens > 0) computes its gradients in the forward: no
+           regather of the head's input;
+    both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced, in
+           as many pairs of calls as the head has chunks),
            replicated attention weights' gradients (k/v when t > kv heads; MLA's latent
            projections and norms, `replicated_attention_weights`), and the clip norm (1 element).
     A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
@@ -151,7 +154,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         if dims.sp:
             # embedding's reduce-scatter, regions' and head's all-gathers (stream); regions' reduce-scatters (a)
             forward = stream * (emb + regions + head) + a * regions
-            backward = forward + regather * (regions + head)  # their transposes, and the regathered inputs
+            # their transposes, and the regathered inputs (not the head's: a loss head keeps no input)
+            backward = forward + regather * (regions + head * (train.loss_chunk_tokens == 0))
             per_micro += ag * (forward + backward) * e + ar * (FP32 * loss + grads * ((2 * L + head) * h + kv))
         else:
             # g after the embedding (stream) and each region (a); f's transposes (stream)

@@ -6,7 +6,11 @@ bucket; tied weights count once), so the figure is what the rank really allocate
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:
@@ -57,3 +61,41 @@ def step_peak_bytes(device: torch.device) -> int | None:
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return peak
+class LiveTensorBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors created inside it (each storage once, from the op that
+    made it until the last tensor on it dies): a real peak on any device, the CPU included, where
+    no allocator keeps statistics, and on the meta device (real shapes, no data, no time).
+    Tensors made before entering (weights, inputs) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.peak = 0
+        self._storages: dict[int, list[int]] = {}  # storage -> [bytes, live tensors on it]
+        self._tracked: set[int] = set()  # ids of the live tensors counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in self._tracked:
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata  # the storage itself: on the meta device too, where data pointers are 0
+        if key not in self._storages:
+            self._storages[key] = [storage.nbytes(), 0]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        self._storages[key][1] += 1
+        self._tracked.add(id(t))
+        weakref.finalize(t, self._release, key, id(t))
+
+    def _release(self, key: int, ident: int) -> None:
+        self._tracked.discard(ident)
+        entry = self._storages[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._storages[key]
+            self.now -= entry[0]

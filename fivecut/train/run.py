@@ -130,7 +130,7 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
             measuring = ctx.par.saved.measure() if activations is not None and i == 0 else contextlib.nullcontext()
             with ctx.mesh.ledger.phase("forward"), ctx.par.saved.forward(), measuring, ctx.autocast():
                 inputs, targets, positions = local_tokens(ctx, inputs, targets)
-                loss = ctx.par.loss_sum(ctx.par.module(inputs, positions), targets) / denominator
+                loss = ctx.par.forward_loss(inputs, positions, targets) / denominator
             if activations is not None and i == 0:
                 activations.update(ctx.par.saved.bytes_per_layer)
             with ctx.mesh.ledger.phase("backward"):
@@ -187,7 +187,8 @@ def pipeline_step(
 ) -> PipelineStep:
     """An executor for this rank's stages, for microbatches of `rows` sequences of `seq` tokens
     (default train.seq_len) at `positions` (default: the whole sequence); `measure_first` counts
-    what microbatch 0's forwards save; `loss_sum` replaces the model's loss on the last stage."""
+    what microbatch 0's forwards save; `loss_sum` (logits, targets) replaces the model's loss on the
+    last stage (otherwise a loss head computes it in chunks, when the run has one)."""
     dims, seq = ctx.mesh.dims, seq or ctx.cfg.train.seq_len
     return PipelineStep(
         ctx.par.pipeline.schedule,
@@ -201,6 +202,7 @@ def pipeline_step(
         dtype=torch.bfloat16 if ctx.cfg.train.dtype == "bf16" and dims.zero == 3 else torch.float32,
         weight_grads=ctx.par.pipeline.weight_grads,
         stage_done=ctx.par.pipeline.stage_done,
+        loss_in_head=loss_sum is None and ctx.par.loss_in_head,
     )
 
 
@@ -233,5 +235,5 @@ def evaluate(ctx: Context) -> float:
             total += pipeline_step(ctx, inputs.shape[0], positions).forward_only([(inputs, targets)], 1)
             continue
         with ctx.autocast():
-            total += ctx.par.loss_sum(ctx.par.module(inputs, positions), targets)
+            total += ctx.par.forward_loss(inputs, positions, targets)
     return global_mean(ctx, total / tokens)

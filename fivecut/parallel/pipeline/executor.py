@@ -69,6 +69,7 @@ class PipelineStep:
     dtype: torch.dtype = torch.float32
     weight_grads: WeightGrads | None = None  # split backward: what B keeps for W (`parallelize` makes it)
     stage_done: Callable[[int], None] | None = None  # ZeRO-2/3: called after a stage's last B (or W)
+    loss_in_head: bool = False  # the last stage's head takes the targets and returns the loss (`LossHead`)
     state: dict[tuple[int, int], MicrobatchState] = field(default_factory=dict)
     sends: list = field(default_factory=list)
     posted: set[Action] = field(default_factory=set)  # the receives posted in this step
@@ -167,9 +168,12 @@ class PipelineStep:
             mb.input = self.wait(mb.arriving_input, "recv").requires_grad_()
             mb.arriving_input = None
         with self.forward_context(action.microbatch):
-            out = stage(mb.input, positions=self.positions)
-            if action.stage == self.schedule.n_stages - 1:
-                out = self.loss_sum(out, targets) / self.denominator
+            if action.stage != self.schedule.n_stages - 1:
+                out = stage(mb.input, positions=self.positions)
+            elif self.loss_in_head:  # the loss computed in the head, chunk by chunk
+                out = stage(mb.input, positions=self.positions, targets=targets) / self.denominator
+            else:
+                out = self.loss_sum(stage(mb.input, positions=self.positions), targets) / self.denominator
         mb.output = out
         if action.stage == self.schedule.n_stages - 1:
             return out.detach()
