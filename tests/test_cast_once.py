@@ -8,10 +8,11 @@ same fp32 weights (`test_one_process_is_bitwise_autocast`).
 Tolerances of the cuts against one process in bf16 (losses and gradient norms over the steps):
 derived from two correct bf16 runs of one process that differ only in summation order
 (train.accumulate = 1 against 2: the same rows, their gradients summed in two microbatches):
-measured drift 2.6e-4 in loss and 1.4e-3 in gradient norm at these shapes
+measured drift 8.9e-5 in loss and 7.9e-3 in gradient norm (the largest step of 6) at these shapes
 (`test_bf16_drift_of_two_correct_runs`, which pins it); the cuts change the order of sums in the
 same ways (per-rank partial sums, tp partial products, microbatches), so they are held to 4x that:
-rtol 1e-3 on the losses and 6e-3 on the gradient norms. fp32's rtol 1e-5 does not apply: a bf16
+rtol 4e-4 on the losses and 3.2e-2 on the gradient norms (measured: dp, ZeRO-1/2 7.9e-3 in the
+norm, pp 6.2e-3, cp 1.1e-2, tp+sp 1.3e-2). fp32's rtol 1e-5 does not apply: a bf16
 matmul's product is rounded to 8 bits of mantissa.
 """
 
@@ -36,8 +37,8 @@ from fivecut.train.data import BatchSampler
 pytestmark = pytest.mark.multirank
 
 BF16 = 'train.dtype="bf16"'
-DRIFT = {"loss": 2.6e-4, "norm": 1.4e-3}  # measured: accumulate=1 against 2, one process, bf16
-LOSS_RTOL, NORM_RTOL = 1e-3, 6e-3  # about 4x the drift of two correct runs
+DRIFT = {"loss": 8.9e-5, "norm": 7.9e-3}  # measured: accumulate=1 against 2, one process, bf16
+LOSS_RTOL, NORM_RTOL = 4e-4, 3.2e-2  # 4x the drift of two correct runs
 
 
 # ---------------------------------------------------------------- one process: autocast's numerics
