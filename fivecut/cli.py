@@ -829,7 +829,6 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         cp_mode=dims.cp_mode,
         cp_ulysses=dims.cp_ulysses,
         etp=dims.etp,
-        ep=dims.ep,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
@@ -1157,7 +1156,7 @@ def print_plan(cost, cfg: Config, cluster) -> None:
     print(cluster.describe())
     m = cost.memory
     print(f"\nmemory per rank (pipeline position {cost.memory_rank}, the fullest):")
-    for key in ("params", "grads", "optimizer", "activations", "loss", "buffers", "total"):
+    for key in ("params", "grads", "optimizer", "weight_copies", "activations", "loss", "buffers", "total"):
         print(f"  {key:<12} {format_bytes(m[key]):>12}")
     verdict = (
         "fits" if cost.fits else f"does NOT fit; the largest term is {max(m, key=lambda k: m[k] * (k != 'total'))}"

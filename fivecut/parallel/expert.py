@@ -65,6 +65,7 @@ from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.model.transformer import MoE, swiglu_expert
 from fivecut.parallel.placement import Change, Slice
+from fivecut.parallel.precision import master
 
 # ---------------------------------------------------------------- placement (EPLB)
 
@@ -472,7 +473,8 @@ class ExpertParallelMoE:
         if p.extra == 0:
             return []
         ex = self.moe.experts
-        flat = torch.cat([ex.w1.flatten(1), ex.w3.flatten(1), ex.w2.flatten(1)], 1)  # [n_local, 3*dim*hidden]
+        # the fp32 masters travel (bf16: not the step's copies), as the ledger counts them
+        flat = torch.cat([master(ex, w).flatten(1) for w in EXPERT_WEIGHTS], 1)  # [n_local, 3*dim*hidden]
         wanted = [[e for e in p.expert[r][p.n_local :] if e >= 0] for r in range(p.ep)]  # per rank, slot order
         rows = [p.home[e][1] for r in range(p.ep) for e in wanted[r] if p.owner(e) == me]  # my slots of those experts
         in_splits = [sum(p.owner(e) == me for e in wanted[r]) for r in range(p.ep)]

@@ -18,6 +18,9 @@
     7. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
                            for most, `expert_dp` for experts, dp x cp x tp for the router and shared
                            experts under tp; DDP (zero=0) or ZeRO-1/2/3
+    8. compute weights     train.dtype = "bf16" (not ZeRO-3, whose units are gathered in bf16): each matmul
+                           weight read as one bf16 copy a step, made after the update and ZeRO-1/2's
+                           gather (`fivecut.parallel.precision`)
 
 The model code never changes; each step rewrites or wraps modules from outside, receives the
 process group it uses from the `Mesh`, and returns what it changed. A step that was asked for
@@ -65,13 +68,15 @@ from fivecut.parallel.placement import (
     logical_name,
     params_by_name,
 )
+from fivecut.parallel.precision import ComputeWeights, cast_names, cast_once
 from fivecut.parallel.recompute import apply_recompute
 from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from fivecut.parallel.zero_pipeline import StagedSync
 
-STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data")  # the order, as applied below
+# the order, as applied below
+STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data", "precision")
 
 # parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
@@ -120,6 +125,8 @@ class Parallelized:
     experts: ExpertBalancer | None = None  # MoE models: load statistics, balancing, EPLB
     compiled: CompileRecord | None = None  # train.compile: the blocks compiled, Dynamo's counts
     loss_in_head: bool = False  # the head is a `LossHead`: given targets, it returns the loss, chunk by chunk
+    # train.dtype = "bf16": the weights read as one bf16 copy a step (`invalidate` after each update)
+    compute: ComputeWeights = dataclasses.field(default_factory=ComputeWeights)
 
     def forward_loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor):
         """The sum of token losses of one forward (no pipeline): computed in the head a chunk of
@@ -236,9 +243,10 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     check_local_shapes(placements, params)
     experts = expert_balancer(args, mesh, o.moe, runtimes, module)
     loss = token_loss_sum if dims.tp == 1 else vocab_loss(mesh.group("tp"), args.vocab_size)
+    compute = compute_weights(module, mesh, o.param_dtype, saved)
     return Parallelized(
         module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled,
-        loss_in_head,
+        loss_in_head, compute,
     )  # fmt: skip
 
 
@@ -492,6 +500,21 @@ def record_flat_slots(placements: dict[str, Placement], params, slots: dict[nn.P
     for name, pl in placements.items():
         if params[name] in slots:
             placements[name] = dataclasses.replace(pl, flat=slots[params[name]])
+
+
+# ---------------------------------------------------------------- 8. compute weights
+
+
+def compute_weights(module: nn.Module, mesh: Mesh, dtype, saved: SavedActivations) -> ComputeWeights:
+    """Under bf16 (`param_dtype`) outside ZeRO-3: every matmul weight of this rank cast once a step;
+    what backward keeps of the copies is a weight, not an activation (`SavedActivations.copies`)."""
+    if dtype is None or mesh.dims.zero == 3:  # fp32; or ZeRO-3's units, gathered in bf16 already
+        return ComputeWeights()
+    expected = [type(m).__name__ for m in module.modules() if cast_names(m)]
+    compute = cast_once(module, dtype)
+    require("precision", [type(m).__name__ for m in compute.modules], expected)
+    saved.copies = compute
+    return compute
 
 
 # ---------------------------------------------------------------- the rest of what a rank needs

@@ -8,7 +8,8 @@ cannot be separate):
   all-gathers it again when it is first needed. Without this the gathered input would
   be saved whole and SP would not cut the activations inside the regions.
 * Measurement: when `measure()` is on, the bytes each transformer layer keeps are
-  counted (each storage once per layer; parameters are not activations). Inside a
+  counted (each storage once per layer; parameters and their bf16 compute copies, held once a
+  step by `fivecut.parallel.precision`, are not activations). Inside a
   checkpoint (activation recomputation) the checkpoint's own hook is the innermost one:
   what it holds by closure, its inputs, is reported with `count_kept`.
 """
@@ -24,6 +25,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
+from fivecut.parallel.precision import ComputeWeights
 
 
 class Regathered:
@@ -60,6 +62,7 @@ class SavedActivations:
         self._seen: set[int] = set()
         self.regathers = False  # set by sequence parallelism: some region keeps only its local slice
         self._in_forward = False  # inside `forward()`: a recomputation in backward keeps nothing here
+        self.copies: ComputeWeights | None = None  # bf16: the step's weight copies (weights, not activations)
 
     def keep_local(self, full: torch.Tensor, local: torch.Tensor, dim: int, group: Group) -> None:
         """`full` was all-gathered from `local`: if backward needs it, keep `local` and gather again."""
@@ -106,14 +109,18 @@ class SavedActivations:
         """Tensors a checkpoint keeps for backward by closure (its hook hides them from `_pack`)."""
         if self._measuring and self._layer is not None:
             for t in tensors:
-                if not _is_parameter(t):
+                if not self._is_weight(t):
                     self._count(t)
 
     def _pack(self, t: torch.Tensor):
         kept = self._stand_in(t)
-        if self._measuring and self._layer is not None and not _is_parameter(t):
+        if self._measuring and self._layer is not None and not self._is_weight(t):
             self._count(kept.source.local if isinstance(kept, SavedView) else t)
         return kept
+
+    def _is_weight(self, t: torch.Tensor) -> bool:
+        """A parameter, or (bf16) the step's compute copy of one: held once a step, not per microbatch."""
+        return _is_parameter(t) or (self.copies is not None and self.copies.holds(t))
 
     def _stand_in(self, t: torch.Tensor):
         """A `SavedView` when `t` is a view of a gathered tensor whose local slice we keep instead."""

@@ -23,7 +23,11 @@ its own dtype (`precision_of`; measured with `fivecut ledger`, every term exact)
              reading a norm's output saves its own bf16 cast of it, whole even under SP (the
              regathered fp32 input is not what is saved): 3 (q, k, v) + 2 (w1, w3) x 2h bytes
              per token; q, k, v, the attention output and the SwiGLU tensors are bf16; rstd and
-             log-sum-exps fp32; and each linear's bf16 copy of its weight (`weight_copies`)
+             log-sum-exps fp32. The linears' bf16 weights are not per microbatch: each matmul
+             weight is cast once a step (`fivecut.parallel.precision`) and that one copy is held
+             for every microbatch in flight (`weight_copies`, counted once per rank by the
+             planner); only a replicated k/v weight (t > kv heads) is still cast per forward,
+             sliced to this rank's head (`replicated_kv_copies`)
     "bf16-params" (ZeRO-3's bf16 units) a bf16 residual stream: each norm keeps an fp32 upcast
              of its input, the normalized input in fp32 and its bf16 output once (all / t with
              SP); no weight copies
@@ -65,7 +69,6 @@ def activation_bytes_per_layer(
     cp_mode: str = "ulysses",
     cp_ulysses: int = 1,
     etp: int = 1,
-    ep: int = 1,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -106,10 +109,10 @@ def activation_bytes_per_layer(
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
-    dense = batch * seq * (norms + attention + mlp + per_token) + weight_copies(args, tp, precision, moe_rows is None)
+    dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
     if moe_rows is None:
         return dense
-    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep)
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp)
 
 
 def latent_attention_floats(args, tp: int, plain: bool) -> float:
@@ -152,16 +155,28 @@ def norm_bytes(precision: str, h: int, cut: int, consumers: int) -> float:
     return (FP32 * 2 * h + 2 * h) / cut
 
 
-def weight_copies(args, tp: int, precision: str, dense: bool) -> float:
-    """Autocast over fp32 weights keeps, for backward, the bf16 copy of each matmul weight it
-    cast (one per forward): 2 B x the block's local attention (and dense MLP) weights. A replicated
-    k/v weight (t > kv heads) is sliced to this rank's head before its cast."""
+def weight_copies(args, tp: int, precision: str, moe: bool, ep: int = 1, etp: int = 1) -> float:
+    """The bf16 compute copies of one block's matmul weights on one rank, made once a step and
+    shared by every microbatch (`fivecut.parallel.precision`): 2 B x the block's local attention
+    weights (a replicated k/v weight is not among them: `replicated_kv_copies`) and its dense MLP,
+    or its router, this rank's E/ep routed experts (their hidden size / etp) and shared experts."""
     if precision != "bf16":
         return 0.0
     h, hd = args.dim, args.head_dim
-    kv = 2 * args.n_kv_heads * hd * h // tp if args.n_kv_heads % tp == 0 else 2 * hd * h
-    mlp = 3 * h * args.ffn_dim // tp if dense else 0
-    return 2 * (2 * args.n_heads * hd * h // tp + kv + mlp)
+    kv = 2 * args.n_kv_heads * hd * h // tp if args.n_kv_heads % tp == 0 else 0
+    if not moe:
+        return 2 * (2 * args.n_heads * hd * h // tp + kv + 3 * h * args.ffn_dim // tp)
+    e, shared = args.n_experts, args.expert_dim * args.n_shared_experts
+    experts = h * e + 3 * (e // ep) * h * args.expert_dim // etp + 3 * h * shared
+    return 2 * (2 * args.n_heads * hd * h // tp + kv + experts)
+
+
+def replicated_kv_copies(args, tp: int, precision: str) -> float:
+    """A replicated k/v weight (t > kv heads: `ReplicatedKV`) is sliced to this rank's head and
+    autocast casts that slice in each forward, which keeps it: 2 B x 2 hd h per microbatch."""
+    if precision != "bf16" or args.n_kv_heads % tp == 0:
+        return 0.0
+    return 2 * 2 * args.head_dim * args.dim
 
 
 def precision_of(dtype: str, zero: int) -> str:
@@ -181,7 +196,6 @@ def moe_bytes(
     precision: str = "fp32",
     swiglu: int = 4,
     etp: int = 1,
-    ep: int = 1,
 ) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
@@ -200,7 +214,7 @@ def moe_bytes(
     Under `precision` the router's scores and weights stay fp32 and the rest is in the matmuls'
     dtype; autocast over fp32 weights ("bf16") also keeps, per linear, its bf16 cast of its input
     (the router's, the shared experts' two, each routed expert's two of its rows: R*2h, not R*h)
-    and of its weight (router, this rank's E/ep experts, shared experts)."""
+    (its weights are the step's compute copies, held once: `weight_copies`)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     gathered = etp * t  # the tokens the dispatch and the combine see
     a, casts = BYTES[precision], precision == "bf16"
@@ -209,8 +223,7 @@ def moe_bytes(
     shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
     rows = received * (h * (2 if casts else 1) + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
     rows += swiglu * t * shared + (t * h * (1 + 2 * (shared > 0)) if casts else 0)  # casts: router's, shared's
-    weights = 2 * (h * e + 3 * (e // ep) * h * args.expert_dim // etp + 3 * h * shared) if casts else 0
-    return stats + a * rows + weights + 8 * (t * k + sent + gathered * k)
+    return stats + a * rows + 8 * (t * k + sent + gathered * k)
 
 
 def stage_activation_bytes(

@@ -63,7 +63,13 @@ from dataclasses import dataclass, field
 from fivecut.mesh import Mesh
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
+from fivecut.plan.activations import (
+    activation_bytes_per_layer,
+    layer_mode,
+    loss_peak_bytes,
+    precision_of,
+    weight_copies,
+)
 from fivecut.plan.buffers import buffer_bytes
 from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
@@ -544,6 +550,7 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
+        states["weight_copies"] = sum(block_copies(args, cfg, precision, moe) for moe, _mode in order)  # once a step
         states["buffers"] = buffers[rank]  # gathered ZeRO-3 units, reduction copies
         states["total"] = sum(states.values())
         if best is None or states["total"] > best["total"]:
@@ -598,12 +605,18 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
             cp_mode=dims.cp_mode,
             cp_ulysses=dims.cp_ulysses,
             etp=dims.etp,
-            ep=dims.ep,
         )
     return BLOCK_BYTES[key]
 
 
 BLOCK_BYTES: dict[tuple, float] = {}
+
+
+def block_copies(args, cfg, precision: str, moe: bool) -> float:
+    """The bf16 compute copies of one block's matmul weights on a rank: one a step, shared by
+    every microbatch in flight (`fivecut.parallel.precision`; none in fp32 or under ZeRO-3)."""
+    dims = cfg.parallel
+    return weight_copies(args, dims.tp, precision, moe, dims.ep, dims.etp)
 
 
 def in_flight_of(args, cfg) -> list[int]:

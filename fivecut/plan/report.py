@@ -17,7 +17,7 @@ from fivecut.plan.cluster import Cluster  # noqa: E402
 from fivecut.plan.cost import LayoutCost  # noqa: E402
 from fivecut.plan.search import time_terms  # noqa: E402
 
-MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "loss", "buffers")
+MEMORY_TERMS = ("params", "grads", "optimizer", "weight_copies", "activations", "loss", "buffers")
 GIB = 1 << 30
 
 

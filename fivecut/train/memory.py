@@ -61,6 +61,8 @@ def step_peak_bytes(device: torch.device) -> int | None:
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """The peak of the bytes held by tensors created inside it (each storage once, from the op that
     made it until the last tensor on it dies): a real peak on any device, the CPU included, where

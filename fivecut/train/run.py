@@ -55,6 +55,8 @@ class Context:
         return dist.get_rank() == 0
 
     def autocast(self):
+        """bf16: autocast over fp32 masters; the matmul weights it reads are already the step's bf16
+        copies (`fivecut.parallel.precision`), so it casts only activations."""
         if self.cfg.train.dtype == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()

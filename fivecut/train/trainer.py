@@ -55,7 +55,8 @@ def clip(ctx: Context) -> float:
 
 def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> None:
     """Step at the schedule's `step`, gather ZeRO shards; then EPLB moves experts (their elements
-    sent go to `moe`). A skipped step calls none of this, on every rank alike."""
+    sent go to `moe`); the masters changed, so the bf16 compute copies go (the next forward casts
+    them again). A skipped step calls none of this, on every rank alike."""
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
         set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
@@ -65,6 +66,7 @@ def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> None:
             ctx.par.sync.settle()  # EPLB moves whole experts
             for layer, elements in ctx.par.move_experts(ctx.optimizer).items():
                 moe["local"][layer]["moved_elements"] = elements
+        ctx.par.compute.invalidate()
 
 
 def train(
