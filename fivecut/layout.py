@@ -147,9 +147,12 @@ class ParallelDims:
         return ",".join(parts) or "single"
 
     def settings(self) -> str:
-        """Every field that differs from its default, as `--layout` spells it (`describe` names the cuts only)."""
+        """Every field that differs from its default, as `--layout` spells it (`describe` names the cuts only);
+        microbatches only under a pipeline, the only cut that reads them."""
         parts = [
-            f"{f.name}={spelled(getattr(self, f.name))}" for f in fields(self) if getattr(self, f.name) != f.default
+            f"{f.name}={spelled(getattr(self, f.name))}"
+            for f in fields(self)
+            if getattr(self, f.name) != f.default and (f.name != "microbatches" or self.pp > 1)
         ]
         return ",".join(parts) or "single"
 

@@ -22,13 +22,17 @@ and the routed experts' stacked weights (`GroupedExperts`). The embedding (a loo
 their fp32 weights, and autocast does what it did.
 
 How: each such module's class becomes a subclass whose weight attribute (`weight`, or `w1`, `w3`,
-`w2`) is a property: read while autocast to bf16 is on, it returns the step's copy, made on the
-first read with autograd recording; otherwise the master. Parameter names, `state_dict`,
-`named_parameters` and the placement records still see the fp32 masters (checkpoints save them,
-never the copies). Since the copy is made on first read inside a forward, it follows everything
-that writes the masters before: the optimizer's update, ZeRO-1/2's gathers (waited for in the
-unit's pre-forward hook, before any of its matmuls), EPLB's moves. `ComputeWeights.invalidate`
-drops the copies after each optimizer step (the trainer's `optimizer_step`); until then:
+`w2`) is a property that returns the step's copy when there is one, else the master. Parameter
+names, `state_dict`, `named_parameters` and the placement records still see the fp32 masters
+(checkpoints save them, never the copies). The copies are made by a forward pre-hook on each
+transformer block (and on a cast module outside every block, such as a head computing full
+logits), eagerly, when a forward under autocast to bf16 with autograd on reaches it: compiled
+blocks keep their `__call__` eager, so the casts stay out of the compiled graphs, which only read
+the copies (a copy made inside one graph and read by the next microbatch's would chain the two
+graphs' backward). The hook runs after the data cut's own pre-forward hooks (registered before it),
+so a copy follows everything that writes the masters first: the optimizer's update, ZeRO-1/2's
+gathers, EPLB's moves. `ComputeWeights.invalidate` drops the copies after each optimizer step
+(the trainer's `optimizer_step`); until then:
 
 * recomputation (full, selective) reads the same copy again in backward;
 * a split backward's W (zero-bubble schedules) holds the copy it was given in B, and computes dW
@@ -57,25 +61,28 @@ class ComputeWeights:
 
     dtype: torch.dtype | None = None  # the compute dtype (None: nothing is cast, fp32 or ZeRO-3)
     modules: list[nn.Module] = field(default_factory=list)
-    copies: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (id(module), name) -> copy
     storages: set[int] = field(default_factory=set)  # the copies' storages (saved-tensor accounting)
 
-    def read(self, module: nn.Module, name: str) -> torch.Tensor:
-        """`module.<name>`: under autocast to `dtype`, this step's copy; otherwise the master."""
-        weight = master(module, name)
-        device = weight.device.type
-        if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self.dtype):
-            return weight
-        key = (id(module), name)
-        copy = self.copies.get(key)
-        if copy is None and torch.is_grad_enabled():  # no grad (evaluation): autocast casts, nothing is kept
-            copy = self.copies[key] = weight.to(self.dtype)  # [same shape]; ToCopyBackward saves nothing
-            self.storages.add(copy.untyped_storage().data_ptr())
-        return weight if copy is None else copy
+    def prepare(self, owner: nn.Module) -> None:
+        """Before `owner`'s forward: under autocast to `dtype` with autograd on, the copies of the
+        cast modules inside it that this step has not made yet. Evaluation (no grad) makes none."""
+        device = next(owner.parameters()).device.type
+        if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+            return
+        if torch.get_autocast_dtype(device) != self.dtype:
+            return
+        for m in owner.modules():
+            copies = getattr(m, "_compute_copies", None)
+            if copies is None or copies:
+                continue
+            for name in m._compute_names:
+                copy = copies[name] = master(m, name).to(self.dtype)  # [same shape]; ToCopyBackward saves nothing
+                self.storages.add(copy.untyped_storage().data_ptr())
 
     def invalidate(self) -> None:
         """The masters changed (after the optimizer step): the next forward casts them again."""
-        self.copies.clear()
+        for m in self.modules:
+            m._compute_copies.clear()
         self.storages.clear()
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -83,7 +90,7 @@ class ComputeWeights:
         return t.device.type != "meta" and t.untyped_storage().data_ptr() in self.storages
 
     def held_bytes(self) -> int:
-        return sum(copy.untyped_storage().nbytes() for copy in self.copies.values())
+        return sum(c.untyped_storage().nbytes() for m in self.modules for c in m._compute_copies.values())
 
 
 def master(module: nn.Module, name: str) -> nn.Parameter:
@@ -98,9 +105,21 @@ def cast_once(module: nn.Module, dtype: torch.dtype) -> ComputeWeights:
         names = cast_names(m)
         if names:
             m.__class__ = cast_class(type(m), names)
-            m._compute_weights = record
+            m._compute_names, m._compute_copies = names, {}  # name -> this step's copy
             record.modules.append(m)
+    for owner in copy_owners(module, record.modules):
+        owner.register_forward_pre_hook(lambda owner, _args: record.prepare(owner))
     return record
+
+
+def copy_owners(module: nn.Module, cast: list[nn.Module]) -> list[nn.Module]:
+    """The modules whose pre-forward hook makes the copies: every transformer block (`layers` of
+    a model or pipeline stage), and each cast module outside all blocks."""
+    blocks = [
+        b for m in module.modules() if isinstance(getattr(m, "layers", None), nn.ModuleDict) for b in m.layers.values()
+    ]
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return blocks + [m for m in cast if id(m) not in inside]
 
 
 def cast_names(module: nn.Module) -> tuple[str, ...]:
@@ -112,11 +131,17 @@ def cast_names(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
+def compute_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` as its matmuls read it: this step's copy when one was made, else the master."""
+    copy = module._compute_copies.get(name)
+    return master(module, name) if copy is None else copy
+
+
 def cast_class(cls: type, names: tuple[str, ...]) -> type:
-    """`cls` with each of `names` read through `ComputeWeights.read` (one class per (cls, names))."""
+    """`cls` with each of `names` read through `compute_weight` (one class per (cls, names))."""
     key = (cls, names)
     if key not in _CLASSES:
-        props = {n: property(lambda self, n=n: self._compute_weights.read(self, n)) for n in names}
+        props = {n: property(lambda self, n=n: compute_weight(self, n)) for n in names}
         _CLASSES[key] = type(cls.__name__, (cls,), {**props, "__module__": cls.__module__})
     return _CLASSES[key]
 
