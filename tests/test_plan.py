@@ -10,6 +10,7 @@ from fivecut.cli import build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import (
     EMBEDDING_GRAD_BYTES,
+    KERNELS_MOE,
     KERNELS_PER_EXPERT,
     KERNELS_PER_LAYER,
     block_forward_kernels,
@@ -178,12 +179,13 @@ def test_the_embeddings_dense_gradient_is_paid_each_microbatch_but_under_a_split
         assert stage_work(args, cfg, range(1, 2), False, False, 64)[0]["embedding_B"] == 0
 
 
-def test_a_moe_blocks_kernels_grow_with_the_experts_a_rank_holds():
+def test_a_moe_blocks_kernels_do_not_grow_with_the_experts_a_rank_holds():
+    """The routed experts run as grouped GEMMs: a MoE block launches as many kernels at ep=2 as at ep=1."""
     _, cfg, args = planned("tiny-moe", "dp=2,ep=2", "1x2xH100", "--seq", "256", "--global-batch", "8")
     dense, moe = block_forward_kernels(args, 0, 4), block_forward_kernels(args, 1, 4)
-    assert dense == KERNELS_PER_LAYER and moe - block_forward_kernels(args, 1, 2) == 2 * KERNELS_PER_EXPERT
+    assert dense == KERNELS_PER_LAYER and moe == KERNELS_PER_LAYER + KERNELS_MOE == block_forward_kernels(args, 1, 2)
+    assert KERNELS_PER_EXPERT == 0
     assert (
         stage_work(args, cfg, range(2), True, True, 64)[1]["F"]
-        - stage_work(args, replace(cfg, parallel=replace(cfg.parallel, ep=1, dp=2)), range(2), True, True, 64)[1]["F"]
-        == -4 * KERNELS_PER_EXPERT
+        == stage_work(args, replace(cfg, parallel=replace(cfg.parallel, ep=1, dp=2)), range(2), True, True, 64)[1]["F"]
     )

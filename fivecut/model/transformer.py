@@ -18,12 +18,15 @@ Plain single-device PyTorch: the parallel cuts are applied from outside
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fivecut.model.args import ModelArgs
 
@@ -190,10 +193,134 @@ class FeedForward(nn.Module):
 # mixture of experts
 # ----------------------------------------------------------------------------
 
+# A grouped matrix product: x [N, K] whose rows come in E groups (group e: rows ends[e-1]
+# to ends[e], ends [E] int32 on x's device) times w [E, K, M] -> [N, M], group e times w[e].
+# Rows past ends[-1] give unspecified values (a caller with such rows masks them). Every
+# kernel reads the offsets on the device: none waits for the host (no .tolist, no .item).
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def group_ends(counts: torch.Tensor) -> torch.Tensor:
+    """Rows per group [E] -> the groups' end offsets [E] int32 (the grouped GEMM's `offs`)."""
+    return counts.cumsum(0, dtype=torch.int32)
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `ids` (any shape) -> [n] int64. Unlike bincount,
+    whose output size depends on the data (a host sync on a GPU), the size here is n."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+@torch.library.custom_op("fivecut::grouped_mm_cpu", mutates_args=())
+def grouped_mm_cpu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm on the CPU, where its kernel takes fp32 as well as bf16 but its shape
+    function (used by torch.compile) admits bf16 only: an opaque op with its own shapes.
+    a [N, K] x b [E, K, M] -> [N, M]; or, for a weight gradient, a [K, N] x b [N, M] -> [E, K, M]
+    (the N rows cut into groups by `ends`)."""
+    return torch._grouped_mm(a, b, offs=ends)
+
+
+@grouped_mm_cpu.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(ends.shape[0], a.shape[0], b.shape[1])
+
+
+def _grouped_mm_cpu_backward(ctx, grad: torch.Tensor):
+    a, b, ends = ctx.saved_tensors
+    grad = grad.contiguous()  # [N, M]; a summed output hands back a zero-stride gradient
+    grad_a = grouped_mm_cpu(grad, b.transpose(1, 2), ends)  # [N, K]
+    grad_b = grouped_mm_cpu(a.t(), grad, ends)  # [E, K, M]: the rows of group e only
+    return grad_a, grad_b, None
+
+
+def _grouped_mm_cpu_save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+grouped_mm_cpu.register_autograd(_grouped_mm_cpu_backward, setup_context=_grouped_mm_cpu_save)
+
+
+def grouped_mm_cuda(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm (bf16, Hopper or newer: one CUTLASS kernel for all the groups)."""
+    return torch._grouped_mm(x, w, offs=ends)
+
+
+def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The grouped product as one batched matmul over blocks of rows, for any device and dtype.
+    Each group is cut into blocks of `block` rows (its last block padded with zero rows), each
+    block multiplied by its group's weights. The number of blocks is bounded without reading
+    the counts -- sum_e ceil(n_e / block) <= N // block + E -- so no shape waits for the host."""
+    n, e = x.shape[0], w.shape[0]
+    block = max(16, -(-n // (4 * e)))  # about 4 blocks a group on average: at most ~5E weight copies
+    n_blocks = n // block + e
+    ends = ends.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
+    blocks = (counts + block - 1) // block  # [E] blocks of each group
+    block_ends = blocks.cumsum(0)  # [E]
+    group = torch.searchsorted(block_ends, torch.arange(n_blocks, device=x.device), right=True)  # [B]; E: unused
+    g = group.clamp(max=e - 1)
+    first_row = ends[g] - counts[g] + (torch.arange(n_blocks, device=x.device) - block_ends[g] + blocks[g]) * block
+    src = first_row.unsqueeze(1) + torch.arange(block, device=x.device)  # [B, block] source rows
+    real = (src < ends[g].unsqueeze(1)) & (group < e).unsqueeze(1)
+    x_blocks = torch.cat([x, x.new_zeros(1, x.shape[1])])[torch.where(real, src, n)]  # [B, block, K]
+    y_blocks = torch.bmm(x_blocks, w[g]).flatten(0, 1)  # [B*block, M]
+    rows = torch.arange(n, device=x.device)
+    row_group = torch.searchsorted(ends, rows, right=True).clamp(max=e - 1)  # [N]
+    row_block = block_ends[row_group] - blocks[row_group] + (rows - ends[row_group] + counts[row_group]) // block
+    slot = torch.where(rows < ends[-1], row_block * block + (rows - ends[row_group] + counts[row_group]) % block, -1)
+    return torch.cat([y_blocks, y_blocks.new_zeros(1, y_blocks.shape[1])])[slot]  # [N, M]; past the end: 0
+
+
+@functools.cache
+def _hopper_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def grouped_kernel(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...]) -> GroupedMM:
+    """The one place a grouped GEMM is chosen, by device and dtype. The fast kernels want the
+    rows of x, w and the output 16-byte aligned (every size in `sizes` times the element size
+    a multiple of 16); otherwise, and on a GPU without torch._grouped_mm's kernel (before
+    Hopper, or not bf16), the padded batched matmul."""
+    aligned = all(size * dtype.itemsize % 16 == 0 for size in sizes)
+    if aligned and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return grouped_mm_cpu
+    if aligned and device.type == "cuda" and dtype == torch.bfloat16 and _hopper_or_newer(device):
+        return grouped_mm_cuda
+    return padded_grouped_mm
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    recompute_product: bool = False,
+) -> torch.Tensor:
+    """E SwiGLU experts on grouped rows: x [N, dim] (group e: rows ends[e-1]..ends[e]),
+    w1/w3 [E, dim, hidden], w2 [E, hidden, dim] -> [N, dim], w2 e(silu(w1 e x) * w3 e x) for
+    each group; rows past ends[-1] unspecified. `recompute_product`: keep the two matmul
+    outputs only and compute the SwiGLU product (and the down projection) again in backward."""
+    if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped kernels
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w1, w3, w2 = x.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
+    mm = grouped_kernel(x.device, x.dtype, (w1.shape[1], w1.shape[2]))
+    a, b = mm(x, w1, ends), mm(x, w3, ends)  # [N, hidden] each
+    if recompute_product:
+        return checkpoint(_swiglu_down, mm, a, b, w2, ends, use_reentrant=False, preserve_rng_state=False)
+    return _swiglu_down(mm, a, b, w2, ends)
+
+
+def _swiglu_down(mm: GroupedMM, a: torch.Tensor, b: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
+    return mm(F.silu(a) * b, w2, ends)  # [N, dim]
+
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked weights. The number of experts is
-    read from the weights, so an expert-parallel rank can hold a slice."""
+    """E SwiGLU experts stored as stacked weights, computed as grouped GEMMs. The number of
+    experts is read from the weights, so an expert-parallel rank can hold a slice."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -203,23 +330,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """x_sorted [T_sorted, dim], grouped by expert: rows of expert e are the
-        counts[e] rows after those of experts < e. Returns [T_sorted, dim].
-        Every expert runs, even on zero rows, so each weight gets a gradient."""
-        if isinstance(counts, torch.Tensor):
-            counts = counts.tolist()
-        if len(counts) != self.w1.shape[0]:
-            raise ValueError(f"got {len(counts)} token counts for {self.w1.shape[0]} local experts")
-        chunks = torch.split(x_sorted, counts)  # E tensors [counts[e], dim]
-        outs = [self._expert(e, xe) for e, xe in enumerate(chunks)]
-        return torch.cat(outs)  # [T_sorted, dim]
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_expert(x, self.w1[e], self.w3[e], self.w2[e])
-
-
-def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert: x [n, dim], w1/w3 [dim, hidden], w2 [hidden, dim] -> [n, dim]."""
-    return (F.silu(x @ w1) * (x @ w3)) @ w2
+        counts[e] rows after those of experts < e (all rows belong to an expert). Returns
+        [T_sorted, dim]. An expert with no rows gets a zero gradient."""
+        counts = torch.as_tensor(counts, device=x_sorted.device)  # a tensor stays on its device
+        if counts.shape[0] != self.w1.shape[0]:
+            raise ValueError(f"got {counts.shape[0]} token counts for {self.w1.shape[0]} local experts")
+        return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, group_ends(counts))
 
 
 def limit_to_groups(scores: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
@@ -243,7 +359,7 @@ def permute(x_flat: torch.Tensor, topk_idx: torch.Tensor, n_experts: int):
     flat_idx = topk_idx.reshape(-1)  # [T·k]
     order = torch.argsort(flat_idx, stable=True)  # [T·k]
     x_sorted = x_flat[order // k]  # [T·k, dim]
-    counts = torch.bincount(flat_idx, minlength=n_experts)  # [E]
+    counts = count_ids(flat_idx, n_experts)  # [E]
     return x_sorted, order, counts
 
 

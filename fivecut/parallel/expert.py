@@ -57,13 +57,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
-from fivecut.model.transformer import MoE, swiglu_expert
+from fivecut.model.transformer import MoE, count_ids, group_ends, grouped_swiglu
 from fivecut.parallel.placement import Change, Slice
 from fivecut.parallel.precision import master
 
@@ -217,7 +216,7 @@ def capacity_keep(
     topk_idx [b*s, k]; earlier [b, E] slots the same sequence already gave each expert on
     the ranks holding its earlier tokens. Returns keep [b*s, k] bool."""
     t, k = topk_idx.shape
-    one_hot = F.one_hot(topk_idx.view(rows, -1), n_experts)  # [b, s*k, E]
+    one_hot = (topk_idx.view(rows, -1, 1) == torch.arange(n_experts, device=topk_idx.device)).long()  # [b, s*k, E]
     before = one_hot.cumsum(1) - one_hot + earlier.unsqueeze(1)  # slots of the same expert before each slot
     position = (before * one_hot).sum(-1)  # [b, s*k]
     return (position < capacity).view(t, k)
@@ -294,14 +293,19 @@ class ExpertParallelMoE:
         self.n_experts = moe.router.weight.shape[0]
         self.set_placement(SlotMap(self.n_experts, ep.size, options.eplb_slots))
         self.stats = self._zero_stats()
-        self.first_rows: tuple[int, int] | None = None  # (sent, received) rows of the step's first forward
+        self.first_rows: torch.Tensor | None = None  # [2] (sent, received) rows of the step's first forward
         self.recording = False  # whether the current forward is a training one (its loads are counted)
         self.replaying = False  # a forward recomputed in backward (fivecut.parallel.recompute): not counted again
-        self.expert_fn = swiglu_expert  # one expert's SwiGLU (recomputation swaps in its selective form)
+        self.recompute_product = False  # the experts' SwiGLU product computed again in backward (selective recompute)
 
     def set_placement(self, placement: SlotMap) -> None:
+        """Use `placement`; its routing tables get one more row, for a sentinel expert E that
+        dropped slots are given: its rows go past the last physical slot (rank * slots + slot)."""
         self.placement = placement
-        self.dest, self.cum = placement.destinations(self.moe.router.weight.device)
+        dest, cum = placement.destinations(self.moe.router.weight.device)  # [E, R] each
+        past_the_end = dest.new_full((1, dest.shape[1]), placement.ep * placement.slots)
+        self.dest = torch.cat([dest, past_the_end])  # [E + 1, R]
+        self.cum = torch.cat([cum, cum.new_full((1, cum.shape[1]), math.inf)])  # [E + 1, R]
 
     def _zero_stats(self) -> LayerStats:
         e, p = self.n_experts, self.placement
@@ -311,7 +315,7 @@ class ExpertParallelMoE:
 
         return LayerStats(zeros(e), zeros(e), zeros(p.ep, p.slots), zeros(), zeros(p.ep), zeros(p.ep), zeros(2))
 
-    def take_stats(self) -> tuple[LayerStats, tuple[int, int] | None]:
+    def take_stats(self) -> tuple[LayerStats, torch.Tensor | None]:
         """The step's statistics, and the rows (sent, received) of its first training forward."""
         stats, self.stats = self.stats, self._zero_stats()
         first, self.first_rows = self.first_rows, None
@@ -393,21 +397,25 @@ class ExpertParallelMoE:
         return aux
 
     def _count(self, topk_idx: torch.Tensor, keep: torch.Tensor | None) -> None:
-        selected = torch.bincount(topk_idx.reshape(-1), minlength=self.n_experts)
-        kept = selected if keep is None else torch.bincount(topk_idx[keep], minlength=self.n_experts)
+        selected = count_ids(topk_idx, self.n_experts)  # [E]
+        kept = selected if keep is None else count_ids(self._kept_ids(topk_idx, keep), self.n_experts + 1)[:-1]
         self.stats.selected += selected
         self.stats.kept += kept
         self.moe.tokens_per_expert.copy_(kept)
 
+    def _kept_ids(self, topk_idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """[T, k] chosen experts -> [T*k], a dropped slot's expert replaced by the sentinel E."""
+        return torch.where(keep, topk_idx, self.n_experts).reshape(-1)
+
     def _destinations(self, experts: torch.Tensor) -> torch.Tensor:
-        """Global physical slot (rank * slots + slot) for each kept row of logical expert `experts` [N].
-        An expert with copies gives its i-th of n rows to the copy whose cumulative share
-        first exceeds (i + 1/2) / n."""
+        """Global physical slot (rank * slots + slot) for each row of logical expert `experts` [N]
+        (the sentinel E: ep * slots, past every slot). An expert with copies gives its i-th of
+        n rows to the copy whose cumulative share first exceeds (i + 1/2) / n."""
         if self.dest.shape[1] == 1:
             return self.dest[experts, 0]
         n = experts.shape[0]
         by_expert = torch.argsort(experts, stable=True)
-        counts = torch.bincount(experts, minlength=self.n_experts)
+        counts = count_ids(experts, self.n_experts + 1)
         starts = counts.cumsum(0) - counts
         position = torch.empty_like(experts)
         position[by_expert] = torch.arange(n, device=experts.device) - starts[experts[by_expert]]
@@ -416,62 +424,78 @@ class ExpertParallelMoE:
         return self.dest[experts, copy]
 
     def _dispatch_combine(self, x_flat, topk_idx, topk_weight, keep) -> torch.Tensor:
-        """Permute, dispatch, compute, combine, unpermute: x_flat [T, dim] -> [T, dim]."""
+        """Permute, dispatch, compute, combine, unpermute: x_flat [T, dim] -> [T, dim].
+        A dropped slot (capacity) sorts after every kept one: at ep = 1 it stays in the experts'
+        input as a row past the last group (giving zero), at ep > 1 it is not sent."""
         t, k = topk_idx.shape
         p, ep = self.placement, self.ep
-        slot_ids = torch.arange(t * k, device=x_flat.device)  # flat (token, slot) index t*k + j
-        if keep is not None:
-            slot_ids = slot_ids[keep.reshape(-1)]
-        dest = self._destinations(topk_idx.reshape(-1)[slot_ids])  # [N]
-        order = torch.argsort(dest, stable=True)
-        sent_slots = slot_ids[order]  # [N] grouped by (rank, slot)
-        x_send = x_flat[sent_slots // k]  # [N, dim]
-        send_counts = torch.bincount(dest, minlength=p.ep * p.slots).view(p.ep, p.slots)  # [ep, slots]
-        recv_counts = comm.all_to_all_single(send_counts, ep)  # [ep, slots] rows from each source per local slot
-        in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        n_slots = p.ep * p.slots
+        experts = topk_idx.reshape(-1) if keep is None else self._kept_ids(topk_idx, keep)  # [T*k]
+        dest = self._destinations(experts)  # [T*k] global physical slot; dropped: n_slots
+        order = torch.argsort(dest, stable=True)  # [T*k] flat (token, slot) indices grouped by (rank, slot)
+        send_counts = count_ids(dest, n_slots + 1)[:n_slots].view(p.ep, p.slots)  # [ep, slots]
+        x_send = x_flat[order // k]  # [T*k, dim]
+        if ep.size == 1:  # nothing to move: the rows stay where they are, dropped ones last
+            recv_counts, y_back = send_counts, self._experts(x_send, send_counts, tail=keep is not None)
+        else:
+            recv_counts = comm.all_to_all_single(send_counts, ep)  # [ep, slots] rows from each source per local slot
+            in_splits, out_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the host sync
+            x_recv = comm.all_to_all(x_send[: sum(in_splits)], ep, out_splits, in_splits)  # dispatch [N_recv, dim]
+            y_recv = self._experts(x_recv, recv_counts, tail=False)
+            y_back = comm.all_to_all(y_recv, ep, in_splits, out_splits)  # combine: [N, dim] in sent order
         if self.recording:
             self.stats.sent += send_counts.sum(1)
             self.stats.received += recv_counts.sum(1)
-            self.first_rows = self.first_rows or (sum(in_splits), sum(out_splits))
-        x_recv = comm.all_to_all(x_send, ep, out_splits, in_splits)  # dispatch: [N_recv, dim] by (source, slot)
-        y_recv = self._experts(x_recv, recv_counts)
-        y_back = comm.all_to_all(y_recv, ep, in_splits, out_splits)  # combine: [N, dim] in sent order
-        row = torch.full((t * k,), len(sent_slots), dtype=torch.long, device=x_flat.device)  # dropped: the zero row
-        row[sent_slots] = torch.arange(len(sent_slots), device=x_flat.device)
-        y_slots = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[-1])])[
-            row
-        ]  # [T*k, dim] (a gather saves only `row`)
+            if self.first_rows is None:
+                self.first_rows = torch.stack([send_counts.sum(), recv_counts.sum()])
+        row = torch.empty_like(order)
+        row[order] = torch.arange(t * k, device=order.device)  # where each (token, slot)'s output sits
+        row = row.clamp(max=y_back.shape[0])  # dropped slots that were not sent: the zero row
+        y_slots = torch.cat([y_back, y_back.new_zeros(1, y_back.shape[-1])])[row]  # [T*k, dim] (saves only `row`)
         weight = topk_weight if keep is None else topk_weight.masked_fill(~keep, 0.0)
         return (y_slots.view(t, k, -1) * weight.to(y_slots.dtype).unsqueeze(-1)).sum(1)  # [T, dim]
 
-    def _experts(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
-        """x_recv [N_recv, dim] in (source, slot) blocks -> each slot's expert applied, same order."""
+    def _experts(self, x_recv: torch.Tensor, recv_counts: torch.Tensor, tail: bool) -> torch.Tensor:
+        """x_recv [N_recv, dim] in (source, slot) blocks of recv_counts [ep, slots] rows -> each
+        slot's expert applied, same order: one grouped GEMM over the slots, its offsets on the
+        device. `tail`: rows past the blocks (dropped slots), which give zero."""
         p = self.placement
         if self.recording and self.etp.rank == 0:  # the etp ranks compute the same rows: count them once
             self.stats.slot_rows[self.ep.rank] += recv_counts.sum(0)
-        blocks = list(torch.split(x_recv, recv_counts.flatten().tolist()))  # ep * slots blocks, source-major
-        weights = self._slot_weights()
-        for j in range(p.slots):
-            rows = [blocks[s * p.slots + j] for s in range(p.ep)]
-            if weights[j] is None:  # an empty slot receives nothing
-                continue
-            y = self.expert_fn(torch.cat(rows), *weights[j])
-            for s, piece in enumerate(torch.split(y, [r.shape[0] for r in rows])):
-                blocks[s * p.slots + j] = piece
-        return torch.cat(blocks)
+        x, by_slot = x_recv, None
+        if p.ep > 1:  # source-major blocks -> slot-major rows
+            n = x_recv.shape[0]
+            blocks = torch.arange(p.ep * p.slots, device=x.device)
+            block = torch.repeat_interleave(blocks, recv_counts.flatten(), output_size=n)  # [N_recv]
+            by_slot = torch.argsort(block % p.slots, stable=True)  # [N_recv]
+            x = x_recv[by_slot]
+        ends = group_ends(recv_counts.sum(0))  # [slots]
+        inside = (torch.arange(x.shape[0], device=x.device) < ends[-1]).unsqueeze(1)  # [N, 1]
+        if tail:  # rows past the last group are left undefined by the kernels: zero, with zero gradient
+            x = torch.where(inside, x, 0)
+        y = grouped_swiglu(x, *self._slot_weights(), ends, self.recompute_product)  # [N_recv, dim]
+        if tail:
+            y = torch.where(inside, y, 0)
+        if by_slot is None:
+            return y
+        inverse = torch.empty_like(by_slot).scatter_(0, by_slot, torch.arange(n, device=x.device))
+        return y[inverse]  # back to (source, slot) blocks
 
-    def _slot_weights(self) -> list[tuple[torch.Tensor, ...] | None]:
-        """(w1, w3, w2) for each local slot: the owned experts, then the copies sent by their owners."""
+    def _slot_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w3 [slots, dim, hidden], w2 [slots, hidden, dim]: the owned experts, then the copies
+        sent by their owners (an empty slot: zeros; it receives no rows)."""
         ex = self.moe.experts
-        owned = [(ex.w1[j], ex.w3[j], ex.w2[j]) for j in range(self.placement.n_local)]
-        return owned + self._fetch_copies()
+        owned = (ex.w1, ex.w3, ex.w2)
+        if self.placement.extra == 0:
+            return owned
+        w1, w3, w2 = (torch.cat([w, copies]) for w, copies in zip(owned, self._fetch_copies()))
+        return w1, w3, w2
 
-    def _fetch_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
+    def _fetch_copies(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """EPLB copies: every owner sends the weights of its experts that other ranks' extra
-        slots hold (a differentiable all-to-all: the copies' gradients come back to the owner)."""
+        slots hold (a differentiable all-to-all: the copies' gradients come back to the owner).
+        Returns this rank's extra slots' w1, w3 [extra, dim, hidden] and w2 [extra, hidden, dim]."""
         p, me = self.placement, self.ep.rank
-        if p.extra == 0:
-            return []
         ex = self.moe.experts
         # the fp32 masters travel (bf16: not the step's copies), as the ledger counts them
         flat = torch.cat([master(ex, w).flatten(1) for w in EXPERT_WEIGHTS], 1)  # [n_local, 3*dim*hidden]
@@ -482,18 +506,16 @@ class ExpertParallelMoE:
         recv = comm.all_to_all(flat[rows], self.ep, out_splits, in_splits)  # [copies here, 3*dim*hidden] by owner
         if self.recording:
             self.stats.copies += torch.tensor(
-                [len(rows) - in_splits[me], sum(out_splits) - out_splits[me]], dtype=torch.float32
+                [len(rows) - in_splits[me], sum(out_splits) - out_splits[me]],
+                dtype=torch.float32,
+                device=self.stats.copies.device,
             )
         dim, hidden = ex.w1.shape[1], ex.w1.shape[2]
         row_of = {e: i for i, e in enumerate(sorted(wanted[me], key=lambda e: (p.owner(e), wanted[me].index(e))))}
-        out = []
-        for e in p.expert[me][p.n_local :]:
-            if e < 0:
-                out.append(None)
-                continue
-            w1, w3, w2 = recv[row_of[e]].split([dim * hidden, dim * hidden, hidden * dim])
-            out.append((w1.view(dim, hidden), w3.view(dim, hidden), w2.view(hidden, dim)))
-        return out
+        picks = [row_of[e] if e >= 0 else len(row_of) for e in p.expert[me][p.n_local :]]  # an empty slot: zeros
+        recv = torch.cat([recv, recv.new_zeros(1, recv.shape[1])])[torch.tensor(picks, device=recv.device)]
+        w1, w3, w2 = recv.split([dim * hidden, dim * hidden, hidden * dim], 1)  # [extra, dim*hidden] each
+        return w1.view(-1, dim, hidden), w3.view(-1, dim, hidden), w2.view(-1, hidden, dim)
 
 
 # ---------------------------------------------------------------- moving experts between ranks (EPLB)
@@ -643,7 +665,7 @@ class ExpertBalancer:
                 "received": st.received.tolist(),
                 "copies_sent": st.copies[0].item(),
                 "copies_received": st.copies[1].item(),
-                "first_forward_rows": first,
+                "first_forward_rows": None if first is None else tuple(int(v) for v in first.tolist()),
                 "moved_elements": 0,
             }  # set by the trainer after `apply_moves`
             for i, (st, first) in taken.items()

@@ -154,16 +154,10 @@ class SelectiveSwiGLU:
         return swiglu_down(mlp.w1(x), mlp.w3(x), mlp.w2.weight)
 
 
-def selective_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One routed expert, x [n, dim], w1/w3 [dim, hidden], w2 [hidden, dim] -> [n, dim], the
-    SwiGLU product recomputed in backward (as `swiglu_expert` computes it otherwise)."""
-    return swiglu_down(x @ w1, x @ w3, w2.t())
-
-
 def recompute_selectively(block: nn.Module, saved: SavedActivations) -> None:
     wrap_core(block.attention, saved)
     for module in block.modules():
         if isinstance(module, FeedForward):  # the dense MLP, or a MoE layer's shared experts
             module.forward = SelectiveSwiGLU(module)
         if isinstance(module, MoE) and module.runtime is not None:
-            module.runtime.expert_fn = selective_expert
+            module.runtime.recompute_product = True  # the routed experts' grouped SwiGLU

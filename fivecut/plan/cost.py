@@ -89,8 +89,12 @@ from fivecut.plan.volume import (
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "pp": "pp"}  # each cut's mesh group
 KERNELS_PER_LAYER = 30  # forward kernels of a block (~42 top-level aten ops: `kernel_us` is measured per 30)
-KERNELS_MOE = 22  # a MoE block's router, top-k, dispatch and combine beyond a dense block's (~31 aten ops)
-KERNELS_PER_EXPERT = 6  # each routed expert a rank holds: its rows' gather, three matmuls, SwiGLU, scatter (~8 ops)
+# a MoE block's router, top-k, dispatch, combine and routed experts beyond a dense block's: the experts
+# run as three grouped GEMMs and one SwiGLU whatever their number (the profiler counts 50 top-level aten
+# ops in tiny-moe's MoE layer with 4, 8 or 16 local experts; the per-expert loop had 51 + 10 an expert):
+# the 22 of the router and dispatch, plus the 6 that one expert of the loop cost
+KERNELS_MOE = 28
+KERNELS_PER_EXPERT = 0  # each routed expert a rank holds: nothing more since the grouped GEMMs
 KERNELS_OUTSIDE = 10  # embedding, final norm, head, cross-entropy (forward)
 # memory traffic of AdamW a parameter (`train.adamw`): fused reads the parameter, its gradient and
 # both moments and writes all but the gradient once (7 fp32 passes); foreach makes ~16 passes
@@ -200,7 +204,7 @@ def stage_compute(
 
 def block_forward_kernels(args, layer_id: int, experts: int = 0) -> int:
     """Kernels of block `layer_id`'s forward; a MoE block's router and dispatch add theirs, and
-    each of the `experts` routed experts the rank holds its own (fivecut's experts run one by one)."""
+    each of the `experts` routed experts the rank holds `KERNELS_PER_EXPERT` (none: grouped GEMMs)."""
     if not args.moe_layer(layer_id):
         return KERNELS_PER_LAYER
     return KERNELS_PER_LAYER + KERNELS_MOE + KERNELS_PER_EXPERT * experts
