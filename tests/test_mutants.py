@@ -1,0 +1,130 @@
+"""Tests for the hand-made bugs the default suite let through (issue 32): each test names, in its
+doc, the mutation it was seen to catch."""
+
+from __future__ import annotations
+
+import pytest
+from test_plan import planned, with_device
+
+from fivecut.checks import schedule_rule_problems
+from fivecut.config import Config, ConfigError, load_config, preset_args
+from fivecut.model.args import divisors
+from fivecut.plan.cluster import parse_cluster
+from fivecut.plan.cost import cost_layout
+from fivecut.plan.search import SearchResult, batch_splits, fastest_fitting, shape_cuts
+from fivecut.train.resume import config_keys, resume_changes
+
+# ---------------------------------------------------------------- the planner: ZeRO-1/2's gathers
+
+
+def gather_exposure(cost, cfg, overlap: float) -> tuple[float, float]:
+    """(exposed seconds, window) of the data cut by the cost model's stated rule (`fivecut.plan.cost`):
+    the reduce-scatters hide behind the backward (2/3 of the step's compute), the gathers of the
+    updated shards behind the next step's first forward, that of its first micro-step and first
+    microbatch (a third of the step's compute over accumulate x microbatches), but for one
+    bucket's gather, which that forward waits for. On H100 both ops move alike: the gathers are
+    half of the cut's seconds."""
+    dp = next(c for c in cost.cuts if c.cut == "dp")
+    calls = cost.calls["dp"]["all_gather"]
+    gather, hiding = dp.seconds / 2, overlap * cost.compute
+    microbatches = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
+    window = hiding / 3 / (cfg.train.accumulate * microbatches)
+    first = gather / calls
+    reduction = max(0.0, dp.seconds - gather - hiding * 2 / 3)
+    return reduction + first + max(0.0, gather - first - window), window
+
+
+@pytest.mark.parametrize(
+    "layout, sets, overlap",
+    [
+        ("dp=8,zero=1", ("train.accumulate=4",), 1.0),  # a quarter of the forward hides them
+        ("dp=8,zero=2", ("train.accumulate=2",), 1.0),
+        ("dp=4,pp=2,zero=1,microbatches=4", (), 0.25),  # the first microbatch's forward on stage 0
+    ],
+)
+def test_zero12s_gathers_hide_behind_the_first_microbatchs_forward_only(layout, sets, overlap):
+    """Caught: `window` in `data_exposed` without the accumulate factor, or without the
+    microbatches factor (`hiding / 3 / cfg.train.accumulate`): the gathers then hide behind the
+    whole step's forward. Across 8 nodes the gathers outlast the window, so it is binding."""
+    flags = ["--seq", "256", "--global-batch", "32", "--set", "train.bucket_mb=0.25"]
+    flags += [f for s in sets for f in ("--set", s)]
+    _, cfg, args = planned("tiny", layout, "8x1xH100", *flags)
+    cost = cost_layout(args, cfg, with_device(parse_cluster("8x1xH100"), overlap=overlap))
+    expected, window = gather_exposure(cost, cfg, overlap)
+    dp = next(c for c in cost.cuts if c.cut == "dp")
+    gather = dp.seconds / 2
+    assert gather - gather / cost.calls["dp"]["all_gather"] > window > 0  # the window decides the exposure
+    assert dp.exposed == pytest.approx(expected, rel=1e-9)
+
+
+# ---------------------------------------------------------------- the search keeps every schedule
+
+
+def test_the_search_costs_every_schedule_at_each_microbatch_count_it_accepts():
+    """tiny on 4 ranks, 16 sequences a step: a 2-rank pipeline runs each of the search's
+    schedules. For each, the search costs exactly the microbatch counts of its ladder (the least the
+    schedule accepts, x2, x4) that split the rows and that the run's checks accept, and keeps a
+    fitting layout of each. Caught: DualPipeV's least count at `shape.pp` (its first split is
+    refused and the shape dropped), or at 4 x pp (the ladder loses 2 x pp)."""
+    cfg = load_config(None, ["train.seq_len=64", "train.global_batch=16"])
+    args = preset_args(cfg.model)
+    cluster = parse_cluster("1x4xH100")
+    kept: dict[str, set[int]] = {}
+    for shape, data in shape_cuts(args, cfg, cluster):
+        if shape.pp != 2 or shape.tp != 1 or data != (1, None):
+            continue
+        rows = cfg.train.global_batch // (4 // (shape.pp * shape.cp))
+        least = next(m for m in range(1, rows + 1) if not schedule_rule_problems(shape.schedule, 2, m, shape.virtual))
+        ladder = {least, 2 * least, 4 * least} & set(divisors(rows))
+        assert {m for m, _ in batch_splits(rows, shape)} == ladder, shape.schedule
+        result = SearchResult([])
+        found = fastest_fitting(args, cfg, cluster, shape, data, result, capacity=1e18)
+        assert result.invalid == 0, shape
+        kept.setdefault(shape.schedule, set()).update(c.cfg.parallel.microbatches for c in found)
+    every = (("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("dualpipev", 2))  # GPipe: not searched (1F1B's time)
+    assert kept == {name: {m for m in (2, 4, 8) if not schedule_rule_problems(name, 2, m, v)} for name, v in every}
+
+
+# ---------------------------------------------------------------- what a resume refuses
+
+# Every key whose change a resume refuses (the data a step reads, the model, the optimizer's math,
+# the precision); every other key is free. Pinned here whole: moving one key fails.
+REFUSED_KEYS = {
+    *(f"model.{k}" for k in (
+        "preset init_from vocab_size dim n_layers n_heads n_kv_heads ffn_dim max_seq_len rope_theta norm_eps "
+        "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
+        "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
+    ).split()),
+    "data.source", "data.tokenizer", "data.val_fraction",
+    *(f"train.{k}" for k in (
+        "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype"
+    ).split()),
+    "moe.capacity_factor", "moe.aux_loss_coef", "moe.bias_update_rate",
+}  # fmt: skip
+
+
+def changed(value):
+    """Another value of the same JSON kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "-other"
+    return [1] if isinstance(value, list) else 3  # a list, or an unset key
+
+
+@pytest.mark.parametrize("key", config_keys())
+def test_a_resume_refuses_exactly_the_keys_that_change_the_runs_math(key):
+    """The checkpoint saved `key` at another value: the resume refuses it, naming it, iff it is in
+    REFUSED_KEYS (train.dtype, train.seed, the model's shape are; the layout keys are free).
+    Caught: "dtype" moved from the refused train keys to the free ones (or any key moved)."""
+    saved = Config().to_dict()
+    section, name = key.split(".")
+    saved[section][name] = changed(saved[section][name])
+    meta = {"step": 2, "config": saved, "overrides": []}
+    if key in REFUSED_KEYS:
+        with pytest.raises(ConfigError, match=f"changed run: {key} "):
+            resume_changes("ck", meta, Config(), [])
+    else:
+        assert [c.key for c in resume_changes("ck", meta, Config(), []).changes] == [key]
