@@ -7,9 +7,10 @@ import pytest
 from test_plan import planned, with_device
 
 from fivecut.checks import schedule_rule_problems
+from fivecut.cli import build_parser, layout_config, run_spawned
 from fivecut.config import Config, ConfigError, load_config, preset_args
 from fivecut.model.args import divisors
-from fivecut.plan.cluster import parse_cluster
+from fivecut.plan.cluster import parse_cluster, preset_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.search import SearchResult, batch_splits, fastest_fitting, shape_cuts
 from fivecut.train.resume import config_keys, resume_changes
@@ -128,3 +129,21 @@ def test_a_resume_refuses_exactly_the_keys_that_change_the_runs_math(key):
             resume_changes("ck", meta, Config(), [])
     else:
         assert [c.key for c in resume_changes("ck", meta, Config(), []).changes] == [key]
+
+
+# ---------------------------------------------------------------- USP's bytes against the ledger
+
+
+@pytest.mark.multirank
+def test_usps_measured_bytes_are_the_planners_closed_form():
+    """USP on 4 ranks (Ulysses over U=2, then the ring over R=2), one step: each cut's bytes on the
+    wire, as the ledger records them, equal the planner's closed form (floats equal, not a ratio).
+    Caught: the ring's blocks cut by c instead of R (`token * train.seq_len // c` in `cp_bytes`)."""
+    argv = ["ledger", "--model", "tiny", "--layout", "cp=4,cp_mode=usp,cp_ulysses=2", "--steps", "1"]
+    cfg = layout_config(build_parser().parse_args(argv))
+    measured = run_spawned(cfg, 120.0, what="ledger usp")[0]
+    plan = cost_layout(preset_args(cfg.model), cfg, preset_cluster(1, 4, "H100"))
+    wire = {c.cut: c.wire_bytes for c in plan.cuts}
+    assert wire["cp"] > 0 and {r.op for r in measured.ledger_rows if r.cut == "cp"} >= {"all_to_all", "send"}
+    for cut, planned_bytes in wire.items():
+        assert sum(r.wire_bytes for r in measured.ledger_rows if r.cut == cut) == planned_bytes, cut
