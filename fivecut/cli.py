@@ -669,9 +669,12 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
         f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)} per gradient group; {groups} on "
         f"this rank)"
     )
-    print(f"{'':<10} {'measured':>12} {'predicted':>12}")
+    print(f"{'':<10} {'measured':>12} {'predicted':>12} {'measured B':>16} {'predicted B':>16}")
     for key in ("params", "grads", "optimizer", "total"):
-        print(f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12}")
+        print(
+            f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12} "
+            f"{measured[key]:>16,} {predicted[key]:>16,.0f}"
+        )
     print(f"memory_ratio={measured['total'] / predicted['total']:.3f}")
 
 
