@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_ddp import TOKENS, one_step_gradients
+from test_ddp import TOKENS, one_step_gradients, small_config
 from test_plan import planned, with_device
 from test_zero import reassemble
 
 from fivecut.checks import schedule_rule_problems
-from fivecut.cli import build_parser, layout_config, run_spawned
+from fivecut.cli import build_parser, layout_config, reference_of, run_spawned
 from fivecut.config import Config, ConfigError, load_config, preset_args
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
@@ -247,3 +247,39 @@ def test_hybrid_sharding_with_bf16_reductions_stays_within_bf16_rounding():
                 assert rel <= HSDP_BF16_TENSOR_RTOL, f"zero={stage} {name}: relative error {rel:.2e}"
             norm = torch.stack([g.norm() for g in grads.values()]).norm()
             assert float(abs(norm - ref_norm) / ref_norm) <= HSDP_BF16_NORM_RTOL, f"zero={stage}"
+
+
+# ---------------------------------------------------------------- the W pass under bf16
+
+# Both runs compute in bf16 on fp32 masters; what differs is where a weight gradient is rounded:
+# the pipeline rounds each microbatch's bf16 dW (2^-9 relative) and sums them in fp32, the single
+# process rounds one dW over all rows. Those roundings are independent, so the step-1 gradient
+# norm moves ~1e-5; AdamW's first steps (dividing by sqrt(v)) amplify it for the elements near
+# zero afterwards. Measured (tiny, pp=2, zb1p, 2 microbatches, 3 steps): losses 8.9e-5 at most,
+# gradient norm 8.4e-6 at step 1 and 6.7e-4 later. Tolerances: loss 1e-3, norm 1e-4 at step 1
+# and 5e-3 later (a dW in the wrong dtype fails the step; a wrong one is off by bf16's 4e-3 or more).
+BF16_PIPELINE_LOSS_RTOL, BF16_FIRST_NORM_RTOL, BF16_LATER_NORM_RTOL = 1e-3, 1e-4, 5e-3
+
+
+def bf16_pipeline_drift(cache: str, out, *layout: str) -> tuple[list[float], list[float]]:
+    """Relative differences of the losses and of the gradient norms (before clipping), step by
+    step, of a bf16 run under `layout` against the bf16 single process (`fivecut verify`'s reference)."""
+    cfg = small_config(cache, "train.steps=3", 'train.dtype="bf16"', f'log.out_dir="{out}"', *layout)
+    reference = run_spawned(reference_of(cfg), 300.0, what="bf16 single process")[0]
+    result = run_spawned(cfg, 300.0, what="bf16 pipeline")[0]
+    rel = [
+        [abs(b - a) / abs(a) for a, b in zip(x, y, strict=True)]
+        for x, y in ((reference.losses, result.losses), (reference.grad_norms, result.grad_norms))
+    ]
+    return rel[0], rel[1]
+
+
+@pytest.mark.multirank
+def test_the_w_pass_in_bf16_matches_the_bf16_single_process(byte_cache, tmp_path):
+    """pp=2 under zb1p (B and W split) in bf16, three steps, against one bf16 process. Caught: W's
+    dW = dy^T x without casting x to dy's dtype (`Deferred.weight_grad`): bf16 @ fp32 fails."""
+    loss, norm = bf16_pipeline_drift(
+        byte_cache, tmp_path, "parallel.pp=2", 'parallel.pp_schedule="zb1p"', "parallel.microbatches=2"
+    )
+    assert max(loss) <= BF16_PIPELINE_LOSS_RTOL, loss
+    assert norm[0] <= BF16_FIRST_NORM_RTOL and max(norm[1:]) <= BF16_LATER_NORM_RTOL, norm
