@@ -3,16 +3,21 @@ doc, the mutation it was seen to catch."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from test_auto_layout import CPU_RANK, free_port
 from test_ddp import TOKENS, one_step_gradients, small_config
 from test_plan import planned, with_device
 from test_zero import reassemble
 
 from fivecut.checks import schedule_rule_problems
-from fivecut.cli import build_parser, layout_config, reference_of, run_spawned
+from fivecut.cli import build_parser, layout_config, main, reference_of, run_spawned, same_layout_everywhere
 from fivecut.config import Config, ConfigError, load_config, preset_args
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
@@ -283,3 +288,103 @@ def test_the_w_pass_in_bf16_matches_the_bf16_single_process(byte_cache, tmp_path
     )
     assert max(loss) <= BF16_PIPELINE_LOSS_RTOL, loss
     assert norm[0] <= BF16_FIRST_NORM_RTOL and max(norm[1:]) <= BF16_LATER_NORM_RTOL, norm
+
+
+# ---------------------------------------------------------------- parallel.layout = "auto"
+
+
+def auto_cluster(folder, memory_gb: str) -> str:
+    """`test_auto_layout`'s fixed CPU cluster with `memory_gb` a rank."""
+    path = folder / f"cluster-{memory_gb}.toml"
+    path.write_text(CPU_RANK.replace("memory_gb = 8", f"memory_gb = {memory_gb}"))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "memory_gb, planned",
+    [("0.02", {"accumulate": 2, "recompute": "none"}), ("0.0145", {"accumulate": 1, "recompute": "full"})],
+)
+def test_auto_runs_the_accumulation_and_recomputation_it_planned(memory_gb, planned, byte_cache, tmp_path, capsys):
+    """tiny, 8 x 32 tokens a step, on one rank of 20 MB: one step of 8 rows does not fit, two of 4
+    do; in 14.5 MB only full recomputation fits. The run trains with what was planned (its
+    config.json, what its trainer read). Caught: `PLANNED_TRAIN_KEYS` without "accumulate" or
+    without "recompute" (the planner's choice not applied to the run)."""
+    out = tmp_path / "out"
+    sets = [
+        'parallel.layout="auto"',
+        f'parallel.cluster="{auto_cluster(tmp_path, memory_gb)}"',
+        "train.steps=1",
+        "train.warmup=1",
+        "train.seq_len=32",
+        "train.global_batch=8",
+        "train.eval_every=0",
+        'data.tokenizer="byte"',
+        f'data.cache_dir="{byte_cache}"',
+        f'log.out_dir="{out}"',
+        "log.progress=false",
+        "log.plot=false",
+    ]
+    assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 0
+    said = capsys.readouterr().out
+    assert f"accumulate {planned['accumulate']}, recompute {planned['recompute']}" in said
+    used = json.loads((out / "config.json").read_text())["train"]
+    assert {key: used[key] for key in planned} == planned
+
+
+def same_plan_or_why(accumulate: dict) -> str:
+    import torch.distributed as dist
+
+    cfg = load_config(None, [f"train.accumulate={accumulate[dist.get_rank()]}", "parallel.dp=2"])
+    try:
+        same_layout_everywhere(cfg)
+    except ConfigError as err:
+        return str(err)
+    return "agreed"
+
+
+@pytest.mark.multirank
+def test_ranks_whose_plans_differ_only_in_accumulation_are_refused():
+    """Caught: the ranks comparing their cuts only (`dims.settings()`): a rank accumulating 2
+    micro-steps beside one accumulating 1 would wait on a reduction the other never sends."""
+    differ = spawn(same_plan_or_why, 2, {0: 1, 1: 2})
+    line = "dp=2 (accumulate 1, recompute none) on rank 0 but dp=2 (accumulate 2, recompute none) on rank 1"
+    assert all(line in d for d in differ), differ
+
+
+def train_as_rank(rank: int, port: int, cluster: str, cache: str, out) -> subprocess.Popen:
+    """`fivecut train` as rank `rank` of 2, each on a node of its own (its own cluster file)."""
+    env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": os.getcwd()}
+    sets = [
+        'parallel.layout="auto"',
+        f'parallel.cluster="{cluster}"',
+        "train.steps=1",
+        "train.warmup=1",
+        "train.seq_len=32",
+        "train.global_batch=8",
+        'data.tokenizer="byte"',
+        f'data.cache_dir="{cache}"',
+        f'log.out_dir="{out}"',
+    ]
+    command = [sys.executable, "-m", "fivecut", "train", *[x for s in sets for x in ("--set", s)]]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.multirank
+def test_ranks_on_nodes_with_other_cluster_files_stop_in_one_line(byte_cache, tmp_path):
+    """Two ranks, each its own node and cluster file (8 GB: dp=2,zero=3; 16 MB: tp=2): both stop
+    at the start, exit 2, rank 0 saying why in one line naming both plans, nothing trained. Caught: `cmd_train`
+    without its `same_layout_everywhere` call (the ranks then meet in mismatched collectives)."""
+    port = free_port()
+    ranks = [
+        train_as_rank(r, port, auto_cluster(tmp_path, gb), byte_cache, tmp_path / "out")
+        for r, gb in enumerate(("8", "0.016"))
+    ]
+    errors = []
+    for rank in ranks:
+        _, err = rank.communicate(timeout=120)
+        assert rank.returncode == 2, err[-3000:]
+        errors.append(err.strip().splitlines())
+    line = "on rank 0 but tp=2 (accumulate 1, recompute none) on rank 1"
+    assert len(errors[0]) == 1 and line in errors[0][0] and errors[1] == [], errors  # rank 0 says it
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
