@@ -324,7 +324,7 @@ def cmd_train(ns) -> int:
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
     init_from_environment(cfg.train.collective_timeout)
     if planned is not None:
-        same_layout_everywhere(planned.cfg.parallel)
+        same_layout_everywhere(planned.cfg)
     return train_to_the_end(cfg, ns.resume, ns.accept)
 
 
@@ -341,22 +341,25 @@ def auto_layout(cfg: Config, world: int):
     return planned
 
 
-def same_layout_everywhere(dims: ParallelDims) -> None:
-    """Every rank planned alone; a rank that reached another layout (another cluster file on its
-    node) would hang the first collective, so the layouts are compared once, here."""
+def same_layout_everywhere(cfg: Config) -> None:
+    """Every rank planned alone; a rank that reached another plan (another cluster file on its node)
+    would hang the first collective, or accumulate another number of micro-steps, so the plans (the
+    cuts, `train.accumulate`, `train.recompute`) are compared once, here."""
     import torch.distributed as dist
+
+    from fivecut.plan.auto import plan_line
 
     if dist.get_world_size() == 1:
         return
-    mine = dims.settings()
-    layouts = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, mine)
-    others = sorted({(rank, layout) for rank, layout in enumerate(layouts) if layout != layouts[0]})
+    mine = plan_line(cfg)
+    plans = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, mine)
+    others = sorted({(rank, plan) for rank, plan in enumerate(plans) if plan != plans[0]})
     if others:
-        rank, layout = others[0]
+        rank, plan = others[0]
         dist.destroy_process_group()  # every rank refuses here: nothing more goes over the group
         raise ConfigError(
-            f"parallel.layout='auto' reached {layouts[0]} on rank 0 but {layout} on rank {rank}; give every node "
+            f"parallel.layout='auto' reached {plans[0]} on rank 0 but {plan} on rank {rank}; give every node "
             "the same parallel.cluster file"
         )
 
@@ -773,9 +776,12 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
         f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)} per gradient group; {groups} on "
         f"this rank)"
     )
-    print(f"{'':<10} {'measured':>12} {'predicted':>12}")
+    print(f"{'':<10} {'measured':>12} {'predicted':>12} {'measured B':>16} {'predicted B':>16}")
     for key in ("params", "grads", "optimizer", "total"):
-        print(f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12}")
+        print(
+            f"{key:<10} {format_bytes(measured[key]):>12} {format_bytes(predicted[key]):>12} "
+            f"{measured[key]:>16,} {predicted[key]:>16,.0f}"
+        )
     print(f"memory_ratio={measured['total'] / predicted['total']:.3f}")
 
 

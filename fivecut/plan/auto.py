@@ -100,6 +100,11 @@ def planned_layout(cfg: Config, args: ModelArgs, world: int, per_node: int) -> A
     return AutoLayout(resolved, chosen, runner_up, cluster, result.tried)
 
 
+def plan_line(cfg: Config) -> str:
+    """What the planner chose, in one line the ranks compare: the cuts and the planned train keys."""
+    return f"{cfg.parallel.settings()} ({', '.join(f'{k} {getattr(cfg.train, k)}' for k in PLANNED_TRAIN_KEYS)})"
+
+
 def auto_problems(cfg: Config) -> list[str]:
     """What may not be given beside `parallel.layout = "auto"`: the cuts and the keys it chooses."""
     if cfg.parallel.layout != "auto":
