@@ -3,7 +3,7 @@ settings, and AdamW's fused and foreach kernels side by side.
 
 Cases (each in its own process, so each peak is its own):
   fivecut-eager           `fivecut train`, bf16 autocast over fp32 masters, the chunked loss (default)
-  fivecut-full-logits     the same with train.loss_chunks = 0 (the [tokens, vocab] logits whole)
+  fivecut-full-logits     the same with train.loss_chunk_tokens = 0 (the [tokens, vocab] logits whole)
   fivecut-compiled        train.compile = true
   hf-eager, hf-compiled   `LlamaForCausalLM` (SDPA) of the same shape: bf16 autocast over fp32
                           weights, torch's AdamW (the kernel fivecut picks, fused), clipping at 1.0
@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +50,7 @@ MOE = {"n_experts": 32, "top_k": 4, "moe_ffn_dim": 512, "n_shared_experts": 1, "
 CASES = ("fivecut-eager", "fivecut-full-logits", "fivecut-compiled", "hf-eager", "hf-compiled", "fivecut-moe", "hf-moe")
 FIVECUT_SETTINGS = {
     "fivecut-eager": [],
-    "fivecut-full-logits": ["train.loss_chunks=0"],
+    "fivecut-full-logits": ["train.loss_chunk_tokens=0"],
     "fivecut-compiled": ["train.compile=true"],
     "fivecut-moe": [f"model.{k}={v}" for k, v in MOE.items()],
 }
@@ -155,11 +156,11 @@ def hf_worker(opts) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))  # synchronises
+        losses.append(float(loss.detach()))  # synchronises
         times.append(time.perf_counter() - start)
         del logits, loss
     step = median_after_warmup(times)
-    peak, _ = peak_tflops(device, "bf16")
+    peak = peak_tflops(device, "bf16").tflops
     tokens_per_s = opts.batch * opts.seq / step
     return {
         "tokens_per_s": tokens_per_s,
@@ -169,7 +170,7 @@ def hf_worker(opts) -> dict:
     }
 
 
-def hf_case(name: str, opts, work: Path) -> dict:
+def hf_case(name: str, opts) -> dict:
     flags = ["--model", opts.model, "--seq", str(opts.seq), "--batch", str(opts.batch), "--steps", str(opts.steps)]
     flags += ["--compile"] * (name == "hf-compiled") + ["--moe"] * (name == "hf-moe")
     command = [sys.executable, __file__, "--worker", "hf", *flags]
@@ -242,7 +243,8 @@ def main(argv=None) -> int:
     if opts.smoke:
         opts.model, opts.seq, opts.batch, opts.steps = "tiny", 32, 2, 3
     opts.out.mkdir(parents=True, exist_ok=True)
-    opts.corpus = opts.corpus or generated_corpus(opts.out / "corpus.txt")
+    work = Path(tempfile.mkdtemp(prefix="gpu-step-"))  # the runs' folders and token cache; --out gets the table
+    opts.corpus = opts.corpus or generated_corpus(work / "corpus.txt")
     results = {}
     lines = ["| run | tokens/s | MFU | peak GiB | loss |", "|---|---|---|---|---|"]
     for name in opts.cases.split(","):
@@ -250,9 +252,9 @@ def main(argv=None) -> int:
         if name == "adamw":
             results[name] = adamw_case(opts)
         elif name.startswith("hf"):
-            results[name] = hf_case(name, opts, opts.out)
+            results[name] = hf_case(name, opts)
         else:
-            results[name] = fivecut_case(name, opts, opts.out)
+            results[name] = fivecut_case(name, opts, work)
         took = time.perf_counter() - started
         print(f"{name}: {json.dumps(results[name])[:1500]} ({took:.0f} s)", flush=True)
         if name != "adamw":
