@@ -77,7 +77,7 @@ four simulations of the same schedule:
                         step runs after its schedule and which no schedule models
     unit costs          the simulator's defaults (F = 1, B = 2 whole; B = W = 1 split)
 
-(the two simulations with per-stage costs replace `simulate.finish` in this process only).
+(the simulations with per-stage costs use `simulate`'s `stage_costs` and `cost_send`).
 
 Part 3 (`--vs-torch-zb`), the zero-bubble schedules against torch.distributed.pipelining's,
 `--bubble-microbatches` microbatches: fivecut dualpipev vs torch `ScheduleDualPipeV`, and fivecut
@@ -157,7 +157,6 @@ from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import build_parallel, token_loss_sum  # noqa: E402
 from fivecut.parallel.pipeline import executor  # noqa: E402
-from fivecut.parallel.pipeline import simulate as simulate_module  # noqa: E402
 from fivecut.parallel.pipeline.schedule import Action, build_schedule, partner  # noqa: E402
 from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa: E402
 from fivecut.parallel.pipeline.split import stage_layers  # noqa: E402
@@ -379,12 +378,17 @@ def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
             raise AssertionError(f"{schedule_class.__name__}: parameters {sorted(named)} vs {sorted(against)}")
         ref, got = [against[k].grad for k in named], [p.grad for p in named.values()]
         diff, bitwise = max_rel_diff(ref, got), all(torch.equal(x, y) for x, y in zip(ref, got))
-        steps = {
-            f"fivecut {name}": lambda o=ours: o.step(micro),
-            f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
-        }
+        steps, cpu = with_cpu(
+            {
+                f"fivecut {name}": lambda o=ours: o.step(micro),
+                f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
+            }
+        )
         out[pair_key(name, schedule_class)] = dict(
-            runs=interleave_pair(steps, opts, prefix=f"{name} "), grad_diff=diff, grad_bitwise=bitwise
+            runs=interleave_pair(steps, opts, prefix=f"{name} "),
+            cpu=cpu_medians(cpu),
+            grad_diff=diff,
+            grad_bitwise=bitwise,
         )
     return out
 
@@ -420,12 +424,48 @@ def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict
             "",
             f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
             "",
+            cpu_line(per_rank, a, b),
+            "",
         ]
     return lines, ratios
 
 
 def batch(args, opts: dict):
     return token_batch(args.vocab_size, opts["batch"], opts["seq"])  # [b, s] each, the same on both ranks
+
+
+def with_cpu(steps: dict) -> tuple[dict, dict[str, list[tuple[float, float]]]]:
+    """The same steps, each also recording this rank's CPU seconds per step (warm-up included):
+    (main thread, whole process with gloo's threads). The load of other processes on a shared
+    machine stretches wall time much more than it does these."""
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+
+    def timed(name, step):
+        def run_step():
+            thread, process = time.thread_time(), time.process_time()
+            step()
+            cpu[name].append((time.thread_time() - thread, time.process_time() - process))
+
+        return run_step
+
+    return {name: timed(name, step) for name, step in steps.items()}, cpu
+
+
+def cpu_medians(cpu: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    return {name: (median([c[0] for c in cs]), median([c[1] for c in cs])) for name, cs in cpu.items()}
+
+
+def cpu_line(per_rank: list[dict], a: str, b: str) -> str:
+    """Each rank's median CPU time per step of `a` and `b` (main thread / whole process)."""
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    return (
+        "CPU time per step, medians (main thread / whole process incl. gloo's threads): "
+        + "; ".join(
+            f"rank {r}: {a} {ms(c[a][0])} / {ms(c[a][1])}, {b} {ms(c[b][0])} / {ms(c[b][1])}"
+            for r, c in enumerate(p["cpu"] for p in per_rank)
+        )
+        + " ms"
+    )
 
 
 # ---------------------------------------------------------------- part 1
@@ -449,25 +489,12 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
     ours.optimizer.step()
     theirs.optimizer.step()
 
-    cpu = {FIVECUT: [], TORCH: []}  # per step (warm-up included): this rank's main-thread and process CPU seconds
-
-    def with_cpu(name, step):
-        def timed():
-            thread, process = time.thread_time(), time.process_time()
-            step()
-            cpu[name].append((time.thread_time() - thread, time.process_time() - process))
-
-        return timed
-
-    steps = {
-        FIVECUT: with_cpu(FIVECUT, lambda: ours.step(micro)),
-        TORCH: with_cpu(TORCH, lambda: theirs.step(inputs, targets)),
-    }
+    steps, cpu = with_cpu({FIVECUT: lambda: ours.step(micro), TORCH: lambda: theirs.step(inputs, targets)})
     runs = interleave_pair(steps, opts, prefix=f"m={m} ")
     return dict(
         m=m,
         runs=runs,
-        cpu={name: (median([c[0] for c in cs]), median([c[1] for c in cs])) for name, cs in cpu.items()},
+        cpu=cpu_medians(cpu),
         loss=(loss_a, loss_b),
         grad_diff=grad_diff,
         grad_bitwise=grad_bitwise,
@@ -559,21 +586,9 @@ def simulate_measured(
     schedule, table: dict[tuple[str, int], float], send_cost: float = 0.0, latency: float = 0.0
 ) -> Timeline:
     """`simulate` with one cost per (kind, stage) instead of one per kind; optionally a send that
-    occupies its rank for `send_cost` and a message that arrives `latency` after its send starts."""
-    original = simulate_module.finish
-
-    def finish(a, free, costs, sent):
-        if a.is_compute:
-            return free + table[(a.kind, a.stage)]
-        if a.kind.startswith("SEND"):
-            return free + send_cost
-        return max(free, sent[partner(a)] + latency)
-
-    simulate_module.finish = finish
-    try:
-        return simulate(schedule, 1.0, 1.0, 1.0, cost_comm=latency)  # costs: only `text`'s default unit uses them
-    finally:
-        simulate_module.finish = original
+    occupies its rank for `send_cost` and a message that arrives `latency` after its send starts.
+    (The per-kind costs of 1 only set `text`'s default cell; every compute action has a stage cost.)"""
+    return simulate(schedule, 1.0, 1.0, 1.0, cost_comm=latency, stage_costs=table, cost_send=send_cost)
 
 
 def labelled(picture: str, label: str) -> str:
@@ -708,7 +723,6 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
     bitwise = all(r["grad_bitwise"] for r in per_rank)
     worst_grad = max(r["grad_diff"] for r in per_rank)
     last = per_rank[-1]["loss"]
-    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     lines = [
         f"### {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens",
         "",
@@ -721,12 +735,7 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
         "",
         f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
         "",
-        "CPU time per step, medians (main thread / whole process incl. gloo's threads): "
-        + "; ".join(
-            f"rank {r}: fivecut {ms(c[FIVECUT][0])} / {ms(c[FIVECUT][1])}, torch {ms(c[TORCH][0])} / {ms(c[TORCH][1])}"
-            for r, c in enumerate(p["cpu"] for p in per_rank)
-        )
-        + " ms",
+        cpu_line(per_rank, FIVECUT, TORCH),
         "",
     ]
     return lines, cmp.ratio
