@@ -27,7 +27,8 @@ def run_script(path: str, *args: str, cwd: Path) -> str:
     result = subprocess.run(
         [sys.executable, str(ROOT / path), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
-    assert result.returncode == 0, f"{path} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    tail = f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, f"{path} exited {result.returncode}:\n{tail}"
     return result.stdout
 
 
@@ -104,3 +105,64 @@ def test_simulator_takes_measured_costs_per_stage_and_a_send_cost():
     assert [end for _, _, end in sending.rows[0]] == [1, 1.5, 6.5, 8.5]
     with pytest.raises(ValueError, match="must not be negative"):
         simulate(sch, stage_costs={("W", 0): -1.0})
+
+
+@pytest.mark.sweep  # torch.compile of each block takes about a minute on 2 loaded cores, whatever the size
+def test_compile_benchmark_reports(tmp_path):
+    args = ["--model", "tiny", *SMALLEST, "--batch", "1", "--seq", "16"]
+    out = run_script("benchmarks/compile.py", *args, cwd=tmp_path)
+    assert "| compiled |" in out and out.rstrip().splitlines()[-1].startswith("ratio_compile=")
+
+
+def test_checkpoint_benchmark_reports(tmp_path):
+    args = ["--model", "tiny", "--layouts", "single", "--repeats", "1", "--seq", "16", "--batch", "2"]
+    out = run_script("benchmarks/checkpoint.py", *args, "--dir", str(tmp_path), cwd=tmp_path)
+    assert "| torch.save / torch.load, 1 process |" in out and "seconds per repeat: single:" in out
+
+
+def test_generate_benchmark_reports(tmp_path):
+    args = ["--models", "small", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1", "--steps", "1"]
+    out = run_script("benchmarks/generate.py", *args, "--warmup", "0", cwd=tmp_path)
+    assert "| small | transformers generate |" in out and out.rstrip().splitlines()[-1].startswith("ratio=")
+
+
+# ---------------------------------------------------------------- training statistics, the planner, weights
+
+
+def test_moe_balance_benchmark_reports(tmp_path):
+    """Past step 10, where EPLB first re-plans; fewer steps than the default lr warm-up are allowed."""
+    args = ["--steps", "11", "--dp", "2", "--ep", "2", "--window", "1", "--only", "moves + 1"]
+    out = run_script("benchmarks/moe_balance.py", *args, cwd=tmp_path)
+    assert "| unbalanced + EPLB moves + 1 extra slot |" in out
+
+
+def test_plan_speed_benchmark_reports_and_compares(tmp_path):
+    first = run_script("benchmarks/plan_speed.py", "8b", "--out", str(tmp_path / "before.json"), cwd=tmp_path)
+    assert first.startswith("8b: search ") and "layouts costed" in first
+    again = run_script("benchmarks/plan_speed.py", "8b", "--against", str(tmp_path / "before.json"), cwd=tmp_path)
+    assert again.rstrip().splitlines()[-1].startswith("the same ranking, costs and counts as ")
+
+
+def test_plan_check_benchmark_reports(tmp_path):
+    """One layout, one run, with a stored calibration from benchmarks/plan_check/ (no calibration here)."""
+    cluster = ROOT / "benchmarks" / "plan_check" / "plan_check.run11.cluster2.toml"
+    args = ["--only", "tiny dp=2,zero=1", "--runs", "1", "--steps", "3", "--cluster", str(cluster)]
+    out = run_script("benchmarks/plan_check.py", *args, "--out", str(tmp_path / "table.md"), cwd=tmp_path)
+    assert "| tiny | dp=2,zero=1 |" in out and "planned step within 25% of the measured median:" in out
+    assert (tmp_path / "table.md").exists() and (tmp_path / "table.cluster2.toml").exists()
+
+
+def test_smollm2_eval_benchmark_reports(tmp_path):
+    sizes = ["--batches", "1", "--batch-size", "1", "--seq-len", "16"]
+    out = run_script("benchmarks/smollm2_eval.py", *sizes, cwd=tmp_path)
+    assert out.count("eval: ") == 2 and "hf:" in out and "perplexity" in out
+
+
+# ---------------------------------------------------------------- scripts/
+
+
+def test_parity_matrix_script_runs_a_row_and_writes_its_table(tmp_path):
+    table = tmp_path / "parity.md"
+    out = run_script("scripts/parity_matrix.py", "--only", "tp2-sp", "--steps", "1", "--out", str(table), cwd=tmp_path)
+    assert "1 rows in" in out and "FAIL: none" in out
+    assert "| tp2-sp | tiny | `tp=2,sp=true` | 2 | 1 |" in table.read_text()
