@@ -6,6 +6,7 @@ scripts are checked in tests/test_scripts.py. Each run here is a few seconds to 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def test_pipeline_benchmark_reports_all_three_parts(tmp_path):
     out = run_script("benchmarks/pipeline.py", *args, cwd=tmp_path)
     assert "ratio fivecut / torch" in out  # part 1
     assert "Idle fraction per rank, measured (means over steps) and simulated:" in out  # part 2
-    assert "| dualpipev | 1 |" in out and "+comm" in out
+    assert "| dualpipev | 4 |" in out and "+comm" in out  # its row of costs (4 stages) and its timelines
     assert "ratio fivecut zb1p / torch ScheduleInterleavedZeroBubble" in out  # part 3
     assert out.count("CPU time per step, medians") == 4  # part 1's pair and part 3's three
     assert out.rstrip().splitlines()[-1].startswith("ratio_1f1b=")
@@ -136,11 +137,10 @@ def test_moe_balance_benchmark_reports(tmp_path):
     assert "| unbalanced + EPLB moves + 1 extra slot |" in out
 
 
-def test_plan_speed_benchmark_reports_and_compares(tmp_path):
-    first = run_script("benchmarks/plan_speed.py", "8b", "--out", str(tmp_path / "before.json"), cwd=tmp_path)
-    assert first.startswith("8b: search ") and "layouts costed" in first
-    again = run_script("benchmarks/plan_speed.py", "8b", "--against", str(tmp_path / "before.json"), cwd=tmp_path)
-    assert again.rstrip().splitlines()[-1].startswith("the same ranking, costs and counts as ")
+def test_plan_speed_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/plan_speed.py", "8b", "--out", str(tmp_path / "ranking.json"), cwd=tmp_path)
+    assert out.startswith("8b: search ") and "layouts costed" in out
+    assert json.loads((tmp_path / "ranking.json").read_text())["ranked"]
 
 
 def test_plan_check_benchmark_reports(tmp_path):
@@ -152,6 +152,7 @@ def test_plan_check_benchmark_reports(tmp_path):
     assert (tmp_path / "table.md").exists() and (tmp_path / "table.cluster2.toml").exists()
 
 
+@pytest.mark.sweep  # the real 135M model has no smaller size: read, shuffled, written and read again (~45 s)
 def test_smollm2_eval_benchmark_reports(tmp_path):
     sizes = ["--batches", "1", "--batch-size", "1", "--seq-len", "16"]
     out = run_script("benchmarks/smollm2_eval.py", *sizes, cwd=tmp_path)
