@@ -5,7 +5,13 @@ bubbles against fivecut's own schedule simulator.
                                   [--warmup 2] [--batch 8] [--seq 128]
                                   [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
                                   [--bubble-microbatches 4] [--bubble-steps 10] [--bubble-repeats 3]
-                                  [--even-layers] [--vs-torch-zb] [--untied] [--no-compare] [--no-bubbles]
+                                  [--even-layers] [--vs-torch-zb] [--torch-zb ScheduleInterleavedZeroBubble,...]
+                                  [--untied] [--no-compare] [--no-bubbles]
+
+A quick check of all three parts (about 6 s):
+
+    python benchmarks/pipeline.py --steps 1 --repeats 1 --warmup 0 --batch 4 --seq 16 --microbatches 2 \
+        --bubble-microbatches 4 --bubble-steps 1 --bubble-repeats 1 --vs-torch-zb
 
 Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
 same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
@@ -94,7 +100,8 @@ single device's gradients, and `ScheduleZBVZeroBubble`'s differ on `small` even 
 zb1p keeps 2 stages, so that row compares step time only. The like-for-like peer of zb1p is the third pair: torch's
 `ScheduleInterleavedZeroBubble` with one stage per rank, the same 2-stage cut (fivecut's layer
 balance), its gradients compared with fivecut zb1p's. Steps as in part 1 (zero_grad, schedule,
-AdamW), interleaved.
+AdamW), interleaved, with each rank's CPU time per step as in part 1. `--torch-zb` keeps some of
+the three pairs (e.g. `--torch-zb ScheduleInterleavedZeroBubble`: the like-for-like one alone).
 
 Waits: the executor posts every receive when `run` starts and waits for it just before the F or
 B that consumes it; the wait is timed (`PipelineStep.wait` is wrapped too) and recorded as that
@@ -351,6 +358,11 @@ ZB_PAIRS = (("dualpipev", ScheduleDualPipeV), ("zb1p", ScheduleZBVZeroBubble), (
 LOOP = ScheduleInterleavedZeroBubble  # one stage per rank, fivecut zb1p's cut: gradients compared with zb1p's
 
 
+def chosen_pairs(opts: dict) -> list[tuple[str, type]]:
+    """The pairs of `--torch-zb` (torch's class names), in ZB_PAIRS' order."""
+    return [(name, c) for name, c in ZB_PAIRS if c.__name__ in opts["torch_zb"]]
+
+
 def pair_key(name: str, schedule_class) -> str:
     return f"{name} vs {schedule_class.__name__}"
 
@@ -359,11 +371,14 @@ def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
     m = opts["bubble_microbatches"]
     inputs, targets = batch(args, opts)
     micro = list(zip(inputs.chunk(m), targets.chunk(m)))
-    reference = Fivecut(args, mesh, opts, "dualpipev", m)
-    reference.forward_backward(micro)
-    named_ref = dict(fivecut_named(reference))
+    pairs = chosen_pairs(opts)
+    reference = Fivecut(args, mesh, opts, "dualpipev", m) if any(c is not LOOP for _, c in pairs) else None
+    named_ref = {}
+    if reference is not None:  # the V pairs' gradients are compared with fivecut dualpipev's
+        reference.forward_backward(micro)
+        named_ref = dict(fivecut_named(reference))
     out = {}
-    for name, schedule_class in ZB_PAIRS:
+    for name, schedule_class in pairs:
         ours = reference if name == "dualpipev" else Fivecut(args, mesh, opts, name, m)
         if schedule_class is LOOP:
             layers = stage_layers(args, PP, opts["seq"], None)  # fivecut's 2-stage cut
@@ -401,7 +416,7 @@ def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict
         "",
     ]
     ratios = {}
-    for name, schedule_class in ZB_PAIRS:
+    for name, schedule_class in chosen_pairs(opts):
         key = pair_key(name, schedule_class)
         runs = results[0]["zero_bubble"][key]["runs"]
         a, b = list(runs)
@@ -926,11 +941,20 @@ def parse(argv=None) -> dict:
     p.add_argument(
         "--vs-torch-zb", action="store_true", help="part 3: dualpipev / zb1p vs torch ScheduleDualPipeV / ZBVZeroBubble"
     )
+    p.add_argument(
+        "--torch-zb",
+        default=",".join(c.__name__ for _, c in ZB_PAIRS),
+        help="part 3: the torch schedules to compare with (comma-separated; fivecut's peer of each is fixed)",
+    )
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
     p.add_argument("--untied", action="store_true", help="untie the preset's embedding and head (see model_args)")
     opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
     opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
+    opts["torch_zb"] = [x for x in opts["torch_zb"].split(",") if x]
+    known = [c.__name__ for _, c in ZB_PAIRS]
+    if not opts["torch_zb"] or any(x not in known for x in opts["torch_zb"]):
+        p.error(f"--torch-zb {','.join(opts['torch_zb'])}: choose from {', '.join(known)}")
     unknown = [s for s in opts["schedules"] if s not in LAYOUTS]
     if unknown:
         p.error(f"unknown schedules {unknown}; choose from {', '.join(LAYOUTS)}")
