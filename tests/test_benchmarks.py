@@ -6,16 +6,21 @@ scripts are checked in tests/test_scripts.py. Each run here is a few seconds to 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from fivecut.parallel.pipeline.schedule import build_schedule
 from fivecut.parallel.pipeline.simulate import simulate
+from fivecut.parallel.pipeline.wgrad import WeightGrads, defer_weight_grads
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240  # a stuck run fails here rather than hanging the suite
@@ -167,3 +172,35 @@ def test_parity_matrix_script_runs_a_row_and_writes_its_table(tmp_path):
     out = run_script("scripts/parity_matrix.py", "--only", "tp2-sp", "--steps", "1", "--out", str(table), cwd=tmp_path)
     assert "1 rows in" in out and "FAIL: none" in out
     assert "| tp2-sp | tiny | `tp=2,sp=true` | 2 | 1 |" in table.read_text()
+
+
+# ---------------------------------------------------------------- the W pass's kept dW buffers (the zb1p speed-up)
+
+
+def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
+    """Once `.grad` exists (a data cut's bucket view, or an earlier microbatch), W computes each
+    linear layer's dW into a buffer it keeps per shape and adds it into `.grad` in place: two
+    layers of one shape share the buffer within a record, `.grad` stays the same tensor, every
+    hook fires once per microbatch, and the gradients are bitwise a plain backward's."""
+    torch.manual_seed(5)
+    plain = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Linear(8, 3))
+    split, grads = copy.deepcopy(plain), WeightGrads()
+    defer_weight_grads(split, grads)
+    buckets = [torch.zeros_like(p) for p in split.parameters()]  # as DataParallel's flat bucket views
+    for p, b in zip(split.parameters(), buckets):
+        p.grad = b
+    fired = Counter()
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=name: fired.update([n]))
+    for m in range(3):
+        x = torch.randn(2, 5, 8)  # [b, s, h] received from the previous stage: it takes a gradient
+        plain(x.clone().requires_grad_()).square().sum().backward()
+        with grads.collecting(stage=0, microbatch=m):
+            split(x.clone().requires_grad_()).square().sum().backward()
+        assert len(grads.pending[(0, m)]) == 3  # every weight's dW waits for W
+        grads.apply(stage=0, microbatch=m)
+    assert sorted(tuple(shape) for shape, _ in grads.scratch) == [(3, 8), (8, 8)]
+    assert all(p.grad is b for p, b in zip(split.parameters(), buckets))
+    assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
+    for p, q in zip(split.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
