@@ -59,7 +59,8 @@ def test_zero_benchmark_reports(tmp_path):
 
 
 def test_hsdp_benchmark_reports(tmp_path):
-    args = ["--world", "2", "--shard", "1", *SMALLEST, "--batch", "2", "--seq", "16"]
+    """The smallest hybrid: 4 ranks, shard groups of 2, 2 replicas."""
+    args = ["--world", "4", "--shard", "2", *SMALLEST, "--batch", "2", "--seq", "16"]
     out = run_script("benchmarks/hsdp.py", *args, cwd=tmp_path)
     assert "| torch FSDP2 HSDP |" in out and out.rstrip().splitlines()[-1].startswith("ratio_hsdp_vs_fsdp2=")
 
