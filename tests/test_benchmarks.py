@@ -114,7 +114,7 @@ def test_simulator_takes_measured_costs_per_stage_and_a_send_cost():
         simulate(sch, stage_costs={("W", 0): -1.0})
 
 
-@pytest.mark.sweep  # torch.compile of each block takes about a minute on 2 loaded cores, whatever the size
+@pytest.mark.sweep  # torch.compile of each block: 30-100 s on 2 loaded cores, whatever the size
 def test_compile_benchmark_reports(tmp_path):
     args = ["--model", "tiny", *SMALLEST, "--batch", "1", "--seq", "16"]
     out = run_script("benchmarks/compile.py", *args, cwd=tmp_path)
@@ -158,7 +158,7 @@ def test_plan_check_benchmark_reports(tmp_path):
     assert (tmp_path / "table.md").exists() and (tmp_path / "table.cluster2.toml").exists()
 
 
-@pytest.mark.sweep  # the real 135M model has no smaller size: read, shuffled, written and read again (~45 s)
+@pytest.mark.sweep  # the real 135M model has no smaller size: read, shuffled, written and read again (40-50 s)
 def test_smollm2_eval_benchmark_reports(tmp_path):
     sizes = ["--batches", "1", "--batch-size", "1", "--seq-len", "16"]
     out = run_script("benchmarks/smollm2_eval.py", *sizes, cwd=tmp_path)
