@@ -1,6 +1,7 @@
 """MoE load balance on Shakespeare: the same model and data, trained under each balancing method.
 
-    python benchmarks/moe_balance.py [--steps 300] [--dp 4] [--ep 4] [--window 50]
+    python benchmarks/moe_balance.py [--steps 300] [--dp 4] [--ep 4] [--window 50] [--only TEXT]
+    python benchmarks/moe_balance.py --steps 11 --dp 2 --ep 2 --window 1 --only "moves + 1"   # a quick check
 
 Each variant trains `tiny-moe` (8 routed experts, top-2, one shared expert; byte tokens;
 16 x 128 tokens a step) from the same seed on dp x ep ranks, one after the other, and
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fivecut.config import load_config
+from fivecut.config import TrainConfig, load_config
 from fivecut.launch import spawn
 from fivecut.train.data import load_tokens
 from fivecut.train.trainer import train
@@ -58,16 +59,19 @@ def summarize(moe: list[dict], window: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--dp", type=int, default=4)
-    parser.add_argument("--ep", type=int, default=4)
-    parser.add_argument("--window", type=int, default=50)
+    parser.add_argument(
+        "--steps", type=int, default=300, help="training steps per variant (fewer than 10: a shorter lr warm-up)"
+    )
+    parser.add_argument("--dp", type=int, default=4, help="ranks")
+    parser.add_argument("--ep", type=int, default=4, help="expert-parallel ranks (divides --dp)")
+    parser.add_argument("--window", type=int, default=50, help="the last steps the statistics average over")
     parser.add_argument("--only", help="run only the variants whose name contains this text")
     ns = parser.parse_args()
     base = [
         'model.preset="tiny-moe"',
         'data.tokenizer="byte"',
         f"train.steps={ns.steps}",
+        f"train.warmup={min(ns.steps, TrainConfig().warmup)}",  # the default, unless the run is shorter
         "train.seq_len=128",
         "train.global_batch=16",
         "train.eval_every=100",

@@ -5,7 +5,13 @@ bubbles against fivecut's own schedule simulator.
                                   [--warmup 2] [--batch 8] [--seq 128]
                                   [--schedules gpipe,1f1b,zb1p,interleaved,dualpipev]
                                   [--bubble-microbatches 4] [--bubble-steps 10] [--bubble-repeats 3]
-                                  [--even-layers] [--vs-torch-zb] [--untied] [--no-compare] [--no-bubbles]
+                                  [--even-layers] [--vs-torch-zb] [--torch-zb ScheduleInterleavedZeroBubble,...]
+                                  [--untied] [--no-compare] [--no-bubbles]
+
+A quick check of all three parts (about 6 s):
+
+    python benchmarks/pipeline.py --steps 1 --repeats 1 --warmup 0 --batch 4 --seq 16 --microbatches 2 \
+        --bubble-microbatches 4 --bubble-steps 1 --bubble-repeats 1 --vs-torch-zb
 
 Two gloo ranks (fivecut.launch.spawn, one thread per rank), pp=2, fp32, every rank sees the
 same random-token batch of `batch` x `seq` tokens per step (the first stage reads the tokens,
@@ -77,7 +83,7 @@ four simulations of the same schedule:
                         step runs after its schedule and which no schedule models
     unit costs          the simulator's defaults (F = 1, B = 2 whole; B = W = 1 split)
 
-(the two simulations with per-stage costs replace `simulate.finish` in this process only).
+(the simulations with per-stage costs use `simulate`'s `stage_costs` and `cost_send`).
 
 Part 3 (`--vs-torch-zb`), the zero-bubble schedules against torch.distributed.pipelining's,
 `--bubble-microbatches` microbatches: fivecut dualpipev vs torch `ScheduleDualPipeV`, and fivecut
@@ -94,7 +100,8 @@ single device's gradients, and `ScheduleZBVZeroBubble`'s differ on `small` even 
 zb1p keeps 2 stages, so that row compares step time only. The like-for-like peer of zb1p is the third pair: torch's
 `ScheduleInterleavedZeroBubble` with one stage per rank, the same 2-stage cut (fivecut's layer
 balance), its gradients compared with fivecut zb1p's. Steps as in part 1 (zero_grad, schedule,
-AdamW), interleaved.
+AdamW), interleaved, with each rank's CPU time per step as in part 1. `--torch-zb` keeps some of
+the three pairs (e.g. `--torch-zb ScheduleInterleavedZeroBubble`: the like-for-like one alone).
 
 Waits: the executor posts every receive when `run` starts and waits for it just before the F or
 B that consumes it; the wait is timed (`PipelineStep.wait` is wrapped too) and recorded as that
@@ -157,7 +164,6 @@ from fivecut.model.transformer import build_model  # noqa: E402
 from fivecut.parallel.data import Piece, decays  # noqa: E402
 from fivecut.parallel.parallelize import build_parallel, token_loss_sum  # noqa: E402
 from fivecut.parallel.pipeline import executor  # noqa: E402
-from fivecut.parallel.pipeline import simulate as simulate_module  # noqa: E402
 from fivecut.parallel.pipeline.schedule import Action, build_schedule, partner  # noqa: E402
 from fivecut.parallel.pipeline.simulate import Timeline, simulate, text  # noqa: E402
 from fivecut.parallel.pipeline.split import stage_layers  # noqa: E402
@@ -352,6 +358,11 @@ ZB_PAIRS = (("dualpipev", ScheduleDualPipeV), ("zb1p", ScheduleZBVZeroBubble), (
 LOOP = ScheduleInterleavedZeroBubble  # one stage per rank, fivecut zb1p's cut: gradients compared with zb1p's
 
 
+def chosen_pairs(opts: dict) -> list[tuple[str, type]]:
+    """The pairs of `--torch-zb` (torch's class names), in ZB_PAIRS' order."""
+    return [(name, c) for name, c in ZB_PAIRS if c.__name__ in opts["torch_zb"]]
+
+
 def pair_key(name: str, schedule_class) -> str:
     return f"{name} vs {schedule_class.__name__}"
 
@@ -360,11 +371,14 @@ def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
     m = opts["bubble_microbatches"]
     inputs, targets = batch(args, opts)
     micro = list(zip(inputs.chunk(m), targets.chunk(m)))
-    reference = Fivecut(args, mesh, opts, "dualpipev", m)
-    reference.forward_backward(micro)
-    named_ref = dict(fivecut_named(reference))
+    pairs = chosen_pairs(opts)
+    reference = Fivecut(args, mesh, opts, "dualpipev", m) if any(c is not LOOP for _, c in pairs) else None
+    named_ref = {}
+    if reference is not None:  # the V pairs' gradients are compared with fivecut dualpipev's
+        reference.forward_backward(micro)
+        named_ref = dict(fivecut_named(reference))
     out = {}
-    for name, schedule_class in ZB_PAIRS:
+    for name, schedule_class in pairs:
         ours = reference if name == "dualpipev" else Fivecut(args, mesh, opts, name, m)
         if schedule_class is LOOP:
             layers = stage_layers(args, PP, opts["seq"], None)  # fivecut's 2-stage cut
@@ -379,12 +393,17 @@ def compare_zero_bubble(args, mesh: Mesh, torch_group, opts: dict) -> dict:
             raise AssertionError(f"{schedule_class.__name__}: parameters {sorted(named)} vs {sorted(against)}")
         ref, got = [against[k].grad for k in named], [p.grad for p in named.values()]
         diff, bitwise = max_rel_diff(ref, got), all(torch.equal(x, y) for x, y in zip(ref, got))
-        steps = {
-            f"fivecut {name}": lambda o=ours: o.step(micro),
-            f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
-        }
+        steps, cpu = with_cpu(
+            {
+                f"fivecut {name}": lambda o=ours: o.step(micro),
+                f"torch {schedule_class.__name__}": lambda t=theirs: t.step(inputs, targets),
+            }
+        )
         out[pair_key(name, schedule_class)] = dict(
-            runs=interleave_pair(steps, opts, prefix=f"{name} "), grad_diff=diff, grad_bitwise=bitwise
+            runs=interleave_pair(steps, opts, prefix=f"{name} "),
+            cpu=cpu_medians(cpu),
+            grad_diff=diff,
+            grad_bitwise=bitwise,
         )
     return out
 
@@ -397,7 +416,7 @@ def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict
         "",
     ]
     ratios = {}
-    for name, schedule_class in ZB_PAIRS:
+    for name, schedule_class in chosen_pairs(opts):
         key = pair_key(name, schedule_class)
         runs = results[0]["zero_bubble"][key]["runs"]
         a, b = list(runs)
@@ -420,12 +439,48 @@ def zero_bubble_report(opts: dict, results: list[dict]) -> tuple[list[str], dict
             "",
             f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
             "",
+            cpu_line(per_rank, a, b),
+            "",
         ]
     return lines, ratios
 
 
 def batch(args, opts: dict):
     return token_batch(args.vocab_size, opts["batch"], opts["seq"])  # [b, s] each, the same on both ranks
+
+
+def with_cpu(steps: dict) -> tuple[dict, dict[str, list[tuple[float, float]]]]:
+    """The same steps, each also recording this rank's CPU seconds per step (warm-up included):
+    (main thread, whole process with gloo's threads). The load of other processes on a shared
+    machine stretches wall time much more than it does these."""
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+
+    def timed(name, step):
+        def run_step():
+            thread, process = time.thread_time(), time.process_time()
+            step()
+            cpu[name].append((time.thread_time() - thread, time.process_time() - process))
+
+        return run_step
+
+    return {name: timed(name, step) for name, step in steps.items()}, cpu
+
+
+def cpu_medians(cpu: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    return {name: (median([c[0] for c in cs]), median([c[1] for c in cs])) for name, cs in cpu.items()}
+
+
+def cpu_line(per_rank: list[dict], a: str, b: str) -> str:
+    """Each rank's median CPU time per step of `a` and `b` (main thread / whole process)."""
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    return (
+        "CPU time per step, medians (main thread / whole process incl. gloo's threads): "
+        + "; ".join(
+            f"rank {r}: {a} {ms(c[a][0])} / {ms(c[a][1])}, {b} {ms(c[b][0])} / {ms(c[b][1])}"
+            for r, c in enumerate(p["cpu"] for p in per_rank)
+        )
+        + " ms"
+    )
 
 
 # ---------------------------------------------------------------- part 1
@@ -449,25 +504,12 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
     ours.optimizer.step()
     theirs.optimizer.step()
 
-    cpu = {FIVECUT: [], TORCH: []}  # per step (warm-up included): this rank's main-thread and process CPU seconds
-
-    def with_cpu(name, step):
-        def timed():
-            thread, process = time.thread_time(), time.process_time()
-            step()
-            cpu[name].append((time.thread_time() - thread, time.process_time() - process))
-
-        return timed
-
-    steps = {
-        FIVECUT: with_cpu(FIVECUT, lambda: ours.step(micro)),
-        TORCH: with_cpu(TORCH, lambda: theirs.step(inputs, targets)),
-    }
+    steps, cpu = with_cpu({FIVECUT: lambda: ours.step(micro), TORCH: lambda: theirs.step(inputs, targets)})
     runs = interleave_pair(steps, opts, prefix=f"m={m} ")
     return dict(
         m=m,
         runs=runs,
-        cpu={name: (median([c[0] for c in cs]), median([c[1] for c in cs])) for name, cs in cpu.items()},
+        cpu=cpu_medians(cpu),
         loss=(loss_a, loss_b),
         grad_diff=grad_diff,
         grad_bitwise=grad_bitwise,
@@ -559,21 +601,9 @@ def simulate_measured(
     schedule, table: dict[tuple[str, int], float], send_cost: float = 0.0, latency: float = 0.0
 ) -> Timeline:
     """`simulate` with one cost per (kind, stage) instead of one per kind; optionally a send that
-    occupies its rank for `send_cost` and a message that arrives `latency` after its send starts."""
-    original = simulate_module.finish
-
-    def finish(a, free, costs, sent):
-        if a.is_compute:
-            return free + table[(a.kind, a.stage)]
-        if a.kind.startswith("SEND"):
-            return free + send_cost
-        return max(free, sent[partner(a)] + latency)
-
-    simulate_module.finish = finish
-    try:
-        return simulate(schedule, 1.0, 1.0, 1.0, cost_comm=latency)  # costs: only `text`'s default unit uses them
-    finally:
-        simulate_module.finish = original
+    occupies its rank for `send_cost` and a message that arrives `latency` after its send starts.
+    (The per-kind costs of 1 only set `text`'s default cell; every compute action has a stage cost.)"""
+    return simulate(schedule, 1.0, 1.0, 1.0, cost_comm=latency, stage_costs=table, cost_send=send_cost)
 
 
 def labelled(picture: str, label: str) -> str:
@@ -708,7 +738,6 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
     bitwise = all(r["grad_bitwise"] for r in per_rank)
     worst_grad = max(r["grad_diff"] for r in per_rank)
     last = per_rank[-1]["loss"]
-    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     lines = [
         f"### {m} microbatches of {opts['batch'] // m} x {opts['seq']} tokens",
         "",
@@ -721,12 +750,7 @@ def compare_report(opts: dict, results: list[dict], i: int) -> tuple[list[str], 
         "",
         f"per-repeat ratios: {', '.join(format_ratio(x) for x in cmp.ratios)}",
         "",
-        "CPU time per step, medians (main thread / whole process incl. gloo's threads): "
-        + "; ".join(
-            f"rank {r}: fivecut {ms(c[FIVECUT][0])} / {ms(c[FIVECUT][1])}, torch {ms(c[TORCH][0])} / {ms(c[TORCH][1])}"
-            for r, c in enumerate(p["cpu"] for p in per_rank)
-        )
-        + " ms",
+        cpu_line(per_rank, FIVECUT, TORCH),
         "",
     ]
     return lines, cmp.ratio
@@ -917,11 +941,20 @@ def parse(argv=None) -> dict:
     p.add_argument(
         "--vs-torch-zb", action="store_true", help="part 3: dualpipev / zb1p vs torch ScheduleDualPipeV / ZBVZeroBubble"
     )
+    p.add_argument(
+        "--torch-zb",
+        default=",".join(c.__name__ for _, c in ZB_PAIRS),
+        help="part 3: the torch schedules to compare with (comma-separated; fivecut's peer of each is fixed)",
+    )
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
     p.add_argument("--untied", action="store_true", help="untie the preset's embedding and head (see model_args)")
     opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
     opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
+    opts["torch_zb"] = [x for x in opts["torch_zb"].split(",") if x]
+    known = [c.__name__ for _, c in ZB_PAIRS]
+    if not opts["torch_zb"] or any(x not in known for x in opts["torch_zb"]):
+        p.error(f"--torch-zb {','.join(opts['torch_zb'])}: choose from {', '.join(known)}")
     unknown = [s for s in opts["schedules"] if s not in LAYOUTS]
     if unknown:
         p.error(f"unknown schedules {unknown}; choose from {', '.join(LAYOUTS)}")

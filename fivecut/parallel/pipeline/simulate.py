@@ -1,7 +1,9 @@
 """Time a schedule's action lists with per-action costs: the timeline, the bubble, a text picture.
 
 Each rank runs its list in order. A compute action starts when the previous action on
-the rank ends. A send is issued instantly and never blocks; a receive ends when the
+the rank ends and lasts its kind's cost, or its (kind, stage)'s where `stage_costs` gives one
+(a measured stage: the last one carries the head and the loss). A send is issued when the rank
+gets to it and occupies the rank for `cost_send` (0: it never blocks); a receive ends when the
 matching send was issued plus `cost_comm` (or when the rank gets there, if later).
 
 Bubble (one definition everywhere): total idle time / (pp * makespan), where a rank's
@@ -12,6 +14,7 @@ communication actions themselves are not compute).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fivecut.parallel.pipeline.schedule import COMPUTE, PARTNER, RECEIVES, Action, Schedule, execution_order
@@ -21,7 +24,7 @@ from fivecut.parallel.pipeline.schedule import COMPUTE, PARTNER, RECEIVES, Actio
 class Timeline:
     schedule: Schedule
     rows: list[list[tuple[Action, float, float]]]  # per rank: (action, start, end), communication included
-    costs: dict[str, float]  # F, B, W, comm
+    costs: dict[str, float]  # F, B, W, comm (per kind; `stage_costs` may override F, B, W per stage)
     makespan: float
     bubble: float  # idle / (pp * makespan)
 
@@ -39,15 +42,20 @@ def simulate(
     cost_b: float | None = None,
     cost_w: float | None = None,
     cost_comm: float = 0.0,
+    *,
+    stage_costs: Mapping[tuple[str, int], float] | None = None,
+    cost_send: float = 0.0,
 ) -> Timeline:
-    """Run the schedule on a clock. Defaults: B = 2 when the backward is whole, B = 1 and W = 1 when split."""
+    """Run the schedule on a clock. Defaults: B = 2 when the backward is whole, B = 1 and W = 1 when split.
+    `stage_costs`: (kind, stage) -> the cost of that stage's F, B or W, in place of the kind's."""
     if cost_b is None:
         cost_b = 1.0 if schedule.split_backward else 2.0
     if cost_w is None:
         cost_w = 1.0
     costs = {"F": cost_f, "B": cost_b, "W": cost_w, "comm": cost_comm}
-    if any(c < 0 for c in costs.values()):
-        raise ValueError(f"costs must not be negative: {costs}")
+    per_stage = dict(stage_costs or {})
+    if any(c < 0 for c in (*costs.values(), *per_stage.values(), cost_send)):
+        raise ValueError(f"costs must not be negative: {costs}, send {cost_send}, per stage {per_stage}")
     rows = [[] for _ in range(schedule.pp)]
     ends = [0.0] * schedule.pp  # when each rank's last action ended
     sent: dict[tuple[str, int, int], float] = {}  # (receive kind, stage, microbatch) -> when its send was issued
@@ -55,12 +63,12 @@ def simulate(
         a = schedule.actions[rank][i]
         free = ends[rank]
         if a.kind in COMPUTE:
-            end = free + costs[a.kind]
+            end = free + per_stage.get((a.kind, a.stage), costs[a.kind])
         elif a.kind in RECEIVES:
             end = max(free, sent[(a.kind, a.stage, a.microbatch)] + cost_comm)
-        else:  # a send is issued and the rank moves on
+        else:  # a send is issued; the rank moves on after posting it
             kind, step = PARTNER[a.kind]
-            end, sent[(kind, a.stage + step, a.microbatch)] = free, free
+            end, sent[(kind, a.stage + step, a.microbatch)] = free + cost_send, free
         rows[rank].append((a, free, end))
         ends[rank] = end
     makespan = max((row[-1][2] for row in rows if row), default=0.0)
