@@ -192,7 +192,7 @@ class ParallelizeOptions:
     recompute_every: int = 1  # recompute the blocks whose layer id is a multiple of this
     param_dtype: torch.dtype | None = None  # bf16 under train.dtype = "bf16": what ZeRO-3 gathers
     compile: bool = False  # torch.compile each block (`fivecut.parallel.compile`)
-    loss_chunk_tokens: int = 512  # tokens per chunk of the head and loss (`fivecut.parallel.loss`); 0: full logits
+    loss_chunk_tokens: int = 2048  # tokens per chunk of the head and loss (`fivecut.parallel.loss`); 0: full logits
 
     @classmethod
     def from_train(cls, train, moe: MoEOptions | None, seed: int, device) -> ParallelizeOptions:

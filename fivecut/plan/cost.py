@@ -65,6 +65,7 @@ from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
     activation_bytes_per_layer,
+    expert_slots,
     layer_mode,
     loss_peak_bytes,
     precision_of,
@@ -594,7 +595,7 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
     moe = args.moe_layer(layer)
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
-    key += (precision, moe, mode)
+    key += (precision, moe, mode, cfg.moe.eplb_slots)
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -609,6 +610,7 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
             cp_mode=dims.cp_mode,
             cp_ulysses=dims.cp_ulysses,
             etp=dims.etp,
+            slots=expert_slots(args, dims.ep, cfg.moe.eplb_slots),
         )
     return BLOCK_BYTES[key]
 

@@ -37,7 +37,7 @@ FREE_ON_RESUME = {
     # accumulate and bucket_mb split the same sums differently. The fault policy decides only what
     # happens after a non-finite value, so a resume may switch to "skip" to get past one.
     "train": "steps launch_steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite "
-    "max_skipped recompute recompute_every compile adamw",  # when and by which kernel, not what, is computed
+    "max_skipped recompute recompute_every compile adamw loss_chunk_tokens",  # when, by which kernel, in what chunks
     "moe": "eplb_slots eplb_move eplb_interval eplb_window",  # EPLB places expert copies; it changes no number
     "data": "cache_dir",  # the token cache is keyed and checked by its tokenizer and sha256
     "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",
