@@ -302,11 +302,11 @@ def auto_cluster(folder, memory_gb: str) -> str:
 
 @pytest.mark.parametrize(
     "memory_gb, planned",
-    [("0.02", {"accumulate": 2, "recompute": "none"}), ("0.0145", {"accumulate": 1, "recompute": "full"})],
+    [("0.02", {"accumulate": 2, "recompute": "none"}), ("0.0145", {"accumulate": 4, "recompute": "full"})],
 )
 def test_auto_runs_the_accumulation_and_recomputation_it_planned(memory_gb, planned, byte_cache, tmp_path, capsys):
     """tiny, 8 x 32 tokens a step, on one rank of 20 MB: one step of 8 rows does not fit, two of 4
-    do; in 14.5 MB only full recomputation fits. The run trains with what was planned (its
+    do; in 14.5 MB only full recomputation, with four steps of two rows (the loss head's peak counted). The run trains with what was planned (its
     config.json, what its trainer read). Caught: `PLANNED_TRAIN_KEYS` without "accumulate" or
     without "recompute" (the planner's choice not applied to the run)."""
     out = tmp_path / "out"
