@@ -306,9 +306,10 @@ def auto_cluster(folder, memory_gb: str) -> str:
 )
 def test_auto_runs_the_accumulation_and_recomputation_it_planned(memory_gb, planned, byte_cache, tmp_path, capsys):
     """tiny, 8 x 32 tokens a step, on one rank of 20 MB: one step of 8 rows does not fit, two of 4
-    do; in 14.5 MB only full recomputation, with four steps of two rows (the loss head's peak counted). The run trains with what was planned (its
-    config.json, what its trainer read). Caught: `PLANNED_TRAIN_KEYS` without "accumulate" or
-    without "recompute" (the planner's choice not applied to the run)."""
+    do; in 14.5 MB only full recomputation, with four steps of two rows (the loss head's peak
+    counted). The run trains with what was planned (its config.json, what its trainer read).
+    Caught: `PLANNED_TRAIN_KEYS` without "accumulate" or without "recompute" (the planner's choice
+    not applied to the run)."""
     out = tmp_path / "out"
     sets = [
         'parallel.layout="auto"',
