@@ -40,7 +40,7 @@ from fivecut.model.args import MLA_ONLY, MOE_ONLY
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
-from fivecut.plan.activations import activation_bytes_per_layer, expert_slots, layer_mode, precision_of
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
@@ -835,7 +835,8 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         cp_mode=dims.cp_mode,
         cp_ulysses=dims.cp_ulysses,
         etp=dims.etp,
-        slots=expert_slots(args, dims.ep, cfg.moe.eplb_slots),
+        ep=dims.ep,
+        eplb_slots=cfg.moe.eplb_slots,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from test_bad_input import refused, train_argv
 from test_ddp import assert_same_run, single_process_run, small_config
+from test_e2e import assert_activations_exact, assert_every_cut_exact, assert_memory_exact
 from test_export import run_config, train_here
 from test_tensor import TOL, reference, tensor_parallel_step
 
@@ -186,8 +187,9 @@ def test_ledger_closed_forms_are_exact_under_tp_and_sp(capsys):
     the activations of the MoE block all as measured."""
     assert main(["ledger", "--model", "tiny-mla", "--layout", "tp=2,sp=true"]) == 0
     out = capsys.readouterr().out
-    for line in ("ratio=1.000", "memory_ratio=1.000", "activation_ratio=1.000"):
-        assert line in out.splitlines(), out
+    assert_every_cut_exact(out)
+    assert_memory_exact(out)
+    assert_activations_exact(out)
 
 
 # ---------------------------------------------------------------- weights out and in

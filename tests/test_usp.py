@@ -18,7 +18,7 @@ import torch
 from test_bad_input import layout_argv, refused
 from test_context import GRAD_TOL, LENGTHS, LOGIT_TOL, batch, reference, whole_logits_under
 from test_ddp import small_config
-from test_e2e import assert_every_cut_exact
+from test_e2e import assert_activations_exact, assert_every_cut_exact, assert_memory_exact
 
 from fivecut import comm
 from fivecut.cli import main
@@ -152,7 +152,8 @@ def test_ledger_counts_usp_exactly(capsys, byte_cache, layout, sets):
     out = capsys.readouterr().out
     assert_every_cut_exact(out)
     lines = out.strip().splitlines()
-    assert "activation_ratio=1.000" in lines and "memory_ratio=1.000" in lines
+    assert_activations_exact(out)
+    assert_memory_exact(out)
     assert any(line.startswith("cp ") and "(usp)" in line for line in lines)
 
 

@@ -69,7 +69,8 @@ def activation_bytes_per_layer(
     cp_mode: str = "ulysses",
     cp_ulysses: int = 1,
     etp: int = 1,
-    slots: tuple[int, int] = (0, 0),
+    ep: int = 1,
+    eplb_slots: int = 0,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -113,7 +114,7 @@ def activation_bytes_per_layer(
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
     if moe_rows is None:
         return dense
-    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, slots)
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
 
 
 def latent_attention_floats(args, tp: int, plain: bool) -> float:
@@ -189,12 +190,6 @@ def precision_of(dtype: str, zero: int) -> str:
     return "bf16-params" if zero == 3 else "bf16"
 
 
-def expert_slots(args, ep: int, eplb_slots: int) -> tuple[int, int]:
-    """This rank's expert slots under expert parallelism (its E/ep experts and EPLB's extra
-    slots), and the extra ones; (0, 0) at ep = 1, where the rows need no reorder (`moe_bytes`)."""
-    return (args.n_experts // ep + eplb_slots, eplb_slots) if ep > 1 else (0, 0)
-
-
 def moe_bytes(
     args,
     tokens: int,
@@ -203,7 +198,8 @@ def moe_bytes(
     precision: str = "fp32",
     swiglu: int = 4,
     etp: int = 1,
-    slots: tuple[int, int] = (0, 0),
+    ep: int = 1,
+    eplb_slots: int = 0,
 ) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
@@ -212,13 +208,12 @@ def moe_bytes(
         router     T*E scores; T*k expert indices (int64); T + T*k for the weights' renormalization
         dispatch   N row indices (int64)
         experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates;
-                   under expert parallelism (`slots` = (S local expert slots, EPLB's X extra ones
-                   among them): `expert_slots`), 2R row indices (int64), the received rows
-                   reordered from (source, slot) blocks to slot-major for the one grouped GEMM and
-                   back, and the GEMM's group ends (int32 a slot); with X > 0 the GEMM reads the
-                   owned experts and the fetched copies stacked, a new tensor (in the matmuls'
-                   dtype) of all S slots' three weights (3*S*h*H/etp) kept for its backward, and
-                   the X copies' row indices (int64)
+                   the one grouped GEMM's group ends (int32 for each of the S = E/ep + X local
+                   slots, X = `eplb_slots`); with ep > 1, 2R row indices (int64), the received
+                   rows reordered from (source, slot) blocks to slot-major and back; with X > 0,
+                   the owned experts and the fetched copies stacked, a new tensor (in the matmuls'
+                   dtype) of all S slots' three weights (3*S*h*H/etp) kept for the GEMM's
+                   backward, and the X copies' row indices (int64)
         combine    T*k slot indices (int64), T*k*h results per slot, T*k weights
         shared     4*T*H_shared (a SwiGLU on every token)
     (`swiglu` = 2 under selective recomputation: two intermediates instead of four).
@@ -239,10 +234,10 @@ def moe_bytes(
     shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
     rows = received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
     rows += swiglu * t * shared + (t * h * (1 + 2 * (shared > 0)) if casts else 0)  # casts: router's, shared's
-    local, copies = slots
-    reorder = 8 * 2 * received + 4 * local if local else 0
-    stacked = a * 3 * local * h * args.expert_dim // etp + 8 * copies if copies else 0
-    return stats + a * rows + 8 * (t * k + sent + gathered * k) + reorder + stacked
+    local = e // ep + eplb_slots
+    grouped = 4 * local + (8 * 2 * received if ep > 1 else 0)  # group ends; the slot-major reorder
+    stacked = a * 3 * local * h * args.expert_dim // etp + 8 * eplb_slots if eplb_slots else 0
+    return stats + a * rows + 8 * (t * k + sent + gathered * k) + grouped + stacked
 
 
 def stage_activation_bytes(

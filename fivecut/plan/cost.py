@@ -65,7 +65,6 @@ from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
     activation_bytes_per_layer,
-    expert_slots,
     layer_mode,
     loss_peak_bytes,
     precision_of,
@@ -610,7 +609,8 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
             cp_mode=dims.cp_mode,
             cp_ulysses=dims.cp_ulysses,
             etp=dims.etp,
-            slots=expert_slots(args, dims.ep, cfg.moe.eplb_slots),
+            ep=dims.ep,
+            eplb_slots=cfg.moe.eplb_slots,
         )
     return BLOCK_BYTES[key]
 
