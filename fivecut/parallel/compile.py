@@ -11,10 +11,18 @@ the module's `__call__` stays eager. So:
 * the collectives of the cuts (fivecut.comm calls inside the autograd Functions of TP/SP, CP and
   EP) end a graph: Dynamo resumes after them in a new graph. Those graph breaks are allowed; the
   trainer writes their count on step 1 (`CompileRecord.counts`);
-* a MoE feed-forward runs eagerly inside the compiled block: its token counts per expert are
-  data (`.tolist()` sizes the splits and the all-to-alls), and compiling past them would
-  specialize on each microbatch's counts and recompile every time. The attention, norms and
-  residuals of the block are compiled; the graph breaks at the MoE call.
+* a MoE feed-forward at ep = 1 compiles with its block, in the same graph: routing, the token
+  counts (`count_ids`, sized by the number of experts, never by the data), the grouped GEMMs with
+  their offsets on the device (the CPU's `fivecut::grouped_mm_cpu` has a fake kernel giving its
+  shapes), capacity, the auxiliary loss (`_AttachLoss`) and the load statistics (in-place adds
+  on tensors, which the compiled code writes back). Its step-1 bookkeeping (`first_rows` is
+  None on a step's first forward only; a recomputed forward is `replaying`) adds a graph or two
+  on step 1, none after. A MoE layer that communicates stays eager, with its reason in
+  `CompileRecord.eager` and in the step-1 line (`ExpertParallelMoE.eager_reason`):
+  - ep > 1: the all-to-all split sizes are read on the host (`.tolist()`) at every dispatch;
+    compiling past them would specialize on each microbatch's counts and recompile;
+  - etp > 1, tp without sp, or capacity / the auxiliary loss over tp or cp chunks: collectives
+    inside the layer, each of which would end a graph in the middle of it.
 
 Under full recomputation the block's forward is a `BlockCheckpoint`: what is compiled is the
 forward inside it, so the checkpoint (eager, with its bookkeeping of what it keeps and of MoE
@@ -46,7 +54,7 @@ class CompileRecord:
     the process: what a run adds is the difference)."""
 
     blocks: list[str] = field(default_factory=list)  # stage-local paths, e.g. "layers.3"
-    eager: list[str] = field(default_factory=list)  # modules left eager inside the blocks (MoE)
+    eager: dict[str, str] = field(default_factory=dict)  # MoE modules left eager inside the blocks -> why
     start_graphs: int = 0
     start_breaks: Counter = field(default_factory=Counter)
 
@@ -64,14 +72,22 @@ class CompileRecord:
             "graphs": counters["stats"]["unique_graphs"] - self.start_graphs,
             "graph_breaks": sum(n for n in breaks.values() if n > 0),
             "reasons": dict(reasons.most_common(3)),
+            "eager": dict(self.eager),
         }
 
     def line(self) -> str:
         c = self.counts()
         why = "; ".join(f"{n}x {reason}" for reason, n in c["reasons"].items())
-        return f"torch.compile: {c['blocks']} blocks, {c['graphs']} graphs, {c['graph_breaks']} graph breaks" + (
-            f" ({why})" if why else ""
-        )
+        line = f"torch.compile: {c['blocks']} blocks, {c['graphs']} graphs, {c['graph_breaks']} graph breaks"
+        return line + (f" ({why})" if why else "") + self._eager_line()
+
+    def _eager_line(self) -> str:
+        """`; eager MoE: layers.1.feed_forward, layers.2.feed_forward (ep=2: ...)`, one group per reason."""
+        paths_by_reason: dict[str, list[str]] = {}
+        for path, reason in self.eager.items():
+            paths_by_reason.setdefault(reason, []).append(path)
+        groups = [f"{', '.join(paths)} ({reason})" for reason, paths in paths_by_reason.items()]
+        return f"; eager MoE: {'; '.join(groups)}" if groups else ""
 
 
 def start_record() -> CompileRecord:
@@ -83,11 +99,20 @@ def compile_blocks(stage: nn.Module, record: CompileRecord) -> None:
     """Compile the forward of the module at each block position of `stage`; no parameter changes."""
     for name, block in stage.layers.items():
         for path, module in block.named_modules(prefix=f"layers.{name}"):
-            if isinstance(module, MoE):
+            reason = moe_eager_reason(module)
+            if reason is not None:
                 module.forward = torch.compiler.disable(module.forward, recursive=True)
-                record.eager.append(path)
+                record.eager[path] = reason
         if isinstance(block.forward, BlockCheckpoint):  # full recomputation: compile inside the checkpoint
             block.forward.forward = torch.compile(block.forward.forward, dynamic=False)
         else:
             block.forward = torch.compile(block.forward, dynamic=False)
         record.blocks.append(f"layers.{name}")
+
+
+def moe_eager_reason(module: nn.Module) -> str | None:
+    """Why a MoE module stays eager (None: it compiles; so does any other module). A MoE without a
+    runtime is the plain dropless layer of one process."""
+    if not isinstance(module, MoE) or module.runtime is None:
+        return None
+    return module.runtime.eager_reason()

@@ -298,6 +298,20 @@ class ExpertParallelMoE:
         self.replaying = False  # a forward recomputed in backward (fivecut.parallel.recompute): not counted again
         self.recompute_product = False  # the experts' SwiGLU product computed again in backward (selective recompute)
 
+    def eager_reason(self) -> str | None:
+        """Why `train.compile` must leave this layer eager, in one line; None when the layer compiles
+        into its block's graph (it then never waits for the host nor calls a collective)."""
+        if self.ep.size > 1:
+            return f"ep={self.ep.size}: the all-to-all split sizes are read on the host at every dispatch"
+        if self.etp.size > 1:
+            return f"etp={self.etp.size}: the tokens are gathered and reduce-scattered over etp (collectives)"
+        if self.tp.size > 1 and not self.sp:
+            return f"tp={self.tp.size} without sp: the layer cuts out and gathers back its tp slice (collectives)"
+        per_sequence = self.options.capacity_factor is not None or self.options.aux_loss_coef > 0
+        if per_sequence and self.chunks > 1:
+            return "capacity or auxiliary loss over tp/cp chunks: the per-sequence counts are all-gathered"
+        return None
+
     def set_placement(self, placement: SlotMap) -> None:
         """Use `placement`; its routing tables get one more row, for a sentinel expert E that
         dropped slots are given: its rows go past the last physical slot (rank * slots + slot)."""
