@@ -1,7 +1,7 @@
 """train.compile on a MoE model (tiny-moe: layer 0 dense, layers 1-3 MoE), fp32, against the eager
 single process: at ep = 1 the MoE feed-forward compiles inside its block with no graph break and
-nothing compiles after step 1; at ep = 2 it stays eager, and the compile record says so (one graph break: the call of the
-eager layer).
+nothing compiles after step 1; at ep = 2 it stays eager, and the compile record says so (one
+graph break: the call of the eager layer).
 
 Tolerances are test_compile's (verify's): losses rtol 1e-5 at every step, gradient norms 1e-5 on
 step 1 and 1e-3 after (inductor reorders sums, and AdamW carries the roundings into the weights).
