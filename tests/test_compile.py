@@ -21,14 +21,14 @@ def test_compile_is_the_step_after_recomputation():
     assert STEPS.index("compile") == STEPS.index("recompute") + 1 == STEPS.index("data") - 1
 
 
-def test_compiling_keeps_names_and_leaves_moe_eager():
+def test_compiling_keeps_names_and_compiles_a_plain_moe():
     model = build_model(PRESETS["tiny-moe"], seed=0)
     keys = list(model.state_dict())
     record = start_record()
     compile_blocks(model, record)  # lazy: nothing is traced before a forward
     assert list(model.state_dict()) == keys and not any("_orig_mod" in k for k, _ in model.named_parameters())
     assert record.blocks == [f"layers.{i}" for i in range(4)]
-    assert record.eager == [f"layers.{i}.feed_forward" for i in range(1, 4)]  # the first layer is dense
+    assert record.eager == {}  # one process's dropless MoE compiles with its block (tests/test_moe_compile.py)
 
 
 def fivecut(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@
     5. recomputation       full or selective activation recomputation of every k-th block
                            (fivecut.parallel.recompute), around what the cuts above put in a block
     6. compile             train.compile: torch.compile of the forward of each block as the steps above left it
-                           (`fivecut.parallel.compile`; graph breaks at the collectives, MoE feed-forwards eager)
+                           (`fivecut.parallel.compile`; graph breaks at collectives; a MoE that communicates eager)
     then over all of this rank's stages:
     7. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
                            for most, `expert_dp` for experts, dp x cp x tp for the router and shared
