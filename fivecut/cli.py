@@ -873,7 +873,10 @@ def print_loss_peak(every_rank: list, cfg: Config) -> None:
     predicted = loss_peak_bytes(args, tokens, dims.tp, precision_of(t.dtype, dims.zero), chunk)
     path = f"chunks of {chunk} tokens" if chunk else "full logits"
     print(f"\nloss peak on rank {rank} (head and cross-entropy, {path}, {tokens} tokens, tp={dims.tp}, {t.dtype}):")
-    print(f"loss peak: measured {format_bytes(measured)} ({measured:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)")
+    both = (
+        f"measured {format_bytes(measured)} ({measured:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)"
+    )
+    print(f"loss peak: {both}")
     print(f"loss_ratio={measured / predicted:.3f}")
 
 
