@@ -40,7 +40,7 @@ from fivecut.model.args import MLA_ONLY, MOE_ONLY
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
@@ -862,7 +862,6 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
 def print_loss_peak(every_rank: list, cfg: Config) -> None:
     """The head and cross-entropy's peak (step 1, first (micro)batch) on the rank that holds the
     head, measured vs `loss_peak_bytes`."""
-    from fivecut.plan.activations import loss_peak_bytes, precision_of
     from fivecut.train.memory import format_bytes
 
     rank, measured = next((r, result.loss_peak) for r, result in enumerate(every_rank) if result.loss_peak is not None)
