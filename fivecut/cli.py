@@ -40,7 +40,7 @@ from fivecut.model.args import MLA_ONLY, MOE_ONLY
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
 from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
-from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, precision_of
+from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
 from fivecut.train.resume import resume_changes
@@ -859,6 +859,26 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     print(f"activation_ratio={last / predicted:.3f}")
 
 
+def print_loss_peak(every_rank: list, cfg: Config) -> None:
+    """The head and cross-entropy's peak (step 1, first (micro)batch) on the rank that holds the
+    head, measured vs `loss_peak_bytes`."""
+    from fivecut.train.memory import format_bytes
+
+    rank, measured = next((r, result.loss_peak) for r, result in enumerate(every_rank) if result.loss_peak is not None)
+    args, dims, t = preset_args(cfg.model), cfg.parallel, cfg.train
+    rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
+    tokens = rows * t.seq_len // dims.cp
+    chunk = t.loss_chunk_tokens
+    predicted = loss_peak_bytes(args, tokens, dims.tp, precision_of(t.dtype, dims.zero), chunk)
+    path = f"chunks of {chunk} tokens" if chunk else "full logits"
+    print(f"\nloss peak on rank {rank} (head and cross-entropy, {path}, {tokens} tokens, tp={dims.tp}, {t.dtype}):")
+    both = (
+        f"measured {format_bytes(measured)} ({measured:,} B), predicted {format_bytes(predicted)} ({predicted:,.0f} B)"
+    )
+    print(f"loss peak: {both}")
+    print(f"loss_ratio={measured / predicted:.3f}")
+
+
 def cp_label(dims) -> str:
     if dims.cp == 1 or dims.cp_mode == "ulysses":
         return ""
@@ -886,13 +906,15 @@ def cmd_ledger(ns) -> int:
 
     cfg = layout_config(ns)
     layout = cfg.parallel.settings()
-    mine = run_spawned(cfg, ns.timeout, measure_activations=True, what=f"ledger, layout {layout}")[0]
+    every_rank = run_spawned(cfg, ns.timeout, measure_activations=True, what=f"ledger, layout {layout}")
+    mine = every_rank[0]
     print(f"ledger: {model_label(cfg.model)}, layout {layout}, step {cfg.train.steps}, rank 0")
     print(format_rows(mine.ledger_rows))
     print()
     print_memory(mine.memory, cfg)
     print_buffers(mine.buffers, cfg)
     print_activations(mine.activations, cfg, first_forward_rows(mine))
+    print_loss_peak(every_rank, cfg)
     predicted = predict(preset_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")

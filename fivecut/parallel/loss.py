@@ -67,13 +67,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)  # [T, h]
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V/t, h]
         for start, end in chunk_bounds(hidden.shape[0], chunk):
-            with torch.enable_grad(), own_saved_tensors():
-                h = hidden[start:end].detach().requires_grad_()  # [C, h]
-                chunk_losses = token_losses(F.linear(h, w), targets[start:end])  # [C], logits [C, V/t] freed below
-                dh, dw = torch.autograd.grad(chunk_losses.sum(), (h, w))
-            losses[start:end] = chunk_losses.detach()
-            grad_hidden[start:end] = dh
-            grad_weight += dw
+            accumulate_chunk(
+                hidden[start:end],
+                w,
+                targets[start:end],
+                token_losses,
+                losses[start:end],
+                grad_hidden[start:end],
+                grad_weight,
+            )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return losses.sum()
@@ -82,6 +84,21 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad):
         grad_hidden, grad_weight = ctx.saved_tensors
         return grad_hidden * grad, (grad_weight * grad).to(ctx.weight_dtype), None, None, None
+
+
+def accumulate_chunk(hidden, w, targets, token_losses: TokenLosses, losses, grad_hidden, grad_weight) -> None:
+    """One chunk of C tokens: its token losses into `losses` [C], d/dhidden into `grad_hidden` [C, h],
+    d/dW added to `grad_weight` [V/t, h] (fp32). Its logits [C, V/t] and gradients die on return,
+    before the next chunk makes its own."""
+    with torch.enable_grad(), own_saved_tensors():
+        h = hidden.detach().requires_grad_()  # [C, h]
+        # h cast to w's dtype here, not by autocast, whose cache would keep each chunk's cast of this
+        # leaf to the end of the autocast region: [T, h] in bf16 by the last chunk
+        chunk_losses = token_losses(F.linear(h.to(w.dtype), w), targets)  # [C]; the logits [C, V/t] are freed here
+        dh, dw = torch.autograd.grad(chunk_losses.sum(), (h, w))
+    losses.copy_(chunk_losses.detach())
+    grad_hidden.copy_(dh)
+    grad_weight += dw
 
 
 def chunked_loss_sum(

@@ -271,15 +271,43 @@ def stage_activation_bytes(
 
 
 def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chunk: int = 0) -> float:
-    """The head and cross-entropy's peak on the last stage, over what the blocks keep: T = `tokens`
-    of one microbatch on this rank (the head sees the whole sequence under SP), V/t vocabulary
-    columns, a = the matmuls' bytes (`BYTES[precision]`).
-        full logits (chunk = 0)   T*V/t * (a + 4 + 4): the logits, their fp32 upcast (fp32: the
-                                  log-softmax) and their fp32 gradient
-        chunked (chunk = C)       C'*V/t * (a + 4 + 4) for one chunk of C' = min(C, T) tokens, plus
-                                  what the loss head keeps from its forward to its backward: dW in
-                                  fp32 (4*V/t*h) and d hidden (a*T*h)"""
-    columns, a = -(-args.vocab_size // tp), BYTES[precision]
+    """The loss's peak on the rank holding the head (the last stage), for one microbatch of T =
+    `tokens` on this rank (the head sees the whole sequence under SP): the most bytes held at once
+    by the tensors the head and the cross-entropy make, in the head's forward (from its input to
+    the sum of token losses) and its backward (from that sum's gradient to the gradient of the
+    head's input), each storage once. Not counted: what existed when the head started (its input,
+    the weights and the step's bf16 weight copies, `.grad` buffers) and what is made between the
+    two (the scaling by the global token count, backward's seed): those are the blocks', the model
+    states' or a scalar's. Counted: the fp32 dW and d hidden buffers of the chunked head and the
+    gradients backward makes (d hidden, dW, on step 1 the weight's `.grad` itself). `fivecut
+    ledger` measures exactly this (`fivecut.train.memory.LossPeak`) and the planner's memory term
+    "loss" is this figure. V' = ceil(V/t) vocabulary columns, C' = min(C, T) tokens a chunk (the
+    full logits: C' = T), a = the matmuls' bytes (`BYTES[precision]`), r = the residual stream's
+    (4; 2 for "bf16-params"):
+        cross-entropy    one process: 12 C' V', at log-softmax's backward: its saved fp32 output,
+                         the fp32 gradient it receives and the one it makes (the logits and
+                         their fp32 upcast are freed by then); chunked, the chunk's token losses
+                         and two fp32 scalars (4 C' + 8).
+                         vocabulary-parallel (t > 1): at the end of its forward, the logits, the
+                         fp32 upcast (under bf16), the masked, shifted and exponentiated logits and
+                         the softmax kept for backward: (a + 16 + 4 [a < 4]) C' V'; the column
+                         ids (8 V'); per token 33 B (max, local target, ownership, picked logit,
+                         the sum-exp and target logit stacked for one all-reduce, log and loss)
+        chunked buffers  the token losses (4 T), d hidden (r T h) and dW (4 V' h, fp32); under
+                         bf16 the weight cast once for all chunks (2 V' h) and the chunk's input
+                         cast that its matmul saves (2 C' h)
+        full logits      under bf16 the head's bf16 cast of its input, saved by its matmul (2 T h)
+    Exact (`tests/test_loss_ledger.py`) where the moment named is the peak: one process while
+    the chunk's matmul backward (its logits' gradient, d hidden, dW) holds less than 12 C' V'."""
+    columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
+    rows = min(chunk, tokens) if chunk else tokens  # C'
+    if tp == 1:
+        entropy = 12 * rows * columns + (4 * rows + 8 if chunk else 0)
+    else:
+        entropy = (a + 16 + (4 if a < FP32 else 0)) * rows * columns + 8 * columns + 33 * rows
+    casts = precision == "bf16"
     if chunk == 0:
-        return tokens * columns * (a + FP32 + FP32)
-    return min(chunk, tokens) * columns * (a + FP32 + FP32) + FP32 * columns * args.dim + a * tokens * args.dim
+        return entropy + (2 * tokens * h if casts else 0)
+    residual = 2 if precision == "bf16-params" else FP32
+    buffers = FP32 * tokens + residual * tokens * h + FP32 * columns * h
+    return entropy + buffers + (2 * columns * h + 2 * rows * h if casts else 0)

@@ -26,6 +26,7 @@ from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
+from fivecut.train.memory import LossPeak
 from fivecut.train.optim import adamw_kernel, build_optimizer
 from fivecut.train.resume import Resume
 from fivecut.weights.load import load_into, model_args, run_tokenizer, source_of
@@ -213,6 +214,24 @@ def _forward_context(ctx: Context, measuring: bool = False):
     measure = ctx.par.saved.measure(reset=False) if measuring else contextlib.nullcontext()
     with ctx.par.saved.forward(), measure, ctx.autocast():
         yield
+
+
+@contextlib.contextmanager
+def measuring_loss_peak(ctx: Context):
+    """The ledger's measurement of the loss's peak (`LossPeak`) through the forward and backward
+    inside it, on the rank that holds the head; yields the meter (None on the other ranks)."""
+    stages = ctx.par.pipeline.stages.values() if ctx.par.pipeline is not None else [ctx.par.module]
+    head = next((stage.output for stage in stages if stage.output is not None), None)
+    if head is None:
+        yield None
+        return
+    loss_sum = ctx.par.loss_sum
+    with LossPeak(head, ctx.par.loss_in_head) as meter:
+        ctx.par.loss_sum = meter.wrap(loss_sum)
+        try:
+            yield meter
+        finally:
+            ctx.par.loss_sum = loss_sum
 
 
 def global_mean(ctx: Context, value: torch.Tensor) -> float:

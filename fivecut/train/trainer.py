@@ -3,6 +3,7 @@ non-finite values and signals, checkpoints, and rank 0's log."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -20,7 +21,7 @@ from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_byte
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
 from fivecut.train.resume import resume_changes
-from fivecut.train.run import Context, evaluate, forward_backward, global_mean, setup
+from fivecut.train.run import Context, evaluate, forward_backward, global_mean, measuring_loss_peak, setup
 from fivecut.weights.load import model_args
 
 
@@ -33,6 +34,7 @@ class RunResult:
     memory: dict[str, int] = field(default_factory=dict)  # model-state bytes on this rank
     buffers: int = 0  # the most bytes the data cut's buffers held at once in step 1 (`BufferPeak`)
     activations: dict[str, int] = field(default_factory=dict)  # layer -> bytes saved for backward (step 1)
+    loss_peak: int | None = None  # the head and loss's peak in step 1 (`LossPeak`), on the rank holding the head
     loss_plot: str | None = None
     moe: list[dict] = field(default_factory=list)  # MoE models: per step, expert loads and balance
     compile: dict = field(default_factory=dict)  # train.compile: graphs and graph breaks after step 1
@@ -73,7 +75,8 @@ def train(
     cfg: Config, quiet: bool = False, measure_activations: bool = False, resume: str = "auto", accept: list[str] = ()
 ) -> RunResult:
     """Train under the layout of `cfg.parallel`; the process group must already exist.
-    `measure_activations` records the bytes each layer saves for backward in step 1. `resume`:
+    `measure_activations` records the bytes each layer saves for backward in step 1 and the loss's
+    peak (`fivecut ledger`). `resume`:
     "auto" (the newest complete checkpoint in checkpoint.dir, if any), "never", or a checkpoint path;
     `accept`: the config keys that may differ from the checkpoint's although they change the run
     (`fivecut.train.resume`). An early stop (signal, non-finite values) raises `TrainingStopped`;
@@ -194,7 +197,11 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
     ctx.mesh.ledger.begin_step(step)
     started = time.perf_counter()
     ctx.par.sync.zero_grad()
-    local = forward_backward(ctx, step, result.activations if measure and step == 1 else None)
+    measuring = measure and step == 1
+    with measuring_loss_peak(ctx) if measuring else contextlib.nullcontext() as meter:
+        local = forward_backward(ctx, step, result.activations if measuring else None)
+    if meter is not None:
+        result.loss_peak = meter.peak
     moe = balance_experts(ctx, step)
     loss = global_mean(ctx, local)
     norm = clip(ctx)
