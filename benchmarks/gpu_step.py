@@ -12,6 +12,7 @@ Cases (each in its own process, so each peak is its own):
                           nearest class is `Qwen2MoeForCausalLM` (softmax top-k, renormalised), which
                           adds Q/K/V biases and a sigmoid gate on the shared expert (a rounding error
                           in FLOPs); MFU counts both by fivecut's active-parameter FLOPs
+  fivecut-moe-compiled    the MoE shape with train.compile (its MoE blocks compiled whole at ep = 1)
   adamw                   AdamW's step over llama-1b's parameters: fused vs foreach (ms, medians)
 
 Tokens/s and MFU are medians of the steps after the first third (allocation, autotuning,
@@ -53,6 +54,7 @@ FIVECUT_SETTINGS = {
     "fivecut-full-logits": ["train.loss_chunk_tokens=0"],
     "fivecut-compiled": ["train.compile=true"],
     "fivecut-moe": [f"model.{k}={v}" for k, v in MOE.items()],
+    "fivecut-moe-compiled": [f"model.{k}={v}" for k, v in MOE.items()] + ["train.compile=true"],
 }
 
 
