@@ -183,7 +183,8 @@ def saved_per_microbatch(cast_once: bool, microbatches: int = 8):
     own = [sum(n for ptr, n in per.items() if counts[ptr] == 1) for per in storages.values()]
     shared = sum(n for ptr, n in all_sizes.items() if counts[ptr] == microbatches)
     weights = sum(2 * p.numel() for m in par.module.modules() for p in matmul_weights(m))
-    return own, shared, weights, par.compute.held_bytes()
+    held = sum(c.untyped_storage().nbytes() for m in par.compute.modules for c in m._compute_copies.values())
+    return own, shared, weights, held
 
 
 def matmul_weights(module: torch.nn.Module) -> list[torch.Tensor]:

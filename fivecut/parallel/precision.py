@@ -89,9 +89,6 @@ class ComputeWeights:
         """Whether `t` is (a view of) one of this step's copies: a weight, not an activation."""
         return t.device.type != "meta" and t.untyped_storage().data_ptr() in self.storages
 
-    def held_bytes(self) -> int:
-        return sum(c.untyped_storage().nbytes() for m in self.modules for c in m._compute_copies.values())
-
 
 def master(module: nn.Module, name: str) -> nn.Parameter:
     """The fp32 master of `module.<name>` whatever autocast is doing (a cast module reads its copy)."""
