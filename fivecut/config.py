@@ -95,8 +95,6 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: "none" | "full" (a block keeps its input) | "selective"
     recompute_every: int = 1  # recompute every k-th transformer block (1: all of them)
     compile: bool = False  # torch.compile each transformer block
-    # the head and the cross-entropy computed together, this many tokens at a time (per rank and
-    # microbatch), so that only one chunk's logits [chunk, vocab] exist; 0: the full logits
     # tokens per chunk of the head and cross-entropy computed together (`fivecut.parallel.loss`); 0: the full
     # logits. Each chunk adds its [V, h] weight gradient into the fp32 one: on an H200 (790 TFLOP/s, 4.3 TB/s)
     # that pass costs about 920/C of the chunk's dW matmul, so 512 made llama-1b's step 10% slower than the
