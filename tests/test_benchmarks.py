@@ -205,3 +205,12 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+# ---------------------------------------------------------------- sliding-window attention's kernel
+
+
+def test_sliding_window_benchmark_reports(tmp_path):
+    args = ["--seq", "64", "--window", "16", "--steps", "1", "--repeats", "1", "--warmup", "0"]
+    out = run_script("benchmarks/sliding_window.py", *args, cwd=tmp_path)
+    assert "| fivecut: SDPA + band mask |" in out and out.rstrip().splitlines()[-1].startswith("ratio_flex_sdpa=")
