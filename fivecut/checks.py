@@ -525,19 +525,7 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
         )
-    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + latent_cp_problems(dims, model)
-
-
-def latent_cp_problems(dims: ParallelDims, model) -> list[str]:
-    """Context parallelism's cores (Ulysses, ring, USP) take one head size for q, k and v; latent
-    attention's value head is narrower, and the sequence cut is not written for it."""
-    if dims.cp > 1 and model.is_mla:
-        return [
-            f"cp={dims.cp} with multi-head latent attention (kv_lora_rank={model.kv_lora_rank}): context "
-            "parallelism does not support MLA's value heads yet; set parallel.cp=1 (cut the sequence with "
-            "tp and sp=true instead)"
-        ]
-    return []
+    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model)
 
 
 def usp_head_problems(dims: ParallelDims, model) -> list[str]:
