@@ -105,7 +105,8 @@ def activation_bytes_per_layer(
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
     if args.is_mla:
-        attention = a * latent_attention_floats(args, tp, plain)
+        sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
+        attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
     else:
         attention = a * (2 * h / tp + 2 * kv_heads_per_rank * hd + (h / tp if twice else 0))
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
@@ -117,7 +118,7 @@ def activation_bytes_per_layer(
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
 
 
-def latent_attention_floats(args, tp: int, plain: bool) -> float:
+def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:
     """Floats per token that multi-head latent attention keeps for backward, besides the block's
     norm (counted with the norms) and the log-sum-exps (counted per token), on one of `tp` ranks.
     The latents are whole on every rank, the heads (H/t of them) cut; qk = nope + rope:
@@ -131,15 +132,28 @@ def latent_attention_floats(args, tp: int, plain: bool) -> float:
                                       wo's [b, s, H v] copy of it (q is laid out [b, H, s, qk], and
                                       SDPA's output follows q's layout, so the transpose copies)
     Selective recomputation keeps the core's inputs q, k, v (a view of wkv_b's output: nope + v)
-    and wo's input (v) instead of the core's tensors."""
+    and wo's input (v) instead of the core's tensors.
+    Under context parallelism (`sequence_cut`) the core's tensors are those of the sequence cut:
+        ulysses   q, k, v come from the all-to-alls (v alone, no longer a view: v; padded by the
+                  core as on one device), and wo's input from the one back (v); selective: q, k,
+                  v and wo's input: 2 qk + 2 v
+        ring      q, k, v (the view: nope + v) and the ring's output without its padding (v),
+                  laid out [b, s, H, v] so wo's input is a view of it: 2 qk + nope + 2 v in every
+                  mode but full (the ring's core is never recomputed)
+        usp       Ulysses' all-to-all outputs q, k, v (v alone), the ring's output (v) and the
+                  all-to-all's back (wo's input, v): 2 qk + 3 v"""
     heads, qk, nope, v = args.n_heads / tp, args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
     q_latent = 3 * args.q_lora_rank + 1 if args.q_lora_rank else 0
     kv_latent = 3 * args.kv_lora_rank + args.qk_rope_head_dim + 1
     padded = v < qk
-    if plain:
-        core = 2 * qk + (qk if padded else nope + v) + (qk if padded else v) + v
-    else:
+    if sequence_cut == "ring":
         core = 2 * qk + nope + 2 * v
+    elif sequence_cut == "usp":
+        core = 2 * qk + 3 * v
+    elif plain:
+        core = 2 * qk + (qk if padded else v if sequence_cut == "ulysses" else nope + v) + (qk if padded else v) + v
+    else:
+        core = 2 * qk + (0 if sequence_cut == "ulysses" else nope) + 2 * v
     return q_latent + kv_latent + heads * core
 
 
