@@ -287,6 +287,12 @@ def data_problems(cfg: Config) -> list[str]:
             "(the imported model's own)"
         )
 
+    if d.document_mask and (d.tokenizer == "byte" or (d.tokenizer == AUTO_TOKENIZER and cfg.model.init_from is None)):
+        out.append(
+            f"data.document_mask=true keeps documents apart at the end-of-text id, but tokenizer "
+            f"{'byte' if d.tokenizer == 'byte' else 'auto (byte, without model.init_from)'} has none; set "
+            "data.tokenizer='gpt2' (with a model of its vocabulary, e.g. --model tiny-gpt2) or import a model's own"
+        )
     if not (math.isfinite(d.val_fraction) and 0 < d.val_fraction < 1):
         out.append(f"data.val_fraction={d.val_fraction} must be in (0, 1), e.g. 0.05")
     if d.source != SHAKESPEARE and not Path(d.source).expanduser().exists():
