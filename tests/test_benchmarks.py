@@ -205,3 +205,9 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_document_mask_benchmark_reports(tmp_path):
+    args = ["--batch", "1", "--seq", "64", "--heads", "2", "--head-dim", "16", "--doc", "16", *SMALLEST]
+    out = run_script("benchmarks/document_mask.py", *args, cwd=tmp_path)
+    assert "| sdpa-bool |" in out and out.rstrip().splitlines()[-1].startswith("fastest=")
