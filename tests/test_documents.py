@@ -6,7 +6,8 @@ device for GQA and for latent attention; a training step's loss equals the sum o
 per-document token losses; the ring's masked block pairs (whole pairs and single rows that see
 nothing) give one device's outputs and gradients without NaN; and `fivecut verify` passes with
 the mask on (ring here; one process vs dp=2, tp=2 with SP, pp=2 1F1B, Ulysses and USP in the
-sweep) on a corpus of many short documents the test writes."""
+sweep) on a corpus of many short documents the test writes; and (sweep) `fivecut ledger` stays
+exact: ratio=1.000, activation_ratio=1.000."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import random
 import pytest
 import torch
 from test_bad_input import refused, train_argv
+from test_e2e import assert_activations_exact, assert_every_cut_exact
 
 from fivecut.cli import main
 from fivecut.config import load_config
@@ -206,6 +208,20 @@ def test_verify_passes_with_document_masks(capsys, short_documents, tmp_path, la
     code = main(argv + [arg for s in sets for arg in ("--set", s)])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert code == 0 and last.startswith("PASS"), last
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+@pytest.mark.parametrize("layout", ["dp=2", "tp=2,sp=true", "cp=2,cp_mode=ulysses", "cp=2,cp_mode=ring"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_ledger_is_exact_with_document_masks(capsys, short_documents, tmp_path, layout, recompute):
+    """The mask adds no communication (ratio=1.000); the activations' closed form counts SDPA's
+    mask [b, 1, s, s] where the core keeps it (activation_ratio=1.000)."""
+    sets = document_sets(short_documents, tmp_path / "cache") + [f'train.recompute="{recompute}"']
+    assert main(["ledger", "--model", "tiny-gpt2", "--layout", layout, *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    assert_every_cut_exact(out)
+    assert_activations_exact(out)
 
 
 def test_document_masks_without_an_end_of_text_id_are_refused(capsys, tmp_path):

@@ -331,8 +331,8 @@ class PairMask:
     def hide_unseen(self, o_blk: torch.Tensor, lse_blk: torch.Tensor):
         """A query that sees none of the block: output 0 and log-sum-exp -inf, so that the online
         softmax merge leaves its running result unchanged (no NaN: its weight exp(-inf) is 0)."""
-        unseen = ~self.seen  # [b, 1, sq]
-        return o_blk.masked_fill(unseen.unsqueeze(-1), 0.0), lse_blk.masked_fill(unseen, float("-inf"))
+        unseen = ~self.seen  # [b, 1, sq]; in place: o_blk keeps the kernel's [b, sq, H, hd] layout
+        return o_blk.masked_fill_(unseen.unsqueeze(-1), 0.0), lse_blk.masked_fill_(unseen, float("-inf"))
 
 
 def key_value(kv: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,7 @@ def activation_bytes_per_layer(
     etp: int = 1,
     ep: int = 1,
     eplb_slots: int = 0,
+    documents: bool = False,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -86,7 +87,10 @@ def activation_bytes_per_layer(
     twice (the ring's and the output projection's input) and the log-sum-exps, in every mode but
     full (the ring's core is never recomputed); with U = 1 it is the ring. `recompute`: the
     block's mode ("none" for a block that `recompute_every` leaves out). `etp`: expert tensor
-    parallelism (see `moe_bytes`)."""
+    parallelism (see `moe_bytes`). `documents` (data.document_mask): SDPA keeps its mask, converted
+    to the matmuls' dtype, [b, 1, S, S] over the sequence the core sees (the whole sequence, also
+    inside Ulysses), unless the core is recomputed; the ring builds each pair's mask again in
+    backward and keeps none."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -113,6 +117,8 @@ def activation_bytes_per_layer(
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
+    if documents and plain and not (ring or usp):
+        dense += a * batch * (seq * u) ** 2  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered)
     if moe_rows is None:
         return dense
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
