@@ -54,6 +54,17 @@ Ulysses group g is fed the u-th of U equal contiguous pieces of that pair (chunk
 2R-1-g): after the all-to-all each rank of the group holds exactly the pair the ring expects,
 in the ring's order, with no copy besides the all-to-all's own. U = 1 is ring attention over
 cp; U = cp is Ulysses around the fused kernel (a ring of one: no passes, contiguous chunks).
+
+Multi-head latent attention (MLA) has value heads (v_head_dim) narrower than its query/key heads
+(nope + rope). Ulysses moves each tensor at its own width; a ring pass carries K and V side by
+side ([b, KV, s/c, hd + hd_v], one message), and only the kernel sees V zero-padded to hd (the
+fused kernels take one head size); the padding is cut off the merged output before it is kept.
+
+Documents kept apart (data.document_mask, `Documents`: ids of the whole sequence on every rank):
+Ulysses' inner core sees whole sequences, so the one-device mask applies; each ring block pair
+takes the mask of its queries' and keys' places in the whole sequence (`PairMask`, rebuilt in
+backward), a pair wholly in other documents is skipped, and a query that sees no key of a block
+gets log-sum-exp -inf, so the merge leaves it as it was.
 """
 
 from __future__ import annotations
