@@ -287,6 +287,12 @@ def data_problems(cfg: Config) -> list[str]:
             "(the imported model's own)"
         )
 
+    if d.document_mask and (d.tokenizer == "byte" or (d.tokenizer == AUTO_TOKENIZER and cfg.model.init_from is None)):
+        out.append(
+            f"data.document_mask=true keeps documents apart at the end-of-text id, but tokenizer "
+            f"{'byte' if d.tokenizer == 'byte' else 'auto (byte, without model.init_from)'} has none; set "
+            "data.tokenizer='gpt2' (with a model of its vocabulary, e.g. --model tiny-gpt2) or import a model's own"
+        )
     if not (math.isfinite(d.val_fraction) and 0 < d.val_fraction < 1):
         out.append(f"data.val_fraction={d.val_fraction} must be in (0, 1), e.g. 0.05")
     if d.source != SHAKESPEARE and not Path(d.source).expanduser().exists():
@@ -525,19 +531,7 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
         )
-    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + latent_cp_problems(dims, model)
-
-
-def latent_cp_problems(dims: ParallelDims, model) -> list[str]:
-    """Context parallelism's cores (Ulysses, ring, USP) take one head size for q, k and v; latent
-    attention's value head is narrower, and the sequence cut is not written for it."""
-    if dims.cp > 1 and model.is_mla:
-        return [
-            f"cp={dims.cp} with multi-head latent attention (kv_lora_rank={model.kv_lora_rank}): context "
-            "parallelism does not support MLA's value heads yet; set parallel.cp=1 (cut the sequence with "
-            "tp and sp=true instead)"
-        ]
-    return []
+    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model)
 
 
 def usp_head_problems(dims: ParallelDims, model) -> list[str]:

@@ -837,6 +837,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         etp=dims.etp,
         ep=dims.ep,
         eplb_slots=cfg.moe.eplb_slots,
+        documents=cfg.data.document_mask,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")

@@ -72,6 +72,7 @@ class DataConfig:
     tokenizer: str = "auto"  # "auto" (model.init_from's own, else "byte") | "gpt2" | "byte"
     cache_dir: str = "~/.cache/fivecut"
     val_fraction: float = 0.05
+    document_mask: bool = False  # attention stays inside each end-of-text-separated document; RoPE restarts at each
 
 
 @dataclass

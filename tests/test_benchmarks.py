@@ -207,10 +207,7 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
         assert torch.equal(p.grad, q.grad)
 
 
-# ---------------------------------------------------------------- sliding-window attention's kernel
-
-
-def test_sliding_window_benchmark_reports(tmp_path):
-    args = ["--seq", "64", "--window", "16", "--steps", "1", "--repeats", "1", "--warmup", "0"]
-    out = run_script("benchmarks/sliding_window.py", *args, cwd=tmp_path)
-    assert "| fivecut: SDPA + band mask |" in out and out.rstrip().splitlines()[-1].startswith("ratio_flex_sdpa=")
+def test_document_mask_benchmark_reports(tmp_path):
+    args = ["--batch", "1", "--seq", "64", "--heads", "2", "--head-dim", "16", "--doc", "16", *SMALLEST]
+    out = run_script("benchmarks/document_mask.py", *args, cwd=tmp_path)
+    assert "| sdpa-bool |" in out and out.rstrip().splitlines()[-1].startswith("fastest=")

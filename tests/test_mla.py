@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3's MLA): the published counts of `deepseek-v3`, the
 module's math against an explicit reference, cached decoding, the cuts (TP with and without SP,
-PP, ZeRO-3) against one process, the refusals, and the ledger's closed forms."""
+PP, ZeRO-3, and the sequence cut: ring, Ulysses, USP) against one process, the refusals, and the
+ledger's closed forms."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from fivecut.mesh import Mesh
 from fivecut.model.args import ModelArgs
 from fivecut.model.decode import decode, new_cache
 from fivecut.model.presets import get_preset
-from fivecut.model.transformer import LatentAttention, build_model, rope_tables
-from fivecut.parallel.parallelize import ParallelizeError, parallelize
+from fivecut.model.transformer import CausalSDPA, LatentAttention, build_model, rope_tables
+from fivecut.parallel.context import RingAttention, zigzag_positions
 from fivecut.train import checkpoint
 from fivecut.weights import export
 from fivecut.weights.load import source_args
@@ -165,7 +166,6 @@ def test_losses_and_gradient_norms_over_steps(layout, byte_cache, tmp_path):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        (("parallel.cp=2",), "parallel.cp=1"),
         (("model.v_head_dim=32",), "v_head_dim"),
         (("model.n_kv_heads=2",), "n_kv_heads"),
         (("model.qk_rope_head_dim=7",), "qk_rope_head_dim"),
@@ -213,16 +213,74 @@ def test_a_dense_mla_model_exports_and_imports_under_fivecut_names(byte_cache, t
     assert source_args(f"hf:{out}") == args
 
 
+# ---------------------------------------------------------------- the sequence cut (issue 35)
+
+# q, k [b, H, s, nope + rope] and v [b, H, s, v_dim] with v narrower, as tiny-mla's (24 and 12)
+LATENT_SHAPE = {"b": 2, "heads": 4, "qk": 24, "v": 12, "seq": 32}
+RING_TOL = {"rtol": 1e-5, "atol": 2e-6}  # as tests/test_context.py: block sums in another order
+
+
+def latent_inputs():
+    g = torch.Generator().manual_seed(3)
+    b, h, qk, v, s = LATENT_SHAPE.values()
+    return [torch.randn(shape, generator=g) for shape in ((b, h, s, qk), (b, h, s, qk), (b, h, s, v), (b, h, s, v))]
+
+
+def latent_ring_run(cp: int):
+    """Each rank's zigzag positions, the ring's output and its q, k, v gradients, on MLA's shapes."""
+    group = Mesh(ParallelDims(cp=cp, cp_mode="ring"), "cpu").group("cp")
+    q, k, v, grad = latent_inputs()
+    positions = zigzag_positions(group.rank, cp, q.shape[2] // cp)
+    q, k, v = (t[:, :, positions].clone().requires_grad_() for t in (q, k, v))
+    out = RingAttention(group)(q, k, v)
+    out.backward(grad[:, :, positions])
+    return positions, out.detach(), q.grad, k.grad, v.grad
+
+
 @pytest.mark.multirank
-def test_parallelize_refuses_context_parallelism_it_would_leave_out():
-    """Past the config checks (parallelize called directly), cp=2 would leave MLA uncut: refused."""
-    assert spawn(context_cut_of_mla, 2) == ["refused", "refused"]
+def test_ring_attention_takes_a_value_head_narrower_than_the_keys():
+    """K and V travel side by side ([.., nope + rope + v_dim] a message), V is zero-padded for the
+    fused kernel and the padding cut off: each rank's output and q, k, v gradients equal one
+    device's (`CausalSDPA`, the model's own core)."""
+    q, k, v, grad = (t.clone().requires_grad_() for t in latent_inputs())
+    out = CausalSDPA()(q, k, v)
+    out.backward(grad.detach())
+    expected = (out.detach(), q.grad, k.grad, v.grad)
+    for rank, (positions, *got) in enumerate(spawn(latent_ring_run, 2, 2)):
+        assert got[0].shape[-1] == LATENT_SHAPE["v"] and got[3].shape[-1] == LATENT_SHAPE["v"]
+        for name, a, want in zip(("out", "dq", "dk", "dv"), got, expected):
+            msg = lambda m, n=name, r=rank: f"rank {r} {n}: {m}"  # noqa: E731
+            torch.testing.assert_close(a, want[:, :, positions], **RING_TOL, msg=msg)
 
 
-def context_cut_of_mla():
-    mesh = Mesh(ParallelDims(cp=2), "cpu")
-    try:
-        parallelize(build_model(get_preset("tiny-mla"), seed=0), mesh)
-    except ParallelizeError as err:
-        return "refused" if "context" in str(err) else str(err)
-    return "cut"
+CP_LAYOUTS = [
+    "cp=2,cp_mode=ring",
+    pytest.param("cp=2,cp_mode=ulysses", marks=pytest.mark.sweep),
+    pytest.param("cp=4,cp_mode=usp,cp_ulysses=2", marks=pytest.mark.sweep),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", CP_LAYOUTS)
+def test_verify_passes_under_context_parallelism(capsys, byte_cache, layout):
+    """`fivecut verify --model tiny-mla` under ring, Ulysses and USP (U=2): losses and gradient norms
+    over 5 steps equal the single process's."""
+    argv = ["verify", "--model", "tiny-mla", "--layout", layout, "--steps", "5"]
+    code = main([*argv, "--set", f'data.cache_dir="{byte_cache}"'])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 0 and last.startswith("PASS"), last
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+@pytest.mark.parametrize("layout", ["cp=2,cp_mode=ring", "cp=2,cp_mode=ulysses", "cp=4,cp_mode=usp,cp_ulysses=2"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_ledger_is_exact_under_context_parallelism(capsys, byte_cache, layout, recompute):
+    """`fivecut ledger --model tiny-mla`: the cp all-to-alls and ring passes (q/k heads of nope + rope
+    channels, v and o heads of v_dim) and the saved activations equal the closed forms."""
+    argv = ["ledger", "--model", "tiny-mla", "--layout", layout, "--set", f'train.recompute="{recompute}"']
+    assert main([*argv, "--set", f'data.cache_dir="{byte_cache}"']) == 0
+    out = capsys.readouterr().out
+    assert_every_cut_exact(out)
+    assert_memory_exact(out)
+    assert_activations_exact(out)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fivecut.model.args import ModelArgs
+from fivecut.model.documents import Documents
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [s, head_dim] or [b, s, head_dim]
 
@@ -77,15 +78,20 @@ class CausalSDPA(nn.Module):
 
     A value head narrower than the query/key head (latent attention) is zero-padded to hd
     and the output cut back: the fused kernels want one head size (without the padding the
-    CPU falls back to the unfused path, which keeps the s x s probabilities for backward)."""
+    CPU falls back to the unfused path, which keeps the s x s probabilities for backward).
+    With `documents` (the whole sequence's) causal within each document only: a boolean mask
+    [b, 1, s, s] instead of is_causal."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         narrow = q.shape[-1] - v.shape[-1]
-        if narrow == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, narrow)), is_causal=True, enable_gqa=gqa)
-        return o[..., : v.shape[-1]]  # [b, n_heads, s, hd_v]
+        mask = None
+        if documents is not None:
+            at = torch.arange(q.shape[2], device=q.device)
+            mask = documents.visible(at, at)  # [b, 1, s, s]
+        v = F.pad(v, (0, narrow)) if narrow else v
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        return o[..., : o.shape[-1] - narrow]  # [b, n_heads, s, hd_v]
 
 
 class Attention(nn.Module):
@@ -104,12 +110,12 @@ class Attention(nn.Module):
         # number of (local) heads from the projection's width, not from args
         return y.view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, hd]
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.core(q, k, v)  # [b, n_heads, s, hd]
+        o = self.core(q, k, v, documents)  # [b, n_heads, s, hd]
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, n_heads * hd]
         return self.wo(o)
 
@@ -150,9 +156,9 @@ class LatentAttention(nn.Module):
             return self.wq_b(self.q_norm(self.wq_a(x)))
         return self.wq(x)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        o = self.core(*self.qkv(x, rope))  # [b, H, s, v_dim]
+        o = self.core(*self.qkv(x, rope), documents)  # [b, H, s, v_dim]
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
 
     def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,8 +457,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoE(args) if args.moe_layer(layer_id) else FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -512,20 +518,28 @@ class Transformer(nn.Module):
         self.init_buffers()
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] (or hidden [b, s, dim] when this stage has no
         embedding); positions [s] or [b, s], default arange(s) -- pass them when
         the hidden input is a sequence-parallel slice.
         Returns logits [b, s, vocab] (or hidden [b, s, dim] without output).
         With targets [b, s] the head must be a loss head (`fivecut.parallel.loss.LossHead`,
-        installed by `parallelize`): it returns the sum of token losses, the logits never whole."""
+        installed by `parallelize`): it returns the sum of token losses, the logits never whole.
+        With `documents` (data.document_mask) attention stays inside each document and the RoPE
+        positions are the documents' own (`documents.positions` replaces `positions`)."""
+        if documents is not None:
+            positions = documents.positions  # [b, s]
         if positions is None:  # from the input, not from h: sequence parallelism may cut h along s
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = (self.rope_cos[positions], self.rope_sin[positions])  # [s, hd] each
         for layer in self.layers.values() if self.layers is not None else ():
-            h = layer(h, rope)
+            h = layer(h, rope, documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -54,6 +54,17 @@ Ulysses group g is fed the u-th of U equal contiguous pieces of that pair (chunk
 2R-1-g): after the all-to-all each rank of the group holds exactly the pair the ring expects,
 in the ring's order, with no copy besides the all-to-all's own. U = 1 is ring attention over
 cp; U = cp is Ulysses around the fused kernel (a ring of one: no passes, contiguous chunks).
+
+Multi-head latent attention (MLA) has value heads (v_head_dim) narrower than its query/key heads
+(nope + rope). Ulysses moves each tensor at its own width; a ring pass carries K and V side by
+side ([b, KV, s/c, hd + hd_v], one message), and only the kernel sees V zero-padded to hd (the
+fused kernels take one head size); the padding is cut off the merged output before it is kept.
+
+Documents kept apart (data.document_mask, `Documents`: ids of the whole sequence on every rank):
+Ulysses' inner core sees whole sequences, so the one-device mask applies; each ring block pair
+takes the mask of its queries' and keys' places in the whole sequence (`PairMask`, rebuilt in
+backward), a pair wholly in other documents is skipped, and a query that sees no key of a block
+gets log-sum-exp -inf, so the merge leaves it as it was.
 """
 
 from __future__ import annotations
@@ -65,7 +76,8 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.model.transformer import Attention
+from fivecut.model.documents import Documents
+from fivecut.model.transformer import Attention, LatentAttention
 
 
 def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group, mode: str = "ulysses", ulysses: int = 1):
@@ -122,12 +134,13 @@ class UlyssesAttention(nn.Module):
         self.inner = inner
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
         if k.shape[1] % self.group.size:  # too few kv heads to split: one per query head
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         q, k, v = (heads_to_sequence(t, self.group) for t in (q, k, v))  # [b, heads/c, s, hd]
-        return sequence_to_heads(self.inner(q, k, v), self.group)  # [b, H, s/c, hd]
+        # the inner core sees whole sequences (of some heads): the documents' mask applies as on one device
+        return sequence_to_heads(self.inner(q, k, v, documents), self.group)  # [b, H, s/c, hd]
 
 
 @dataclass
@@ -140,20 +153,27 @@ class FlashKernel:
     device: str
     cuda_state: tuple = ()  # CUDA: what the first forward returned besides (out, lse), given back to backward
 
-    def forward(self, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mask`: an additive [b, 1, sq, sk] (0 or -inf, q's dtype), CPU only; a query row that
+        sees no key gets out 0 and lse 0 from the CPU kernel (`_Ring` sets its lse to -inf)."""
         if self.device == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
+        if mask is not None:
+            raise RuntimeError(
+                "document masks under ring attention run on the CPU's fused kernel only (CUDA's flash "
+                "kernel takes no mask): set parallel.cp_mode='ulysses' or data.document_mask=false"
+            )
         out, lse, *state = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
         # (cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask): dense inputs, no dropout
         self.cuda_state = self.cuda_state or tuple(state[:6])
         return out, lse
 
-    def backward(self, grad, q, k, v, out, lse, causal: bool) -> tuple[torch.Tensor, ...]:
+    def backward(self, grad, q, k, v, out, lse, causal: bool, mask=None) -> tuple[torch.Tensor, ...]:
         """dq [b, H, sq, hd], dk and dv [b, KV, sk, hd] of one block pair, given the final
         (merged) output and log-sum-exp: the softmax it rebuilds is the whole row's."""
         if self.device == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad, q, k, v, out, lse, 0.0, causal
+                grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask
             )
         cum_q, cum_k, max_q, max_k, seed, offset = self.cuda_state
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -228,22 +248,29 @@ class _Ring(torch.autograd.Function):
               c passes of the gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, documents):
         kernel, c, r, local = flash_kernel(q), group.size, group.rank, q.shape[2]
-        kv = torch.stack([k, v])  # [2, b, KV, s/c, hd]: one message per pass
+        kv = torch.cat([k, v], dim=-1)  # [b, KV, s/c, hd + hd_v]: one message per pass
         out = lse = None
         for step in range(c):
             nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
             pair = BlockPair.at(r, step, c, local)
-            o_blk, lse_blk = kernel.forward(q[:, :, pair.queries], *kv[:, :, :, pair.keys], pair.causal)
-            if out is None:
-                out, lse = o_blk.float(), lse_blk.float()  # out [b, H, s/c, hd] laid out [b, s/c, H, hd]
-            else:
-                merge_into(out[:, :, pair.queries], lse[:, :, pair.queries], o_blk, lse_blk)
+            mask = PairMask.of(documents, pair, r, step, c, local, q.dtype)
+            if mask is None or mask.any_seen:  # a pair whose every query is in other documents: no work
+                qs, ks = pair.queries, pair.keys
+                o_blk, lse_blk = kernel.forward(
+                    q[:, :, qs], *key_value(kv[:, :, ks], q), *PairMask.kernel_args(mask, pair)
+                )
+                if mask is not None:  # rows that see no key of the block add nothing to the merge
+                    o_blk, lse_blk = mask.hide_unseen(o_blk, lse_blk)
+                if out is None:  # step 0: every query sees at least itself
+                    out, lse = o_blk.float(), lse_blk.float()  # out [b, H, s/c, hd] laid out [b, s/c, H, hd]
+                else:
+                    merge_into(out[:, :, qs], lse[:, :, qs], o_blk, lse_blk)
             _finish(works, group)
             kv = nxt
-        out = out.to(q.dtype)  # keeps the [b, s/c, H, hd] layout: merging heads after is a view
-        ctx.group, ctx.kernel = group, kernel
+        out = value_width(out, v.shape[-1]).to(q.dtype)  # [b, H, s/c, hd_v] laid out [b, s/c, H, hd_v]
+        ctx.group, ctx.kernel, ctx.documents = group, kernel, documents
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -252,26 +279,94 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
         c, r, local = group.size, group.rank, q.shape[2]
+        hd, hd_v = k.shape[-1], v.shape[-1]
+        grad_out, out = pad_value(grad_out, hd), pad_value(out, hd)  # [b, H, s/c, hd]
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.stack([k, v])  # [2, b, KV, s/c, hd]
-        dkv = None  # [2, b, KV, s/c, hd] fp32: the gradient of the block I hold, from the ranks before me
+        kv = torch.cat([k, v], dim=-1)  # [b, KV, s/c, hd + hd_v]
+        dkv = None  # [b, KV, s/c, hd + hd_v] fp32: the gradient of the block I hold, from the ranks before me
         for step in range(c):
             nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
             arriving, grad_works = _post_shift(dkv, group, GRAD_TAG) if step > 0 else (None, [])
             pair = BlockPair.at(r, step, c, local)
             rows, keys = pair.queries, pair.keys
-            dq_blk, dk_blk, dv_blk = kernel.backward(
-                grad_out[:, :, rows], q[:, :, rows], *kv[:, :, :, keys], out[:, :, rows], lse[:, :, rows], pair.causal
-            )
-            dq[:, :, rows] += dq_blk
+            mask = PairMask.of(ctx.documents, pair, r, step, c, local, q.dtype)
+            blk = None
+            if mask is None or mask.any_seen:
+                blk = kernel.backward(
+                    grad_out[:, :, rows],
+                    q[:, :, rows],
+                    *key_value(kv[:, :, keys], q),
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    *PairMask.kernel_args(mask, pair),
+                )  # dq, dk, dv of the pair
+                dq[:, :, rows] += blk[0]
             _finish(works + grad_works, group)
             dkv = torch.zeros_like(kv, dtype=torch.float32) if arriving is None else arriving
-            dkv[0, :, :, keys] += dk_blk
-            dkv[1, :, :, keys] += dv_blk
+            if blk is not None:
+                dkv[:, :, keys, :hd] += blk[1]
+                dkv[:, :, keys, hd:] += blk[2][..., :hd_v]
             kv = nxt
         home, works = _post_shift(dkv, group, GRAD_TAG)  # the block of rank r+1, complete: to its owner
         _finish(works, group)
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None
+        return dq.to(q.dtype), home[..., :hd].to(k.dtype), home[..., hd:].to(v.dtype), None, None
+
+
+@dataclass(frozen=True)
+class PairMask:
+    """The documents' mask of one block pair (data.document_mask): my queries of the pair
+    against the keys of the block held `step` ranks back, both at their places in the whole
+    sequence (each ring rank's zigzag chunks), causal by place and within one document."""
+
+    bias: torch.Tensor  # [b, 1, sq, sk] additive: 0 where seen, -inf where hidden (the kernel's dtype)
+    seen: torch.Tensor  # [b, 1, sq] bool: the queries that see at least one key of the block
+    any_seen: bool
+
+    @staticmethod
+    def of(documents: Documents | None, pair: BlockPair, rank: int, step: int, size: int, local: int, dtype):
+        if documents is None:
+            return None
+        device = documents.ids.device
+        mine = zigzag_positions(rank, size, local, device)[pair.queries]  # [sq]
+        theirs = zigzag_positions((rank - step) % size, size, local, device)[pair.keys]  # [sk]
+        visible = documents.visible(mine, theirs)  # [b, 1, sq, sk]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        seen = visible.any(-1)
+        return PairMask(bias, seen, bool(seen.any()))
+
+    @staticmethod
+    def kernel_args(mask: PairMask | None, pair: BlockPair) -> tuple[bool, torch.Tensor | None]:
+        """(causal, additive mask) for the kernel: the pair's own causality, or the mask (which holds it)."""
+        return (pair.causal, None) if mask is None else (False, mask.bias)
+
+    def hide_unseen(self, o_blk: torch.Tensor, lse_blk: torch.Tensor):
+        """A query that sees none of the block: output 0 and log-sum-exp -inf, so that the online
+        softmax merge leaves its running result unchanged (no NaN: its weight exp(-inf) is 0)."""
+        unseen = ~self.seen  # [b, 1, sq]; in place: o_blk keeps the kernel's [b, sq, H, hd] layout
+        return o_blk.masked_fill_(unseen.unsqueeze(-1), 0.0), lse_blk.masked_fill_(unseen, float("-inf"))
+
+
+def key_value(kv: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K/V block [b, KV, sk, hd + hd_v] -> k [b, KV, sk, hd] and v [b, KV, sk, hd]: a value head
+    narrower than the query/key head (latent attention: hd_v = v_head_dim < hd = nope + rope) is
+    zero-padded to hd for the fused kernel, which takes one head size; the padded columns of the
+    output are zero and are cut off (`value_width`), and their gradients dropped."""
+    hd = q.shape[-1]
+    k, v = kv.split([hd, kv.shape[-1] - hd], dim=-1)
+    return k, pad_value(v, hd)
+
+
+def pad_value(x: torch.Tensor, hd: int) -> torch.Tensor:
+    """[..., hd_v] -> [..., hd], zeros appended (a view when hd_v = hd)."""
+    return x if x.shape[-1] == hd else torch.nn.functional.pad(x, (0, hd - x.shape[-1]))
+
+
+def value_width(out: torch.Tensor, hd_v: int) -> torch.Tensor:
+    """The merged output [b, H, s, hd] laid out [b, s, H, hd] -> its first hd_v channels, a copy
+    laid out [b, s, H, hd_v] when narrower (the padding is not kept for backward)."""
+    if out.shape[-1] == hd_v:
+        return out
+    return out.transpose(1, 2)[..., :hd_v].contiguous().transpose(1, 2)
 
 
 def merge_into(out, lse, o_blk, lse_blk) -> None:
@@ -290,11 +385,11 @@ class RingAttention(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
         if torch.is_autocast_enabled(q.device.type):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return _Ring.apply(q, k, v, self.group)  # [b, H, s/cp, hd]
+        return _Ring.apply(q, k, v, self.group, documents)  # [b, H, s/cp, hd]
 
 
 def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str = "ulysses") -> list[str]:
@@ -303,7 +398,7 @@ def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str
     (cp; under USP cp_ulysses and cp_ring). Returns the paths of the attention modules changed."""
     changed = []
     for path, attention in model.named_modules():
-        if isinstance(attention, Attention):
+        if isinstance(attention, (Attention, LatentAttention)):
             attention.core = context_core(attention.core, groups, mode)
             changed.append(path)
     return changed

@@ -128,12 +128,13 @@ class Parallelized:
     # train.dtype = "bf16": the weights read as one bf16 copy a step (`invalidate` after each update)
     compute: ComputeWeights = dataclasses.field(default_factory=ComputeWeights)
 
-    def forward_loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor):
+    def forward_loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor, documents=None):
         """The sum of token losses of one forward (no pipeline): computed in the head a chunk of
-        tokens at a time, or (train.loss_chunk_tokens = 0) from the full logits."""
+        tokens at a time, or (train.loss_chunk_tokens = 0) from the full logits. `documents`: the
+        batch's `Documents` under data.document_mask."""
         if self.loss_in_head:
-            return self.module(inputs, positions, targets)
-        return self.loss_sum(self.module(inputs, positions), targets)
+            return self.module(inputs, positions, targets, documents=documents)
+        return self.loss_sum(self.module(inputs, positions, documents=documents), targets)
 
     @property
     def grads(self) -> list[torch.Tensor]:

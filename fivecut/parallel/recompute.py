@@ -62,24 +62,24 @@ class BlockCheckpoint:
     saved: SavedActivations
     runtimes: list = field(default_factory=list)  # the MoE runtimes inside: marked while replaying
 
-    def __call__(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope, documents=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self.forward(x, rope)
+            return self.forward(x, rope, documents)
         self.saved.count_kept(x, *rope)  # what the checkpoint holds, by closure
         calls = []
 
-        def run(x, rope):
+        def run(x, rope, documents):
             calls.append(None)
             for rt in self.runtimes:
                 rt.replaying = len(calls) > 1
             try:
-                return self.forward(x, rope)
+                return self.forward(x, rope, documents)
             finally:
                 for rt in self.runtimes:
                     rt.replaying = False
 
         # no randomness in the forward (no dropout): the RNG state need not be kept
-        return checkpoint(run, x, rope, use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(run, x, rope, documents, use_reentrant=False, preserve_rng_state=False)
 
 
 def recompute_block(block: nn.Module, saved: SavedActivations) -> None:
@@ -98,11 +98,11 @@ class RecomputedCore(nn.Module):
         self.inner = inner
         self.saved = saved
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self.inner(q, k, v)
+            return self.inner(q, k, v, documents)
         self.saved.count_kept(q, k, v)
-        return checkpoint(self.inner, q, k, v, use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(self.inner, q, k, v, documents, use_reentrant=False, preserve_rng_state=False)
 
 
 def wrap_core(attention: Attention | LatentAttention, saved: SavedActivations) -> None:

@@ -71,6 +71,7 @@ def activation_bytes_per_layer(
     etp: int = 1,
     ep: int = 1,
     eplb_slots: int = 0,
+    documents: bool = False,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -86,7 +87,10 @@ def activation_bytes_per_layer(
     twice (the ring's and the output projection's input) and the log-sum-exps, in every mode but
     full (the ring's core is never recomputed); with U = 1 it is the ring. `recompute`: the
     block's mode ("none" for a block that `recompute_every` leaves out). `etp`: expert tensor
-    parallelism (see `moe_bytes`)."""
+    parallelism (see `moe_bytes`). `documents` (data.document_mask): SDPA keeps its mask, converted
+    to the matmuls' dtype, [b, 1, S, S] over the sequence the core sees (the whole sequence, also
+    inside Ulysses), unless the core is recomputed; the ring builds each pair's mask again in
+    backward and keeps none."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -105,19 +109,22 @@ def activation_bytes_per_layer(
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
     if args.is_mla:
-        attention = a * latent_attention_floats(args, tp, plain)
+        sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
+        attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
     else:
         attention = a * (2 * h / tp + 2 * kv_heads_per_rank * hd + (h / tp if twice else 0))
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
+    if documents and plain and not (ring or usp):
+        dense += a * batch * (seq * u) ** 2  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered)
     if moe_rows is None:
         return dense
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
 
 
-def latent_attention_floats(args, tp: int, plain: bool) -> float:
+def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:
     """Floats per token that multi-head latent attention keeps for backward, besides the block's
     norm (counted with the norms) and the log-sum-exps (counted per token), on one of `tp` ranks.
     The latents are whole on every rank, the heads (H/t of them) cut; qk = nope + rope:
@@ -131,15 +138,28 @@ def latent_attention_floats(args, tp: int, plain: bool) -> float:
                                       wo's [b, s, H v] copy of it (q is laid out [b, H, s, qk], and
                                       SDPA's output follows q's layout, so the transpose copies)
     Selective recomputation keeps the core's inputs q, k, v (a view of wkv_b's output: nope + v)
-    and wo's input (v) instead of the core's tensors."""
+    and wo's input (v) instead of the core's tensors.
+    Under context parallelism (`sequence_cut`) the core's tensors are those of the sequence cut:
+        ulysses   q, k, v come from the all-to-alls (v alone, no longer a view: v; padded by the
+                  core as on one device), and wo's input from the one back (v); selective: q, k,
+                  v and wo's input: 2 qk + 2 v
+        ring      q, k, v (the view: nope + v) and the ring's output without its padding (v),
+                  laid out [b, s, H, v] so wo's input is a view of it: 2 qk + nope + 2 v in every
+                  mode but full (the ring's core is never recomputed)
+        usp       Ulysses' all-to-all outputs q, k, v (v alone), the ring's output (v) and the
+                  all-to-all's back (wo's input, v): 2 qk + 3 v"""
     heads, qk, nope, v = args.n_heads / tp, args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
     q_latent = 3 * args.q_lora_rank + 1 if args.q_lora_rank else 0
     kv_latent = 3 * args.kv_lora_rank + args.qk_rope_head_dim + 1
     padded = v < qk
-    if plain:
-        core = 2 * qk + (qk if padded else nope + v) + (qk if padded else v) + v
-    else:
+    if sequence_cut == "ring":
         core = 2 * qk + nope + 2 * v
+    elif sequence_cut == "usp":
+        core = 2 * qk + 3 * v
+    elif plain:
+        core = 2 * qk + (qk if padded else v if sequence_cut == "ulysses" else nope + v) + (qk if padded else v) + v
+    else:
+        core = 2 * qk + (0 if sequence_cut == "ulysses" else nope) + 2 * v
     return q_latent + kv_latent + heads * core
 
 

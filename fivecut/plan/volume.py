@@ -193,20 +193,22 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
              received (send and recv both count);
     USP      both: Ulysses over U with [b, heads, s/c, hd] blocks, then the ring over R = c/U
              with blocks [b, kv/U, s/R, hd] (kv: after Ulysses' repetition, if any);
+    multi-head latent attention: q and k heads of nope + rope channels, v and o heads of
+    v_head_dim (every head has its own key: kv = heads); a ring pass carries K and V side by side;
     MoE layers with capacity or the auxiliary loss also all-gather their slots per (sequence,
     expert) over c. A fully recomputed block repeats its forward part (`forward`, and the slot
     counts) in each backward pass: `forward_repeats`."""
     dims, train = cfg.parallel, cfg.train
-    c, hd = dims.cp, args.head_dim
+    c = dims.cp
+    widths = (args.qk_head_dim, args.v_head_dim) if args.is_mla else (args.head_dim, args.head_dim)
     micro = dims.microbatches if dims.pp > 1 else 1
     b = train.global_batch // (dims.dp * train.accumulate * micro)
     heads = args.n_heads // dims.tp
     kv = max(args.n_kv_heads // dims.tp, 1)
     _, a = message_bytes(cfg)
-    token = b * hd  # elements of one head's row per token of a sequence
     r = dims.cp_ring  # the ring's degree (c under ring, 1 under Ulysses); Ulysses' is c/r
-    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, a * token * train.seq_len // c)
-    ring = ring_bytes(r, kv // (c // r), token * train.seq_len // r, a)
+    (forward, backward), kv = ulysses_bytes(c // r, heads, kv, a * b * train.seq_len // c, widths)
+    ring = ring_bytes(r, kv // (c // r), b * train.seq_len // r, a, sum(widths))
     forward, backward = forward + ring[0], backward + ring[1]
     counts = ring_factor("all_gather", c) * c * dims.tp * b * args.n_experts * 8
     counted = cfg.moe.capacity_factor is not None or cfg.moe.aux_loss_coef > 0
@@ -229,21 +231,24 @@ def context_parallel_volume(args, cfg) -> tuple[float, str]:
     )
 
 
-def ulysses_bytes(u: int, heads: int, kv: int, block: float) -> tuple[tuple[float, float], int]:
-    """Ulysses over u ranks, blocks [b, heads, s/cp, hd] of `block` bytes a head: (forward,
-    backward) bytes of a layer, and the kv heads each rank holds after (repeated to the query
-    heads first when they do not divide by u)."""
+def ulysses_bytes(
+    u: int, heads: int, kv: int, block: float, widths: tuple[int, int]
+) -> tuple[tuple[float, float], int]:
+    """Ulysses over u ranks, blocks [b, heads, s/cp, hd] of `block` bytes a channel of a head,
+    `widths` = (hd of q and k, hd of v and o): (forward, backward) bytes of a layer, and the kv
+    heads each rank holds after (repeated to the query heads first when they do not divide by u)."""
     kv = heads if kv % u else kv
-    volume = ring_factor("all_to_all", u) * block * (2 * heads + 2 * kv)
+    qk, v = widths
+    volume = ring_factor("all_to_all", u) * block * (heads + kv) * (qk + v)
     return (volume, volume), kv
 
 
-def ring_bytes(r: int, kv: int, block: float, a: int = FP32) -> tuple[float, float]:
-    """Ring attention over r ranks with `kv` heads per block of `block` elements a head ([b, kv,
-    s/r, hd]): (forward, backward) bytes of a layer; each pass sent and received. K and V
-    travel in the attention's dtype (`a` bytes: bf16 under autocast), the dK/dV accumulators
-    in fp32."""
-    pass_elements = 2 * (2 * kv) * block  # K and V (or dK and dV), sent and received
+def ring_bytes(r: int, kv: int, block: float, a: int, width: int) -> tuple[float, float]:
+    """Ring attention over r ranks with `kv` heads per block of `block` elements a channel of a
+    head ([b, kv, s/r, hd + hd_v], K and V side by side: `width` = hd + hd_v): (forward,
+    backward) bytes of a layer; each pass sent and received. K and V travel in the attention's
+    dtype (`a` bytes: bf16 under autocast), the dK/dV accumulators in fp32."""
+    pass_elements = 2 * kv * width * block  # K and V (or dK and dV), sent and received
     if r == 1:
         return 0.0, 0.0
     return (r - 1) * a * pass_elements, ((r - 1) * a + r * FP32) * pass_elements

@@ -22,6 +22,7 @@ from fivecut.config import Config
 from fivecut.launch import local_device
 from fivecut.mesh import Mesh
 from fivecut.model.args import ModelArgs
+from fivecut.model.documents import Documents
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
@@ -75,6 +76,11 @@ def setup(cfg: Config) -> Context:
         raise ValueError(
             f"tokenizer {cfg.data.tokenizer!r} has {vocab} tokens but the model's vocab_size is {args.vocab_size}; "
             f"set model.vocab_size >= {vocab} or use a preset made for this tokenizer"
+        )
+    if cfg.data.document_mask and tokenizer.eot_id is None:
+        raise ValueError(
+            f"data.document_mask=true needs an end-of-text id between documents, but tokenizer {tokenizer.name!r} "
+            "has none; set data.tokenizer='gpt2' or data.document_mask=false"
         )
     t = cfg.train
     par = build_parallel(args, mesh, device, t.seed, t, cfg.moe)
@@ -132,8 +138,8 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
         with sync:
             measuring = ctx.par.saved.measure() if activations is not None and i == 0 else contextlib.nullcontext()
             with ctx.mesh.ledger.phase("forward"), ctx.par.saved.forward(), measuring, ctx.autocast():
-                inputs, targets, positions = local_tokens(ctx, inputs, targets)
-                loss = ctx.par.forward_loss(inputs, positions, targets) / denominator
+                inputs, targets, positions, documents = local_batch(ctx, inputs, targets)
+                loss = ctx.par.forward_loss(inputs, positions, targets, documents) / denominator
             if activations is not None and i == 0:
                 activations.update(ctx.par.saved.bytes_per_layer)
             with ctx.mesh.ledger.phase("backward"):
@@ -150,8 +156,8 @@ def pipeline_forward_backward(ctx: Context, batches, denominator: int, activatio
     pipe, dims = ctx.par.pipeline, ctx.mesh.dims
     total = torch.zeros((), device=ctx.device)
     for i, (inputs, targets) in enumerate(batches):
-        inputs, targets, positions = local_tokens(ctx, inputs, targets)
-        micro = list(zip(inputs.chunk(dims.microbatches), targets.chunk(dims.microbatches)))
+        inputs, targets, positions, documents = local_batch(ctx, inputs, targets)
+        micro = microbatches(inputs, targets, documents, dims.microbatches)
         measuring = activations is not None and i == 0
         if measuring:
             with ctx.par.saved.measure():  # start a fresh count
@@ -178,6 +184,26 @@ def local_tokens(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
         return inputs, targets, None
     dims = ctx.mesh.dims
     return sequence_chunk(inputs, targets, ctx.mesh.group("cp"), dims.cp_mode, dims.cp_ulysses)
+
+
+def local_batch(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor):
+    """`local_tokens`, and with data.document_mask the batch's documents (`Documents`): ids of the
+    whole sequences (from the inputs and the tokenizer's end-of-text id, before any cut) and the
+    RoPE positions of this rank's tokens; else None."""
+    documents = None
+    if ctx.cfg.data.document_mask:
+        documents = Documents.of(inputs.to(ctx.device), ctx.tokenizer.eot_id)  # [b, s]
+    inputs, targets, positions = local_tokens(ctx, inputs, targets)
+    if documents is not None and positions is not None:
+        documents = documents.chunk(positions)  # [b, s/cp] positions of the cp rank's tokens
+    return inputs, targets, positions, documents
+
+
+def microbatches(inputs: torch.Tensor, targets: torch.Tensor, documents: Documents | None, n: int) -> list[tuple]:
+    """The rows cut into n pipeline microbatches: (inputs, targets) or (inputs, targets, documents)."""
+    if documents is None:
+        return list(zip(inputs.chunk(n), targets.chunk(n)))
+    return list(zip(inputs.chunk(n), targets.chunk(n), documents.split(n)))
 
 
 def pipeline_step(
@@ -251,10 +277,12 @@ def evaluate(ctx: Context) -> float:
     tokens = 0
     for batch in ctx.val_batches:
         tokens += batch[1].numel()
-        inputs, targets, positions = local_tokens(ctx, *shard_batch(batch, rank, dp))
+        inputs, targets, positions, documents = local_batch(ctx, *shard_batch(batch, rank, dp))
         if ctx.par.pipeline is not None:
-            total += pipeline_step(ctx, inputs.shape[0], positions).forward_only([(inputs, targets)], 1)
+            total += pipeline_step(ctx, inputs.shape[0], positions).forward_only(
+                microbatches(inputs, targets, documents, 1), 1
+            )
             continue
         with ctx.autocast():
-            total += ctx.par.forward_loss(inputs, positions, targets)
+            total += ctx.par.forward_loss(inputs, positions, targets, documents)
     return global_mean(ctx, total / tokens)

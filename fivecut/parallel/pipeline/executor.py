@@ -160,7 +160,8 @@ class PipelineStep:
     # ------------------------------------------------------------ compute
 
     def forward(self, action: Action, mb: MicrobatchState) -> torch.Tensor | None:
-        inputs, targets = self.batches[action.microbatch]
+        inputs, targets, *documents = self.batches[action.microbatch]  # documents: data.document_mask
+        documents = documents[0] if documents else None
         stage = self.stages[action.stage]
         if action.stage == 0:
             mb.input = inputs
@@ -169,11 +170,13 @@ class PipelineStep:
             mb.arriving_input = None
         with self.forward_context(action.microbatch):
             if action.stage != self.schedule.n_stages - 1:
-                out = stage(mb.input, positions=self.positions)
+                out = stage(mb.input, positions=self.positions, documents=documents)
             elif self.loss_in_head:  # the loss computed in the head, chunk by chunk
-                out = stage(mb.input, positions=self.positions, targets=targets) / self.denominator
+                out = stage(mb.input, positions=self.positions, targets=targets, documents=documents)
+                out = out / self.denominator
             else:
-                out = self.loss_sum(stage(mb.input, positions=self.positions), targets) / self.denominator
+                out = stage(mb.input, positions=self.positions, documents=documents)
+                out = self.loss_sum(out, targets) / self.denominator
         mb.output = out
         if action.stage == self.schedule.n_stages - 1:
             return out.detach()
