@@ -8,9 +8,11 @@ no data, so fivecut's own code runs unchanged: the model, `parallelize` with eve
 pipeline schedule, ZeRO, recomputation, the chunked loss, AdamW and the clipping. Torch's
 dispatch-mode tracker (`torch.distributed._tools.mem_tracker.MemTracker`) counts each live storage
 once, by kind (parameters, gradients, optimizer state, activations, backward's temporaries);
-`StepTracker` adds the step's moments: "forward" (before the head first runs), "loss" (from the
-head's forward to the gradient of its input), "backward" (the rest of the forward and backward)
-and "optimizer" (clipping, AdamW, ZeRO's gathers, the compute copies dropped). Two steps run; the
+`StepTracker` adds the step's moments: "forward" (before the head first runs; on a rank without
+the head, the whole forward and backward), "loss" (from the head's forward to the gradient of its
+input), "blocks" (the rest of the forward and backward), "backward" (what is live when the last
+backward and the gradients' reduction are done: the end of the backward) and "optimizer"
+(clipping, AdamW, ZeRO's gathers, until the compute copies are dropped). Two steps run; the
 second is counted, when the optimizer state of the first exists as it does in every later step.
 
 The device. Fake CUDA tensors need a CUDA build of torch (autograd asks the CUDA runtime for a
@@ -48,11 +50,11 @@ from fivecut.config import Config
 from fivecut.mesh import Mesh
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
-from fivecut.train.optim import build_optimizer, clipped_norm
+from fivecut.train.optim import adamw_kernel, build_optimizer, clipped_norm
 from fivecut.train.run import Context, forward_backward
 from fivecut.train.trainer import balance_experts, optimizer_step
 
-MOMENTS = ("forward", "loss", "backward", "optimizer")
+MOMENTS = ("forward", "loss", "blocks", "backward", "optimizer")
 KINDS = {"PARAM": "params", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries"}
 
 
@@ -104,6 +106,11 @@ class StepTracker(MemTracker):
             if total > self.peaks.get(self.moment, -1):
                 self.peaks[self.moment] = total
                 self.snaps[self.moment] = dict(snap)
+
+    def ended(self, moment: str) -> None:
+        """`moment` is an instant, not a span: what is live now."""
+        self.snaps[moment] = self.now()
+        self.peaks[moment] = self.snaps[moment]["Total"]
 
     def now(self) -> dict:
         return dict(next(iter(self._curr_mem_snap.values()), {"Total": 0}))
@@ -205,7 +212,8 @@ def context(args, cfg: Config, mesh: Mesh, meta, device: torch.device) -> Contex
     """What `fivecut.train.run.setup` builds, less the corpus and the tokenizer."""
     t = cfg.train
     par = parallelize(meta, mesh, ParallelizeOptions.from_train(t, cfg.moe, t.seed, device))
-    optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, "auto")
+    kernel, _ = adamw_kernel(t.adamw, device)
+    optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, kernel)
     metrics = mesh.group("dp_cp")
     return Context(cfg, mesh, device, par, optimizer, FakeBatches(cfg, args.vocab_size), [], metrics, metrics, 0.0, args)
 
@@ -219,6 +227,8 @@ def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
     tracker.moment = "forward" if counting else None
     with head_moments(ctx, tracker) if counting else contextlib.nullcontext():
         forward_backward(ctx, step)
+    if counting:
+        tracker.ended("backward")
     tracker.moment = "optimizer" if counting else None
     moe = balance_experts(ctx, step)
     clipped_norm(ctx.par.pieces, ctx.cfg.train.grad_clip, ctx.par.norm_groups)
@@ -228,7 +238,7 @@ def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
 
 @contextlib.contextmanager
 def head_moments(ctx: Context, tracker: StepTracker):
-    """"loss" from the head's forward to the gradient of its input, "backward" after the first."""
+    """"loss" from the head's forward to the gradient of its input, "blocks" after the first."""
     stages = ctx.par.pipeline.stages.values() if ctx.par.pipeline is not None else [ctx.par.module]
     heads = [stage.output for stage in stages if getattr(stage, "output", None) is not None]
 
@@ -239,7 +249,7 @@ def head_moments(ctx: Context, tracker: StepTracker):
                 args[0].register_hook(ends)
 
     def ends(_grad) -> None:
-        tracker.moment = "backward"
+        tracker.moment = "blocks"
 
     hooks = [head.register_forward_pre_hook(starts) for head in heads]
     try:
