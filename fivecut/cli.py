@@ -42,7 +42,7 @@ from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
-from fivecut.plan.memory import formula, model_state_bytes, moment_lines
+from fivecut.plan.memory import check_lines, formula, kernels_of, model_state_bytes, moment_lines
 from fivecut.train.resume import resume_changes
 
 # verify's tolerances, each the largest relative difference from the single process accepted at a step, by the
@@ -979,7 +979,6 @@ def check_checkable(cfg: Config) -> None:
 
 def print_check(args, cfg: Config, cluster, cost) -> None:
     """`fivecut plan --check`: one step of the layout on fake tensors beside the plan."""
-    from fivecut.plan.memory import check_lines, kernels_of
     from fivecut.train.memory_check import step_memory
 
     kernels = kernels_of(cluster)

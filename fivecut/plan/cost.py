@@ -71,7 +71,7 @@ from fivecut.plan.activations import (
     precision_of,
     weight_copies,
 )
-from fivecut.plan.buffers import buffer_bytes
+from fivecut.plan.buffers import buffer_bytes, loss_moment_buffers
 from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import kernels_of, model_state_bytes, step_moments, step_temporaries
@@ -560,10 +560,11 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]], kernels: str 
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
         states["weight_copies"] = sum(block_copies(args, cfg, precision, moe) for moe, _mode in order)  # once a step
+        states["head"] = head_saved_bytes(args, cfg, rows * seq, precision, fused) * in_flight[rank] if last else 0.0
         if last:
-            states["activations"] += head_saved_bytes(args, cfg, rows * seq, precision, fused)
             states["weight_copies"] += head_copy_bytes(args, cfg, precision)
         states["buffers"] = buffers[rank]  # gathered ZeRO-3 units, reduction copies
+        states["buffers_at_loss"] = loss_moment_buffers(args, cfg, rank)
         states["temporaries"] = optimizer_temporaries(args, cfg, rank, kernels)
         states["total"] = max(step_moments(states).values())
         if best is None or states["total"] > best["total"]:

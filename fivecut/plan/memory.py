@@ -31,7 +31,9 @@ def formula(zero: int) -> str:
 # terms (`fivecut.plan.cost.peak_memory`) say which are alive at each:
 #   loss       the head's cross-entropy (on the last stage; elsewhere "forward": the last forward
 #              before the first backward), with every block's activations of the microbatches in
-#              flight: model states, compute copies, buffers, activations and the loss's peak
+#              flight: model states, compute copies, buffers, activations, what the last stage keeps
+#              between its blocks and the head ("head": the final norm's, the chunked head's input)
+#              and the loss's peak
 #   backward   its end: the activations are freed, the gradients reduced: model states, compute
 #              copies and the data cut's buffers
 #   optimizer  clipping and AdamW: model states, compute copies (dropped after the step) and the
@@ -45,10 +47,15 @@ def step_moments(memory: dict[str, float]) -> dict[str, float]:
     held = sum(memory.get(k, 0.0) for k in STATES)
     first = "loss" if memory.get("loss", 0.0) > 0 else "forward"
     return {
-        first: held + memory.get("buffers", 0.0) + memory.get("activations", 0.0) + memory.get("loss", 0.0),
+        first: held + at_loss(memory) + sum(memory.get(k, 0.0) for k in ("activations", "head", "loss")),
         "backward": held + memory.get("buffers", 0.0),
         "optimizer": held + memory.get("temporaries", 0.0),
     }
+
+
+def at_loss(memory: dict[str, float]) -> float:
+    """The data cut's buffers at the loss ("buffers_at_loss": `fivecut.plan.buffers.loss_moment_buffers`)."""
+    return memory.get("buffers_at_loss", memory.get("buffers", 0.0))
 
 
 def peak_moment(memory: dict[str, float]) -> str:
@@ -80,7 +87,7 @@ def kernels_of(cluster) -> str:
 
 
 GIB = 1 << 30
-TERMS = ("params", "grads", "optimizer", "weight_copies", "activations", "loss", "buffers", "temporaries")
+TERMS = ("params", "grads", "optimizer", "weight_copies", "activations", "head", "loss", "buffers", "temporaries")
 ALIVE = {  # the terms alive at each moment (`step_moments`)
     "loss": set(TERMS) - {"temporaries"},
     "forward": set(TERMS) - {"temporaries"},
@@ -96,11 +103,17 @@ def moment_lines(memory: dict[str, float]) -> list[str]:
     head = "".join(f"{m + (' *' if m == peak else ''):>13}" for m in moments)
     lines = [f"  {'term':<14}{head}"]
     for term in TERMS:
-        cells = "".join(f"{gib(memory.get(term, 0.0)) if term in ALIVE[m] else '-':>13}" for m in moments)
+        cells = "".join(f"{gib(term_at(memory, term, m)) if term in ALIVE[m] else '-':>13}" for m in moments)
         lines.append(f"  {term:<14}{cells}")
     lines.append(f"  {'total':<14}" + "".join(f"{gib(v):>13}" for v in moments.values()))
     lines.append(f"  the peak falls at {describe(peak)} (*)")
     return lines
+
+
+def term_at(memory: dict[str, float], term: str, moment: str) -> float:
+    if term == "buffers" and moment in ("loss", "forward"):
+        return at_loss(memory)
+    return memory.get(term, 0.0)
 
 
 def describe(moment: str) -> str:
