@@ -102,18 +102,19 @@ def run(case: Case) -> dict:
 
 def row(r: dict) -> str:
     c, check = r["case"], r["check"]
-    plan_moments = ", ".join(f"{k} {v / GIB:.2f}" for k, v in r["planned"].items())
-    check_moments = ", ".join(f"{k} {v / GIB:.2f}" for k, v in check.moments.items())
+    unit, scale = ("GiB", GIB) if r["plan"] >= GIB else ("MiB", 2**20)
+    plan_moments = ", ".join(f"{k} {v / scale:.2f}" for k, v in r["planned"].items())
+    check_moments = ", ".join(f"{k} {v / scale:.2f}" for k, v in check.moments.items())
     return (
         f"| {c.name} | {c.cluster} {c.layout}, seq {c.seq}, batch {c.batch}"
-        f"{' ' + ' '.join(c.sets) if c.sets else ''} | {r['plan'] / GIB:.2f} ({r['plan_moment']}) | "
-        f"{check.peak / GIB:.2f} ({check.moment}) | {check.peak / r['plan']:.3f} | {plan_moments} | "
+        f"{' ' + ' '.join(c.sets) if c.sets else ''} | {r['plan'] / scale:.2f} {unit} ({r['plan_moment']}) | "
+        f"{check.peak / scale:.2f} {unit} ({check.moment}) | {check.peak / r['plan']:.3f} | {plan_moments} | "
         f"{check_moments} | {r['seconds']:.0f} |"
     )
 
 
 HEADER = (
-    "| case | layout | plan GiB (moment) | check GiB (moment) | check/plan | plan's moments | check's moments | s |\n"
+    "| case | layout | plan (moment) | check (moment) | check/plan | plan's moments | check's moments | s |\n"
     "|---|---|---|---|---|---|---|---|"
 )
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses import FakeTensorMode
+from torch._subclasses import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -51,7 +51,7 @@ from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.train.optim import adamw_kernel, build_optimizer, clipped_norm
 from fivecut.train.run import Context, forward_backward
-from fivecut.train.trainer import balance_experts, optimizer_step
+from fivecut.train.trainer import optimizer_step
 
 MOMENTS = ("forward", "loss", "blocks", "backward", "optimizer")
 KINDS = {"PARAM": "params", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries"}
@@ -75,8 +75,9 @@ class StepMemory:
 class StepTracker(MemTracker):
     """`MemTracker` with the step's moments: each moment's peak and the bytes by kind at it."""
 
-    def __init__(self) -> None:
+    def __init__(self, uniform_rows: int = 0) -> None:
         super().__init__()
+        self.uniform_rows = uniform_rows  # a fake scalar read on the host: rows an EP rank sends each rank
         self.moment: str | None = None  # None: not counting moments (building, the first step)
         self.peaks: dict[str, int] = {}
         self.snaps: dict[str, dict] = {}
@@ -106,6 +107,23 @@ class StepTracker(MemTracker):
                 self.peaks[self.moment] = total
                 self.snaps[self.moment] = dict(snap)
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """A value read on the host from a fake tensor (expert parallelism's split sizes, once per
+        dispatch) is the uniform routing's: every EP rank sends each the same rows."""
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return self.uniform_rows
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        for part in dense_parts(t):
+            super()._track(reftype, part)
+
+    def _update_and_maybe_create_winfos(self, t: torch.Tensor, reftype, update_existing: bool = False) -> set:
+        found = set()
+        for part in dense_parts(t):
+            found |= super()._update_and_maybe_create_winfos(part, reftype, update_existing)
+        return found
+
     def ended(self, moment: str) -> None:
         """`moment` is an instant, not a span: what is live now."""
         self.snaps[moment] = self.now()
@@ -113,6 +131,14 @@ class StepTracker(MemTracker):
 
     def now(self) -> dict:
         return dict(next(iter(self._curr_mem_snap.values()), {"Total": 0}))
+
+
+def dense_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A tensor's storages as dense tensors: a sparse one (a split backward's embedding gradient)
+    by its indices and values, which MemTracker cannot read through the sparse tensor itself."""
+    if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    return (t,)
 
 
 class KernelRMSNorm(torch.autograd.Function):
@@ -201,7 +227,7 @@ def step_memory(
         norms = cuda_norms() if kernels == "cuda" and device.type != "cuda" else contextlib.nullcontext()
         with warnings.catch_warnings(), faking, norms:
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            tracker = StepTracker()
+            tracker = StepTracker(uniform_rows(args, cfg))
             with tracker:
                 ctx = context(args, cfg, mesh, meta, device)
                 tracker.track_external(ctx.par.module, *ctx.par.state_tensors()[0])
@@ -212,6 +238,15 @@ def step_memory(
     finally:
         dist.destroy_process_group()
     return counted(tracker, start, rank, device.type, kernels)
+
+
+def uniform_rows(args, cfg: Config) -> int:
+    """Rows a rank's MoE dispatch sends each EP rank (and receives from each) under uniform
+    routing, as the plan assumes: top_k per token of the tokens it sees (a microbatch's, / tp x etp)."""
+    d, t = cfg.parallel, cfg.train
+    rows = t.global_batch // (d.dp * t.accumulate * (d.microbatches if d.pp > 1 else 1))
+    tokens = rows * t.seq_len // d.cp // d.tp * d.etp
+    return tokens * args.top_k // d.ep if args.is_moe else 0
 
 
 def context(args, cfg: Config, mesh: Mesh, meta, device: torch.device) -> Context:
@@ -225,8 +260,9 @@ def context(args, cfg: Config, mesh: Mesh, meta, device: torch.device) -> Contex
 
 
 def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
-    """The trainer's `run_step` less what reads values (the loss's all-reduce, the stop flags):
-    zero_grad, every micro-step's forward and backward, the experts' balancing, clipping, AdamW."""
+    """The trainer's `run_step` less what reads values (the loss's all-reduce, the stop flags, the
+    experts' balancing and EPLB's moves: small tensors, whole experts moved between ranks):
+    zero_grad, every micro-step's forward and backward, clipping, AdamW, ZeRO's gathers."""
     counting = step > 1
     ctx.mesh.ledger.begin_step(step)
     ctx.par.sync.zero_grad()
@@ -236,9 +272,13 @@ def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
     if counting:
         tracker.ended("backward")
     tracker.moment = "optimizer" if counting else None
-    moe = balance_experts(ctx, step)
     clipped_norm(ctx.par.pieces, ctx.cfg.train.grad_clip, ctx.par.norm_groups)
-    optimizer_step(ctx, step, moe)
+    if ctx.par.experts is None:
+        optimizer_step(ctx, step)
+    else:  # the balancing reads the loads (metrics, EPLB's moves): values fake tensors have not
+        ctx.optimizer.step()
+        ctx.par.sync.after_step()
+        ctx.par.compute.invalidate()
     tracker.moment = None
 
 
