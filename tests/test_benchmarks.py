@@ -205,3 +205,9 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_memory_check_benchmark_reports(tmp_path):
+    """The plan beside one step on fake tensors, at its tiny case (tiny, pp=2: both stages' moments)."""
+    out = run_script("benchmarks/memory_check.py", "--smallest", "--out", str(tmp_path / "table.md"), cwd=tmp_path)
+    assert "| tiny | 1x2xH100 pp=2,microbatches=2" in out and (tmp_path / "table.md").exists()

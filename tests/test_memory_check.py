@@ -4,7 +4,11 @@ the check itself against a real step (the same tracker on real tensors) on this 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +24,13 @@ WITHIN = 0.05  # issue 34: the check and the plan within 5% of the peak
 def planned_and_checked(model, layout, cluster, seq, batch, *sets, dtype="bf16", fake=True, kernels=None):
     c = parse_cluster(cluster)
     ns = argparse.Namespace(
-        model=model, layout=layout, seq=seq, global_batch=batch, global_batch_tokens=None, dtype=dtype, overrides=list(sets)
+        model=model,
+        layout=layout,
+        seq=seq,
+        global_batch=batch,
+        global_batch_tokens=None,
+        dtype=dtype,
+        overrides=list(sets),
     )
     cfg, args = plan_config(ns, c.world_size)
     cost = cost_layout(args, cfg, c)
@@ -97,3 +107,35 @@ def test_a_check_that_cannot_run_is_refused_in_one_line(flags, said, capsys):
     assert main(["plan", "--model", "tiny", *flags]) == 2
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1
+
+
+SWEEP_CASES = [  # benchmarks/memory_check.py's cases: issue 34's acceptance shapes (20-120 s each here)
+    "llama-1b-b8-full-logits",
+    "llama-1b-b8-chunked",
+    "llama-1b-b16-recompute-full-logits",
+    "llama-1b-b16-recompute-chunked",
+    "llama3-8b-dp8-zero3",
+    "llama3-8b-tp8-sp",
+    "llama3-8b-pp4-1f1b",
+    "llama3-8b-pp4-zb1p",
+    "deepseek-v3-mini",
+    "moe-32x4",
+]
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("case", SWEEP_CASES)
+def test_the_check_agrees_with_the_plan_at_issue_34s_shapes(case, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "memory_check.py"), "--cases", case],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {case} "))
+    ratio = float(row.split("|")[5])
+    assert abs(ratio - 1) <= WITHIN, row

@@ -531,7 +531,9 @@ def tail_collectives(args, cfg, cluster: Cluster) -> float:
     return sum(k * link.control_latency(n) for n, k in step_calls(args, cfg).items())
 
 
-def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]], kernels: str = "cuda") -> tuple[dict[str, float], int]:
+def peak_memory(
+    args, cfg, layers_by_rank: dict[int, list[range]], kernels: str = "cuda"
+) -> tuple[dict[str, float], int]:
     """Model states and activations of the pipeline position that holds the most, at its peak:
     under ZeRO-2/3 inside a pipeline the stages' full gradients (4 bytes a parameter) exist from
     the first backward to the reduction after the last (between steps only the shards remain).

@@ -50,8 +50,8 @@ from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.args import divisors
 from fivecut.plan.cluster import Cluster
-from fivecut.plan.memory import kernels_of
 from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, program_of, state_memory
+from fivecut.plan.memory import kernels_of
 from fivecut.plan.volume import pipeline_plan, screened_placements
 
 RECOMPUTE = ("none", "selective", "full")

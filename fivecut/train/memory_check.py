@@ -256,7 +256,9 @@ def context(args, cfg: Config, mesh: Mesh, meta, device: torch.device) -> Contex
     kernel, _ = adamw_kernel(t.adamw, device)
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, kernel)
     metrics = mesh.group("dp_cp")
-    return Context(cfg, mesh, device, par, optimizer, FakeBatches(cfg, args.vocab_size), [], metrics, metrics, 0.0, args)
+    return Context(
+        cfg, mesh, device, par, optimizer, FakeBatches(cfg, args.vocab_size), [], metrics, metrics, 0.0, args
+    )
 
 
 def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
@@ -284,7 +286,7 @@ def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
 
 @contextlib.contextmanager
 def head_moments(ctx: Context, tracker: StepTracker):
-    """"loss" from the head's forward to the gradient of its input, "blocks" after the first."""
+    """ "loss" from the head's forward to the gradient of its input, "blocks" after the first."""
     stages = ctx.par.pipeline.stages.values() if ctx.par.pipeline is not None else [ctx.par.module]
     heads = [stage.output for stage in stages if getattr(stage, "output", None) is not None]
 
