@@ -264,19 +264,22 @@ def context(args, cfg: Config, mesh: Mesh, meta, device: torch.device) -> Contex
 def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
     """The trainer's `run_step` less what reads values (the loss's all-reduce, the stop flags, the
     experts' balancing and EPLB's moves: small tensors, whole experts moved between ranks):
-    zero_grad, every micro-step's forward and backward, clipping, AdamW, ZeRO's gathers."""
+    zero_grad, every micro-step's forward and backward, clipping, AdamW, ZeRO's gathers. Step 1
+    only makes the optimizer state: where every gradient exists before the backward (the data
+    cut's flat buckets), AdamW's step alone on them, else a whole step."""
     counting = step > 1
     ctx.mesh.ledger.begin_step(step)
     ctx.par.sync.zero_grad()
     tracker.moment = "forward" if counting else None
-    with head_moments(ctx, tracker) if counting else contextlib.nullcontext():
-        forward_backward(ctx, step)
+    if counting or any(piece.tensor.grad is None for piece in ctx.par.pieces):
+        with head_moments(ctx, tracker) if counting else contextlib.nullcontext():
+            forward_backward(ctx, step)
     if counting:
         tracker.ended("backward")
     tracker.moment = "optimizer" if counting else None
     clipped_norm(ctx.par.pieces, ctx.cfg.train.grad_clip, ctx.par.norm_groups)
     if ctx.par.experts is None:
-        optimizer_step(ctx, step)
+        optimizer_step(ctx, 1)  # the schedule's first rate: a decayed rate of 0 divides foreach AdamW by 0
     else:  # the balancing reads the loads (metrics, EPLB's moves): values fake tensors have not
         ctx.optimizer.step()
         ctx.par.sync.after_step()
