@@ -65,16 +65,18 @@ def test_cudas_fused_norm_keeps_less_than_the_cpus_and_the_plan_follows_the_devi
     "sets",
     [
         pytest.param(("train.loss_chunk_tokens=0",), id="full-logits"),
-        pytest.param(('train.recompute="full"', 'train.adamw="foreach"'), id="recompute-chunked-foreach"),
+        pytest.param(
+            ('train.recompute="full"', 'train.adamw="foreach"'), id="recompute-chunked-foreach", marks=pytest.mark.sweep
+        ),
     ],
 )
 def test_the_check_is_the_real_steps_memory_on_this_machine(sets):
-    """`small` (vocabulary 50,257) at 8 x 512 = 4,096 tokens a step on this CPU: the check on fake
-    tensors within 5% of the same step on real tensors (torch's MemTracker on both), and the plan
-    of this machine (CPU kernels) within 5% of the real peak."""
+    """`small` (vocabulary 50,257) at 4 x 512 = 2,048 tokens a step on this CPU: the check on fake
+    tensors within 5% of the same step on real tensors (torch's MemTracker on both; each storage
+    counted once, from the op that makes it until the last tensor on it dies)."""
     cluster = "1x1xH100"
-    real_cost, real, _ = planned_and_checked("small", "dp=1", cluster, 512, 8, *sets, fake=False, kernels="cpu")
-    _, fake, _ = planned_and_checked("small", "dp=1", cluster, 512, 8, *sets, kernels="cpu")
+    _, real, _ = planned_and_checked("small", "dp=1", cluster, 512, 4, *sets, fake=False, kernels="cpu")
+    _, fake, _ = planned_and_checked("small", "dp=1", cluster, 512, 4, *sets, kernels="cpu")
     assert fake.peak == pytest.approx(real.peak, rel=WITHIN)
     assert fake.moment == real.moment
     assert fake.moments["optimizer"] == pytest.approx(real.moments["optimizer"], rel=WITHIN)

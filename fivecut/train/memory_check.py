@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses import FakeTensor, FakeTensorMode
+from torch._subclasses import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -110,9 +111,12 @@ class StepTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """A value read on the host from a fake tensor (expert parallelism's split sizes, once per
         dispatch) is the uniform routing's: every EP rank sends each the same rows."""
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except DataDependentOutputException:  # a fake tensor without a known value (AdamW's steps have one)
+            if func is not torch.ops.aten._local_scalar_dense.default or not self.uniform_rows:
+                raise
             return self.uniform_rows
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _track(self, reftype, t: torch.Tensor) -> None:
         for part in dense_parts(t):
@@ -265,15 +269,14 @@ def one_step(ctx: Context, step: int, tracker: StepTracker) -> None:
     """The trainer's `run_step` less what reads values (the loss's all-reduce, the stop flags, the
     experts' balancing and EPLB's moves: small tensors, whole experts moved between ranks):
     zero_grad, every micro-step's forward and backward, clipping, AdamW, ZeRO's gathers. Step 1
-    only makes the optimizer state: where every gradient exists before the backward (the data
-    cut's flat buckets), AdamW's step alone on them, else a whole step."""
+    is whole too: what a step makes and keeps for the next (the optimizer state, a split
+    backward's dW buffers) is there when step 2 is counted."""
     counting = step > 1
     ctx.mesh.ledger.begin_step(step)
     ctx.par.sync.zero_grad()
     tracker.moment = "forward" if counting else None
-    if counting or any(piece.tensor.grad is None for piece in ctx.par.pieces):
-        with head_moments(ctx, tracker) if counting else contextlib.nullcontext():
-            forward_backward(ctx, step)
+    with head_moments(ctx, tracker) if counting else contextlib.nullcontext():
+        forward_backward(ctx, step)
     if counting:
         tracker.ended("backward")
     tracker.moment = "optimizer" if counting else None
