@@ -14,7 +14,7 @@ import pytest
 
 from fivecut.cli import main, plan_config
 from fivecut.plan.cluster import parse_cluster
-from fivecut.plan.cost import cost_layout
+from fivecut.plan.cost import cost_layout, layout_memory
 from fivecut.plan.memory import step_moments, step_temporaries
 from fivecut.train.memory_check import step_memory
 
@@ -55,10 +55,12 @@ def test_the_check_and_the_plan_agree_on_each_moment_of_a_small_bf16_step():
 def test_cudas_fused_norm_keeps_less_than_the_cpus_and_the_plan_follows_the_device():
     """The same step with the CPU's composite RMSNorm keeps the normalized inputs (4 B x h a token
     a norm) that CUDA's `_fused_rms_norm` does not; the plan of a CPU cluster counts them."""
-    _, cuda, (cfg, args) = planned_and_checked("small", "dp=1", "1x1xH100", 256, 4)
-    _, cpu, _ = planned_and_checked("small", "dp=1", "1x1xH100", 256, 4, kernels="cpu")
+    _, cuda, (cfg, args) = planned_and_checked("tiny", "dp=1", "1x1xH100", 256, 4)
+    _, cpu, _ = planned_and_checked("tiny", "dp=1", "1x1xH100", 256, 4, kernels="cpu")
     norms = 2 * args.n_layers + 1  # two a block and the final one
-    assert cpu.moments["loss"] - cuda.moments["loss"] == 4 * args.dim * 4 * 256 * norms
+    kept = 4 * args.dim * 4 * 256 * norms  # fp32 normalized inputs of 4 x 256 tokens
+    assert cpu.moments["loss"] - cuda.moments["loss"] == kept
+    assert layout_memory(args, cfg, "cpu")["total"] - layout_memory(args, cfg, "cuda")["total"] == kept
 
 
 @pytest.mark.parametrize(
