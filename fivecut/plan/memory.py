@@ -126,7 +126,8 @@ def describe(moment: str) -> str:
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes in GiB, or MiB below one GiB (a tiny model's plan)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB or n == 0 else f"{n / 2**20:.2f} MiB"
 
 
 def check_lines(memory: dict[str, float], check) -> list[str]:
