@@ -42,7 +42,7 @@ from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
-from fivecut.plan.memory import formula, model_state_bytes
+from fivecut.plan.memory import check_lines, formula, kernels_of, model_state_bytes, moment_lines
 from fivecut.train.resume import resume_changes
 
 # verify's tolerances, each the largest relative difference from the single process accepted at a step, by the
@@ -252,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=5, help="layouts the search prints and plots (default 5)")
     plan.add_argument("--out", default="plan", help="folder for plan.json and plan.png (default ./plan)")
     plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="train.dtype (default bf16)")
+    plan.add_argument(
+        "--check",
+        action="store_true",
+        help="with --layout: also run one real training step of the layout on fake tensors, as the rank that "
+        "peaks (no memory allocated), and print its memory beside the plan's",
+    )
     add_overrides(plan)
     plan.set_defaults(func=cmd_plan)
     plan_sub = plan.add_subparsers(dest="action")
@@ -942,6 +948,8 @@ def cmd_plan(ns) -> int:
         raise ConfigError("fivecut plan needs --cluster (e.g. --cluster 32x8xH100, or a cluster TOML file)")
     check_plan_flags(ns)
     cluster = parse_cluster(ns.cluster)
+    if ns.check and ns.layout is None:
+        raise ConfigError("--check runs one layout's step: give --layout (e.g. --layout dp=8,zero=3)")
     if ns.layout is None:
         return plan_search(ns, cluster)
     from fivecut.plan.cost import cost_layout
@@ -952,11 +960,37 @@ def cmd_plan(ns) -> int:
             f"--layout {ns.layout} uses {cfg.parallel.world_size} ranks but --cluster {ns.cluster} has "
             f"{cluster.world_size} GPUs; change dp (or another cut) so that the product is {cluster.world_size}"
         )
+    if ns.check:
+        check_checkable(cfg)
     cost = cost_layout(args, cfg, cluster)
     print_plan(cost, cfg, cluster)
     written = write_plan(ns.out, [(cfg, cost)], cluster, plan_header(ns, cfg, cluster))
     print(f"\nwrote {', '.join(written)}")
+    if ns.check:
+        print_check(args, cfg, cluster, cost)
     return 0
+
+
+def check_checkable(cfg: Config) -> None:
+    """What `plan --check` cannot run, refused before the plan: the compiled step (the check runs
+    eager: Dynamo's graphs on fake tensors are not the step's memory)."""
+    if cfg.train.compile:
+        raise ConfigError("--check runs the eager step; drop train.compile=true (the plan models the eager step)")
+
+
+def print_check(args, cfg: Config, cluster, cost) -> None:
+    """`fivecut plan --check`: one step of the layout on fake tensors beside the plan."""
+    from fivecut.train.memory_check import step_memory
+
+    kernels = kernels_of(cluster)
+    started = time.perf_counter()
+    check = step_memory(args, cfg, cost.memory_rank, kernels=kernels)
+    print(
+        f"\ncheck: one step on fake {check.device.upper()} tensors as rank {check.rank} (pipeline position "
+        f"{cost.memory_rank}), {kernels.upper()} kernels' saved tensors, counted by torch's MemTracker "
+        f"({time.perf_counter() - started:.1f} s):"
+    )
+    print("\n".join(check_lines(cost.memory, check)))
 
 
 def plan_search(ns, cluster) -> int:
@@ -1186,9 +1220,8 @@ def print_plan(cost, cfg: Config, cluster) -> None:
           f"{t.global_batch} sequences, {t.dtype}")  # fmt: skip
     print(cluster.describe())
     m = cost.memory
-    print(f"\nmemory per rank (pipeline position {cost.memory_rank}, the fullest):")
-    for key in ("params", "grads", "optimizer", "weight_copies", "activations", "loss", "buffers", "total"):
-        print(f"  {key:<12} {format_bytes(m[key]):>12}")
+    print(f"\nmemory per rank (pipeline position {cost.memory_rank}, the fullest), at each moment of the step:")
+    print("\n".join(moment_lines(m)))
     verdict = (
         "fits" if cost.fits else f"does NOT fit; the largest term is {max(m, key=lambda k: m[k] * (k != 'total'))}"
     )

@@ -233,3 +233,9 @@ def test_document_mask_benchmark_reports(tmp_path):
     args = ["--batch", "1", "--seq", "64", "--heads", "2", "--head-dim", "16", "--doc", "16", *SMALLEST]
     out = run_script("benchmarks/document_mask.py", *args, cwd=tmp_path)
     assert "| sdpa-bool |" in out and out.rstrip().splitlines()[-1].startswith("fastest=")
+
+
+def test_memory_check_benchmark_reports(tmp_path):
+    """The plan beside one step on fake tensors, at its tiny case (tiny, pp=2: both stages' moments)."""
+    out = run_script("benchmarks/memory_check.py", "--smallest", "--out", str(tmp_path / "table.md"), cwd=tmp_path)
+    assert "| tiny | 1x2xH100 pp=2,microbatches=2" in out and (tmp_path / "table.md").exists()

@@ -10,7 +10,7 @@ import pytest
 from fivecut.cli import build_parser, layout_config, run_spawned
 from fivecut.config import preset_args
 from fivecut.plan.cluster import preset_cluster
-from fivecut.plan.cost import cost_layout
+from fivecut.plan.cost import cost_layout, layout_memory
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,8 @@ def test_planned_bytes_are_the_measured_ones(layout):
     # the first block measured also keeps what all share (the RoPE tables), so it is left out
     first, *others = (measured.activations[k] for k in sorted(measured.activations, key=int))
     assert others and set(others) == {others[0]} and first > others[0]
-    assert plan.memory["activations"] == len(measured.activations) * others[0]
+    cpu = layout_memory(preset_args(cfg.model), cfg, "cpu")  # measured here: the CPU's norms
+    assert cpu["activations"] == len(measured.activations) * others[0]
     assert planned_calls(plan) == measured_calls(measured.ledger_rows)
 
 

@@ -73,6 +73,7 @@ def activation_bytes_per_layer(
     ep: int = 1,
     eplb_slots: int = 0,
     documents: bool = False,
+    fused_norm: bool = False,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -91,7 +92,7 @@ def activation_bytes_per_layer(
     parallelism (see `moe_bytes`). `documents` (data.document_mask): SDPA keeps its mask, converted
     to the matmuls' dtype, [b, 1, S, S] over the sequence the core sees (the whole sequence, also
     inside Ulysses), unless the core is recomputed; the ring builds each pair's mask again in
-    backward and keeps none."""
+    backward and keeps none. `fused_norm`: the norms run CUDA's fused kernel (`norm_bytes`)."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -105,7 +106,8 @@ def activation_bytes_per_layer(
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
-    norms = norm_bytes(precision, h, cut, 3) + norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2)
+    norms = norm_bytes(precision, h, cut, 3, fused_norm)
+    norms += norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2, fused_norm)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
@@ -164,18 +166,22 @@ def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "non
     return q_latent + kv_latent + heads * core
 
 
-def norm_bytes(precision: str, h: int, cut: int, consumers: int) -> float:
+def norm_bytes(precision: str, h: int, cut: int, consumers: int, fused: bool = False) -> float:
     """Bytes per token one RMSNorm leaves saved, with `consumers` linears reading its output and
     `cut` = t under SP (else 1). fp32: input, normalized input, output (4 B, all / cut).
     bf16 (autocast, fp32 weights): input and normalized input fp32 / cut; each linear saves its
     own bf16 cast of the (gathered) output, whole: consumers x 2h. bf16-params (ZeRO-3's bf16
     units: a bf16 residual stream): the fp32 upcast of the input and the normalized input, and
-    the bf16 output, saved once (under SP as this rank's slice), all / cut."""
+    the bf16 output, saved once (under SP as this rank's slice), all / cut.
+    `fused`: the norm is CUDA's `_fused_rms_norm`, whose backward reads the input and the rstd
+    only: no normalized input (fp32, bf16: 4h less), and under bf16-params the bf16 input itself
+    instead of its fp32 upcast (2h + 2h output). The CPU's composite norm saves the normalized
+    input; `fivecut plan --check` runs either (`fivecut.train.memory_check.KernelRMSNorm`)."""
     if precision == "fp32":
-        return FP32 * 3 * h / cut
+        return FP32 * (2 if fused else 3) * h / cut
     if precision == "bf16":
-        return FP32 * 2 * h / cut + 2 * consumers * h
-    return (FP32 * 2 * h + 2 * h) / cut
+        return FP32 * (1 if fused else 2) * h / cut + 2 * consumers * h
+    return ((2 + 2) * h if fused else (FP32 * 2 * h + 2 * h)) / cut
 
 
 def weight_copies(args, tp: int, precision: str, moe: bool, ep: int = 1, etp: int = 1) -> float:

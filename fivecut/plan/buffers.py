@@ -66,6 +66,22 @@ def data_cut_buffers(args, cfg, units: Units) -> float:
     )
 
 
+def loss_moment_buffers(args, cfg, pp_rank: int = 0, records=None) -> float:
+    """The data cut's buffers alive at the loss (`fivecut.plan.memory.step_moments`), before any
+    backward has reduced a gradient: ZeRO-3's root unit (embedding, final norm, head), gathered
+    through forward and backward (each block was resharded after its forward); inside a pipeline,
+    where backwards run between forwards, all of `buffer_bytes`. The other data cuts reduce in
+    backward: none yet."""
+    dims = cfg.parallel
+    if dims.zero != 3 or not dims.reshard_after_forward:
+        return 0.0 if dims.zero != 3 else buffer_bytes(args, cfg, pp_rank, records)
+    if dims.pp > 1:
+        return buffer_bytes(args, cfg, pp_rank, records)
+    units = counted(args, cfg, pp_rank, records)
+    c = 2 if cfg.train.dtype == "bf16" else 4
+    return full(merged(units.embedding, units.head), shard_group_sizes(cfg), c)
+
+
 Parts = tuple[tuple[str, int], ...]  # a unit's local parameters by reduce group
 
 

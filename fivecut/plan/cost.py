@@ -67,13 +67,14 @@ from fivecut.plan.activations import (
     activation_bytes_per_layer,
     layer_mode,
     loss_peak_bytes,
+    norm_bytes,
     precision_of,
     weight_copies,
 )
-from fivecut.plan.buffers import buffer_bytes
+from fivecut.plan.buffers import buffer_bytes, loss_moment_buffers
 from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
-from fivecut.plan.memory import model_state_bytes
+from fivecut.plan.memory import kernels_of, model_state_bytes, step_moments, step_temporaries
 from fivecut.plan.volume import (
     dims_key,
     local_param_counts,
@@ -279,7 +280,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     tail = optimizer_seconds(args, cfg, cluster, counts, records) + tail_collectives(args, cfg, cluster)
     step = makespan + exposed + tail
     tokens = t.global_batch * t.seq_len
-    memory, rank = peak_memory(args, cfg, pp_rank_costs)
+    memory, rank = peak_memory(args, cfg, pp_rank_costs, kernels_of(cluster))
     traffic: dict[str, float] = {}
     for c in cuts:
         traffic[c.link] = traffic.get(c.link, 0.0) + c.wire_bytes
@@ -411,9 +412,9 @@ def layers_by_rank(args, cfg) -> dict[int, list[range]]:
 RANK_LAYERS: dict[int, tuple] = {}  # id of a pipeline plan -> (the plan, kept alive, its `layers_by_rank`)
 
 
-def layout_memory(args, cfg) -> dict[str, float]:
+def layout_memory(args, cfg, kernels: str = "cuda") -> dict[str, float]:
     """`peak_memory` alone: what a search asks first, before any time is modelled."""
-    return peak_memory(args, cfg, layers_by_rank(args, cfg))[0]
+    return peak_memory(args, cfg, layers_by_rank(args, cfg), kernels)[0]
 
 
 @dataclass(frozen=True)
@@ -530,10 +531,15 @@ def tail_collectives(args, cfg, cluster: Cluster) -> float:
     return sum(k * link.control_latency(n) for n, k in step_calls(args, cfg).items())
 
 
-def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict[str, float], int]:
+def peak_memory(
+    args, cfg, layers_by_rank: dict[int, list[range]], kernels: str = "cuda"
+) -> tuple[dict[str, float], int]:
     """Model states and activations of the pipeline position that holds the most, at its peak:
     under ZeRO-2/3 inside a pipeline the stages' full gradients (4 bytes a parameter) exist from
-    the first backward to the reduction after the last (between steps only the shards remain)."""
+    the first backward to the reduction after the last (between steps only the shards remain).
+    "total" is the step's highest moment (`fivecut.plan.memory.step_moments`: the loss, the end of
+    the backward, the optimizer step); `kernels`: whose kernels the device runs ("cuda": the
+    fused RMSNorm; "cpu": the composite one and the CPU's gradient norm)."""
     dims, t = cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
     seq = t.seq_len // dims.cp
@@ -543,23 +549,73 @@ def peak_memory(args, cfg, layers_by_rank: dict[int, list[range]]) -> tuple[dict
         in_flight = in_flight_of(args, cfg)
     held = layout_key_of(args, cfg)
     every_state, buffers = all_rank_states(args, cfg, held), all_rank_buffers(args, cfg, held)
+    fused = kernels == "cuda"
     best, best_rank, of_kind = None, 0, {}  # of_kind: (MoE, recompute mode) -> `block_bytes`, once a call
     for rank, stage_ranges in layers_by_rank.items():
         states = dict(every_state[rank])
         firsts, order = block_sequence(args, stage_ranges, t.recompute, t.recompute_every)
         for kind, i in firsts.items():  # `block_bytes` once per kind of block in this call
             if kind not in of_kind:
-                of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i)
+                of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i, fused_norm=fused)
         per_layer = [of_kind[kind] for kind in order]
         states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
         states["weight_copies"] = sum(block_copies(args, cfg, precision, moe) for moe, _mode in order)  # once a step
+        states["head"] = head_saved_bytes(args, cfg, rows * seq, precision, fused) * in_flight[rank] if last else 0.0
+        if last:
+            states["weight_copies"] += head_copy_bytes(args, cfg, precision)
         states["buffers"] = buffers[rank]  # gathered ZeRO-3 units, reduction copies
-        states["total"] = sum(states.values())
+        states["buffers_at_loss"] = loss_moment_buffers(args, cfg, rank)
+        states["temporaries"] = optimizer_temporaries(args, cfg, rank, kernels)
+        states["total"] = max(step_moments(states).values())
         if best is None or states["total"] > best["total"]:
             best, best_rank = states, rank
     return best, best_rank
+
+
+def head_saved_bytes(args, cfg, tokens: int, precision: str, fused: bool) -> float:
+    """What the last stage keeps for backward between its blocks and the loss (`loss_peak_bytes`
+    counts from the head's input on): the final norm's saved tensors and its rstd, and, where the
+    head computes the loss in chunks, the head's input itself, which each chunk's backward reads
+    (the residual stream's dtype, the whole sequence: the head gathers it under SP)."""
+    d = cfg.parallel
+    cut = d.tp if d.sp else 1
+    norm = norm_bytes(precision, args.dim, cut, 0, fused) + 4 / cut  # + rstd
+    kept = (2 if precision == "bf16-params" else 4) * args.dim if cfg.train.loss_chunk_tokens else 0
+    return tokens * (norm + kept)
+
+
+def head_copy_bytes(args, cfg, precision: str) -> float:
+    """The head's bf16 compute copy where it computes the full logits (a cast module outside the
+    blocks, `fivecut.parallel.precision`): 2 B x its V/t x h (the chunked head's is in the loss)."""
+    if precision != "bf16" or cfg.train.loss_chunk_tokens:
+        return 0.0
+    return 2 * -(-args.vocab_size // cfg.parallel.tp) * args.dim
+
+
+def optimizer_temporaries(args, cfg, pp_rank: int, kernels: str) -> float:
+    """`step_temporaries` of the rank at `pp_rank`: AdamW's over its parameter groups (all its
+    parameters, or ZeRO's shards of them: the no-decay group of norm weights is a rounding
+    error), the CPU's gradient norm over its largest gradient (ZeRO: its largest flat piece)."""
+    sizes = shard_group_sizes(cfg)
+    counts = local_param_counts(args, cfg, pp_rank=pp_rank)
+    zero = cfg.parallel.zero
+    group = sum(n / (sizes[name] if zero >= 1 else 1) for name, n in counts.items())
+    largest = group if zero >= 1 else largest_tensor(args, cfg)
+    adamw = "fused" if cfg.train.adamw == "auto" else cfg.train.adamw
+    return step_temporaries(adamw, group, largest, kernels)
+
+
+def largest_tensor(args, cfg) -> float:
+    """Elements of a rank's largest parameter: the embedding or the head (vocabulary-parallel
+    under tp), a block's widest projection, or a MoE layer's stacked experts."""
+    d = cfg.parallel
+    h, hd = args.dim, args.head_dim
+    sizes = [args.vocab_size * h / d.tp, args.ffn_dim * h / d.tp, args.n_heads * hd * h / d.tp]
+    if args.is_moe:
+        sizes.append(args.n_experts // d.ep * h * args.expert_dim / d.etp)
+    return max(sizes)
 
 
 def block_sequence(args, stage_ranges: list[range], recompute: str, every: int) -> tuple[dict, tuple]:
@@ -587,14 +643,16 @@ def layout_key_of(args, cfg) -> tuple:
     return (model_token(args), dims_key(cfg.parallel, "microbatches"), *fields)
 
 
-def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None) -> float:
+def block_bytes(
+    args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None, fused_norm: bool = False
+) -> float:
     """The activation closed form of block `layer`, once per kind of block (dense or MoE, its
     recomputation mode: `mode`, else the run's) and layout: the blocks of a kind keep the same bytes."""
     dims, t = cfg.parallel, cfg.train
     moe = args.moe_layer(layer)
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
-    key += (precision, moe, mode, cfg.moe.eplb_slots)
+    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm)
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -611,6 +669,7 @@ def block_bytes(args, cfg, rows: int, seq: int, precision: str, layer: int, mode
             etp=dims.etp,
             ep=dims.ep,
             eplb_slots=cfg.moe.eplb_slots,
+            fused_norm=fused_norm,
         )
     return BLOCK_BYTES[key]
 

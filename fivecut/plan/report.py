@@ -15,9 +15,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from fivecut.config import Config  # noqa: E402
 from fivecut.plan.cluster import Cluster  # noqa: E402
 from fivecut.plan.cost import LayoutCost  # noqa: E402
+from fivecut.plan.memory import ALIVE, TERMS, peak_moment, term_at  # noqa: E402
 from fivecut.plan.search import time_terms  # noqa: E402
 
-MEMORY_TERMS = ("params", "grads", "optimizer", "weight_copies", "activations", "loss", "buffers")
+MEMORY_TERMS = TERMS  # each bar stacks the terms alive at the layout's peak moment (`ALIVE`)
 GIB = 1 << 30
 
 
@@ -55,7 +56,7 @@ def plot_plan(costed: list[tuple[Config, LayoutCost]], cluster: Cluster, path: P
     """Left: memory per rank by term (GiB) against the device's memory; right: step time by term."""
     names = [f"#{i} {cfg.parallel.describe()}\n{cfg.train.recompute}" for i, (cfg, _) in enumerate(costed, 1)]
     fig, (mem, time) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(costed) + 4), 4.5))
-    stacked(mem, names, [{k: cost.memory[k] / GIB for k in MEMORY_TERMS} for _, cost in costed])
+    stacked(mem, names, [alive_at_peak(cost.memory) for _, cost in costed])
     mem.axhline(cluster.device.memory_gb * 1e9 / GIB, color="black", linestyle="--", label="device memory")
     mem.set_ylabel("GiB per rank (fullest pipeline position)")
     mem.legend(fontsize=7)
@@ -67,6 +68,12 @@ def plot_plan(costed: list[tuple[Config, LayoutCost]], cluster: Cluster, path: P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def alive_at_peak(memory: dict[str, float]) -> dict[str, float]:
+    """GiB of each term alive at the step's peak moment (the bar's height is the peak)."""
+    moment = peak_moment(memory)
+    return {k: term_at(memory, k, moment) / GIB if k in ALIVE[moment] else 0.0 for k in MEMORY_TERMS}
 
 
 def stacked(ax, names: list[str], bars: list[dict[str, float]]) -> None:

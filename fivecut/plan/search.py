@@ -51,6 +51,7 @@ from fivecut.layout import ParallelDims
 from fivecut.model.args import divisors
 from fivecut.plan.cluster import Cluster
 from fivecut.plan.cost import LayoutCost, cost_layout, layout_memory, program_of, state_memory
+from fivecut.plan.memory import kernels_of
 from fivecut.plan.volume import pipeline_plan, screened_placements
 
 RECOMPUTE = ("none", "selective", "full")
@@ -371,7 +372,7 @@ def fastest_fitting(args, base, cluster, shape, data, result: SearchResult, capa
         for split in splits:
             cfg = layout_config(base, shape, *data, split, recompute, world)  # valid as `first` is
             result.tried += 1
-            memory = layout_memory(args, cfg)["total"]
+            memory = layout_memory(args, cfg, kernels_of(cluster))["total"]
             if memory > capacity:
                 result.too_big += 1
                 keep_smallest(result, cfg, memory, args, cluster)
@@ -438,7 +439,7 @@ def first_fitting(args, base: Config, cluster: Cluster) -> Candidate | None:
             continue
         for recompute, split in ((r, s) for r in RECOMPUTE for s in splits):
             cfg = layout_config(base, shape, *data, split, recompute, world)
-            if layout_memory(args, cfg)["total"] <= capacity:
+            if layout_memory(args, cfg, kernels_of(cluster))["total"] <= capacity:
                 cost = cost_layout(args, owned(cfg), cluster)
                 if cost.fits:
                     return Candidate(owned(cfg), cost)

@@ -77,10 +77,15 @@ def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def clip_gradients(pieces, max_norm: float, groups: list[Group]) -> float:
     """Scale gradients in place so that their global norm is at most `max_norm`; return the norm before."""
+    return float(clipped_norm(pieces, max_norm, groups))
+
+
+def clipped_norm(pieces, max_norm: float, groups: list[Group]) -> torch.Tensor:
+    """`clip_gradients` without reading the norm's value (a tensor: fake tensors have no value)."""
     norm = grad_norm(pieces, groups)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grads = [piece.tensor.grad for piece in pieces if piece.tensor.grad is not None]
         for dtype in {g.dtype for g in grads}:  # one multi-tensor scale a dtype
             torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
-    return float(norm)
+    return norm
