@@ -192,29 +192,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(a) * b keeping only a and b [..., F] for backward: silu(a) is computed again there
-    (one elementwise pass) instead of being kept, a quarter of what a SwiGLU MLP keeps (autograd's
-    own ops keep a, silu(a) and b; the product is the down projection's saved input either way).
-    Backward runs the same ops autograd would, so gradients are bitwise autograd's."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return F.silu(a) * b
-
-    @staticmethod
-    def backward(ctx, grad):  # grad [..., F]
-        a, b = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * b, a), grad * F.silu(a)
-
-
-def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b, a = w1 x (gate), b = w3 x (up), [..., F]; keeps a and b only."""
-    return _SwiGLU.apply(a, b)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 # ----------------------------------------------------------------------------
@@ -343,7 +321,7 @@ def grouped_swiglu(
 
 
 def _swiglu_down(mm: GroupedMM, a: torch.Tensor, b: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
-    return mm(swiglu(a, b), w2, ends)  # [N, dim]
+    return mm(F.silu(a) * b, w2, ends)  # [N, dim]
 
 
 class GroupedExperts(nn.Module):

@@ -8,8 +8,7 @@ In units of b*s*h elements per layer, with t tensor-parallel ranks:
     norms      6     input, normalized input and output of both norms (output = the
                      input the q/k/v or w1/w3 projections save)        -> /t only with SP
     attention  2/t + 2*kv*hd/h      q and attention output; k and v (kv = kv heads per rank)
-    MLP        3F/(h t)             w1 out, w3 out (SwiGLU's own backward computes silu again:
-                                    `fivecut.model.transformer.swiglu`), their product
+    MLP        4F/(h t)             w1 out, silu(w1 out), w3 out, their product
 
 plus per token: 2 rstd values (norms; /t with SP) and a/t log-sum-exps. A MoE block replaces
 the MLP term by what its router, dispatch, experts, combine and shared experts keep
@@ -37,7 +36,7 @@ Recomputation (`fivecut.parallel.recompute`) changes the terms for the blocks it
     full       only the block's input: 1 (/t with SP), the residual stream
     selective  no log-sum-exps (the attention core keeps only q, k, v, which it saved
                anyway; under Ulysses no second copy of the output); MLP 2F/(h t): w1 out
-               and w3 out, the product recomputed (routed and shared experts: 2H per row, not 3H)
+               and w3 out, the product recomputed (routed and shared experts: 2H per row, not 4H)
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ def activation_bytes_per_layer(
     if recompute == "full":  # only the block's input: the residual stream (bf16 with bf16 weights)
         return (2 if precision == "bf16-params" else 4) * batch * seq * h / cut
     plain = recompute == "none"
-    swiglu = 3 if plain else 2  # tensors of [tokens, hidden] a SwiGLU keeps
+    swiglu = 4 if plain else 2  # tensors of [tokens, hidden] a SwiGLU keeps
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
@@ -223,7 +222,7 @@ def moe_bytes(
     sent: int,
     received: int,
     precision: str = "fp32",
-    swiglu: int = 3,
+    swiglu: int = 4,
     etp: int = 1,
     ep: int = 1,
     eplb_slots: int = 0,
@@ -234,7 +233,7 @@ def moe_bytes(
     rows received (they depend on the routing):
         router     T*E scores; T*k expert indices (int64); T + T*k for the weights' renormalization
         dispatch   N row indices (int64)
-        experts    R*(h + 3H): the rows each expert received, and SwiGLU's three intermediates;
+        experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates;
                    the one grouped GEMM's group ends (int32 for each of the S = E/ep + X local
                    slots, X = `eplb_slots`); with ep > 1, 2R row indices (int64), the received
                    rows reordered from (source, slot) blocks to slot-major and back; with X > 0,
@@ -242,11 +241,11 @@ def moe_bytes(
                    dtype) of all S slots' three weights (3*S*h*H/etp) kept for the GEMM's
                    backward, and the X copies' row indices (int64)
         combine    T*k slot indices (int64), T*k*h results per slot, T*k weights
-        shared     3*T*H_shared (a SwiGLU on every token)
-    (`swiglu` = 2 under selective recomputation: two intermediates instead of three).
+        shared     4*T*H_shared (a SwiGLU on every token)
+    (`swiglu` = 2 under selective recomputation: two intermediates instead of four).
     Expert tensor parallelism (etp ranks): the router and the shared experts keep the same; the
     dispatch and the combine work on the etp ranks' T_e = etp*T gathered tokens (N, R count
-    those rows), the experts' intermediates are R*3H/etp, and the combine keeps T_e*k slot
+    those rows), the experts' intermediates are R*4H/etp, and the combine keeps T_e*k slot
     indices, T_e*k*h results and T_e*k weights.
     Under `precision` the router's scores and weights stay fp32 and the rest is in the matmuls'
     dtype; autocast over fp32 weights ("bf16") also keeps, per linear, its bf16 cast of its input
