@@ -178,6 +178,22 @@ def test_parity_matrix_script_runs_a_row_and_writes_its_table(tmp_path):
 # ---------------------------------------------------------------- the W pass's kept dW buffers (the zb1p speed-up)
 
 
+def test_loss_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/loss.py", "--preset", "tiny", "--batch", "1", "--seq", "32", "--chunk", "8",
+                     "--repeats", "1", "--dtype", "fp32", "--device", "cpu", cwd=tmp_path)  # fmt: skip
+    assert "chunked" in out.splitlines()[-1]
+
+
+def test_moe_experts_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/moe_experts.py", "--steps", "1", "--repeats", "1", cwd=tmp_path)
+    assert "grouped / loop" in out and out.count("| tiny-moe |") == 1
+
+
+def test_cast_once_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/cast_once.py", "--microbatches", "2", "--steps", "1", cwd=tmp_path)
+    assert out.rstrip().splitlines()[-1].startswith("ratio_step=")
+
+
 def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     """Once `.grad` exists (a data cut's bucket view, or an earlier microbatch), W computes each
     linear layer's dW into a buffer it keeps per shape and adds it into `.grad` in place: two
