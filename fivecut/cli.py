@@ -1198,9 +1198,10 @@ def print_plan(cost, cfg: Config, cluster) -> None:
         print(f"{c.cut:<6} {c.wire_bytes:>16,.0f} {c.link:>6} {times}   {c.rule}")
     pipeline = f"pipeline makespan {cost.makespan * 1e3:.2f} ms (bubble {cost.bubble:.3f})"
     print(f"\ncompute {cost.compute * 1e3:.2f} ms, {pipeline}")
-    print(
-        f"tail after backward (clipping, AdamW, weight casts, the step's small all-reduces) {cost.optimizer * 1e3:.2f} ms"
-    )
+    terms = ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in cost.compute_terms.items() if seconds > 0)
+    print(f"  compute by term (ms): {terms}")
+    tail = "tail after backward (clipping, AdamW, weight casts, the step's small all-reduces)"
+    print(f"{tail} {cost.optimizer * 1e3:.2f} ms")
     needed = hiding_bandwidth(cost)
     traffic = ", ".join(
         f"{link} {format_bytes(b)} (hidden behind the compute at {needed[link]:.3g} GB/s, the link has "

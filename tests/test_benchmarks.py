@@ -205,3 +205,9 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_eager_traffic_benchmark_reports(tmp_path):
+    """The counts behind the GPU presets' memory-bound rates, at `tiny`'s shape (meta device: no device time)."""
+    out = run_script("benchmarks/eager_traffic.py", "--model", "tiny", "--rows", "1", "--seq", "16", cwd=tmp_path)
+    assert "| a block |" in out and out.rstrip().splitlines()[-1].startswith("block_ratio=")

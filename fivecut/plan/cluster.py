@@ -180,9 +180,9 @@ def hops_of(op: str, n: int) -> int:
 #                     3,180 GB/s, 0.74 of STREAM; the others at the same share
 #   activation_gbps   a block's memory-bound kernels: the planner counts what a block saves, written and
 #                     read back with its gradient (3x); fivecut's eager kernels (RMSNorm, RoPE in fp32,
-#                     SwiGLU, the residuals, autocast's casts) move 3.13x that (19.9 GB against 6.35 GB for
+#                     SwiGLU, the residuals, autocast's casts) move 3.08x that (19.5 GB against 6.35 GB for
 #                     llama-1b's block at 8 x 2048 tokens, counted op by op on the meta device:
-#                     `benchmarks/eager_traffic.py`), so STREAM / 3.13
+#                     `benchmarks/eager_traffic.py`), so STREAM / 3.08
 #   loss_gbps         the full-logits cross-entropy moves 36 bytes a logit in eager PyTorch (the fp32
 #                     upcast 6, log-softmax 8, its backward 12, the gradient's zeros 4, the cast back 6;
 #                     the same count) against the planner's `LOSS_BYTES` 16: STREAM x 16 / 36
@@ -193,8 +193,8 @@ def hops_of(op: str, n: int) -> int:
 STREAM = {"A100": 1835.0, "H100": 3015.0, "H800": 3015.0, "H200": 4320.0}
 HOPPER_MATMUL = 764.0 / 989.4  # measured on one H200 (benchmarks/RESULTS.md, "One H200")
 TAIL_SHARE = 3180.0 / 4320.0  # fused AdamW's rate on the H200 over its STREAM
-EAGER_BLOCK_TRAFFIC = 19.9 / 6.35  # the bytes eager kernels move / the bytes the planner counts (a block)
-EAGER_LOSS_TRAFFIC = 36 / 16  # the same for the cross-entropy over the logits
+EAGER_BLOCK_TRAFFIC = 3.08  # the bytes eager kernels move / the bytes the planner counts (a block)
+EAGER_LOSS_TRAFFIC = 2.25  # the same for the cross-entropy over the logits
 
 
 def measured_rates(key: str, achievable: float, attention_tflops: float) -> dict:

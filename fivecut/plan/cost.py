@@ -149,6 +149,7 @@ class LayoutCost:
     mfu: float = 0.0
     tokens_per_s: float = 0.0
     traffic: dict[str, float] = field(default_factory=dict)  # link class -> wire bytes per rank per step
+    compute_terms: dict[str, float] = field(default_factory=dict)  # `compute` by what spends it (`rank_terms`)
 
 
 def layer_matmul_flops(args, layer_id: int) -> float:
@@ -331,7 +332,30 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         mfu=model_flops(args, t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
         traffic=traffic,
+        compute_terms=rank_terms(args, cfg, cluster, tokens_mb, compute),
     )
+
+
+def rank_terms(args, cfg, cluster: Cluster, tokens_mb: int, compute: float) -> dict[str, float]:
+    """Rank 0's `compute` seconds a step by what spends them (`stage_terms` of its stages, every
+    microbatch and micro-step; a pipeline's stages add their actions, `Device.action_us` each),
+    scaled to sum to `compute` (a CPU's shared cores, `shared_cores`, speed them all alike)."""
+    dims, t = cfg.parallel, cfg.train
+    if dims.pp == 1:
+        stages, actions, repeats = [(range(args.n_layers), True, True)], 0, 1
+    else:
+        schedule, layers = pipeline_plan(args, cfg)
+        last = schedule.n_stages - 1
+        stages = [(layers[s], s == 0, s == last) for s in range(last + 1) if schedule.stage_rank[s] == 0]
+        actions, repeats = compute_actions(schedule, 0), dims.microbatches
+    terms: dict[str, float] = {}
+    for layers, first, last in stages:
+        for part in stage_terms(*stage_work(args, cfg, layers, first, last, tokens_mb), dims.tp, cluster).values():
+            for name, seconds in part.items():
+                terms[name] = terms.get(name, 0.0) + seconds * repeats * t.accumulate
+    terms["actions"] = actions * cluster.device.action_us * 1e-6 * t.accumulate
+    total = sum(terms.values())
+    return {name: seconds * compute / total for name, seconds in terms.items()} if total > 0 else terms
 
 
 def model_flops(args, seq: int) -> float:
