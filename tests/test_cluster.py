@@ -171,6 +171,8 @@ def test_a_gpus_probes_are_sized_by_its_model_and_memory_and_run_here():
     assert sizes.tensors == tensor_count(small) != TENSORS and BIG < sizes.big <= 1e9 / 8 / 16
     assert probe_sizes("cuda", 80e9).attention == (8, 32, 2048, 64)  # no model: llama-1b at 2048, 16,384 tokens
     assert probe_sizes("cpu", 80e9) == probe_sizes("cpu", 1e9)  # a CPU's: the sizes plan_check checks at
+    mla = probe_sizes("cuda", 80e9, PRESETS["deepseek-v3"], 4096)  # its dense block; its heads' qk channels
+    assert mla.block.n_experts == 0 and mla.attention == (1, 128, 4096, 192)
     probes, flops_of = compute_probes(torch.device("cpu"), torch.float32, sizes)
     seconds = {}
     for name, probe in probes.items():

@@ -88,7 +88,7 @@ from fivecut.layout import ParallelDims
 from fivecut.ledger import Ledger
 from fivecut.model.args import ModelArgs
 from fivecut.model.presets import PRESETS
-from fivecut.model.transformer import Transformer
+from fivecut.model.transformer import Transformer, build_model
 from fivecut.parallel.data import Piece
 from fivecut.parallel.parallelize import token_loss_sum
 from fivecut.parallel.pipeline.executor import PipelineStep
@@ -174,7 +174,8 @@ def probe_sizes(device: str, memory_bytes: float, model: ModelArgs | None = None
     shape = model or PRESETS[GPU_MODEL]
     seq = seq or (GPU_SEQ if model is None else shape.max_seq_len)
     budget = memory_bytes * GPU_SHARE
-    block = replace(shape, vocab_size=256, n_layers=1, max_seq_len=seq)
+    block = replace(shape, vocab_size=256, n_layers=1, max_seq_len=seq, n_experts=0)  # a dense block (a MoE
+    # model's: its dense layers' shape; four blocks of hundreds of experts would not fit)
     # bf16 activations the probe keeps for backward over its PROBE_LAYERS blocks, a sequence
     held = PROBE_LAYERS * activation_bytes_per_layer(block, 1, seq, 1, False, "bf16")
     rows = int(max(1, min(GPU_TOKENS // seq, budget // max(held, 1))))
@@ -184,7 +185,7 @@ def probe_sizes(device: str, memory_bytes: float, model: ModelArgs | None = None
     return ProbeSizes(
         "cuda",
         linear=(min(tokens, 8192), shape.dim, shape.ffn_dim),
-        attention=(rows, shape.n_heads, seq, shape.head_dim),
+        attention=(rows, shape.n_heads, seq, shape.qk_head_dim),
         loss=(logits, shape.dim, shape.vocab_size),
         block=block,
         block_rows=rows,
@@ -199,7 +200,7 @@ ADAMW_STATE_BYTES = 16  # an fp32 parameter's bytes in AdamW: itself, its gradie
 
 def tensor_count(model: ModelArgs) -> int:
     """The parameter tensors of `model` (built on the meta device): what the optimizer steps over."""
-    return sum(1 for _ in Transformer(model).to("meta").parameters())
+    return sum(1 for _ in build_model(model, device="meta").parameters())
 
 
 def timed(fn, repeats: int, sync, statistic=statistics.median) -> float:
