@@ -162,7 +162,20 @@ def test_a_gpus_probes_are_sized_by_its_model_and_memory_and_run_here():
     import torch
 
     from fivecut.model.presets import PRESETS
-    from fivecut.plan.calibrate import BIG, TENSORS, compute_figures, compute_probes, probe_sizes, tensor_count
+    from fivecut.plan.calibrate import (
+        ATTENTION,
+        BIG,
+        BLOCK,
+        BLOCK_ROWS,
+        LINEAR,
+        LOSS,
+        TENSORS,
+        ProbeSizes,
+        compute_figures,
+        compute_probes,
+        probe_sizes,
+        tensor_count,
+    )
 
     small = PRESETS["small"]
     sizes = probe_sizes("cuda", 1e9, small, 64)
@@ -170,7 +183,8 @@ def test_a_gpus_probes_are_sized_by_its_model_and_memory_and_run_here():
     assert sizes.loss[1:] == (small.dim, small.vocab_size) and sizes.block.dim == small.dim
     assert sizes.tensors == tensor_count(small) != TENSORS and BIG < sizes.big <= 1e9 / 8 / 16
     assert probe_sizes("cuda", 80e9).attention == (8, 32, 2048, 64)  # no model: llama-1b at 2048, 16,384 tokens
-    assert probe_sizes("cpu", 80e9) == probe_sizes("cpu", 1e9)  # a CPU's: the sizes plan_check checks at
+    cpu = (LINEAR, ATTENTION, LOSS, BLOCK, BLOCK_ROWS, TENSORS, BIG)  # a CPU's: the sizes plan_check checks at
+    assert probe_sizes("cpu", 80e9) == probe_sizes("cpu", 1e9) == ProbeSizes("cpu", *cpu)
     mla = probe_sizes("cuda", 80e9, PRESETS["deepseek-v3"], 4096)  # its dense block; its heads' qk channels
     assert mla.block.n_experts == 0 and mla.attention == (1, 128, 4096, 192)
     probes, flops_of = compute_probes(torch.device("cpu"), torch.float32, sizes)
