@@ -11,7 +11,8 @@ time from another's must see the same machine):
 
     matmul rate      a linear layer's forward and backward (its three matmuls) on `LINEAR`
                      (tokens, in, out; a GPU's: `probe_sizes`) in the dtype runs use (fp32 on
-                     CPU, bf16 on a GPU); the device's rate (`achievable` = 1: measured)
+                     CPU, bf16 on a GPU); the device's rate (`achievable` = 1: measured; a GPU
+                     with a preset: the data sheet's peak, `achievable` the measured share)
     kernel cost      fivecut's own model (`fivecut.model`) at a negligible size (`PROBE`, one
                      sequence of `PROBE_TOKENS` tokens), forward, loss and backward, with
                      `PROBE_LAYERS` blocks and with one: the difference per block, divided by the
@@ -37,7 +38,7 @@ time from another's must see the same machine):
                      they take beyond the head's matmuls, at `fivecut.plan.cost.LOSS_BYTES` a
                      logit, is `loss_gbps`
     step's tail      the gradient norm, clipping and AdamW step (`step_tail`) over `TENSORS` tiny
-                     tensors (the model's count where one is given; `tensor_us`: per tensor) and
+                     tensors (a GPU's: as many as the model has; `tensor_us`: per tensor) and
                      over one tensor of `BIG` elements (a GPU's: gigabytes, `probe_sizes`)
                      (`memory_gbps`: `fivecut.plan.cost.TAIL_BYTES` a parameter)
     link             all-reduces of `SIZES` bytes over all ranks, read through the ring's
