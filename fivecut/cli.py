@@ -269,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--out", default="cluster-local.toml", help="the cluster file to write (a new file)")
     calibrate.add_argument("--force", action="store_true", help="replace --out if it exists")
+    calibrate.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="what to measure (auto: the GPUs if any)"
+    )
+    calibrate.add_argument(
+        "--model", default=None, help="size a GPU's probes to this model (as plan's --model; default llama-1b)"
+    )
+    calibrate.add_argument("--seq", type=int, default=None, help="the run's sequence length (a GPU's attention probe)")
     calibrate.set_defaults(func=cmd_plan_calibrate)
     return parser
 
@@ -1232,7 +1239,10 @@ def print_plan(cost, cfg: Config, cluster) -> None:
         print(f"{c.cut:<6} {c.wire_bytes:>16,.0f} {c.link:>6} {times}   {c.rule}")
     pipeline = f"pipeline makespan {cost.makespan * 1e3:.2f} ms (bubble {cost.bubble:.3f})"
     print(f"\ncompute {cost.compute * 1e3:.2f} ms, {pipeline}")
-    print(f"tail after backward (clipping, AdamW, the step's small all-reduces) {cost.optimizer * 1e3:.2f} ms")
+    terms = ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in cost.compute_terms.items() if seconds > 0)
+    print(f"  compute by term (ms): {terms}")
+    tail = "tail after backward (clipping, AdamW, weight casts, the step's small all-reduces)"
+    print(f"{tail} {cost.optimizer * 1e3:.2f} ms")
     needed = hiding_bandwidth(cost)
     traffic = ", ".join(
         f"{link} {format_bytes(b)} (hidden behind the compute at {needed[link]:.3g} GB/s, the link has "
@@ -1249,12 +1259,18 @@ def cmd_plan_calibrate(ns) -> int:
     checks.check_new_file("--out", ns.out, ".toml")
     if Path(ns.out).exists() and not ns.force:
         raise ConfigError(f"--out {ns.out} exists; give another file name, or --force to replace it")
-    from fivecut.plan.calibrate import calibrate, rank_room
+    from fivecut.plan.calibrate import CalibrationError, calibrate, rank_room
 
-    room, machine = rank_room()
+    room, machine = rank_room(ns.device)
     if ns.ranks > room:
         raise ConfigError(f"--ranks {ns.ranks}: this machine has {machine}; give --ranks {room} or fewer")
-    cluster, raw = calibrate(ns.ranks)
+    if ns.seq is not None and ns.seq < 1:
+        raise ConfigError(f"--seq {ns.seq}: give a sequence length >= 1")
+    model = checks.resolved_args(plan_model(ns.model)) if ns.model is not None else None
+    try:
+        cluster, raw = calibrate(ns.ranks, device=ns.device, model=model, seq=ns.seq)
+    except CalibrationError as err:
+        raise ConfigError(str(err)) from None
     Path(ns.out).write_text(cluster_toml(cluster, f"written by fivecut plan calibrate --ranks {ns.ranks}"))
     rates = ", ".join(f"{f / 1e9:.1f}" for f in raw["flops"])
     print(f"matmul GFLOP/s per rank: {rates} (the slowest is the device's)")

@@ -4,16 +4,20 @@
 #      shape of issue 33, each beside Hugging Face transformers at the same settings (tokens/s,
 #      MFU of the data-sheet peak, peak allocated GiB), and AdamW fused vs foreach.
 #   2. `fivecut verify` of one rank on the GPU (spawn -> NCCL -> CUDA end to end).
+#   3. with --calibrate: `fivecut plan calibrate --device cuda` of the GPU (its probes sized for
+#      llama-1b at 2048 tokens; under 2 minutes), then benchmarks/plan_gpu.py: the plan with that
+#      file, and with the GPU's preset, beside step 1's measured tokens/s (issue 34: within 10%).
 # Nothing is installed: the machine's python3 and PyTorch (a bare image with torch, transformers,
 # tokenizers, tiktoken and safetensors is enough; gguf is not needed), fivecut from this tree
 # (PYTHONPATH), a text corpus generated here, the byte tokenizer. Results go to $OUT if set.
 #
-#   scripts/gpu_check.sh [--cpu-smoke] [--python PATH] [--cases a,b,...]
+#   scripts/gpu_check.sh [--cpu-smoke] [--python PATH] [--cases a,b,...] [--calibrate]
 #   --cpu-smoke: every command with the tiny model and a few steps, to check the script on a CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SMOKE=0
+CALIBRATE=0
 PY=python3
 CASES=fivecut-eager,hf-eager,fivecut-moe,fivecut-full-logits,adamw,hf-moe,fivecut-compiled,hf-compiled
 while [ $# -gt 0 ]; do
@@ -21,7 +25,8 @@ while [ $# -gt 0 ]; do
     --cpu-smoke) SMOKE=1 ;;
     --python) PY="$2"; shift ;;
     --cases) CASES="$2"; shift ;;
-    *) echo "gpu_check: unknown argument $1; use --cpu-smoke, --python PATH or --cases a,b" >&2; exit 2 ;;
+    --calibrate) CALIBRATE=1 ;;
+    *) echo "gpu_check: unknown argument $1; use --cpu-smoke, --python PATH, --cases a,b or --calibrate" >&2; exit 2 ;;
   esac
   shift
 done
@@ -56,5 +61,21 @@ if timeout 120 "$PY" -m fivecut verify --model tiny --layout dp=1 --steps 4 "${D
   grep -E '^(verify|PASS|FAIL)' "$WORK/verify.txt" | tee "$RESULTS/verify.txt"
 else
   STATUS=1; tail -20 "$WORK/verify.txt" | tee "$RESULTS/verify.txt"
+fi
+if [ "$CALIBRATE" = 1 ]; then
+  echo "== plan calibrate on the device, then the plan beside the measured steps"
+  if [ "$SMOKE" = 1 ]; then  # a CPU's probes take no model; the tiny model's steps
+    CAL=(--device cpu); VS=(--model tiny --seq 32 --batch 2)
+  else
+    CAL=(--device cuda --model llama-1b --seq 2048); VS=(--model llama-1b --seq 2048 --batch 8 --preset-too)
+  fi
+  if timeout 300 "$PY" -m fivecut plan calibrate --ranks 1 "${CAL[@]}" --out "$RESULTS/cluster-gpu.toml" --force \
+    > "$RESULTS/calibrate.txt" 2>&1; then
+    tail -3 "$RESULTS/calibrate.txt"
+    "$PY" benchmarks/plan_gpu.py --steps "$RESULTS/gpu_step.json" --cluster "$RESULTS/cluster-gpu.toml" "${VS[@]}" \
+      | tee "$RESULTS/plan_gpu.txt" || STATUS=1
+  else
+    STATUS=1; tail -20 "$RESULTS/calibrate.txt"
+  fi
 fi
 exit $STATUS

@@ -52,6 +52,22 @@ def test_calibrate_refuses_more_ranks_than_the_machine_holds(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, said",
     [
+        (["--device", "cuda"], "--device cuda: torch"),  # no GPU here: why, in one line
+        (["--seq", "0"], "--seq 0"),
+        (["--model", "nope"], "--model 'nope'"),
+        (["--model", "small"], "size a GPU's probes"),  # this CPU's probes take no model
+    ],
+)
+def test_calibrate_refuses_what_it_cannot_measure(tmp_path, capsys, monkeypatch, flags, said):
+    monkeypatch.setattr(fivecut.plan.calibrate.torch.cuda, "is_available", lambda: False)
+    err = refused(capsys, ["plan", "calibrate", "--ranks", "1", "--out", str(tmp_path / "c.toml"), *flags])
+    assert said in err
+    assert not (tmp_path / "c.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
         (["--top", "0"], "--top 0"),
         (["--top", "-2"], "--top -2"),
         (["--seq", "0"], "--seq 0"),

@@ -233,3 +233,18 @@ def test_memory_check_benchmark_reports(tmp_path):
     """The plan beside one step on fake tensors, at its tiny case (tiny, pp=2: both stages' moments)."""
     out = run_script("benchmarks/memory_check.py", "--smallest", "--out", str(tmp_path / "table.md"), cwd=tmp_path)
     assert "| tiny | 1x2xH100 pp=2,microbatches=2" in out and (tmp_path / "table.md").exists()
+
+
+def test_eager_traffic_benchmark_reports(tmp_path):
+    """The counts behind the GPU presets' memory-bound rates, at `tiny`'s shape (meta device: no device time)."""
+    out = run_script("benchmarks/eager_traffic.py", "--model", "tiny", "--rows", "1", "--seq", "16", cwd=tmp_path)
+    assert "| a block |" in out and out.rstrip().splitlines()[-1].startswith("block_ratio=")
+
+
+def test_plan_gpu_benchmark_reports(tmp_path):
+    """The planner beside gpu_step.py's measured steps (here a made-up measurement of `tiny`)."""
+    steps = tmp_path / "gpu_step.json"
+    steps.write_text(json.dumps({"fivecut-eager": {"tokens_per_s": 1e6}, "fivecut-full-logits": {"error": "x"}}))
+    flags = ["--steps", str(steps), "--cluster", "1x1xH200", "--model", "tiny", "--seq", "32", "--batch", "2"]
+    out = run_script("benchmarks/plan_gpu.py", *flags, cwd=tmp_path)
+    assert "| fivecut-eager | 1,000,000 |" in out and out.rstrip().splitlines()[-1].startswith("within_10%[1x1xH200]=")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -151,3 +153,46 @@ def test_a_cuts_bytes_go_at_each_of_its_ops_own_bandwidth():
     assert wire_seconds(1e9, {}, link) == pytest.approx(1.0)  # no calls counted: the link's bandwidth
     assert link.bandwidth("recv") == link.bandwidth("send") == pytest.approx(0.5e9)
     assert link.seconds("send", 1e9, 2) == pytest.approx(2.0)
+
+
+def test_a_gpus_probes_are_sized_by_its_model_and_memory_and_run_here():
+    """The GPU path of `fivecut plan calibrate` on this CPU: the probes sized for a GPU of 1 GB running
+    `small` at 64 tokens (the model's width, MLP, heads, vocabulary and tensor count; a tail tensor
+    from the memory), run once each by the same code a GPU runs, give positive figures."""
+    import torch
+
+    from fivecut.model.presets import PRESETS
+    from fivecut.plan.calibrate import (
+        ATTENTION,
+        BIG,
+        BLOCK,
+        BLOCK_ROWS,
+        LINEAR,
+        LOSS,
+        TENSORS,
+        ProbeSizes,
+        compute_figures,
+        compute_probes,
+        probe_sizes,
+        tensor_count,
+    )
+
+    small = PRESETS["small"]
+    sizes = probe_sizes("cuda", 1e9, small, 64)
+    assert sizes.linear[1:] == (small.dim, small.ffn_dim) and sizes.attention[1:] == (small.n_heads, 64, small.head_dim)
+    assert sizes.loss[1:] == (small.dim, small.vocab_size) and sizes.block.dim == small.dim
+    assert sizes.tensors == tensor_count(small) != TENSORS and BIG < sizes.big <= 1e9 / 8 / 16
+    assert probe_sizes("cuda", 80e9).attention == (8, 32, 2048, 64)  # no model: llama-1b at 2048, 16,384 tokens
+    cpu = (LINEAR, ATTENTION, LOSS, BLOCK, BLOCK_ROWS, TENSORS, BIG)  # a CPU's: the sizes plan_check checks at
+    assert probe_sizes("cpu", 80e9) == probe_sizes("cpu", 1e9) == ProbeSizes("cpu", *cpu)
+    mla = probe_sizes("cuda", 80e9, PRESETS["deepseek-v3"], 4096)  # its dense block; its heads' qk channels
+    assert mla.block.n_experts == 0 and mla.attention == (1, 128, 4096, 192)
+    probes, flops_of = compute_probes(torch.device("cpu"), torch.float32, sizes)
+    seconds = {}
+    for name, probe in probes.items():
+        start = time.perf_counter()
+        probe()
+        seconds[name] = time.perf_counter() - start
+    figures = compute_figures(seconds, flops_of, sizes)
+    fixed = ("kernel_s", "recompute_s")  # differences of two tiny steps: 0 when one run's noise hides them
+    assert all(math.isfinite(v) and (v >= 0 if k in fixed else v > 0) for k, v in figures.items()), figures

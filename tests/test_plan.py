@@ -18,6 +18,7 @@ from fivecut.plan.cost import (
     compute_actions,
     cost_layout,
     dense_embedding,
+    layer_matmul_flops,
     shared_cores,
     stage_work,
 )
@@ -189,3 +190,28 @@ def test_a_moe_blocks_kernels_do_not_grow_with_the_experts_a_rank_holds():
         stage_work(args, cfg, range(2), True, True, 64)[1]["F"]
         == stage_work(args, replace(cfg, parallel=replace(cfg.parallel, ep=1, dp=2)), range(2), True, True, 64)[1]["F"]
     )
+
+
+@pytest.mark.parametrize(
+    "layout, flags",
+    [
+        ("dp=1", ["--set", "train.loss_chunk_tokens=0"]),
+        ("dp=1", ["--set", "train.loss_chunk_tokens=256", "--set", 'train.recompute="full"']),
+        ("pp=2,microbatches=4,pp_schedule=zb1p", []),
+    ],
+)
+def test_the_compute_by_term_is_the_compute(layout, flags):
+    """`compute by term` splits rank 0's compute without losing or adding any of it; the chunked
+    loss adds its chunks' head gradients, the full logits none; a full recomputation its kernels."""
+    world = "1x2xH100" if "pp=2" in layout else "1x1xH100"
+    cost, cfg, args = planned("tiny", layout, world, "--seq", "256", "--global-batch", "8", *flags)
+    terms = cost.compute_terms
+    assert sum(terms.values()) == pytest.approx(cost.compute, rel=1e-9)
+    if cfg.parallel.pp == 1:  # unscaled: the matmuls' FLOPs (forward, backward 2x, a recomputed forward) at the rate
+        blocks = 8 * 256 * sum(layer_matmul_flops(args, i) for i in range(args.n_layers))
+        forward = blocks + 8 * 256 * 2 * args.dim * args.vocab_size
+        again = blocks * (cfg.train.recompute == "full")
+        assert terms["matmuls"] == pytest.approx((3 * forward + again) / parse_cluster(world).device.flops, rel=1e-9)
+    assert terms["matmuls"] > 0 and terms["attention"] > 0 and terms["activations"] > 0
+    assert (terms["loss_chunks"] > 0) == (cfg.train.loss_chunk_tokens > 0 and cfg.parallel.pp == 1)
+    assert (terms["recompute"] > 0) == (cfg.train.recompute == "full")

@@ -10,8 +10,9 @@ and in rounds that run every compute probe once in turn, each figure derived wit
 time from another's must see the same machine):
 
     matmul rate      a linear layer's forward and backward (its three matmuls) on `LINEAR`
-                     (tokens, in, out; `LINEAR_GPU` on a GPU) in the dtype runs use (fp32 on
-                     CPU, bf16 on a GPU); the device's rate (`achievable` = 1: measured)
+                     (tokens, in, out; a GPU's: `probe_sizes`) in the dtype runs use (fp32 on
+                     CPU, bf16 on a GPU); the device's rate (`achievable` = 1: measured; a GPU
+                     with a preset: the data sheet's peak, `achievable` the measured share)
     kernel cost      fivecut's own model (`fivecut.model`) at a negligible size (`PROBE`, one
                      sequence of `PROBE_TOKENS` tokens), forward, loss and backward, with
                      `PROBE_LAYERS` blocks and with one: the difference per block, divided by the
@@ -27,7 +28,7 @@ time from another's must see the same machine):
                      `action_us` (the executor's bookkeeping, an autograd call, posting and
                      waking for messages)
     attention        the fused causal attention's forward and backward on `ATTENTION`
-                     (`ATTENTION_GPU` on a GPU; the other probes are sized for a CPU):
+                     (a GPU's: the run's heads, head size and sequence, `probe_sizes`):
                      `attention_tflops` (a CPU runs it several times slower than its matmuls)
     activations      the same difference of steps at a training size (`BLOCK`, `BLOCK_ROWS`
                      sequences): what a block takes beyond its matmuls, attention core and
@@ -37,7 +38,8 @@ time from another's must see the same machine):
                      they take beyond the head's matmuls, at `fivecut.plan.cost.LOSS_BYTES` a
                      logit, is `loss_gbps`
     step's tail      the gradient norm, clipping and AdamW step (`step_tail`) over `TENSORS` tiny
-                     tensors (`tensor_us`: per tensor) and over one tensor of `BIG` elements
+                     tensors (a GPU's: as many as the model has; `tensor_us`: per tensor) and
+                     over one tensor of `BIG` elements (a GPU's: gigabytes, `probe_sizes`)
                      (`memory_gbps`: `fivecut.plan.cost.TAIL_BYTES` a parameter)
     link             all-reduces of `SIZES` bytes over all ranks, read through the ring's
                      alpha-beta model of `fivecut.plan.cluster`, t = 2(n-1) alpha + 2(n-1)/n x
@@ -56,6 +58,14 @@ time from another's must see the same machine):
                      run: the share of the shorter that hides (`overlap_share`), the median of
                      per-round shares; 0 where the ranks fill a CPU's cores (`spare_cores`)
 
+On a GPU every compute probe is sized by `probe_sizes` from the run's model and sequence (`--model`,
+`--seq`; else llama-1b at 2048) and the GPU's memory: the linear layer at the model's width and
+MLP, the attention core at its heads and sequence, the loss at its vocabulary, the activation
+block at its shape and thousands of tokens, the tail's tensor of gigabytes (a CPU-sized one is
+launch-bound there: 36.6 GB/s on an H200); the device is named by `torch.cuda.get_device_name`,
+its memory is the GPU's, and a GPU a preset knows (`NVIDIA H200`) keeps the data sheet's peak
+with the measured rate as its `achievable`. The same code runs on a CPU at the CPU's sizes.
+
 The machine is one node: its intra- and inter-node links are the same measured link. On a CPU
 its cores (`cores_per_node`) are shared by the ranks, whose rates were measured all busy at once.
 """
@@ -66,7 +76,7 @@ import os
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -78,7 +88,8 @@ from fivecut.launch import local_device, spawn
 from fivecut.layout import ParallelDims
 from fivecut.ledger import Ledger
 from fivecut.model.args import ModelArgs
-from fivecut.model.transformer import Transformer
+from fivecut.model.presets import PRESETS
+from fivecut.model.transformer import Transformer, build_model
 from fivecut.parallel.data import Piece
 from fivecut.parallel.parallelize import token_loss_sum
 from fivecut.parallel.pipeline.executor import PipelineStep
@@ -87,7 +98,7 @@ from fivecut.parallel.pipeline.split import cut_stage, stage_layers
 from fivecut.parallel.recompute import apply_recompute
 from fivecut.parallel.saved import SavedActivations
 from fivecut.plan.activations import activation_bytes_per_layer
-from fivecut.plan.cluster import Cluster, Device, Link, hops_of
+from fivecut.plan.cluster import DEVICES, Cluster, Device, Link, hops_of
 from fivecut.plan.cost import (
     LOSS_BYTES,
     TAIL_BYTES,
@@ -102,14 +113,12 @@ from fivecut.train.optim import build_optimizer, clip_gradients
 
 MATMUL_SIZE = 512  # the square matmuls an all-reduce's overlap is measured against
 LINEAR = (512, 512, 1536)  # tokens, in, out features of the layer whose matmuls give the rate (CPU)
-LINEAR_GPU = (8192, 4096, 12288)  # the same on a GPU, large enough for its tensor cores
 LOSS = (256, 256, 32768)  # tokens, width, vocabulary of the head and loss measured (logits out of cache)
 REPEATS = 21
 PROBE = ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=16)
 PROBE_TOKENS = 8
 PROBE_LAYERS = 4
 ATTENTION = (4, 4, 128, 32)  # rows, heads, seq, head dim of the attention core's measurement (CPU)
-ATTENTION_GPU = (2, 32, 4096, 128)  # the same on a GPU, large enough for its fused kernel
 BLOCK = ModelArgs(vocab_size=256, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=128)
 BLOCK_ROWS = 2  # sequences of BLOCK.max_seq_len tokens in the activation-rate measurement
 TENSORS = 64  # tiny tensors in the optimizer's per-tensor measurement
@@ -119,8 +128,80 @@ OVERLAP_BYTES = 4 << 20  # the all-reduce whose overlap with matmuls is measured
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 MESSAGES = (16384, 262144)  # elements a rank in each op's measured calls: 64 KB and 1 MB of fp32
 PIPELINE_MICROBATCHES = 4  # microbatches of the pipeline probe's step (one `PROBE_TOKENS` sequence each)
+GPU_MODEL = "llama-1b"  # the shape a GPU's probes take when no --model is given (`probe_sizes`)
+GPU_SEQ = 2048
+GPU_SHARE = 1 / 8  # of a GPU's memory, what one probe's tensors may take (`probe_sizes`)
+GPU_TOKENS = 16384  # the most tokens a GPU's block, linear-layer and attention probes run at once
 OP_ROUNDS = 5  # the ops' rounds, in `REPEATS`: a few ms each, and their means swing by tens of percent over 21
 SLOWEST_FACTOR = 4.0  # an op's bandwidth is at most this times the all-reduce's (a noisy slope is bounded)
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """The shapes the compute probes run at on one kind of device (`probe_sizes`)."""
+
+    device: str  # "cpu" or "cuda": the device the sizes are for
+    linear: tuple[int, int, int]  # tokens, in, out features of the linear layer (the matmul rate)
+    attention: tuple[int, int, int, int]  # rows, heads, seq, head dim of the attention core
+    loss: tuple[int, int, int]  # tokens, width, vocabulary of the head and cross-entropy
+    block: ModelArgs  # the block whose memory-bound kernels give `activation_gbps` (n_layers ignored)
+    block_rows: int  # sequences of `block.max_seq_len` tokens in that probe
+    tensors: int  # tiny tensors of the optimizer's per-tensor probe (the model's tensor count)
+    big: int  # elements of the one tensor of the step tail's per-parameter probe
+
+    def describe(self) -> str:
+        tokens, n_in, n_out = self.linear
+        rows, heads, seq, head_dim = self.attention
+        return (
+            f"linear {tokens}x{n_in}x{n_out}, attention {rows}x{heads}x{seq}x{head_dim}, loss "
+            f"{'x'.join(map(str, self.loss))}, block dim {self.block.dim} on {self.block_rows}x"
+            f"{self.block.max_seq_len} tokens, tail {self.tensors} tensors and one of {self.big:,} elements"
+        )
+
+
+def probe_sizes(device: str, memory_bytes: float, model: ModelArgs | None = None, seq: int | None = None):
+    """The probes' shapes on a `device` ("cpu" or "cuda") of `memory_bytes`. A CPU's are small
+    (`LINEAR`, `ATTENTION`, `LOSS`, `BLOCK`, `BIG`: the sizes `benchmarks/plan_check.py` checks the
+    planner at). A GPU's come from the run's model and sequence (`model`, `seq`; else `GPU_MODEL`
+    at `GPU_SEQ`) and from its memory, each probe's tensors within `GPU_SHARE` of it: the linear
+    layer at the model's width and MLP, the attention core at its heads, head size and sequence,
+    the loss at its vocabulary, the block at its shape (a tiny vocabulary: the head cancels in
+    the difference of blocks), the tail's big tensor as large as that share holds (gigabytes: a
+    smaller one is launch-bound on a GPU). The optimizer's per-tensor probe runs as many tensors
+    as the model has (`tensor_count`: a multi-tensor kernel's launches are shared by its tensors).
+    A CPU's sizes take no model (`calibrate` refuses one)."""
+    if device != "cuda":
+        return ProbeSizes("cpu", LINEAR, ATTENTION, LOSS, BLOCK, BLOCK_ROWS, TENSORS, BIG)
+    shape = model or PRESETS[GPU_MODEL]
+    seq = seq or (GPU_SEQ if model is None else shape.max_seq_len)
+    budget = memory_bytes * GPU_SHARE
+    block = replace(shape, vocab_size=256, n_layers=1, max_seq_len=seq, n_experts=0)  # a dense block (a MoE
+    # model's: its dense layers' shape; four blocks of hundreds of experts would not fit)
+    # bf16 activations the probe keeps for backward over its PROBE_LAYERS blocks, a sequence
+    held = PROBE_LAYERS * activation_bytes_per_layer(block, 1, seq, 1, False, "bf16")
+    rows = int(max(1, min(GPU_TOKENS // seq, budget // max(held, 1))))
+    tokens = rows * seq
+    logits = int(min(max(budget // (shape.vocab_size * LOGIT_BYTES), 256), 4096))
+    big = int(min(max(budget // ADAMW_STATE_BYTES, BIG), 1 << 28))
+    return ProbeSizes(
+        "cuda",
+        linear=(min(tokens, 8192), shape.dim, shape.ffn_dim),
+        attention=(rows, shape.n_heads, seq, shape.qk_head_dim),
+        loss=(logits, shape.dim, shape.vocab_size),
+        block=block,
+        block_rows=rows,
+        tensors=tensor_count(shape),
+        big=big,
+    )
+
+
+LOGIT_BYTES = 12  # a logit's bytes alive in the loss probe (bf16 logits, the fp32 upcast, its gradient)
+ADAMW_STATE_BYTES = 16  # an fp32 parameter's bytes in AdamW: itself, its gradient, two moments
+
+
+def tensor_count(model: ModelArgs) -> int:
+    """The parameter tensors of `model` (built on the meta device): what the optimizer steps over."""
+    return sum(1 for _ in build_model(model, device="meta").parameters())
 
 
 def timed(fn, repeats: int, sync, statistic=statistics.median) -> float:
@@ -240,14 +321,10 @@ def probe_block(device):
     return forward
 
 
-def linear_shape(device) -> tuple[int, int, int]:
-    return LINEAR_GPU if device.type == "cuda" else LINEAR
-
-
-def linear_layer(device, dtype):
+def linear_layer(device, dtype, shape: tuple[int, int, int]):
     """A linear layer's forward and backward (its three matmuls: y = x W^T, dx = dy W, dW = dy^T x,
-    in the layouts a model's layers run them) on `linear_shape` = (tokens, in, out); and its FLOPs."""
-    tokens, n_in, n_out = linear_shape(device)
+    in the layouts a model's layers run them) on `shape` = (tokens, in, out); and its FLOPs."""
+    tokens, n_in, n_out = shape
     x = torch.randn(tokens, n_in, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(n_out, n_in, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, n_out, device=device, dtype=dtype)
@@ -259,10 +336,10 @@ def linear_layer(device, dtype):
     return layer, 3 * 2 * tokens * n_in * n_out
 
 
-def head_and_loss(device, dtype):
+def head_and_loss(device, dtype, shape: tuple[int, int, int]):
     """The output head and the cross-entropy, forward and backward, as fivecut's model and trainer
-    run them (fp32 logits), on `LOSS` = (tokens, width, vocabulary); and the head's FLOPs."""
-    tokens, width, vocab = LOSS
+    run them (fp32 logits), on `shape` = (tokens, width, vocabulary); and the head's FLOPs."""
+    tokens, width, vocab = shape
     x = torch.randn(tokens, width, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(vocab, width, device=device, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,), device=device)
@@ -274,20 +351,21 @@ def head_and_loss(device, dtype):
     return loss, 3 * 2 * tokens * width * vocab
 
 
-def loss_rate(seconds: float, head_flops: float, flops: float) -> float:
+def loss_rate(seconds: float, head_flops: float, flops: float, shape: tuple[int, int, int]) -> float:
     """Bytes/s of the loss over the logits (`LOSS_BYTES` a logit): what the head and loss take
     beyond the head's matmuls at `flops` (a head too large for the caches runs its matmuls slower
-    than a block's: that too is counted here, a logit at a time)."""
-    tokens, _, vocab = LOSS
+    than a block's: that too is counted here, a logit at a time); `shape`: the probe's (tokens,
+    width, vocabulary)."""
+    tokens, _, vocab = shape
     moved = LOSS_BYTES * tokens * vocab
     return moved / max(seconds - head_flops / flops, moved / 1e12)
 
 
-def attention_core(device, dtype):
+def attention_core(device, dtype, shape: tuple[int, int, int, int]):
     """The fused causal attention (`scaled_dot_product_attention`, as fivecut's blocks call it),
-    forward and backward, on q, k, v of `ATTENTION` = [rows, heads, seq, head dim]; and its FLOPs
+    forward and backward, on q, k, v of `shape` = [rows, heads, seq, head dim]; and its FLOPs
     (forward 2 x 2 s w a token, causal: half; backward 2x)."""
-    rows, heads, seq, head_dim = ATTENTION_GPU if device.type == "cuda" else ATTENTION
+    rows, heads, seq, head_dim = shape
     q, k, v = (torch.randn(rows, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
     grad = torch.randn(rows, heads, seq, head_dim, device=device, dtype=dtype)
 
@@ -297,36 +375,40 @@ def attention_core(device, dtype):
     return core, 3 * 2 * seq * heads * head_dim * rows * seq
 
 
-def activation_rate(block_s: float, flops: float, attention: float, kernel_s: float) -> float:
-    """Bytes/s of `BLOCK`'s memory-bound kernels: what a block's forward and backward take beyond
-    its matmuls (at `flops`), its attention core (at `attention`) and its kernels' fixed cost,
-    over the bytes the planner has them move (what the block saves for backward, written once
-    and read back with its gradient: 3x; `fivecut.plan.cost.stage_traffic`)."""
-    tokens = BLOCK_ROWS * BLOCK.max_seq_len
-    work = stage_compute(BLOCK, range(1), False, tokens, BLOCK.max_seq_len, ("none", 1))
+def activation_rate(block_s: float, flops: float, attention: float, kernel_s: float, sizes: ProbeSizes) -> float:
+    """Bytes/s of the probe block's (`sizes.block`) memory-bound kernels: what a block's forward
+    and backward take beyond its matmuls (at `flops`), its attention core (at `attention`) and its
+    kernels' fixed cost, over the bytes the planner has them move (what the block saves for
+    backward, written once and read back with its gradient: 3x; `fivecut.plan.cost.stage_traffic`)."""
+    block, rows = sizes.block, sizes.block_rows
+    precision = "bf16" if sizes.device == "cuda" else "fp32"
+    tokens = rows * block.max_seq_len
+    work = stage_compute(block, range(1), False, tokens, block.max_seq_len, ("none", 1))
     modelled = (work["F"] + work["B"]) / flops + (work["attention_F"] + work["attention_B"]) / attention
-    modelled += block_kernels(BLOCK, 0) * kernel_s
-    moved = 3 * activation_bytes_per_layer(BLOCK, BLOCK_ROWS, BLOCK.max_seq_len, 1, False)
+    modelled += block_kernels(block, 0) * kernel_s
+    moved = 3 * activation_bytes_per_layer(block, rows, block.max_seq_len, 1, False, precision)
     return moved / max(block_s - modelled, moved / 1e12)
 
 
-def compute_probes(device, dtype) -> tuple[dict, dict]:
-    """The probes of the compute figures (`compute_figures`), and the FLOPs of those that count them."""
-    layer, layer_flops = linear_layer(device, dtype)
-    loss, head_flops = head_and_loss(device, dtype)
-    core, core_flops = attention_core(device, dtype)
+def compute_probes(device, dtype, sizes: ProbeSizes) -> tuple[dict, dict]:
+    """The probes of the compute figures (`compute_figures`) at `sizes`, and the FLOPs of those
+    that count them."""
+    layer, layer_flops = linear_layer(device, dtype, sizes.linear)
+    loss, head_flops = head_and_loss(device, dtype, sizes.loss)
+    core, core_flops = attention_core(device, dtype, sizes.attention)
     probes = {"linear": layer, "loss": loss, "attention": core}
-    for name, shape, rows, seq in (("probe", PROBE, 1, PROBE_TOKENS), ("block", BLOCK, BLOCK_ROWS, BLOCK.max_seq_len)):
+    block = ("block", sizes.block, sizes.block_rows, sizes.block.max_seq_len)
+    for name, shape, rows, seq in (("probe", PROBE, 1, PROBE_TOKENS), block):
         probes[f"{name}_1"] = probe_step(shape, 1, rows, seq, device, dtype)
         probes[f"{name}_{PROBE_LAYERS}"] = probe_step(shape, PROBE_LAYERS, rows, seq, device, dtype)
     for layers in (1, PROBE_LAYERS):
         probes[f"recompute_{layers}"] = probe_step(PROBE, layers, 1, PROBE_TOKENS, device, dtype, recompute="full")
-    probes["tensors"] = step_tail([8] * TENSORS, device)
-    probes["big"] = step_tail([BIG], device)
+    probes["tensors"] = step_tail([8] * sizes.tensors, device)
+    probes["big"] = step_tail([sizes.big], device)
     return probes, {"linear": layer_flops, "loss": head_flops, "attention": core_flops}
 
 
-def compute_figures(t: dict[str, float], flops_of: dict[str, float]) -> dict[str, float]:
+def compute_figures(t: dict[str, float], flops_of: dict[str, float], sizes: ProbeSizes) -> dict[str, float]:
     """The compute figures from one round of `compute_probes`' seconds `t`: the matmul rate (the
     linear layer's), the per-kernel cost (a `PROBE` block's, less nothing: its matmuls are
     negligible), the attention core's rate, the loss's and the activations' rates (each what its
@@ -339,16 +421,16 @@ def compute_figures(t: dict[str, float], flops_of: dict[str, float]) -> dict[str
     kernel = per_block["probe"] / block_kernels(PROBE, 0)
     again = max(per_block["recompute"] - per_block["probe"], 0.0) / block_forward_kernels(PROBE, 0)
     attention = flops_of["attention"] / t["attention"]
-    tensor = t["tensors"] / TENSORS
+    tensor = t["tensors"] / sizes.tensors
     return {
         "flops": flops,
         "kernel_s": kernel,
         "recompute_s": again,
         "attention_flops": attention,
-        "loss_bps": loss_rate(t["loss"], flops_of["loss"], flops),
-        "activation_bps": activation_rate(per_block["block"], flops, attention, kernel),
+        "loss_bps": loss_rate(t["loss"], flops_of["loss"], flops, sizes.loss),
+        "activation_bps": activation_rate(per_block["block"], flops, attention, kernel, sizes),
         "tensor_s": tensor,
-        "memory_bps": TAIL_BYTES * BIG / max(t["big"] - tensor, 1e-12),
+        "memory_bps": TAIL_BYTES * sizes.big / max(t["big"] - tensor, 1e-12),
     }
 
 
@@ -484,8 +566,9 @@ def op_latencies(device, sync, repeats: int, pair: comm.Group, world: comm.Group
     return {op: tuple(sizes) for op, sizes in out.items()}
 
 
-def measure_rank(repeats: int) -> dict:
-    """On each rank: its matmul rate, the per-kernel and optimizer costs, and collective times."""
+def measure_rank(repeats: int, sizes: ProbeSizes) -> dict:
+    """On each rank: its matmul rate, the per-kernel and optimizer costs at `sizes`, and collective
+    times."""
     device = local_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -493,9 +576,9 @@ def measure_rank(repeats: int) -> dict:
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype)
     dist.barrier()
     matmul_s = in_lockstep(lambda: a @ b, repeats, sync)
-    probes, flops_of = compute_probes(device, dtype)
+    probes, flops_of = compute_probes(device, dtype, sizes)
     rounds = lockstep_rounds(probes, repeats, sync)
-    each = [compute_figures(dict(zip(rounds, seconds)), flops_of) for seconds in zip(*rounds.values())]
+    each = [compute_figures(dict(zip(rounds, seconds)), flops_of, sizes) for seconds in zip(*rounds.values())]
     figures = {key: statistics.median(r[key] for r in each) for key in each[0]}
     reduces = {}
     for size in SIZES:
@@ -517,7 +600,9 @@ def measure_rank(repeats: int) -> dict:
         "pipeline_stages": op_ranks(dist.get_world_size()),
         "dtype": str(dtype).removeprefix("torch."),
         "device": device.type,
-        "linear": "x".join(map(str, linear_shape(device))),
+        "name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.uname().nodename}-rank",
+        "memory_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0,
+        "linear": "x".join(map(str, sizes.linear)),
     }
 
 
@@ -566,31 +651,71 @@ RANKS_A_CORE = 2  # the most ranks a CPU core is shared by in a calibration (ben
 # the planner against 4-rank runs on 2 cores, calibrated with 4 ranks: the rates of ranks sharing cores)
 
 
-def rank_room() -> tuple[int, str]:
-    """The most ranks a calibration of this machine runs at once, and the machine's figure in words:
-    on a GPU host its GPUs (a rank each: `fivecut.launch.spawn` would put more on the CPU, which is
-    not the device being calibrated); on a CPU host RANKS_A_CORE a core (its rates are measured
-    with every rank busy, `cores_per_node`; more ranks than that measure the scheduler, not the cores)."""
+def rank_room(device: str = "auto") -> tuple[int, str]:
+    """The most ranks a calibration of this machine on `device` runs at once, and the machine's
+    figure in words: on a GPU host its GPUs (a rank each: `fivecut.launch.spawn` would put more on
+    the CPU, which is not the device being calibrated); on a CPU host, or with `device` "cpu",
+    RANKS_A_CORE a core (its rates are measured with every rank busy, `cores_per_node`; more ranks
+    than that measure the scheduler, not the cores)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus:
+    if gpus and device != "cpu":
         return gpus, f"{gpus} GPU{'s' if gpus > 1 else ''} (one a rank)"
     cores = len(os.sched_getaffinity(0))
     return RANKS_A_CORE * cores, f"{cores} CPU core{'s' if cores > 1 else ''} (at most {RANKS_A_CORE} ranks a core)"
 
 
-def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
-    """This machine as a one-node cluster of `ranks` ranks, and the raw measurements."""
-    results = spawn(measure_rank, ranks, repeats, timeout_s=600.0)
+def data_sheet_peak(name: str) -> float | None:
+    """The dense bf16 peak (TFLOP/s) of the preset whose name is in a GPU's (`NVIDIA H200` ->
+    `H200`'s), so that a calibrated plan's MFU is of the data sheet; None for a GPU without one."""
+    found = [key for key in DEVICES if key in name.upper()]
+    return DEVICES[max(found, key=len)].peak_tflops if found else None
+
+
+class CalibrationError(ValueError):
+    """A calibration that cannot measure what it was asked to; the message says why."""
+
+
+def device_of(asked: str, ranks: int) -> tuple[str, float]:
+    """The kind of device a calibration of `ranks` ranks measures (`fivecut.launch.spawn`'s
+    choice for `asked`: "auto", "cpu" or "cuda") and one rank's memory in bytes: a GPU's own, or
+    the host's over its ranks."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if asked == "cuda" and not gpus:
+        why = "torch has no CUDA build" if torch.version.cuda is None else "torch sees no GPU on this host"
+        raise CalibrationError(f"--device cuda: {why}; give --device cpu (or auto) to calibrate this CPU")
+    if asked == "cuda" and ranks > gpus:
+        raise CalibrationError(f"--device cuda: {ranks} ranks on {gpus} GPU(s); give --ranks {gpus} or fewer")
+    kind = "cuda" if asked == "cuda" or (asked == "auto" and 0 < ranks <= gpus) else "cpu"
+    if kind == "cuda":
+        return kind, float(torch.cuda.get_device_properties(0).total_memory)
+    return kind, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+
+
+def calibrate(
+    ranks: int, repeats: int = REPEATS, device: str = "auto", model: ModelArgs | None = None, seq: int | None = None
+) -> tuple[Cluster, dict]:
+    """This machine as a one-node cluster of `ranks` ranks on `device` ("auto", "cpu", "cuda"), its
+    probes sized for that device (`probe_sizes`, from `model` at `seq` where given), and the raw
+    measurements."""
+    kind, memory = device_of(device, ranks)
+    if kind == "cpu" and (model is not None or seq is not None):
+        raise CalibrationError(
+            "--model and --seq size a GPU's probes; this calibration measures the CPU, whose probes have the "
+            "sizes benchmarks/plan_check.py checks the planner at: leave them out"
+        )
+    sizes = probe_sizes(kind, memory, model, seq)
+    results = spawn(measure_rank, ranks, repeats, sizes, timeout_s=600.0, device=kind)
     slowest = min(r["flops"] for r in results)
     times = {size: max(r["reduces"][size] for r in results) for size in SIZES}
     calls = slowest_calls([r["calls"] for r in results]) if ranks > 1 else {}
     link = fit_link(times, calls, ranks) if ranks > 1 else Link(1e3, 0.0)
-    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
+    memory_gb = min(r["memory_bytes"] for r in results) / 1e9 if kind == "cuda" else memory / 1e9
+    peak = data_sheet_peak(results[0]["name"]) if kind == "cuda" else None
     device = Device(
-        name=f"{os.uname().nodename}-rank",
-        peak_tflops=slowest / 1e12,
+        name=results[0]["name"],
+        peak_tflops=peak or slowest / 1e12,
         memory_gb=memory_gb,
-        achievable=1.0,
+        achievable=min(slowest / 1e12 / peak, 1.0) if peak else 1.0,
         kernel_us=max(r["kernel_s"] for r in results) * 1e6,
         recompute_us=max(r["recompute_s"] for r in results) * 1e6,
         memory_gbps=min(r["memory_bps"] for r in results) / 1e9,
@@ -600,7 +725,7 @@ def calibrate(ranks: int, repeats: int = REPEATS) -> tuple[Cluster, dict]:
         activation_gbps=min(r["activation_bps"] for r in results) / 1e9,
         loss_gbps=min(r["loss_bps"] for r in results) / 1e9,
         source=f"fivecut plan calibrate: a {results[0]['linear']} {results[0]['dtype']} linear layer's matmuls on "
-        f"{ranks} ranks at once",
+        f"{ranks} ranks at once; probes: {sizes.describe()}",
     )
     cores = 0 if results[0]["device"] == "cuda" else len(os.sched_getaffinity(0))  # a CPU's ranks share its cores
     cluster = Cluster(1, ranks, device, link, link, name="this-machine", cores_per_node=cores)

@@ -157,18 +157,86 @@ def hops_of(op: str, n: int) -> int:
     return {"all_reduce": 2 * (n - 1), "send": 1, "recv": 1}.get(op, n - 1)
 
 
-# NVIDIA data sheets: A100 SXM4 80GB (bf16 312 TFLOPS dense, NVLink 600 GB/s, HBM2e 2,039 GB/s),
-# H100 SXM5 and H200 SXM (bf16 1,979 TFLOPS with sparsity = 989.4 dense, NVLink 900 GB/s; 80 GB
-# HBM3 at 3.35 TB/s / 141 GB HBM3e at 4.8 TB/s), H800 SXM5 (H100's compute and memory, NVLink
-# 400 GB/s). memory_gbps is 80% of the data sheet's HBM bandwidth (what streaming kernels reach).
-# tensor_us: fivecut's clipping loops over the tensors (cast, square, sum, accumulate, scale:
-# 5 kernels at kernel_us = 5 us) and PyTorch's CUDA AdamW is the foreach one (a launch per op
-# for a list of tensors, about a microsecond a tensor): 26 us.
+# Peaks and capacities: NVIDIA data sheets: A100 SXM4 80GB (bf16 312 TFLOPS dense, NVLink 600 GB/s,
+# HBM2e 2,039 GB/s), H100 SXM5 and H200 SXM (bf16 1,979 TFLOPS with sparsity = 989.4 dense, NVLink
+# 900 GB/s; 80 GB HBM3 at 3.35 TB/s / 141 GB HBM3e at 4.8 TB/s), H800 SXM5 (H100's compute and
+# memory, NVLink 400 GB/s).
+#
+# Rates: what real kernels reach, not a hoped-for share of the peak (docs/planner-vs-published.md):
+#   achievable        bf16 matmuls as a layer runs them (forward and backward, `fivecut plan calibrate`'s
+#                     linear-layer probe, 8192 x 4096 x 12288): 764 TFLOP/s measured on one H200
+#                     (torch 2.11, CUDA 13; an 8192^3 matmul alone: 788), 0.772 of the peak. The H100 and
+#                     H800 have the H200's compute die, clocks and 700 W limit (the H200 differs in its
+#                     HBM only): the same share.
+#   attention_tflops  PyTorch's fused attention (the FlashAttention-2 kernel) on Hopper: about 35% of the
+#                     H100's peak (FlashAttention-3, arXiv 2407.08608, section 1), counted as that paper
+#                     counts a backward (2.5 forwards with the recomputation inside the kernel); the planner
+#                     counts 2, so 989.4 x 0.35 x 3 / 3.5 = 297, 300 TFLOP/s. A100: FlashAttention-2 at
+#                     50-73% of the peak forward and less backward (arXiv 2307.08691): 0.5 x 312 = 156.
+#   STREAM            what a streaming kernel moves: 90% of the data sheet's HBM bandwidth (H200 4,320,
+#                     H100 and H800 3,015, A100 1,835 GB/s)
+#   memory_gbps       the step's tail: fused AdamW over llama-1b's 1.24B fp32 parameters took 10.9 ms on
+#                     the H200 (benchmarks/RESULTS.md, "One H200"): `ADAMW_BYTES` 28 a parameter at
+#                     3,180 GB/s, 0.74 of STREAM; the others at the same share
+#   activation_gbps   a block's memory-bound kernels: the planner counts what a block saves, written and
+#                     read back with its gradient (3x); fivecut's eager kernels (RMSNorm, RoPE in fp32,
+#                     SwiGLU, the residuals, autocast's casts) move 3.08x that (19.5 GB against 6.35 GB for
+#                     llama-1b's block at 8 x 2048 tokens, counted op by op on the meta device:
+#                     `benchmarks/eager_traffic.py`), so STREAM / 3.08
+#   loss_gbps         the full-logits cross-entropy moves 36 bytes a logit in eager PyTorch (the fp32
+#                     upcast 6, log-softmax 8, its backward 12, the gradient's zeros 4, the cast back 6;
+#                     the same count) against the planner's `LOSS_BYTES` 16: STREAM x 16 / 36
+#   tensor_us         the tail's fixed cost a tensor: the clipping's norm and scale and AdamW run as
+#                     multi-tensor kernels on a GPU (`fivecut.train.optim`): a few microseconds a tensor
+# Latencies and `overlap` remain typical values (NCCL's few microseconds inside a node, about ten
+# across); `fivecut plan calibrate` on the GPUs themselves replaces all of these.
+STREAM = {"A100": 1835.0, "H100": 3015.0, "H800": 3015.0, "H200": 4320.0}
+HOPPER_MATMUL = 764.0 / 989.4  # measured on one H200 (benchmarks/RESULTS.md, "One H200")
+TAIL_SHARE = 3180.0 / 4320.0  # fused AdamW's rate on the H200 over its STREAM
+EAGER_BLOCK_TRAFFIC = 3.08  # the bytes eager kernels move / the bytes the planner counts (a block)
+EAGER_LOSS_TRAFFIC = 2.25  # the same for the cross-entropy over the logits
+
+
+def measured_rates(key: str, achievable: float, attention_tflops: float) -> dict:
+    """A device's rates from `STREAM` and the shares above."""
+    stream = STREAM[key]
+    return {
+        "achievable": achievable,
+        "attention_tflops": attention_tflops,
+        "memory_gbps": round(stream * TAIL_SHARE),
+        "activation_gbps": round(stream / EAGER_BLOCK_TRAFFIC),
+        "loss_gbps": round(stream / EAGER_LOSS_TRAFFIC),
+        "tensor_us": 3.0,
+    }
+
+
+HOPPER_SOURCE = (
+    "data sheet peak; rates: bf16 matmul 764 TFLOP/s measured on an H200 (same die, clocks and power), "
+    "FlashAttention-2 at 35% of peak (arXiv 2407.08608), memory-bound terms at 90% of the HBM bandwidth over "
+    "eager PyTorch's counted traffic (docs/planner-vs-published.md)"
+)
 DEVICES = {
-    "A100": Device("A100", 312.0, 80, source="NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)", memory_gbps=1631),
-    "H100": Device("H100", 989.4, 80, source="NVIDIA H100 Tensor Core GPU data sheet (SXM5)", memory_gbps=2680),
-    "H800": Device("H800", 989.4, 80, source="NVIDIA H800 SXM5 (H100 compute, 400 GB/s NVLink)", memory_gbps=2680),
-    "H200": Device("H200", 989.4, 141, source="NVIDIA H200 Tensor Core GPU data sheet (SXM)", memory_gbps=3840),
+    "A100": Device(
+        "A100",
+        312.0,
+        80,
+        source="NVIDIA A100 data sheet (SXM4 80GB); matmul share not measured (0.7 assumed), FlashAttention-2 "
+        "at 50% of peak (arXiv 2307.08691), memory-bound terms as the Hopper presets",
+        **measured_rates("A100", 0.7, 156.0),
+    ),
+    "H100": Device(
+        "H100", 989.4, 80, source=f"NVIDIA H100 SXM5 {HOPPER_SOURCE}", **measured_rates("H100", HOPPER_MATMUL, 300.0)
+    ),
+    "H800": Device(
+        "H800",
+        989.4,
+        80,
+        source=f"NVIDIA H800 SXM5 (H100 compute) {HOPPER_SOURCE}",
+        **measured_rates("H800", HOPPER_MATMUL, 300.0),
+    ),
+    "H200": Device(
+        "H200", 989.4, 141, source=f"NVIDIA H200 SXM {HOPPER_SOURCE}", **measured_rates("H200", HOPPER_MATMUL, 300.0)
+    ),
 }
 INTRA = {  # NVLink, one direction
     "A100": Link(300.0, 3.0),

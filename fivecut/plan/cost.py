@@ -24,7 +24,9 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 `Device.activation_bps`, on the last stage the cross-entropy's passes over
                 the logits (`LOSS_BYTES` a logit, vocab-parallel under TP) at `Device.loss_bps`,
                 and on the first the embedding's dense [V, h] gradient each microbatch
-                (`EMBEDDING_GRAD_BYTES` an element, but under a split backward) at `memory_gbps`
+                (`EMBEDDING_GRAD_BYTES` an element, but under a split backward) at `memory_gbps`,
+                and under the chunked loss each chunk's head gradient added into the fp32 one
+                (`CHUNK_GRAD_BYTES` an element) at `memory_gbps`; `stage_terms` gives each part
     bubble      fivecut's own schedule simulator (`pipeline.simulate`) with the stages' mean
                 F, B, W costs (each with a fixed `Device.action_us`: what the executor's action
                 costs beyond its kernels, measured on a real `PipelineStep` by calibration) and
@@ -48,8 +50,10 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 that fill the CPU's cores: near 0, the collective needs the cores computing)
     tail        after the backward: gradient clipping and AdamW over rank 0's parameters (ZeRO:
                 its shards), memory-bound (`TAIL_BYTES` a parameter at `memory_gbps`) + a fixed
-                `tensor_us` per tensor (ZeRO: per flat piece); and the latency of the step's
-                small all-reduces (loss, stop flags, the gradient norm's groups)
+                `tensor_us` per tensor (ZeRO: per flat piece); the casts of the weights to the
+                compute dtype and of their gradients back (`CAST_BYTES` a byte of the copies the
+                memory plan holds, at `memory_gbps`); and the latency of the step's small
+                all-reduces (loss, stop flags, the gradient norm's groups)
 
 Step time = the pipeline (compute, boundary messages and bubble) + the exposed collectives +
 the tail. MFU = the model's FLOPs per token (6N + 12 L h s, `ModelArgs`) x tokens per step /
@@ -104,6 +108,9 @@ CLIP_BYTES = 12  # the gradient norm (one read, multi-tensor) and the scale (rea
 TAIL_BYTES = ADAMW_BYTES["fused"] + CLIP_BYTES  # what calibration's tail (the default kernel) moves a parameter
 EMBEDDING_GRAD_BYTES = 16  # an embedding element's fp32 passes a backward: the dense [V, h] gradient zeroed,
 # then added into `.grad` (read both, write); the lookup's scatter of the microbatch's rows is negligible
+CAST_BYTES = 6  # bytes moved a byte of a bf16 weight copy: the cast from fp32 (3) and its gradient's back (3)
+CHUNK_GRAD_BYTES = 10  # a head element a chunk of the chunked loss: its bf16 gradient read, the fp32 one
+# read and written (benchmarks/RESULTS.md, "One H200": 2048-token chunks cost 1.9% of llama-1b's step)
 LOSS_BYTES = 16  # a logit's fp32 passes in the cross-entropy: the log-sum-exp's read, the gradient's
 # write, read and scale  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which
@@ -143,6 +150,7 @@ class LayoutCost:
     mfu: float = 0.0
     tokens_per_s: float = 0.0
     traffic: dict[str, float] = field(default_factory=dict)  # link class -> wire bytes per rank per step
+    compute_terms: dict[str, float] = field(default_factory=dict)  # `compute` by what spends it (`rank_terms`)
 
 
 def layer_matmul_flops(args, layer_id: int) -> float:
@@ -169,7 +177,14 @@ def layer_forward_flops(args, layer_id: int, seq: int) -> float:
 
 
 def stage_compute(
-    args, layers: range, last: bool, tokens: int, seq: int, recompute: tuple[str, int], embedding: bool = False
+    args,
+    layers: range,
+    last: bool,
+    tokens: int,
+    seq: int,
+    recompute: tuple[str, int],
+    embedding: bool = False,
+    loss_chunks: int = 0,
 ) -> dict:
     """FLOPs of `tokens` tokens through a stage: F and B of the matmuls (backward 2x forward,
     with the forward a recomputation repeats) and of the attention core (`attention_F`,
@@ -177,7 +192,9 @@ def stage_compute(
     the bytes the cross-entropy moves over the logits (`loss_F`, `loss_B`: `LOSS_BYTES` a logit);
     with `embedding` (the first stage, `dense_embedding`), the bytes the embedding's backward
     moves over its dense [V, h] gradient (`embedding_B`: `EMBEDDING_GRAD_BYTES` an element, each
-    microbatch, at `Device.memory_gbps`)."""
+    microbatch, at `Device.memory_gbps`); a loss in `loss_chunks` chunks (the chunked loss, 0: the
+    full logits) adds each chunk's [V, h] head gradient into the fp32 one (`head_B`: `CHUNK_GRAD_BYTES`
+    an element, at `Device.memory_gbps`)."""
     matmuls = sum(layer_matmul_flops(args, i) for i in layers) * tokens
     core = attention_flops(args, seq) * tokens * len(layers)
     mode, every = recompute
@@ -199,6 +216,8 @@ def stage_compute(
         "loss_B": LOSS_BYTES * logits * 2 / 3,
         "embedding_F": 0.0,
         "embedding_B": EMBEDDING_GRAD_BYTES * args.vocab_size * args.dim if embedding else 0.0,
+        "head_F": 0.0,
+        "head_B": CHUNK_GRAD_BYTES * args.vocab_size * args.dim * loss_chunks if last else 0.0,
         "recomputed": repeated + repeated_core,
     }
 
@@ -243,22 +262,36 @@ def stage_traffic(args, cfg, layers: range, rows: int) -> dict:
 
 
 def stage_seconds(works: dict, kernels: dict, traffic: dict, cut: int, cluster: Cluster) -> dict:
-    """F and B seconds of a stage: matmul FLOPs (divided over `cut` TP ranks) at the achievable
-    rate, the attention core's at the attention kernel's, kernels x kernel_us, and the
-    activations' traffic at the rate a block's memory-bound kernels move it, the loss's over
-    the logits (vocab-parallel under TP) at the cross-entropy's rate."""
+    """F and B seconds of a stage: the sum of its `stage_terms`."""
+    terms = stage_terms(works, kernels, traffic, cut, cluster)
+    return {k: sum(terms[k].values()) for k in ("F", "B")}
+
+
+def stage_terms(works: dict, kernels: dict, traffic: dict, cut: int, cluster: Cluster) -> dict:
+    """F and B seconds of a stage by what spends them: matmul FLOPs (divided over `cut` TP ranks)
+    at the achievable rate ("matmuls"), the attention core's at the attention kernel's
+    ("attention"), the cross-entropy's passes over the logits (vocab-parallel under TP) at the
+    loss's rate ("loss"), kernels x kernel_us ("kernels"), the activations' traffic at the rate a
+    block's memory-bound kernels move it ("activations"), the embedding's dense gradient at
+    `memory_gbps` ("embedding"), a chunked loss's accumulation of its chunks' head gradients at
+    `memory_gbps` ("loss_chunks"), and in B the kernels of a fully recomputed forward at
+    `recompute_us` ("recompute")."""
     d = cluster.device
-    seconds = {
-        k: works[k] / cut / d.flops
-        + works[f"attention_{k}"] / cut / d.attention_flops
-        + works[f"loss_{k}"] / cut / d.loss_bps
-        + kernels[k] * d.kernel_us * 1e-6
-        + traffic[k] / d.activation_bps
-        + works[f"embedding_{k}"] / cut / (d.memory_gbps * 1e9)
+    terms = {
+        k: {
+            "matmuls": works[k] / cut / d.flops,
+            "attention": works[f"attention_{k}"] / cut / d.attention_flops,
+            "loss": works[f"loss_{k}"] / cut / d.loss_bps,
+            "kernels": kernels[k] * d.kernel_us * 1e-6,
+            "activations": traffic[k] / d.activation_bps,
+            "embedding": works[f"embedding_{k}"] / cut / (d.memory_gbps * 1e9),
+            "loss_chunks": works[f"head_{k}"] / cut / (d.memory_gbps * 1e9),
+        }
         for k in ("F", "B")
     }
-    seconds["B"] += kernels["R"] * d.recompute_s
-    return seconds
+    terms["F"]["recompute"] = 0.0
+    terms["B"]["recompute"] = kernels["R"] * d.recompute_s
+    return terms
 
 
 def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
@@ -277,10 +310,11 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     calls = step_collective_calls(args, cfg, (records or local_placements)(args, cfg, 0))
     cuts = collective_times(args, cfg, cluster, mesh, compute, calls, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
+    memory, rank = peak_memory(args, cfg, pp_rank_costs, kernels_of(cluster))
     tail = optimizer_seconds(args, cfg, cluster, counts, records) + tail_collectives(args, cfg, cluster)
+    tail += cast_seconds(memory["weight_copies"], cluster)
     step = makespan + exposed + tail
     tokens = t.global_batch * t.seq_len
-    memory, rank = peak_memory(args, cfg, pp_rank_costs, kernels_of(cluster))
     traffic: dict[str, float] = {}
     for c in cuts:
         traffic[c.link] = traffic.get(c.link, 0.0) + c.wire_bytes
@@ -299,7 +333,30 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         mfu=model_flops(args, t.seq_len) * tokens / (world * cluster.device.peak_tflops * 1e12 * step),
         tokens_per_s=tokens / step,
         traffic=traffic,
+        compute_terms=rank_terms(args, cfg, cluster, tokens_mb, compute),
     )
+
+
+def rank_terms(args, cfg, cluster: Cluster, tokens_mb: int, compute: float) -> dict[str, float]:
+    """Rank 0's `compute` seconds a step by what spends them (`stage_terms` of its stages, every
+    microbatch and micro-step; a pipeline's stages add their actions, `Device.action_us` each),
+    scaled to sum to `compute` (a CPU's shared cores, `shared_cores`, speed them all alike)."""
+    dims, t = cfg.parallel, cfg.train
+    if dims.pp == 1:
+        stages, actions, repeats = [(range(args.n_layers), True, True)], 0, 1
+    else:
+        schedule, layers = pipeline_plan(args, cfg)
+        last = schedule.n_stages - 1
+        stages = [(layers[s], s == 0, s == last) for s in range(last + 1) if schedule.stage_rank[s] == 0]
+        actions, repeats = compute_actions(schedule, 0), dims.microbatches
+    terms: dict[str, float] = {}
+    for layers, first, last in stages:
+        for part in stage_terms(*stage_work(args, cfg, layers, first, last, tokens_mb), dims.tp, cluster).values():
+            for name, seconds in part.items():
+                terms[name] = terms.get(name, 0.0) + seconds * repeats * t.accumulate
+    terms["actions"] = actions * cluster.device.action_us * 1e-6 * t.accumulate
+    total = sum(terms.values())
+    return {name: seconds * compute / total for name, seconds in terms.items()} if total > 0 else terms
 
 
 def model_flops(args, seq: int) -> float:
@@ -372,17 +429,31 @@ def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int
     a search costs the same stages under many data cuts and clusters."""
     d, t = cfg.parallel, cfg.train
     key = (model_token(args), layers.start, layers.stop, first, last, tokens_mb, t.seq_len, t.dtype, d.zero >= 3)
-    key += (t.recompute, t.recompute_every, d.tp, d.sp, d.cp, d.cp_mode, d.cp_ulysses, d.etp, d.ep)
+    key += (t.recompute, t.recompute_every, d.tp, d.sp, d.cp, d.cp_mode, d.cp_ulysses, d.etp, d.ep, t.loss_chunk_tokens)
     if key not in STAGE_WORK:
         recompute = (t.recompute, t.recompute_every)
         rows = tokens_mb // (t.seq_len // d.cp)  # sequences per microbatch
         work = (
-            stage_compute(args, layers, last, tokens_mb, t.seq_len, recompute, first and dense_embedding(args, cfg)),
+            stage_compute(
+                args,
+                layers,
+                last,
+                tokens_mb,
+                t.seq_len,
+                recompute,
+                first and dense_embedding(args, cfg),
+                chunks_of(t.loss_chunk_tokens, tokens_mb),
+            ),
             stage_kernels(args, layers, first, last, recompute, args.n_experts // d.ep),
             stage_traffic(args, cfg, layers, rows),
         )
         remembered(STAGE_WORK, key, work, STAGES_KEPT)
     return STAGE_WORK[key]
+
+
+def chunks_of(chunk_tokens: int, tokens_mb: int) -> int:
+    """Chunks of the chunked loss over a microbatch of `tokens_mb` tokens (0: the full logits)."""
+    return -(-tokens_mb // chunk_tokens) if chunk_tokens > 0 else 0
 
 
 def dense_embedding(args, cfg) -> bool:
@@ -523,6 +594,13 @@ def optimizer_seconds(args, cfg, cluster: Cluster, counts: dict[str, int], recor
     adamw = ADAMW_BYTES["foreach" if cfg.train.adamw == "foreach" else "fused"]
     memory = (adamw * held + CLIP_BYTES * clip_held) / (d.memory_gbps * 1e9)
     return memory + tensors * d.tensor_us * 1e-6
+
+
+def cast_seconds(copies: float, cluster: Cluster) -> float:
+    """The casts of the weights to the compute dtype and of their gradients back, memory-bound:
+    `copies` bytes of compute-dtype copies (bf16: 2 a weight), each cast from fp32 (read 4, write 2)
+    and its gradient cast back (read 2, write 4): `CAST_BYTES` a byte of copy, at `memory_gbps`."""
+    return CAST_BYTES * copies / (cluster.device.memory_gbps * 1e9)
 
 
 def tail_collectives(args, cfg, cluster: Cluster) -> float:
