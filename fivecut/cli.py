@@ -43,7 +43,7 @@ from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import formula, model_state_bytes
-from fivecut.train.resume import resume_changes
+from fivecut.train.resume import check_data_position, resume_changes
 
 # verify's tolerances, each the largest relative difference from the single process accepted at a step, by the
 # dtype both runs compute in (train.dtype). The gradient norm before clipping is compared because AdamW hides a
@@ -310,6 +310,7 @@ def add_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
     from fivecut.train import checkpoint
+    from fivecut.train.run import run_tokens
 
     cfg = load_config(ns.config, ns.overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -322,6 +323,10 @@ def cmd_train(ns) -> int:
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
+    sampler = run_tokens(cfg)  # the token stores built (once per node) and checked: bad data refused here
+    if path is not None:
+        saved = checkpoint.read_meta(path)
+        check_data_position(saved, sampler.position(saved["step"]), ns.accept)
     init_from_environment(cfg.train.collective_timeout)
     if planned is not None:
         same_layout_everywhere(planned.cfg)
