@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
+    add_data_parser(sub)
 
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
@@ -434,6 +435,35 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is reported")
     add_overrides(ev)
     ev.set_defaults(func=cmd_eval)
+
+
+def add_data_parser(sub) -> None:
+    data = sub.add_parser("data", help="training data: the token stores a run reads")
+    data_sub = data.add_subparsers(dest="action", required=True)
+    build = data_sub.add_parser(
+        "build",
+        help="tokenize every source of data.source into its token store ahead of a run (one per node; later runs "
+        "and every rank reuse it); an interrupted build goes on from its finished shards",
+    )
+    build.add_argument("--config", help="TOML file; its [data] and model.init_from (for its tokenizer) are used")
+    add_overrides(build)
+    build.set_defaults(func=cmd_data_build)
+
+
+def cmd_data_build(ns) -> int:
+    from fivecut.train.data import load_sources, sources_of
+    from fivecut.weights.load import run_tokenizer
+
+    cfg = load_config(ns.config, ns.overrides)
+    checks.refuse("invalid data options", checks.path_problems(cfg) + checks.data_problems(cfg))
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    for source, splits in zip(sources_of(cfg.data.source), load_sources(cfg.data, tokenizer)):
+        print(
+            f"{source}: {splits.n_tokens:,} tokens, {splits.n_docs:,} documents in {splits.cache_path} "
+            f"(content {splits.content[:16]})",
+            flush=True,
+        )
+    return 0
 
 
 def add_model_choice(parser) -> None:
