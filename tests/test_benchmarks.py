@@ -205,3 +205,14 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_data_store_benchmark_reports(tmp_path):
+    out = run_script(
+        "benchmarks/data_store.py",
+        *("--tokens", "20000", "--memory-cap-mb", "2", "--loader-steps", "3", "--step-preset", "tiny"),
+        *("--shapes", "2x16"),
+        cwd=tmp_path,
+    )
+    assert "| fivecut store, 2 workers |" in out and "loader share" in out and "peak resident memory" in out
+    assert out.rstrip().splitlines()[-1].startswith("ratio_two_workers_vs_datasets_map=")
