@@ -211,7 +211,7 @@ def test_data_store_benchmark_reports(tmp_path):
     out = run_script(
         "benchmarks/data_store.py",
         *("--tokens", "20000", "--memory-cap-mb", "2", "--loader-steps", "3", "--step-preset", "tiny"),
-        *("--shapes", "2x16"),
+        *("--shapes", "2x16", "--repeats", "1"),
         cwd=tmp_path,
     )
     assert "| fivecut store, 2 workers |" in out and "loader share" in out and "peak resident memory" in out

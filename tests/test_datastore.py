@@ -129,7 +129,8 @@ def test_an_interrupted_build_goes_on_from_its_finished_shards(tmp_path, monkeyp
 
 def test_a_shard_damaged_during_a_run_is_refused_by_name_never_read(tmp_path):
     source = write_formats(tmp_path / "data")["jsonl"]
-    splits = load_tokens(source, "gpt2", tmp_path / "cache", 0.1, SMALL, verify=False)
+    load_tokens(source, "gpt2", tmp_path / "cache", 0.1, SMALL)  # built (and hashed as it was written)
+    splits = load_tokens(source, "gpt2", tmp_path / "cache", 0.1, SMALL, verify=False)  # as a run opens it
     sampler = BatchSampler(splits.train, 16, 4, 0, order="epoch")
     sampler.global_batch(1)
     shard = splits.cache_path / "shard-00003.bin"

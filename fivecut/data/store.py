@@ -263,15 +263,15 @@ def open_store(
     cache_dir = Path(cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
     folder = cache_dir / f"{name}-{store_key(name, files, options)}"
-    meta = read_meta(folder)
+    meta, built = read_meta(folder), False
     if meta is None:
         with build_lock(folder):
             meta = read_meta(folder)  # another process may have finished it while this one waited
             if meta is None:
                 tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-                meta = build(folder, files, tok, options)
-    store = Store(folder, meta)
-    if verify:
+                meta, built = build(folder, files, tok, options), True
+    store = Store(folder, meta, verified=built)  # a build hashed every byte it wrote
+    if verify and not built:
         store.verify()
     return store
 
