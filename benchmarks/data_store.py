@@ -99,7 +99,7 @@ def datasets_rate(files: list[Path], cache: Path) -> tuple[float, float, int]:
     return done - began, done - loaded, tokens
 
 
-def step_seconds(preset: str, batch: int, seq: int, steps: int = 3) -> float:
+def step_seconds(preset: str, batch: int, seq: int, steps: int = 2) -> float:
     """A forward, backward and AdamW step of `preset` on this machine's CPU (after one warm-up)."""
     import torch
     import torch.nn.functional as F

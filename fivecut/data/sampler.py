@@ -4,7 +4,7 @@
 that overlap by one (sequence i = tokens[i*seq_len : (i+1)*seq_len + 1]), so every token is a target
 exactly once per pass. Source k's i-th sample is sequence perm(i mod n_k) of pass i // n_k, perm a
 pseudo-random permutation of 0..n_k-1 drawn from (seed, k, pass): a 4-round Feistel network over the
-next even power of two, walked until it lands below n_k, so no table of n_k entries is ever built.
+next power of two, walked until it lands below n_k, so no table of n_k entries is ever built.
 
 `data.order = "random"`: rows start at uniform offsets, drawn with replacement from (seed, step), as
 fivecut always sampled; with one source exactly the offsets of before.
@@ -29,26 +29,31 @@ ROUNDS = 4
 MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
+S30, S27, S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+M1, M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
 def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: a 64-bit hash of each uint64."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """splitmix64's finalizer: a 64-bit hash of each uint64 (array arithmetic wraps modulo 2**64)."""
+    x = (x ^ (x >> S30)) * M1
+    x = (x ^ (x >> S27)) * M2
+    return x ^ (x >> S31)
 
 
 def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
-    """A bijection of 0..n-1 (keyed by `keys`, ROUNDS uint64s) applied to `positions`."""
-    half = max(1, (max(1, int(n - 1).bit_length()) + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
+    """A bijection of 0..n-1 (keyed by `keys`, ROUNDS uint64s) applied to `positions`: an unbalanced
+    Feistel network over [0, 2**bits), the smallest power of two >= n, so fewer than two walks on average."""
+    bits = max(1, int(n - 1).bit_length())
     x = np.asarray(positions, dtype=np.uint64)
     todo = np.ones(x.shape, dtype=bool)
-    while todo.any():  # cycle walking: at most a few rounds, the domain is < 4n
+    while todo.any():  # cycle walking: a value that lands at n or above goes round again
         y = x[todo]
-        left, right = y >> np.uint64(half), y & mask
-        for key in keys:
-            left, right = right, left ^ (mix64(right ^ key) & mask)
-        x[todo] = (left << np.uint64(half)) | right
+        high, low = bits // 2, bits - bits // 2  # y = left (high bits) | right (low bits)
+        for key in keys:  # (left, right) -> (right, left ^ F(right)); the halves swap widths
+            left, right = y >> np.uint64(low), y & np.uint64((1 << low) - 1)
+            y = (right << np.uint64(high)) | (left ^ (mix64(right ^ key) & np.uint64((1 << high) - 1)))
+            high, low = low, high
+        x[todo] = y
         todo = x >= np.uint64(n)
     return x.astype(np.int64)
 
@@ -92,6 +97,7 @@ class SequenceOrder:
         self.tokens, self.mixture = tokens, mixture
         self.seq_len, self.global_batch, self.seed, self.order = seq_len, global_batch, seed, order
         self.sequences = [(len(t) - 1) // seq_len for t in tokens]
+        self._keys: dict[tuple[int, int], np.ndarray] = {}
 
     def rows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(source [G], start [G]) of step `step`'s global rows (steps count from 1)."""
@@ -121,7 +127,12 @@ class SequenceOrder:
         return rng.integers(0, highs, endpoint=True)
 
     def keys(self, source: int, epoch: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, source, epoch)).integers(0, 1 << 63, ROUNDS, dtype=np.uint64)
+        if (source, epoch) not in self._keys:
+            if len(self._keys) > 64:
+                self._keys.clear()
+            rng = np.random.default_rng((self.seed, source, epoch))
+            self._keys[(source, epoch)] = rng.integers(0, 1 << 63, ROUNDS, dtype=np.uint64)
+        return self._keys[(source, epoch)]
 
     def windows(self, source: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """The rows' ids [len(starts), seq_len + 1], read from each row's source."""
