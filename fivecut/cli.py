@@ -127,7 +127,7 @@ PATH_FLAGS = {  # argparse dest -> (flag, what to give), for every option that n
     "resume": ("--resume", "auto, never or a checkpoint's path"),
     "checkpoint": ("--checkpoint", "a checkpoint or a checkpoint.dir"),
     "init_from": ("--init-from", "hf:FOLDER or gguf:FILE"),
-    "data": ("--data", "'shakespeare', a text file or a folder of *.txt"),
+    "data": ("--data", "'shakespeare', a text, JSONL or Parquet file, a folder, a glob or a saved dataset"),
     "out": ("--out", "a path"),
     "dir": ("the checkpoint folder (DIR)", "a checkpoint or a checkpoint.dir"),
 }
@@ -427,7 +427,11 @@ def cmd_export(ns) -> int:
 def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="loss and perplexity of a model or checkpoint on a corpus's validation split")
     add_model_choice(ev)
-    ev.add_argument("--data", default="shakespeare", help="'shakespeare', a text file, or a folder of *.txt")
+    ev.add_argument(
+        "--data",
+        default="shakespeare",
+        help="'shakespeare', a text, JSONL or Parquet file, a folder, a glob, or a saved Hugging Face dataset",
+    )
     ev.add_argument("--layout", help="e.g. tp=2 or pp=2,microbatches=2 (default: one process)")
     ev.add_argument("--batches", type=int, default=8, help="validation batches")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
