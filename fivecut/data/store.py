@@ -458,6 +458,8 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
     if writer.shards:
         print(f"fivecut: token store {folder}: {len(writer.shards)} finished shards kept; going on", file=sys.stderr)
     workers = max(1, min(options.workers or available_cores(), len(units) - first))
+    if multiprocessing.current_process().daemon:  # a rank started by fivecut.launch.spawn may not have children
+        workers = 1
     began = time.perf_counter()
     bar = progress_bar(options.progress, folder)
     init = (tok.name if tok.name in TOKENIZERS else tok, options.text_field, dtype.str)
