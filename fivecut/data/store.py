@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fivecut.data.sources import DataError, SourceFile, Unit, plan_units, read_unit, resolve_source
+from fivecut.data.sources import UNIT_BYTES, DataError, SourceFile, Unit, plan_units, read_unit, resolve_source
 from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 
 STORE_VERSION = 1  # bump when the layout or the tokenization rules change
@@ -339,8 +339,8 @@ def tokenized(units: list[Unit], workers: int, init: tuple):
 class ShardWriter:
     """Appends ids and document starts to the open shard, closing it at `shard_tokens` ids."""
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, kept: list[dict]):
-        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, kept: list[dict], plan: int):
+        self.folder, self.dtype, self.shard_tokens, self.plan = folder, dtype, shard_tokens, plan
         self.shards = kept
         self.position = sum(r["n_tokens"] for r in kept)  # ids written so far (the stream's length)
         self.docs = sum(r["n_docs"] for r in kept)
@@ -378,7 +378,8 @@ class ShardWriter:
         self.docs += record["n_docs"]
         self.shards.append(record)
         self.open = None
-        atomic_write(self.folder / PROGRESS, json.dumps({"shards": self.shards}, indent=1).encode())
+        progress = {"unit_bytes": self.plan, "shards": self.shards}  # a restart cuts the same units
+        atomic_write(self.folder / PROGRESS, json.dumps(progress, indent=1).encode())
 
 
 @dataclass
@@ -431,10 +432,12 @@ def shard_name(number: int) -> str:
     return f"shard-{number:05d}"
 
 
-def kept_shards(folder: Path) -> list[dict]:
-    """The finished shards of an interrupted build, up to the first that no longer matches its sha256."""
+def kept_shards(folder: Path, unit_bytes: int) -> list[dict]:
+    """The finished shards of an interrupted build (of the same work units), up to the first that no
+    longer matches its sha256."""
     try:
-        shards = json.loads((folder / PROGRESS).read_text())["shards"]
+        progress = json.loads((folder / PROGRESS).read_text())
+        shards = progress["shards"] if progress["unit_bytes"] == unit_bytes else []
     except (OSError, ValueError, KeyError):
         return []
     kept = []
@@ -452,8 +455,9 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
     """Tokenize `files` into `folder` (see the module docstring); returns store.json's contents."""
     folder.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
-    units = plan_units(files, options.text_field, *(() if options.unit_bytes is None else (options.unit_bytes,)))
-    writer = ShardWriter(folder, dtype, options.shard_tokens, kept_shards(folder))
+    unit_bytes = options.unit_bytes or UNIT_BYTES
+    units = plan_units(files, options.text_field, unit_bytes)
+    writer = ShardWriter(folder, dtype, options.shard_tokens, kept_shards(folder, unit_bytes), unit_bytes)
     first, skip = writer.resume_point()
     if writer.shards:
         print(f"fivecut: token store {folder}: {len(writer.shards)} finished shards kept; going on", file=sys.stderr)
