@@ -703,4 +703,4 @@ def test_sound_cache_is_reused_quietly(tmp_path, corpus, capfd):
     assert len(meta["shards"][0]["sha256"]) == 64 and meta["tokenizer"] == "byte" and meta["vocab_size"] == 256
     capfd.readouterr()
     load_tokens(str(corpus), "byte", cache)
-    assert "built token store" not in capfd.readouterr().err
+    assert "built token store" not in capfd.readouterr().out

@@ -84,7 +84,7 @@ class BuildOptions:
     text_field: str = "text"
     shard_tokens: int = SHARD_TOKENS
     workers: int = 0  # worker processes; 0: one per core
-    progress: bool = True  # a bar in tokens/s on stderr
+    progress: bool = True  # a bar in tokens/s on stderr, when it is a terminal
     unit_bytes: int | None = None  # text per work unit (None: the sources module's default)
 
 
@@ -283,7 +283,7 @@ def build_lock(folder: Path):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"fivecut: waiting for another process building the token store {folder}", file=sys.stderr)
+            print(f"fivecut: waiting for another process building the token store {folder}", flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -460,7 +460,7 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
     writer = ShardWriter(folder, dtype, options.shard_tokens, kept_shards(folder, unit_bytes), unit_bytes)
     first, skip = writer.resume_point()
     if writer.shards:
-        print(f"fivecut: token store {folder}: {len(writer.shards)} finished shards kept; going on", file=sys.stderr)
+        print(f"fivecut: token store {folder}: {len(writer.shards)} finished shards kept; going on", flush=True)
     workers = max(1, min(options.workers or available_cores(), len(units) - first))
     if multiprocessing.current_process().daemon:  # a rank started by fivecut.launch.spawn may not have children
         workers = 1
@@ -490,7 +490,6 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
         f"fivecut: built token store {folder}: {meta['n_tokens']:,} tokens, {meta['n_docs']:,} documents, "
         f"{len(writer.shards)} shards, {seconds:.1f} s ({meta['n_tokens'] / max(seconds, 1e-9):,.0f} tokens/s, "
         f"{workers} workers)",
-        file=sys.stderr,
         flush=True,
     )
     return meta
@@ -517,7 +516,9 @@ def store_meta(tok: Tokenizer, dtype: np.dtype, files: list[SourceFile], options
 def progress_bar(show: bool, folder: Path):
     from tqdm import tqdm
 
-    return tqdm(desc=f"tokenize {folder.name}", unit="tok", unit_scale=True, disable=not show, file=sys.stderr)
+    # on a terminal only: stderr keeps to errors (a refusal is its first line)
+    on = show and sys.stderr.isatty()
+    return tqdm(desc=f"tokenize {folder.name}", unit="tok", unit_scale=True, disable=not on, file=sys.stderr)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
