@@ -159,7 +159,8 @@ def memory_check(folder: Path, cap_mb: float) -> dict:
             f.write(chunk)
             written += len(chunk)
     child = MEMORY_CHILD.format(root=str(ROOT), source=str(source), cache=str(folder / "cache"))
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.split()
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
+    out = run.stdout.splitlines()[-1].split()  # after the store's own line
     n_tokens, peak_kb, seconds = int(out[0]), int(out[1]), float(out[2])
     return {"corpus_mb": source.stat().st_size / 2**20, "tokens": n_tokens, "peak_mb": peak_kb / 1024, "s": seconds}
 
