@@ -24,7 +24,6 @@ from pathlib import Path
 
 from fivecut.config import (
     ADAMW_KERNELS,
-    SHAKESPEARE,
     Config,
     ConfigError,
     ModelConfig,
@@ -33,6 +32,9 @@ from fivecut.config import (
     parse_override,
     preset_args,
 )
+from fivecut.data.mixture import weight_problem
+from fivecut.data.sampler import ORDERS
+from fivecut.data.sources import DataError, resolve_source
 from fivecut.layout import COUNTS, MESH_DIMS, MoEOptions, ParallelDims
 from fivecut.model.args import MLA_ONLY, MOE_ONLY, ModelArgs, divisors
 from fivecut.model.presets import PRESETS, SHAPE_ONLY, runnable_presets
@@ -164,6 +166,8 @@ def path_problems(cfg: Config) -> list[str]:
     for key in PATH_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
+        if isinstance(value, list):  # data.source: several sources
+            value = next((v for v in value if not v.strip()), "x")
         if value is not None and not value.strip():
             default = getattr(type(getattr(cfg, section))(), name)
             fix = f"leave {key} out (default {default!r})" if default is not None else f"leave {key} unset"
@@ -295,9 +299,26 @@ def data_problems(cfg: Config) -> list[str]:
         )
     if not (math.isfinite(d.val_fraction) and 0 < d.val_fraction < 1):
         out.append(f"data.val_fraction={d.val_fraction} must be in (0, 1), e.g. 0.05")
-    if d.source != SHAKESPEARE and not Path(d.source).expanduser().exists():
-        out.append(f"data.source={d.source!r} does not exist; give '{SHAKESPEARE}', a text file or a folder of *.txt")
-    return out
+    return out + store_problems(d)
+
+
+def store_problems(d) -> list[str]:
+    """The sources exist (a glob matches files), the weights weigh them, the store's options make sense."""
+    sources = [d.source] if isinstance(d.source, str) else d.source
+    out = [] if sources else ["data.source is an empty list; give at least one source"]
+    for source in sources:
+        if source.strip():
+            try:
+                resolve_source(source)
+            except DataError as err:
+                out.append(str(err))
+    problem = weight_problem(d.weights, len(sources))
+    out += [problem] if problem else []
+    if d.order not in ORDERS:
+        out.append(f"data.order={d.order!r}; choose one of {', '.join(ORDERS)}")
+    if not d.text_field:
+        out.append('data.text_field is empty; give the JSONL field or column that holds the text, e.g. "text"')
+    return out + at_least("data", d, ("shard_tokens",), 1) + at_least("data", d, ("workers",), 0)
 
 
 def log_problems(log) -> list[str]:

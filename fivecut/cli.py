@@ -43,7 +43,7 @@ from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
 from fivecut.plan.memory import check_lines, formula, kernels_of, model_state_bytes, moment_lines
-from fivecut.train.resume import resume_changes
+from fivecut.train.resume import check_data_position, resume_changes
 
 # verify's tolerances, each the largest relative difference from the single process accepted at a step, by the
 # dtype both runs compute in (train.dtype). The gradient norm before clipping is compared because AdamW hides a
@@ -127,7 +127,7 @@ PATH_FLAGS = {  # argparse dest -> (flag, what to give), for every option that n
     "resume": ("--resume", "auto, never or a checkpoint's path"),
     "checkpoint": ("--checkpoint", "a checkpoint or a checkpoint.dir"),
     "init_from": ("--init-from", "hf:FOLDER or gguf:FILE"),
-    "data": ("--data", "'shakespeare', a text file or a folder of *.txt"),
+    "data": ("--data", "'shakespeare', a text, JSONL or Parquet file, a folder, a glob or a saved dataset"),
     "out": ("--out", "a path"),
     "dir": ("the checkpoint folder (DIR)", "a checkpoint or a checkpoint.dir"),
 }
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
+    add_data_parser(sub)
 
     verify = sub.add_parser("verify", help="compare a layout's losses with a single-process run")
     add_layout_arguments(verify, steps=10)
@@ -323,6 +324,7 @@ def add_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_train(ns) -> int:
     from fivecut.launch import init_from_environment
     from fivecut.train import checkpoint
+    from fivecut.train.run import run_tokens
 
     cfg = load_config(ns.config, ns.overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -335,6 +337,10 @@ def cmd_train(ns) -> int:
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
+    sampler = run_tokens(cfg)  # the token stores built (once per node) and checked: bad data refused here
+    if path is not None:
+        saved = checkpoint.read_meta(path)
+        check_data_position(saved, sampler.position(saved["step"]), ns.accept)
     init_from_environment(cfg.train.collective_timeout)
     if planned is not None:
         same_layout_everywhere(planned.cfg)
@@ -434,7 +440,11 @@ def cmd_export(ns) -> int:
 def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="loss and perplexity of a model or checkpoint on a corpus's validation split")
     add_model_choice(ev)
-    ev.add_argument("--data", default="shakespeare", help="'shakespeare', a text file, or a folder of *.txt")
+    ev.add_argument(
+        "--data",
+        default="shakespeare",
+        help="'shakespeare', a text, JSONL or Parquet file, a folder, a glob, or a saved Hugging Face dataset",
+    )
     ev.add_argument("--layout", help="e.g. tp=2 or pp=2,microbatches=2 (default: one process)")
     ev.add_argument("--batches", type=int, default=8, help="validation batches")
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
@@ -442,6 +452,35 @@ def add_eval_parser(sub) -> None:
     ev.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is reported")
     add_overrides(ev)
     ev.set_defaults(func=cmd_eval)
+
+
+def add_data_parser(sub) -> None:
+    data = sub.add_parser("data", help="training data: the token stores a run reads")
+    data_sub = data.add_subparsers(dest="action", required=True)
+    build = data_sub.add_parser(
+        "build",
+        help="tokenize every source of data.source into its token store ahead of a run (one per node; later runs "
+        "and every rank reuse it); an interrupted build goes on from its finished shards",
+    )
+    build.add_argument("--config", help="TOML file; its [data] and model.init_from (for its tokenizer) are used")
+    add_overrides(build)
+    build.set_defaults(func=cmd_data_build)
+
+
+def cmd_data_build(ns) -> int:
+    from fivecut.train.data import load_sources, sources_of
+    from fivecut.weights.load import run_tokenizer
+
+    cfg = load_config(ns.config, ns.overrides)
+    checks.refuse("invalid data options", checks.path_problems(cfg) + checks.data_problems(cfg))
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    for source, splits in zip(sources_of(cfg.data.source), load_sources(cfg.data, tokenizer)):
+        print(
+            f"{source}: {splits.n_tokens:,} tokens, {splits.n_docs:,} documents in {splits.cache_path} "
+            f"(content {splits.content[:16]})",
+            flush=True,
+        )
+    return 0
 
 
 def add_model_choice(parser) -> None:

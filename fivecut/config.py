@@ -68,11 +68,18 @@ SHAKESPEARE = "shakespeare"  # the built-in corpus data.source can name (`fivecu
 
 @dataclass
 class DataConfig:
-    source: str = SHAKESPEARE  # "shakespeare", a text file, or a folder of *.txt
+    # "shakespeare", a text/JSONL(.gz|.zst)/Parquet file, a folder, a glob, a saved HF dataset; or a list of them
+    source: str | list[str] = SHAKESPEARE
     tokenizer: str = "auto"  # "auto" (model.init_from's own, else "byte") | "gpt2" | "byte"
     cache_dir: str = "~/.cache/fivecut"
     val_fraction: float = 0.05
     document_mask: bool = False  # attention stays inside each end-of-text-separated document; RoPE restarts at each
+    text_field: str = "text"  # the JSONL field / Parquet or dataset column that holds each document
+    weights: list[float] | None = None  # one per source (a list source); normalised; None: equal
+    order: str = "random"  # "random": windows with replacement | "epoch": every token once per pass, shuffled
+    shard_tokens: int = 1 << 28  # ids per shard of the token store (`fivecut.data.store`)
+    workers: int = 0  # processes that build the token store; 0: one per core
+    record_ids: bool = False  # each rank writes the token ids it trains on to log.out_dir/data-ids-rank<R>.jsonl
 
 
 @dataclass
@@ -236,6 +243,8 @@ def checked_value(dotted: str, value: object, hint: object, origin: str) -> obje
             (item,) = typing.get_args(kind)
             if isinstance(value, list) and all(type(v) is item for v in value):
                 return value
+            if item is float and isinstance(value, list) and all(type(v) in (int, float) for v in value):
+                return [float(v) for v in value]  # data.weights = [3, 1]
             continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)

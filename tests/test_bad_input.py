@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from fivecut.cli import LOSS_RTOL, TOLERANCES, main, verdict, verify_config
 from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.presets import PRESETS, runnable_presets
-from fivecut.train.data import load_tokens
+from fivecut.train.data import DataError, load_tokens
 from fivecut.train.tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -666,41 +667,40 @@ def all_tokens(splits) -> np.ndarray:
 
 
 @pytest.mark.parametrize("damage", ["zeros", "random"])
-def test_corrupted_cache_is_rebuilt(tmp_path, corpus, capfd, damage):
+def test_corrupted_store_is_refused_by_name(tmp_path, corpus, damage):
+    """A finished store whose shard no longer matches its sha256 is refused, naming the shard and the
+    fix; after that fix (its folder removed) the same tokens come back."""
     cache = tmp_path / "cache"
-    path = load_tokens(str(corpus), "byte", cache).cache_path
-    size = path.stat().st_size
-    garbage = bytes(size) if damage == "zeros" else np.random.default_rng(0).bytes(size)
-    path.write_bytes(garbage)
-    capfd.readouterr()
-    splits = load_tokens(str(corpus), "byte", cache)
-    assert "rebuilding" in capfd.readouterr().err
-    np.testing.assert_array_equal(all_tokens(splits), fresh_tokens(corpus))
+    folder = load_tokens(str(corpus), "byte", cache).cache_path
+    shard = folder / "shard-00000.bin"
+    size = shard.stat().st_size
+    shard.write_bytes(bytes(size) if damage == "zeros" else np.random.default_rng(0).bytes(size))
+    with pytest.raises(DataError, match="does not match the sha256") as caught:
+        load_tokens(str(corpus), "byte", cache)
+    assert str(shard) in str(caught.value) and f"remove the folder {folder}" in str(caught.value)
+    shutil.rmtree(folder)
+    np.testing.assert_array_equal(all_tokens(load_tokens(str(corpus), "byte", cache)), fresh_tokens(corpus))
 
 
-@pytest.mark.parametrize("old", ["no sidecar", "no checksum"])
-def test_cache_of_the_old_format_is_rebuilt(tmp_path, corpus, capfd, old):
+@pytest.mark.parametrize("old", ["no store.json", "older version"])
+def test_unfinished_or_older_store_is_built_again(tmp_path, corpus, old):
     cache = tmp_path / "cache"
-    path = load_tokens(str(corpus), "byte", cache).cache_path
-    meta_path = path.with_suffix(".json")
-    if old == "no sidecar":
+    folder = load_tokens(str(corpus), "byte", cache).cache_path
+    meta_path = folder / "store.json"
+    if old == "no store.json":
         meta_path.unlink()
     else:
-        meta = json.loads(meta_path.read_text())
-        del meta["sha256"]
-        meta_path.write_text(json.dumps({**meta, "version": 1}))
-    path.write_bytes(bytes(path.stat().st_size))
-    capfd.readouterr()
+        meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "version": 0}))
+    (folder / "shard-00000.bin").write_bytes(bytes((folder / "shard-00000.bin").stat().st_size))
     splits = load_tokens(str(corpus), "byte", cache)
-    assert "rebuilding" in capfd.readouterr().err
     np.testing.assert_array_equal(all_tokens(splits), fresh_tokens(corpus))
 
 
 def test_sound_cache_is_reused_quietly(tmp_path, corpus, capfd):
     cache = tmp_path / "cache"
     first = load_tokens(str(corpus), "byte", cache)
-    meta = json.loads(first.cache_path.with_suffix(".json").read_text())
-    assert len(meta["sha256"]) == 64 and meta["tokenizer"] == "byte" and meta["vocab_size"] == 256
+    meta = json.loads((first.cache_path / "store.json").read_text())
+    assert len(meta["shards"][0]["sha256"]) == 64 and meta["tokenizer"] == "byte" and meta["vocab_size"] == 256
     capfd.readouterr()
     load_tokens(str(corpus), "byte", cache)
-    assert "rebuilding" not in capfd.readouterr().err
+    assert "built token store" not in capfd.readouterr().out

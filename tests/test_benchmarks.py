@@ -248,3 +248,14 @@ def test_plan_gpu_benchmark_reports(tmp_path):
     flags = ["--steps", str(steps), "--cluster", "1x1xH200", "--model", "tiny", "--seq", "32", "--batch", "2"]
     out = run_script("benchmarks/plan_gpu.py", *flags, cwd=tmp_path)
     assert "| fivecut-eager | 1,000,000 |" in out and out.rstrip().splitlines()[-1].startswith("within_10%[1x1xH200]=")
+
+
+def test_data_store_benchmark_reports(tmp_path):
+    out = run_script(
+        "benchmarks/data_store.py",
+        *("--tokens", "20000", "--memory-cap-mb", "2", "--loader-steps", "3", "--step-preset", "tiny"),
+        *("--shapes", "2x16", "--repeats", "1"),
+        cwd=tmp_path,
+    )
+    assert "| fivecut store, 2 workers |" in out and "loader share" in out and "peak resident memory" in out
+    assert out.rstrip().splitlines()[-1].startswith("ratio_two_workers_vs_datasets_map=")

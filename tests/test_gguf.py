@@ -481,6 +481,6 @@ def test_token_cache_is_keyed_by_the_tokenizer(tmp_path):
     assert a.name != b.name and first.cache_path != second.cache_path
     assert list(first.train[:40]) != list(second.train[:40]) or len(first.train) != len(second.train)
     again = load_tokens(str(corpus), GGUFSource(tmp_path / "a.gguf").tokenizer(), cache)
-    assert again.cache_path == first.cache_path and sorted(p.name for p in cache.glob("*.bin")) == sorted(
+    assert again.cache_path == first.cache_path and sorted(p.name for p in cache.iterdir() if p.is_dir()) == sorted(
         [first.cache_path.name, second.cache_path.name]
     )

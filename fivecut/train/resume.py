@@ -39,7 +39,8 @@ FREE_ON_RESUME = {
     "train": "steps launch_steps accumulate eval_every eval_batches bucket_mb collective_timeout on_nonfinite "
     "max_skipped recompute recompute_every compile adamw loss_chunk_tokens",  # when, by which kernel, in what chunks
     "moe": "eplb_slots eplb_move eplb_interval eplb_window",  # EPLB places expert copies; it changes no number
-    "data": "cache_dir",  # the token cache is keyed and checked by its tokenizer and sha256
+    # the token store is keyed and checked by its tokenizer and sha256; its shard size and builders change no id
+    "data": "cache_dir shard_tokens workers record_ids",
     "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",
     "checkpoint": "dir every keep",
 }
@@ -47,7 +48,7 @@ REFUSED_ON_RESUME = {
     "model": "preset init_from vocab_size dim n_layers n_heads n_kv_heads ffn_dim max_seq_len rope_theta norm_eps "
     "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
     "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim",
-    "data": "source tokenizer val_fraction",  # the tokens a step reads
+    "data": "source tokenizer val_fraction text_field weights order",  # the tokens a step reads
     # the batches of step s (global_batch, seq_len, seed), the optimizer and its schedule, the precision
     "train": "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype",
     "moe": "capacity_factor aux_loss_coef bias_update_rate",  # which tokens reach which expert; the loss
@@ -198,3 +199,29 @@ def idle_override(key: str, changes: list[Change], meta: dict) -> str | None:
     when = [r["step"] for r in meta.get("overrides", []) if key in r["overridden"]]
     since = f" (accepted at step {when[-1]})" if when else ""
     return f"--override {key}: {key} is {value!r} in the checkpoint too{since}; nothing to accept"
+
+
+# what decides the rows of a step: with one of these accepted by --override, other data is expected
+DATA_DECIDING = ("data.source", "data.tokenizer", "data.val_fraction", "data.text_field", "data.weights", "data.order")
+DATA_DECIDING += ("train.global_batch", "train.seq_len", "train.seed")
+
+
+def check_data_position(meta: dict, now: dict, accept: list[str]) -> None:
+    """The data after the checkpoint's step, as the checkpoint saved it (`BatchSampler.position`: the
+    order, samples read, epoch and index, each source's sequences and store content) against what this
+    config reads at that step. Other data under the same keys (a corpus edited since) is refused, naming
+    both, unless --override names a key that decides the data (then it was asked for)."""
+    saved = meta.get("data")
+    if saved is None or saved == now or any(key in DATA_DECIDING for key in accept):
+        return  # a checkpoint from before positions were saved; the same data; other data accepted
+    raise ConfigError(
+        f"resuming at step {meta['step']} with other data: the checkpoint read {describe_position(saved)}, this "
+        f"config reads {describe_position(now)} there (a source's files changed since); restore them, or accept "
+        "the new data with --override data.source"
+    )
+
+
+def describe_position(p: dict) -> str:
+    where = f"epoch {p['epoch']} index {p['index']}" if p.get("epoch") is not None else f"sample {p['samples']}"
+    stores = ", ".join(c[:12] for c in p.get("content", []))
+    return f"{where} ({p['order']} order) of {p['sequences']} sequences in stores [{stores}]"

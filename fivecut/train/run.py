@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from fivecut.model.documents import Documents
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
-from fivecut.train.data import BatchSampler, eval_batches, load_tokens, shard_batch
+from fivecut.train.data import BatchSampler, IdsRecord, eval_batches, load_sources, local_rows, shard_batch, sources_of
 from fivecut.train.memory import LossPeak
 from fivecut.train.optim import adamw_kernel, build_optimizer
 from fivecut.train.resume import Resume
@@ -51,6 +51,7 @@ class Context:
     tokenizer: object = None  # the run's tokenizer (`fivecut.train.tokenizer.Tokenizer`)
     start: Resume = field(default_factory=Resume)  # the step it starts after, its config against the checkpoint's
     overrides: list[dict] = field(default_factory=list)  # config changes accepted by --override, oldest first (saved)
+    ids_record: IdsRecord | None = None  # data.record_ids: the token ids each step trains on, written per rank
 
     @property
     def is_logger(self) -> bool:
@@ -70,8 +71,8 @@ def setup(cfg: Config) -> Context:
     timeout = timedelta(seconds=cfg.train.collective_timeout)
     mesh = Mesh(cfg.parallel, device.type, moe=args.is_moe, timeout=timeout)
     tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
-    splits = load_tokens(cfg.data.source, tokenizer, Path(cfg.data.cache_dir).expanduser(), cfg.data.val_fraction)
-    vocab = splits.vocab_size
+    sources = load_sources(cfg.data, tokenizer, verify=False)  # run_tokens checked them; each shard again on first read
+    vocab = sources[0].vocab_size
     if vocab > args.vocab_size:
         raise ValueError(
             f"tokenizer {cfg.data.tokenizer!r} has {vocab} tokens but the model's vocab_size is {args.vocab_size}; "
@@ -90,8 +91,9 @@ def setup(cfg: Config) -> Context:
     if note and dist.get_rank() == 0:
         print(f"fivecut: {note}", flush=True)
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, kernel)
-    sampler = BatchSampler(splits.train, t.seq_len, t.global_batch, t.seed)
-    val = eval_batches(splits.val, t.seq_len, t.global_batch, t.eval_batches) if t.eval_every else []
+    sampler = run_sampler(cfg, sources)
+    vals = [s.val for s in sources]
+    val = eval_batches(vals, t.seq_len, t.global_batch, t.eval_batches, cfg.data.weights) if t.eval_every else []
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
     control = control_group(mesh)
     return Context(
@@ -107,14 +109,28 @@ def setup(cfg: Config) -> Context:
         args.flops_per_token(t.seq_len),
         args,
         tokenizer,
+        ids_record=IdsRecord(cfg.log.out_dir, dist.get_rank()) if cfg.data.record_ids else None,
     )
 
 
-def run_tokens(cfg: Config):
-    """The run's corpus, tokenized (once) with the run's tokenizer (`data.tokenizer`, "auto": the model's own)."""
-    d = cfg.data
-    tokenizer = run_tokenizer(d.tokenizer, cfg.model.init_from)
-    return load_tokens(d.source, tokenizer, Path(d.cache_dir).expanduser(), d.val_fraction)
+def run_sampler(cfg: Config, sources: list) -> BatchSampler:
+    """The run's rows: its sources' training splits, mixed by data.weights, in data.order."""
+    t, d = cfg.train, cfg.data
+    trains, content = [s.train for s in sources], tuple(s.content for s in sources)
+    return BatchSampler(trains, t.seq_len, t.global_batch, t.seed, order=d.order, weights=d.weights, content=content)
+
+
+def run_tokens(cfg: Config) -> BatchSampler:
+    """The run's sources, tokenized (once) into their stores with the run's tokenizer (`data.tokenizer`,
+    "auto": the model's own) and checked against their sha256s; returns the run's sampler, whose
+    construction refuses a split too short for a row. Called before any process group exists, so
+    bad data is refused with exit 2 there."""
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    sampler = run_sampler(cfg, load_sources(cfg.data, tokenizer))
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in sampler.lines(sources_of(cfg.data.source)):
+            print(f"fivecut: {line}", flush=True)
+    return sampler
 
 
 def control_group(mesh: Mesh) -> comm.Group:
@@ -127,7 +143,10 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
     """Run every accumulation micro-step of `step`; return this rank's share of the loss.
     With `activations`, the bytes each layer saves for backward in the first micro-step go there."""
     cut = ctx.mesh
-    batches = ctx.sampler.local_batches(step, cut.coordinate("dp"), cut.dims.dp, ctx.cfg.train.accumulate)
+    dp, accumulate = cut.coordinate("dp"), ctx.cfg.train.accumulate
+    batches = ctx.sampler.local_batches(step, dp, cut.dims.dp, accumulate)
+    if ctx.ids_record is not None:
+        ctx.ids_record.write(step, local_rows(ctx.cfg.train.global_batch, dp, cut.dims.dp, accumulate), batches)
     denominator = ctx.sampler.tokens_in_global_batch()
     total = torch.zeros((), device=ctx.device)
     if ctx.par.pipeline is not None:

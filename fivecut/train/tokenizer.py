@@ -75,6 +75,10 @@ class GPT2Tokenizer:
         # Ordinary: a document that contains "<|endoftext|>" gets it as plain text.
         return self._encoding.encode_ordinary(text)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents in one call (tiktoken's batch path); one thread: a store's workers are the parallelism."""
+        return self._encoding.encode_ordinary_batch(texts, num_threads=1)
+
     def decode(self, ids: list[int]) -> str:
         return self._encoding.decode(list(ids))
 
@@ -154,6 +158,10 @@ class FileTokenizer:
     def encode(self, text: str) -> list[int]:
         # no special tokens added (a BOS would split documents differently from the model's training)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents in one call (the tokenizers library's batch encoding)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

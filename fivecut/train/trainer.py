@@ -20,7 +20,7 @@ from fivecut.train.infer import greedy_sample
 from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
-from fivecut.train.resume import resume_changes
+from fivecut.train.resume import check_data_position, resume_changes
 from fivecut.train.run import Context, evaluate, forward_backward, global_mean, measuring_loss_peak, setup
 from fivecut.weights.load import model_args
 
@@ -142,6 +142,8 @@ def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, 
     path = checkpoint.to_resume(root, resume)
     saved = checkpoint.read_meta(path) if path is not None else None
     ctx.start = resume_changes(path, saved, ctx.cfg, accept)
+    if saved is not None:
+        check_data_position(saved, ctx.sampler.position(saved["step"]), list(accept))
     if path is None:
         print_lines(ctx, ctx.start.lines())
         return 0
@@ -185,6 +187,7 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
         "model": dataclasses.asdict(model_args(cfg.model)),
         "config": cfg.to_dict(),
         "overrides": ctx.overrides,
+        "data": ctx.sampler.position(step),  # (epoch, index) and the stores read: compared on resume
     }
     return checkpoint.save(
         Path(cfg.checkpoint.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, cfg.checkpoint.keep
