@@ -113,7 +113,7 @@ def column_parallel(linear: nn.Linear, group: Group, padded_out: int | None = No
     [out] is cut with its rows (`column_bias` gives its change)."""
     linear.weight, where = shard_param(linear.weight, 0, group, padded_out)
     linear.out_features = linear.weight.shape[0]
-    if linear.bias is not None:
+    if getattr(linear, "bias", None) is not None:  # (the head may be a LossHead: no bias)
         linear.bias, _ = shard_param(linear.bias, 0, group, padded_out)  # [out/t]
     return Change(slice=where)
 
