@@ -174,13 +174,13 @@ def test_import_refuses_what_it_cannot_use(llamas, tmp_path, capsys):
     cases = {
         "does not exist": f"hf:{tmp_path}/nowhere",
         "is not hf:PATH or gguf:PATH": f"{untied}",
-        "lacks tensor layers.1.attention.wk.weight": edited_copy(
+        "tensor model.layers.1.self_attn.k_proj.weight (fivecut's layers.1.attention.wk.weight) is missing from model.safetensors": edited_copy(
             untied, tmp_path / "missing", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
         ),
-        "tensor layers.0.feed_forward.w2.weight has shape (64, 95)": edited_copy(
+        "tensor model.layers.0.mlp.down_proj.weight in model.safetensors has shape (64, 95)": edited_copy(
             untied, tmp_path / "shape", lambda t: t.update({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 95)})
         ),
-        "model.layers.0.mlp.experts.0.weight have no place": edited_copy(
+        "model.layers.0.mlp.experts.0.weight in model.safetensors has no place": edited_copy(
             untied, tmp_path / "extra", lambda t: t.update({"model.layers.0.mlp.experts.0.weight": torch.zeros(2)})
         ),
     }
@@ -188,7 +188,7 @@ def test_import_refuses_what_it_cannot_use(llamas, tmp_path, capsys):
     shutil.copytree(untied, gpt2)
     config = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps(config | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    cases["describes GPT2LMHeadModel, not a Llama"] = f"hf:{gpt2}"
+    cases["describes GPT2LMHeadModel, which fivecut does not import"] = f"hf:{gpt2}"
     for needle, spec in cases.items():
         code, err = eval_exit(capsys, spec)
         assert code == 2 and needle in err and "Traceback" not in err, (needle, err)
