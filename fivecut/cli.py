@@ -405,13 +405,20 @@ def add_export_parser(sub) -> None:
     export.add_argument("--step", type=int, help="with a checkpoint.dir: the step to export instead of the newest")
     export.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
     export.add_argument("--dtype", default="fp32", help="fp32 (as trained), bf16 or fp16")
+    export.add_argument(
+        "--architecture",
+        help="the Hugging Face class to write, e.g. Qwen2ForCausalLM (default: the first that holds the model)",
+    )
+    export.add_argument(
+        "--workers", type=int, default=1, help="processes writing the shards, each reading only its own"
+    )
     export.set_defaults(func=cmd_export)
 
 
 def cmd_export(ns) -> int:
     from fivecut.weights.export import export, parse_size
 
-    export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype)
+    export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype, ns.architecture, ns.workers)
     return 0
 
 

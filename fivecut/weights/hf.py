@@ -241,7 +241,23 @@ def folder_tokenizer(folder: Path):
         tok = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises its own exception type
         raise WeightsError(f"{path} cannot be read by the tokenizers library: {err}") from None
-    return FileTokenizer(tok, eos_id(folder, tok), str(path))
+    return FileTokenizer(tok, eos_id(folder, tok), str(path), chat_template(folder))
+
+
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template: `chat_template.jinja` (transformers >= 4.43 writes it), else
+    tokenizer_config.json's "chat_template" (a string, or a list of named templates: "default")."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    template = read_json(config).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise WeightsError(f"{config}: chat_template is {type(template).__name__}, not a Jinja string")
+    return template
 
 
 def eos_id(folder: Path, tok) -> int | None:
