@@ -312,12 +312,11 @@ SHAPE = ModelArgs(vocab_size=256, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, f
 
 def hf_folder(folder: Path, max_bytes: int = ex.DEFAULT_SHARD_BYTES) -> Path:
     """A small Llama folder as `export` writes it (random weights, no tokenizer files: the byte tokenizer)."""
-    from fivecut.train.tokenizer import get_tokenizer
-    from fivecut.weights.source import expected_shapes
-
     from safetensors.torch import save_file
 
+    from fivecut.train.tokenizer import get_tokenizer
     from fivecut.weights.hf import llama_config
+    from fivecut.weights.source import expected_shapes
 
     tensors = {to_hf(name): torch.randn(shape) for name, shape in expected_shapes(SHAPE).items()}
     folder.mkdir()

@@ -286,8 +286,8 @@ def test_bad_folders_are_refused_in_one_line(saved, tmp_path, capsys):
             qwen2, tmp_path / "no-bias", drop=bias
         ),
         f"is in {index['model.norm.weight']}, which does not exist": f"hf:{missing_shard}",
-        f"tensor model.embed_tokens.weight in {index['model.embed_tokens.weight']} has shape (321, 64), but config.json "
-        "implies (321, 48)": edited(qwen2, tmp_path / "shape", {"hidden_size": 48}),
+        f"tensor model.embed_tokens.weight in {index['model.embed_tokens.weight']} has shape (321, 64), but "
+        "config.json implies (321, 48)": edited(qwen2, tmp_path / "shape", {"hidden_size": 48}),
     }
     for needle, spec in cases.items():
         code = main(["eval", "--init-from", spec, "--set", 'data.tokenizer="byte"'])
