@@ -118,6 +118,30 @@ def test_each_class_gives_its_logits_under_layout(saved, byte_cache, layout):
             torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}, {name}")
 
 
+# ---------------------------------------------------------------- the fields under tensor parallelism
+
+# every new field at once: q/k/v biases, q/k norms, a head size of its own, a window on layer 1 (of 32 tokens)
+VARIANTS = dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64)
+VARIANTS |= dict(qkv_bias=True, qk_norm=True, attention_head_dim=24, sliding_window=6, full_attention_layers=1)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])  # tp=4 > 2 kv heads: k, v (and their biases) replicated
+def test_forward_and_every_gradient_match_single_device(tp, sp):
+    """Biases cut with their rows (or replicated with the kv heads), q/k norm weights' gradients summed over tp."""
+    from test_tensor import TOL, reference, tensor_parallel_step
+
+    from fivecut.model.args import ModelArgs
+
+    args = ModelArgs(**VARIANTS)
+    ref_logits, ref_grads = reference(args)
+    for logits, grads in spawn(tensor_parallel_step, tp, args, tp, sp):
+        torch.testing.assert_close(logits, ref_logits, **TOL)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ---------------------------------------------------------------- verify on imported models
 
 
@@ -131,9 +155,9 @@ def verify(capsys, folder: Path, layout: str) -> str:
 
 
 @pytest.mark.multirank
-def test_verify_passes_on_qwen2_under_tp(saved, capsys):
-    """q/k/v biases cut with their rows; a window on layer 1 (the Shakespeare sequences are 64 long)."""
-    verify(capsys, saved["Qwen2ForCausalLM"][0], "tp=2")
+def test_verify_passes_on_qwen3_under_tp(saved, capsys):
+    """The per-head q/k norms: each tp rank applies them to its heads, their gradients summed over tp."""
+    verify(capsys, saved["Qwen3ForCausalLM"][0], "tp=2")
 
 
 @pytest.mark.sweep
