@@ -230,6 +230,11 @@ def test_each_class_exports_to_itself_after_training(saved, byte_cache, tmp_path
             expected = ours(TOKENS)
             torch.testing.assert_close(theirs(TOKENS).logits, expected, rtol=RTOL, atol=ATOL, msg=name)
         assert not torch.allclose(expected, before, atol=1e-3), name
+        if name == "Qwen2ForCausalLM":  # shards written by 2 processes, each reading its own: the same files
+            again = ex.export(ck, tmp_path / name / "hf-2", max_shard_bytes=100_000, workers=2)
+            files = sorted(p.name for p in out.iterdir())
+            assert files == sorted(p.name for p in again.iterdir()) and len(files) > 5
+            assert all((out / f).read_bytes() == (again / f).read_bytes() for f in files)
 
 
 # ---------------------------------------------------------------- greedy generation
