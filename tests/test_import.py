@@ -266,10 +266,12 @@ def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, tmp_path)
 def moe_export(tmp_path_factory):
     """`tiny-moe` with random routing biases, written as fivecut's MoE export (fivecut names,
     model_type "fivecut"); returns (folder, its logits of TOKENS_MOE from the whole model)."""
+    from safetensors.torch import save_file
+
     from fivecut.model.presets import get_preset
     from fivecut.model.transformer import build_model
     from fivecut.train.tokenizer import get_tokenizer
-    from fivecut.weights.export import write_folder
+    from fivecut.weights.export import moe_config, write_json
 
     model = build_model(get_preset("tiny-moe"), seed=3)
     tensors = dict(model.state_dict())
@@ -280,7 +282,9 @@ def moe_export(tmp_path_factory):
     tensors = {k: v for k, v in tensors.items() if not k.endswith(("rope_cos", "rope_sin", "tokens_per_expert"))}
     folder = tmp_path_factory.mktemp("moe") / "hf"
     folder.mkdir()
-    write_folder(folder, model.args, "float32", tensors, get_tokenizer("byte"), 5 * 2**30)
+    config = moe_config(model.args, "float32", None, None) | {"fivecut_tokenizer": get_tokenizer("byte").name}
+    write_json(folder / "config.json", config)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     with torch.no_grad():
         return folder, model(TOKENS_MOE)
 
