@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,19 @@ def test_bad_folders_are_refused_in_one_line(saved, tmp_path, capsys):
         code = main(["eval", "--init-from", spec, "--set", 'data.tokenizer="byte"'])
         err = capsys.readouterr().err
         assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, (needle, err)
+
+
+def test_model_args_refuse_fields_that_describe_no_model():
+    from fivecut.model.args import ModelArgs
+
+    mla = dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=4)
+    cases = {
+        "full_attention_layers (1) needs a sliding_window": dict(full_attention_layers=1),
+        "full_attention_layers (5) exceeds n_layers (4)": dict(sliding_window=8, full_attention_layers=5),
+        "sliding_window (4) shapes grouped-query attention, not multi-head latent": dict(sliding_window=4, **mla),
+        "qk_norm (True) shapes grouped-query attention": dict(qk_norm=True, **mla),
+    }
+    for needle, fields in cases.items():
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            ModelArgs(**fields).check()
+    assert ModelArgs(n_heads=4, dim=128, attention_head_dim=48).check().head_dim == 48  # dim need not be heads x 48

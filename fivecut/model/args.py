@@ -44,7 +44,7 @@ POSITIVE = (
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
                 "attention_head_dim", "sliding_window", "full_attention_layers")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
-GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm")
+GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "sliding_window")
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
