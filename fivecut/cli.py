@@ -786,7 +786,7 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.train.memory import format_bytes
 
     dims = cfg.parallel
-    counts = local_param_counts(preset_args(cfg.model), cfg)  # {reduce group: Psi}
+    counts = local_param_counts(checks.resolved_args(cfg.model), cfg)  # {reduce group: Psi}
     sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
@@ -809,7 +809,7 @@ def print_buffers(measured: int, cfg: Config) -> None:
     from fivecut.plan.buffers import buffer_bytes
     from fivecut.train.memory import format_bytes
 
-    predicted = buffer_bytes(preset_args(cfg.model), cfg)
+    predicted = buffer_bytes(checks.resolved_args(cfg.model), cfg)
     ratio = f"{measured / predicted:.3f}" if predicted else ("1.000" if not measured else "inf")
     print(f"data-cut buffers at their peak: measured {format_bytes(measured)}, predicted {format_bytes(predicted)}")
     print(f"buffers_ratio={ratio}")
@@ -819,7 +819,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     """Bytes a layer keeps for backward (step 1, first micro-step), measured vs the formula."""
     from fivecut.train.memory import format_bytes
 
-    args, dims, t = preset_args(cfg.model), cfg.parallel, cfg.train
+    args, dims, t = checks.resolved_args(cfg.model), cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
     seq = t.seq_len // dims.cp  # this rank's chunk of each sequence
     layer = max(measured, key=int)  # a stage's first layer also holds what all its layers share (RoPE tables)
@@ -884,7 +884,7 @@ def print_loss_peak(every_rank: list, cfg: Config) -> None:
     from fivecut.train.memory import format_bytes
 
     rank, measured = next((r, result.loss_peak) for r, result in enumerate(every_rank) if result.loss_peak is not None)
-    args, dims, t = preset_args(cfg.model), cfg.parallel, cfg.train
+    args, dims, t = checks.resolved_args(cfg.model), cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
     tokens = rows * t.seq_len // dims.cp
     chunk = t.loss_chunk_tokens
@@ -934,7 +934,7 @@ def cmd_ledger(ns) -> int:
     print_buffers(mine.buffers, cfg)
     print_activations(mine.activations, cfg, first_forward_rows(mine))
     print_loss_peak(every_rank, cfg)
-    predicted = predict(preset_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
+    predicted = predict(checks.resolved_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")
     for cut, (volume, closed_form) in predicted.items():
