@@ -169,6 +169,38 @@ def test_verify_passes_on_each_class(saved, capsys, name, layout):
     verify(capsys, saved[name][0], layout)
 
 
+def ledger_ratios(capsys, folder: Path, layout: str) -> dict[str, str]:
+    from fivecut.cli import main
+
+    code = main(["ledger", "--model", f"hf:{folder}", "--layout", layout, "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return dict(
+        re.fullmatch(r"(\w*ratio)=(\S+)", line).groups()
+        for line in out.splitlines()
+        if re.fullmatch(r"\w*ratio=\S+", line)
+    )
+
+
+@pytest.mark.multirank
+def test_ledger_measures_what_the_planner_predicts_for_qwen2(saved, capsys):
+    """Bytes of every cut, model state and the activations a block keeps (q/k/v biases, the window's
+    mask on layer 1, the one the ledger measures), measured = predicted under tp=2 with SP."""
+    ratios = ledger_ratios(capsys, saved["Qwen2ForCausalLM"][0], "tp=2,sp=true")
+    assert {k: ratios.get(k) for k in ("ratio", "memory_ratio", "activation_ratio")} == dict.fromkeys(
+        ("ratio", "memory_ratio", "activation_ratio"), "1.000"
+    ), ratios
+
+
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("layout", ["dp=2", "tp=2", "cp=2,cp_mode=ulysses"])
+def test_ledger_measures_what_the_planner_predicts(saved, capsys, name, layout):
+    ratios = ledger_ratios(capsys, saved[name][0], layout)
+    assert ratios["ratio"] == ratios["memory_ratio"] == ratios["activation_ratio"] == "1.000", ratios
+
+
 def test_ring_attention_with_a_window_is_refused_before_any_rank(saved, capsys):
     from fivecut.cli import main
 
