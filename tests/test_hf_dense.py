@@ -380,3 +380,31 @@ def test_model_args_refuse_fields_that_describe_no_model():
         with pytest.raises(ValueError, match=re.escape(needle)):
             ModelArgs(**fields).check()
     assert ModelArgs(n_heads=4, dim=128, attention_head_dim=48).check().head_dim == 48  # dim need not be heads x 48
+
+
+def test_a_stacked_tensor_is_one_hugging_face_tensor_per_expert(tmp_path):
+    """The record's form for mixture-of-experts classes (their entries live in moe_architectures.py):
+    fivecut's experts [E, dim, hidden] <-> E tensors [hidden, dim]; written by export, and a box of
+    experts and channels read back by import opens only those experts' slices."""
+    from safetensors.torch import save_file
+
+    from fivecut.weights.architectures import TensorMap
+    from fivecut.weights.export import Entry, hf_tensors
+    from fivecut.weights.hf import HFSource
+
+    theirs = tuple(f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(3))
+    m = TensorMap("layers.0.feed_forward.experts.w1", theirs, stacked=True, transposed=True)
+    full = torch.randn(3, 8, 5)  # [E, dim, hidden]
+    written = hf_tensors(Entry("model." + m.ours, (3, 8, 5), m), full, torch.float32)
+    assert list(written) == list(theirs) and all(t.shape == m.hf_shape((3, 8, 5)) == (5, 8) for t in written.values())
+    save_file(written, str(tmp_path / "model.safetensors"))
+    source = HFSource.__new__(HFSource)  # the reading half alone, without a config.json
+    source.files, source._handles, source.maps, source.buffers = (
+        dict.fromkeys(theirs, tmp_path / "model.safetensors"),
+        {},
+        {m.ours: m},
+        {},
+    )
+    assert source.fivecut_shape(m) == (3, 8, 5)
+    box = (slice(1, 3), slice(2, 6), slice(1, 4))
+    assert torch.equal(source.read(m.ours, box), full[box])
