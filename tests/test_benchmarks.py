@@ -205,3 +205,8 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_import_memory_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/import_memory.py", "--params", "2e6", cwd=tmp_path)
+    assert "| pp=2 | 1 |" in out and "| tp=2 | 1 |" in out
