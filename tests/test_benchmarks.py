@@ -210,3 +210,9 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
 def test_import_memory_benchmark_reports(tmp_path):
     out = run_script("benchmarks/import_memory.py", "--params", "2e6", cwd=tmp_path)
     assert "| pp=2 | 1 |" in out and "| tp=2 | 1 |" in out
+
+
+def test_sliding_window_benchmark_reports(tmp_path):
+    args = ["--seq", "64", "--window", "16", "--steps", "1", "--repeats", "1", "--warmup", "0"]
+    out = run_script("benchmarks/sliding_window.py", *args, cwd=tmp_path)
+    assert "| fivecut: SDPA + band mask |" in out and out.rstrip().splitlines()[-1].startswith("ratio_flex_sdpa=")
