@@ -1,4 +1,5 @@
-"""Hugging Face Llama folders: `config.json` <-> `ModelArgs`, and safetensors read by slices.
+"""Hugging Face model folders: `config.json` -> `ModelArgs` through the registry of classes
+(`fivecut.weights.architectures`), and safetensors read by slices.
 
 Reading needs no model class: the shape comes from `config.json`, the tensors from
 `model.safetensors` or the shards named in `model.safetensors.index.json`, each box read with
@@ -19,8 +20,6 @@ from fivecut.weights.architectures import LLAMA, Architecture, ArchitectureError
 from fivecut.weights.source import WeightsError, expected_shapes
 
 INDEX = "model.safetensors.index.json"
-
-LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 
 def llama_config(args: ModelArgs, torch_dtype: str = "float32", bos: int | None = None, eos: int | None = None) -> dict:
