@@ -552,7 +552,24 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
         )
-    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model)
+    return (
+        out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + window_ring_problems(dims, model)
+    )
+
+
+def window_ring_problems(dims: ParallelDims, model) -> list[str]:
+    """Sliding-window attention under context parallelism: Ulysses gives each rank whole sequences
+    (of its heads), so the window is the one-device band; ring attention is refused. Its block
+    pairs are either causal-diagonal or wholly visible (`fivecut.parallel.context.BlockPair`), and
+    a window cuts bands through both that the fused kernel's causal flag cannot express."""
+    if dims.cp > 1 and dims.cp_mode != "ulysses" and model.has_window:  # USP runs the ring's kernel, even at R = 1
+        return [
+            f"cp={dims.cp} with cp_mode={dims.cp_mode!r} and sliding-window attention (sliding_window="
+            f"{model.sliding_window}): ring attention's K/V blocks are masked causal or not at all, and a "
+            "window needs a band per block pair, which is not built; set parallel.cp_mode='ulysses' (whole "
+            "sequences per head, the window exact)"
+        ]
+    return []
 
 
 def usp_head_problems(dims: ParallelDims, model) -> list[str]:

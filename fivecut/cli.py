@@ -299,7 +299,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
         "--model",
         default="tiny",
         help=f"model preset: {', '.join(runnable_presets())} (the shape-only {', '.join(sorted(SHAPE_ONLY))} "
-        "are for planning)",
+        "are for planning), or a published model, hf:FOLDER or gguf:FILE (its weights, its tokenizer or bytes)",
     )
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is reported")
@@ -424,13 +424,20 @@ def add_export_parser(sub) -> None:
     export.add_argument("--step", type=int, help="with a checkpoint.dir: the step to export instead of the newest")
     export.add_argument("--max-shard-size", default="5GiB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB")
     export.add_argument("--dtype", default="fp32", help="fp32 (as trained), bf16 or fp16")
+    export.add_argument(
+        "--architecture",
+        help="the Hugging Face class to write, e.g. Qwen2ForCausalLM (default: the first that holds the model)",
+    )
+    export.add_argument(
+        "--workers", type=int, default=1, help="processes writing the shards, each reading only its own"
+    )
     export.set_defaults(func=cmd_export)
 
 
 def cmd_export(ns) -> int:
     from fivecut.weights.export import export, parse_size
 
-    export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype)
+    export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype, ns.architecture, ns.workers)
     return 0
 
 
@@ -602,14 +609,26 @@ LAYOUT_UNUSED = {
 }
 
 
+def layout_model(model: str) -> tuple[str, str]:
+    """The [model] key of `--model` (a preset, or hf:/gguf: a published model) and the tokenizer its
+    runs read Shakespeare with: bytes for a vocabulary that holds them, else GPT-2's, and a published
+    model's own when its file has one."""
+    if model.startswith(("hf:", "gguf:")):
+        from fivecut.weights.load import source_args, source_of
+
+        source_args(model)  # the folder and its tensors checked here, before any rank starts
+        return f"model.init_from={model!r}", "auto" if source_of(model).tokenizer() is not None else "byte"
+    checks.check_preset(model, key="--model")
+    args = preset_args(ModelConfig(preset=model))
+    return f"model.preset={model!r}", "byte" if args.vocab_size <= 256 else "gpt2"
+
+
 def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout` and every --set."""
     checks.check_run_arguments(ns.steps, ns.timeout, tolerance_flags(ns))
-    checks.check_preset(ns.model, key="--model")
-    args = preset_args(ModelConfig(preset=ns.model))
-    tokenizer = "byte" if args.vocab_size <= 256 else "gpt2"
+    model_key, tokenizer = layout_model(ns.model)
     base = [
-        f"model.preset={ns.model!r}",
+        model_key,
         f"data.tokenizer={tokenizer!r}",
         f"train.steps={ns.steps}",
         "train.seq_len=64",
@@ -819,7 +838,7 @@ def print_memory(measured: dict[str, int], cfg: Config) -> None:
     from fivecut.train.memory import format_bytes
 
     dims = cfg.parallel
-    counts = local_param_counts(preset_args(cfg.model), cfg)  # {reduce group: Psi}
+    counts = local_param_counts(checks.resolved_args(cfg.model), cfg)  # {reduce group: Psi}
     sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
@@ -842,7 +861,7 @@ def print_buffers(measured: int, cfg: Config) -> None:
     from fivecut.plan.buffers import buffer_bytes
     from fivecut.train.memory import format_bytes
 
-    predicted = buffer_bytes(preset_args(cfg.model), cfg)
+    predicted = buffer_bytes(checks.resolved_args(cfg.model), cfg)
     ratio = f"{measured / predicted:.3f}" if predicted else ("1.000" if not measured else "inf")
     print(f"data-cut buffers at their peak: measured {format_bytes(measured)}, predicted {format_bytes(predicted)}")
     print(f"buffers_ratio={ratio}")
@@ -852,7 +871,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
     """Bytes a layer keeps for backward (step 1, first micro-step), measured vs the formula."""
     from fivecut.train.memory import format_bytes
 
-    args, dims, t = preset_args(cfg.model), cfg.parallel, cfg.train
+    args, dims, t = checks.resolved_args(cfg.model), cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
     seq = t.seq_len // dims.cp  # this rank's chunk of each sequence
     layer = max(measured, key=int)  # a stage's first layer also holds what all its layers share (RoPE tables)
@@ -918,7 +937,7 @@ def print_loss_peak(every_rank: list, cfg: Config) -> None:
     from fivecut.train.memory import format_bytes
 
     rank, measured = next((r, result.loss_peak) for r, result in enumerate(every_rank) if result.loss_peak is not None)
-    args, dims, t = preset_args(cfg.model), cfg.parallel, cfg.train
+    args, dims, t = checks.resolved_args(cfg.model), cfg.parallel, cfg.train
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
     tokens = rows * t.seq_len // dims.cp
     chunk = t.loss_chunk_tokens
@@ -968,7 +987,7 @@ def cmd_ledger(ns) -> int:
     print_buffers(mine.buffers, cfg)
     print_activations(mine.activations, cfg, first_forward_rows(mine))
     print_loss_peak(every_rank, cfg)
-    predicted = predict(preset_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
+    predicted = predict(checks.resolved_args(cfg.model), cfg, mine.moe[-1]["local"] if mine.moe else None)
     measured_total = predicted_total = 0.0
     print(f"\n{'cut':<8} {'measured':>16} {'predicted':>16} {'ratio':>7}   formula")
     for cut, (volume, closed_form) in predicted.items():

@@ -60,6 +60,11 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    attention_head_dim: int | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool | None = None
+    sliding_window: int | None = None
+    full_attention_layers: int | None = None
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)

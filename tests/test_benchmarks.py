@@ -259,3 +259,14 @@ def test_data_store_benchmark_reports(tmp_path):
     )
     assert "| fivecut store, 2 workers |" in out and "loader share" in out and "peak resident memory" in out
     assert out.rstrip().splitlines()[-1].startswith("ratio_two_workers_vs_datasets_map=")
+
+
+def test_import_memory_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/import_memory.py", "--params", "2e6", cwd=tmp_path)
+    assert "| pp=2 | 1 |" in out and "| tp=2 | 1 |" in out
+
+
+def test_sliding_window_benchmark_reports(tmp_path):
+    args = ["--seq", "64", "--window", "16", "--steps", "1", "--repeats", "1", "--warmup", "0"]
+    out = run_script("benchmarks/sliding_window.py", *args, cwd=tmp_path)
+    assert "| fivecut: SDPA + band mask |" in out and out.rstrip().splitlines()[-1].startswith("ratio_flex_sdpa=")

@@ -312,12 +312,27 @@ SHAPE = ModelArgs(vocab_size=256, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, f
 
 def hf_folder(folder: Path, max_bytes: int = ex.DEFAULT_SHARD_BYTES) -> Path:
     """A small Llama folder as `export` writes it (random weights, no tokenizer files: the byte tokenizer)."""
+    from safetensors.torch import save_file
+
     from fivecut.train.tokenizer import get_tokenizer
+    from fivecut.weights.hf import llama_config
     from fivecut.weights.source import expected_shapes
 
     tensors = {to_hf(name): torch.randn(shape) for name, shape in expected_shapes(SHAPE).items()}
     folder.mkdir()
-    ex.write_folder(folder, SHAPE, "float32", tensors, get_tokenizer("byte"), max_bytes)
+    ex.write_json(folder / "config.json", llama_config(SHAPE) | {"fivecut_tokenizer": get_tokenizer("byte").name})
+    parts, size = [{}], 0
+    for name, t in tensors.items():
+        if parts[-1] and size + t.numel() * 4 > max_bytes:
+            parts, size = [*parts, {}], 0
+        parts[-1][name], size = t, size + t.numel() * 4
+    if len(parts) == 1:
+        save_file(parts[0], str(folder / ex.SAFETENSORS))
+        return folder
+    files = [f"model-{k}.safetensors" for k in range(len(parts))]
+    for file, part in zip(files, parts):
+        save_file(part, str(folder / file))
+    ex.write_json(folder / ex.INDEX, {"weight_map": {n: f for f, part in zip(files, parts) for n in part}})
     return folder
 
 

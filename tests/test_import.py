@@ -174,13 +174,14 @@ def test_import_refuses_what_it_cannot_use(llamas, tmp_path, capsys):
     cases = {
         "does not exist": f"hf:{tmp_path}/nowhere",
         "is not hf:PATH or gguf:PATH": f"{untied}",
-        "lacks tensor layers.1.attention.wk.weight": edited_copy(
+        "tensor model.layers.1.self_attn.k_proj.weight (fivecut's layers.1.attention.wk.weight) is missing from "
+        "model.safetensors": edited_copy(
             untied, tmp_path / "missing", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
         ),
-        "tensor layers.0.feed_forward.w2.weight has shape (64, 95)": edited_copy(
+        "tensor model.layers.0.mlp.down_proj.weight in model.safetensors has shape (64, 95)": edited_copy(
             untied, tmp_path / "shape", lambda t: t.update({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 95)})
         ),
-        "model.layers.0.mlp.experts.0.weight have no place": edited_copy(
+        "model.layers.0.mlp.experts.0.weight in model.safetensors has no place": edited_copy(
             untied, tmp_path / "extra", lambda t: t.update({"model.layers.0.mlp.experts.0.weight": torch.zeros(2)})
         ),
     }
@@ -188,7 +189,7 @@ def test_import_refuses_what_it_cannot_use(llamas, tmp_path, capsys):
     shutil.copytree(untied, gpt2)
     config = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps(config | {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    cases["describes GPT2LMHeadModel, not a Llama"] = f"hf:{gpt2}"
+    cases["describes GPT2LMHeadModel, which fivecut does not import"] = f"hf:{gpt2}"
     for needle, spec in cases.items():
         code, err = eval_exit(capsys, spec)
         assert code == 2 and needle in err and "Traceback" not in err, (needle, err)
@@ -265,10 +266,12 @@ def test_smollm2_logits_under_odd_tp_and_pp_equal_one_process(smollm2, tmp_path)
 def moe_export(tmp_path_factory):
     """`tiny-moe` with random routing biases, written as fivecut's MoE export (fivecut names,
     model_type "fivecut"); returns (folder, its logits of TOKENS_MOE from the whole model)."""
+    from safetensors.torch import save_file
+
     from fivecut.model.presets import get_preset
     from fivecut.model.transformer import build_model
     from fivecut.train.tokenizer import get_tokenizer
-    from fivecut.weights.export import write_folder
+    from fivecut.weights.export import moe_config, write_json
 
     model = build_model(get_preset("tiny-moe"), seed=3)
     tensors = dict(model.state_dict())
@@ -279,7 +282,9 @@ def moe_export(tmp_path_factory):
     tensors = {k: v for k, v in tensors.items() if not k.endswith(("rope_cos", "rope_sin", "tokens_per_expert"))}
     folder = tmp_path_factory.mktemp("moe") / "hf"
     folder.mkdir()
-    write_folder(folder, model.args, "float32", tensors, get_tokenizer("byte"), 5 * 2**30)
+    config = moe_config(model.args, "float32", None, None) | {"fivecut_tokenizer": get_tokenizer("byte").name}
+    write_json(folder / "config.json", config)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     with torch.no_grad():
         return folder, model(TOKENS_MOE)
 

@@ -116,7 +116,8 @@ REFUSED_KEYS = {
         "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
         "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
     ).split()),
-    "data.source", "data.tokenizer", "data.val_fraction", "data.text_field", "data.weights", "data.order",
+    *(f"model.{k}" for k in "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers".split()),
+    "data.source", "data.tokenizer", "data.val_fraction", "data.text_field", "data.weights", "data.order", "data.document_mask",
     *(f"train.{k}" for k in (
         "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype"
     ).split()),

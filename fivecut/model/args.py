@@ -41,7 +41,10 @@ POSITIVE = (
     "expert_groups",
     "route_group_limit",
 )
-NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank")
+NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
+                "attention_head_dim", "sliding_window", "full_attention_layers")  # fmt: skip
+# the fields of plain (grouped-query) attention's published variants: latent attention has none of them
+GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "sliding_window")
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -93,6 +96,14 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # variants of grouped-query attention in published dense models (Qwen2/2.5, Qwen3, Mistral)
+    attention_head_dim: int = 0  # channels of one head; 0: dim // n_heads (Qwen3 sets its own)
+    qkv_bias: bool = False  # biases on the q, k, v projections, not on wo (Qwen2/2.5)
+    qk_norm: bool = False  # RMSNorm over each query and each key head, before RoPE (Qwen3)
+    # sliding-window attention (Mistral v0.1, Qwen2's use_sliding_window): 0 is full causal attention;
+    # w > 0: the query at position i sees positions i-w+1 .. i (itself and the w-1 before it)
+    sliding_window: int = 0
+    full_attention_layers: int = 0  # with a window: the first k layers attend fully (Qwen2's max_window_layers)
 
     # ----- the check of the values ---------------------------------------
 
@@ -101,7 +112,7 @@ class ModelArgs:
         One problem at a time (unlike the layout's `problems()` lists): each check divides by what the
         ones before it proved positive."""
         self._check_signs()
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.attention_head_dim:
             raise ValueError(
                 f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); "
                 f"choose n_heads among the divisors of dim, e.g. {nearest_divisor(self.dim, self.n_heads)}"
@@ -119,6 +130,7 @@ class ModelArgs:
                 "but RoPE rotates pairs of channels; pick dim and n_heads giving an even head_dim"
             )
         self._check_gate_and_layers()
+        self._check_window()
         if self.is_moe:
             self._check_groups()
         if self.is_moe and self.top_k > self.n_experts:
@@ -160,6 +172,24 @@ class ModelArgs:
                 f"n_kv_heads ({self.n_kv_heads}) != n_heads ({self.n_heads}); multi-head latent attention expands "
                 f"keys and values for every head: set n_kv_heads = {self.n_heads}"
             )
+        for name in GQA_ONLY:
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} ({getattr(self, name)!r}) shapes grouped-query attention, not multi-head latent "
+                    f"attention (kv_lora_rank={self.kv_lora_rank}); unset {name}"
+                )
+
+    def _check_window(self) -> None:
+        if self.full_attention_layers and not self.sliding_window:
+            raise ValueError(
+                f"full_attention_layers ({self.full_attention_layers}) needs a sliding_window for the other layers; "
+                "set sliding_window > 0, or full_attention_layers = 0"
+            )
+        if self.full_attention_layers > self.n_layers:
+            raise ValueError(
+                f"full_attention_layers ({self.full_attention_layers}) exceeds n_layers ({self.n_layers}); "
+                f"set full_attention_layers <= {self.n_layers}"
+            )
 
     def _check_gate_and_layers(self) -> None:
         if self.gate not in GATES:
@@ -193,7 +223,15 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    def layer_window(self, i: int) -> int:
+        """The sliding window of layer i's attention; 0: full causal attention."""
+        return self.sliding_window if i >= self.full_attention_layers else 0
+
+    @property
+    def has_window(self) -> bool:
+        return any(self.layer_window(i) for i in range(self.n_layers))
 
     @property
     def is_mla(self) -> bool:
@@ -261,7 +299,9 @@ class ModelArgs:
 
     def _attention_params(self) -> int:
         latent_norms = self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0
-        return self.attention_matmul_params() + latent_norms
+        biases = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
+        head_norms = 2 * self.head_dim if self.qk_norm else 0
+        return self.attention_matmul_params() + latent_norms + biases + head_norms
 
     def _ffn_params(self, hidden: int) -> int:
         return 3 * self.dim * hidden  # w1, w3, w2

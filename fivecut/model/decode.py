@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer, apply_rope
+from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer, band_mask
 
 
 @dataclass
@@ -99,34 +99,25 @@ def _attention(
 ) -> torch.Tensor:
     """Attention.forward over the cached prefix and the s new positions: x [b, s, dim] -> [b, s, dim]."""
     b, s, _ = x.shape
-    if isinstance(attn, LatentAttention):
-        q, k, v = attn.qkv(x, rope)  # [b, H, s, nope + rope] twice, [b, H, s, v_dim]
-    else:
-        q, k, v = _heads(attn, attn.wq(x)), _heads(attn, attn.wk(x)), _heads(attn, attn.wv(x))
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, heads, s, hd]
+    q, k, v = attn.qkv(x, rope)  # [b, heads, s, hd] (latent attention: [b, H, s, nope + rope], v_dim for v)
     end = start + s
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
     keys, values = k_cache[:, :, :end], v_cache[:, :, :end]  # [b, n_kv, end, hd]
-    o = _sdpa(q, keys, values, start)  # [b, n_heads, s, hd]
+    window = attn.window if isinstance(attn, Attention) else 0
+    o = _sdpa(q, keys, values, start, window)  # [b, n_heads, s, hd]
     return attn.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
-def _heads(attn: Attention, y: torch.Tensor) -> torch.Tensor:
-    b, s, _ = y.shape
-    return y.view(b, s, -1, attn.head_dim).transpose(1, 2)  # [b, heads, s, hd]
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0) -> torch.Tensor:
     """Softmax attention of q [b, h, s, hd] over k/v [b, n_kv, start+s, hd]: new position i sees
-    every cached position and the new ones up to itself."""
+    every cached position and the new ones up to itself (with a sliding window w, only the last w)."""
     gqa = q.shape[1] != k.shape[1]
     s = q.shape[2]
-    if s == 1:  # one new position sees everything
+    windowed = 0 < window < start + s
+    if s == 1 and not windowed:  # one new position sees everything
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    if start == 0:  # plain causal prefill, as the full forward computes it
+    if start == 0 and not windowed:  # plain causal prefill, as the full forward computes it
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    rows = torch.arange(start, start + s, device=q.device).unsqueeze(1)  # [s, 1] absolute positions
-    mask = torch.arange(start + s, device=q.device) <= rows  # [s, start+s]
+    mask = band_mask(s, start + s, start, window, q.device)  # [s, start+s]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

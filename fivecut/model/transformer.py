@@ -79,43 +79,75 @@ class CausalSDPA(nn.Module):
     A value head narrower than the query/key head (latent attention) is zero-padded to hd
     and the output cut back: the fused kernels want one head size (without the padding the
     CPU falls back to the unfused path, which keeps the s x s probabilities for backward).
+    With a sliding `window` w the query at position i sees positions i-w+1 .. i only: the band
+    is handed to the same fused kernel as a boolean mask [s, s] (measured against FlexAttention
+    in benchmarks/sliding_window.py). The sequence given must start at position 0 and be whole
+    (one device, Ulysses' whole sequence per head; ring attention is refused in fivecut.checks).
     With `documents` (the whole sequence's) causal within each document only: a boolean mask
-    [b, 1, s, s] instead of is_causal."""
+    [b, 1, s, s] instead of is_causal (and the band within it)."""
+
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window
 
     def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         narrow = q.shape[-1] - v.shape[-1]
-        mask = None
+        s = q.shape[2]
+        mask = band_mask(s, s, 0, self.window, q.device) if 0 < self.window < s else None  # [s, s]
         if documents is not None:
-            at = torch.arange(q.shape[2], device=q.device)
-            mask = documents.visible(at, at)  # [b, 1, s, s]
+            at = torch.arange(s, device=q.device)
+            inside = documents.visible(at, at)  # [b, 1, s, s]
+            mask = inside if mask is None else inside & mask
         v = F.pad(v, (0, narrow)) if narrow else v
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return o[..., : o.shape[-1] - narrow]  # [b, n_heads, s, hd_v]
 
 
+def band_mask(s_q: int, s_k: int, start: int, window: int, device=None) -> torch.Tensor:
+    """Which keys each query sees: [s_q, s_k] bool, query r at position start + r, key c at c;
+    causal (c <= position), and with a window w > 0 only the last w positions (c > position - w)."""
+    rows = torch.arange(start, start + s_q, device=device).unsqueeze(1)  # [s_q, 1]
+    cols = torch.arange(s_k, device=device)  # [s_k]
+    seen = cols <= rows
+    return seen & (cols > rows - window) if window else seen
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Grouped-query attention with the published variants: biases on q, k, v (Qwen2), an
+    RMSNorm over each query and key head before RoPE (Qwen3), a sliding window (Mistral)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        bias = args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # per-head norms [hd], shared by the heads (and so by the tensor-parallel ranks)
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         # Replaceable by any module with the same signature (context parallelism).
-        self.core: nn.Module = CausalSDPA()
+        self.window = args.layer_window(layer_id)
+        self.core: nn.Module = CausalSDPA(self.window)
 
     def _heads(self, y: torch.Tensor) -> torch.Tensor:
         b, s, _ = y.shape
         # number of (local) heads from the projection's width, not from args
         return y.view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, hd]
 
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> q [b, heads, s, hd], k, v [b, kv_heads, s, hd]; q and k normed and rotated."""
+        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over hd, each head alone
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.core(q, k, v, documents)  # [b, n_heads, s, hd]
+        o = self.core(*self.qkv(x, rope), documents)  # [b, n_heads, s, hd]
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, n_heads * hd]
         return self.wo(o)
 
@@ -177,9 +209,9 @@ class LatentAttention(nn.Module):
         return q, k, v
 
 
-def make_attention(args: ModelArgs) -> nn.Module:
+def make_attention(args: ModelArgs, layer_id: int = 0) -> nn.Module:
     """Latent attention when the arguments give a key/value latent (kv_lora_rank > 0), else GQA."""
-    return LatentAttention(args) if args.is_mla else Attention(args)
+    return LatentAttention(args) if args.is_mla else Attention(args, layer_id)
 
 
 class FeedForward(nn.Module):
@@ -453,7 +485,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = make_attention(args)
+        self.attention = make_attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoE(args) if args.moe_layer(layer_id) else FeedForward(args.dim, args.ffn_dim)
 

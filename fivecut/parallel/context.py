@@ -405,6 +405,8 @@ def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str
 
 
 def context_core(core: nn.Module, groups: dict[str, Group], mode: str) -> nn.Module:
+    if mode != "ulysses" and getattr(core, "window", 0):  # refused earlier by fivecut.checks.window_ring_problems
+        raise ValueError(f"ring attention has no sliding window (core window {core.window}); use cp_mode='ulysses'")
     if mode == "ulysses":
         return UlyssesAttention(core, groups["cp"])
     if mode == "ring":

@@ -81,8 +81,8 @@ STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "dat
 # parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
 TP_CUT = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
-          "feed_forward.w3.weight", "tok_embeddings.weight")  # fmt: skip
-TP_CUT_KV = ("attention.wk.weight", "attention.wv.weight")
+          "feed_forward.w3.weight", "tok_embeddings.weight", "attention.wq.bias")  # fmt: skip
+TP_CUT_KV = ("attention.wk.weight", "attention.wv.weight", "attention.wk.bias", "attention.wv.bias")
 TP_CUT_MLA = ("attention.wq_b.weight", "attention.wkv_b.weight")  # latent attention's up projections
 
 

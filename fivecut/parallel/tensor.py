@@ -36,6 +36,8 @@ parameters' placement records and checks every local shape against them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,10 +109,23 @@ def make_region(
 
 
 def column_parallel(linear: nn.Linear, group: Group, padded_out: int | None = None) -> Change:
-    """Keep rows of the weight [out/t, in]: this rank computes out/t output features."""
+    """Keep rows of the weight [out/t, in]: this rank computes out/t output features. A bias
+    [out] is cut with its rows (`column_bias` gives its change)."""
     linear.weight, where = shard_param(linear.weight, 0, group, padded_out)
     linear.out_features = linear.weight.shape[0]
+    if getattr(linear, "bias", None) is not None:  # (the head may be a LossHead: no bias)
+        linear.bias, _ = shard_param(linear.bias, 0, group, padded_out)  # [out/t]
     return Change(slice=where)
+
+
+def column_changes(linear: nn.Module, name: str, change: Change) -> Changes:
+    """`name.weight`'s change, and `name.bias`'s when the linear has a bias (the same rows, 1-D)."""
+    changes = {f"{name}.weight": change}
+    if getattr(linear, "bias", None) is not None:
+        where = change.slice
+        bias_slice = dataclasses.replace(where, dim=0) if where is not None else None  # rows of W are entries of b
+        changes[f"{name}.bias"] = dataclasses.replace(change, slice=bias_slice)
+    return changes
 
 
 def row_parallel(linear: nn.Linear, group: Group) -> Change:
@@ -121,18 +136,20 @@ def row_parallel(linear: nn.Linear, group: Group) -> Change:
 
 
 class ReplicatedKV(nn.Module):
-    """k or v projection when t > n_kv_heads: the full weight on every rank, this rank's kv head
-    selected; the weight's gradient (nonzero only in this rank's head rows) is summed over t."""
+    """k or v projection when t > n_kv_heads: the full weight (and bias) on every rank, this rank's
+    kv head selected; the gradient (nonzero only in this rank's head rows) is summed over t."""
 
     def __init__(self, linear: nn.Linear, head: int, head_dim: int, group: Group):
         super().__init__()
         self.weight = linear.weight  # [n_kv * hd, h], same Parameter: replicated
+        self.bias = linear.bias  # [n_kv * hd] or None
         self.rows = slice(head * head_dim, (head + 1) * head_dim)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = comm.copy_to(self.weight, self.group)[self.rows]  # [hd, h]
-        return F.linear(x, weight)  # [b, s, hd]: one kv head
+        bias = comm.copy_to(self.bias, self.group)[self.rows] if self.bias is not None else None  # [hd]
+        return F.linear(x, weight, bias)  # [b, s, hd]: one kv head
 
 
 class ReplicatedLinear(nn.Module):
@@ -304,16 +321,28 @@ def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
     if args.is_mla:
         return parallelize_latent_attention(attention, group)
     t, hd = group.size, args.head_dim
-    changes = {"wq.weight": column_parallel(attention.wq, group)}
-    if args.n_kv_heads % t == 0:
-        changes["wk.weight"] = column_parallel(attention.wk, group)
-        changes["wv.weight"] = column_parallel(attention.wv, group)
-    else:  # t is a multiple of n_kv_heads: one kv head per rank, replicated weights
-        head = (group.rank * args.n_heads // t) // (args.n_heads // args.n_kv_heads)
-        attention.wk = ReplicatedKV(attention.wk, head, hd, group)
-        attention.wv = ReplicatedKV(attention.wv, head, hd, group)
-        changes |= {"wk.weight": Change(summed_over="tp"), "wv.weight": Change(summed_over="tp")}
+    changes = column_changes(attention.wq, "wq", column_parallel(attention.wq, group))
+    for name in ("wk", "wv"):
+        linear = getattr(attention, name)
+        if args.n_kv_heads % t == 0:
+            changes |= column_changes(linear, name, column_parallel(linear, group))
+        else:  # t is a multiple of n_kv_heads: one kv head per rank, replicated weights
+            head = (group.rank * args.n_heads // t) // (args.n_heads // args.n_kv_heads)
+            changes |= column_changes(linear, name, Change(summed_over="tp"))
+            setattr(attention, name, ReplicatedKV(linear, head, hd, group))
     changes["wo.weight"] = row_parallel(attention.wo, group)
+    return changes | parallelize_head_norms(attention, group)
+
+
+def parallelize_head_norms(attention: nn.Module, group: Group) -> Changes:
+    """Qwen3's per-head q and k norms [hd]: every rank applies the whole weight to its own heads,
+    so each rank's gradient is its heads' share and the weight's gradient is summed over t."""
+    changes = {}
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attention, name)
+        if norm is not None:
+            setattr(attention, name, SequenceParallelRMSNorm(norm, group))
+            changes[f"{name}.weight"] = Change(summed_over="tp")
     return changes
 
 

@@ -114,16 +114,33 @@ def activation_bytes_per_layer(
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
         attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
     else:
-        attention = a * (2 * h / tp + 2 * kv_heads_per_rank * hd + (h / tp if twice else 0))
+        width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
+        attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
+        attention += head_norm_bytes(args, tp, kv_heads_per_rank, a, u > 1)
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
-    if documents and plain and not (ring or usp):
-        dense += a * batch * (seq * u) ** 2  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered)
+    if documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
+        dense += a * batch * (seq * u) ** 2  # the window's band inside it when there is one
+    elif plain and args.has_window and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
+        dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
+
+
+def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, a: int, ulysses: bool) -> float:
+    """Per token, Qwen3's per-head q and k norms: each keeps its input (the projection's output) and
+    its normalized input, hd per head, and one fp32 rstd per head (RoPE after it keeps only its
+    tables). The normed q is laid out [b, H, s, hd], and the core's output follows q's layout, so
+    merging its heads for wo copies it: wo keeps that copy too (under Ulysses, whose all-to-all
+    already lays the output out by tokens, the copy is counted with `twice`)."""
+    if not args.qk_norm:
+        return 0.0
+    heads = args.n_heads / tp + kv_heads_per_rank
+    output_copy = 0.0 if ulysses else a * args.n_heads / tp * args.head_dim
+    return heads * (2 * a * args.head_dim + FP32) + output_copy
 
 
 def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:

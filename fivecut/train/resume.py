@@ -48,7 +48,8 @@ REFUSED_ON_RESUME = {
     "model": "preset init_from vocab_size dim n_layers n_heads n_kv_heads ffn_dim max_seq_len rope_theta norm_eps "
     "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
     "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim",
-    "data": "source tokenizer val_fraction text_field weights order",  # the tokens a step reads
+    # the tokens a step reads, and what each token attends to
+    "data": "source tokenizer val_fraction text_field weights order document_mask",
     # the batches of step s (global_batch, seq_len, seed), the optimizer and its schedule, the precision
     "train": "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype",
     "moe": "capacity_factor aux_loss_coef bias_update_rate",  # which tokens reach which expert; the loss

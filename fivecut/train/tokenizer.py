@@ -145,7 +145,7 @@ class FileTokenizer:
     tokenizer.json or a GGUF file's metadata. `name` is its identity: the kind and a hash of its
     serialized form, so two different tokenizers never share a token cache."""
 
-    def __init__(self, tokenizer, eot_id: int | None, source: str):
+    def __init__(self, tokenizer, eot_id: int | None, source: str, chat_template: str | None = None):
         import hashlib
 
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
@@ -154,6 +154,8 @@ class FileTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eot_id = eot_id
         self.source = source  # where it came from, for messages
+        # the model's chat template (Jinja, as Hugging Face stores it), carried along unrendered
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         # no special tokens added (a BOS would split documents differently from the model's training)

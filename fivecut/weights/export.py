@@ -1,34 +1,27 @@
 """`fivecut export`: a checkpoint as a folder that Hugging Face `from_pretrained` reads.
 
-The checkpoint's weights are read whole in one process (`checkpoint.full_state`: DCP's global,
-single-device tensors, whatever layout saved them), checked against the shapes the model's
-`ModelArgs` imply, and written with `safetensors`:
+The model's shape picks the Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral,
+Qwen2, Qwen3, or `--architecture`); the checkpoint's tensor shapes, read from DCP's metadata
+alone, are checked against the shapes its `ModelArgs` imply. The weights are never gathered: the
+output is planned as shards of at most --max-shard-size, and each shard is read from DCP by
+itself (only its tensors' global values, whatever layout saved them), converted, written and
+freed -- by `workers` processes, each writing every workers-th shard, so a process holds about
+one shard at a time, never the model:
 
-    config.json                    LlamaForCausalLM's config (dense), or fivecut's own (MoE)
+    config.json                    the class's config (dense), or fivecut's own (MoE)
     generation_config.json         the tokenizer's bos/eos ids
     model.safetensors              or model-0000K-of-0000N.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   when the run's tokenizer has a form
                                    Hugging Face reads (GPT-2's BPE; a model's own tokenizer.json)
 
-A dense model's tensors take Hugging Face Llama's names (`fivecut.weights.names`):
+A dense model's tensors take the class's names (the table in `fivecut.weights.architectures`).
+fivecut's model and these classes share the rotate-half RoPE and the [out, in] layout of every
+linear weight, so no dense tensor is permuted or transposed (a record's `TensorMap` says where
+one is: stacked experts). The vocabulary is never padded: a checkpoint holds global tensors,
+however a layout padded them for its cuts.
 
-    fivecut                               Hugging Face
-    tok_embeddings.weight                 model.embed_tokens.weight
-    layers.N.attention_norm.weight        model.layers.N.input_layernorm.weight
-    layers.N.attention.wq.weight          model.layers.N.self_attn.q_proj.weight   (wk, wv, wo: k/v/o_proj)
-    layers.N.ffn_norm.weight              model.layers.N.post_attention_layernorm.weight
-    layers.N.feed_forward.w1.weight       model.layers.N.mlp.gate_proj.weight
-    layers.N.feed_forward.w3.weight       model.layers.N.mlp.up_proj.weight
-    layers.N.feed_forward.w2.weight       model.layers.N.mlp.down_proj.weight
-    norm.weight                           model.norm.weight
-    output.weight                         lm_head.weight   (absent when tied: tie_word_embeddings true)
-
-fivecut's model and Hugging Face's Llama share the rotate-half RoPE and the [out, in] layout of
-every linear weight, so no tensor is permuted or transposed. The vocabulary is never padded: a
-checkpoint holds global tensors, however a layout padded them for its cuts.
-
-A mixture-of-experts model matches no Hugging Face class. It is written under fivecut's own names
-(the list above, plus `layers.N.feed_forward.router.weight`, the stacked experts
+A model no registered class holds (mixture of experts, latent attention) is written under
+fivecut's own names (the list above, plus `layers.N.feed_forward.router.weight`, the stacked experts
 `layers.N.feed_forward.experts.w1|w3|w2` [E, dim, hidden] / [E, hidden, dim], the shared experts
 `layers.N.feed_forward.shared.w1|w3|w2.weight`, and the auxiliary-loss-free routing biases
 `layers.N.feed_forward.expert_bias` that expert selection adds), with a config.json whose
@@ -40,22 +33,30 @@ renamed at the end; an `out` that exists and is not empty is refused, never over
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import math
+import multiprocessing
 import os
 import re
 import shutil
 import tempfile
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivecut.model.args import ModelArgs
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
-from fivecut.weights import names
-from fivecut.weights.hf import LLAMA_ARCHITECTURE, llama_config
+from fivecut.weights.architectures import Architecture, ArchitectureError, TensorMap, for_args
+from fivecut.weights.hf import hf_config
 from fivecut.weights.load import run_tokenizer as resolve_tokenizer
 from fivecut.weights.source import expected_shapes
 
@@ -79,22 +80,33 @@ def export(
     step: int | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     dtype: str = "fp32",
+    architecture: str | None = None,
+    workers: int = 1,
 ) -> Path:
     """Write the checkpoint `checkpoint` (a step-N folder, or a checkpoint.dir: its newest complete
-    checkpoint, or step `step`) as a Hugging Face folder `out`; returns `out`."""
+    checkpoint, or step `step`) as a Hugging Face folder `out` of class `architecture` (default: the
+    first registered class that holds the model's shape), its shards written by `workers` processes;
+    returns `out`."""
     out = Path(out).expanduser()
     check_out(out)
-    check_options(max_shard_bytes, dtype)
+    check_options(max_shard_bytes, dtype, workers)
     source = ckpt.find_checkpoint(Path(checkpoint).expanduser(), step)
     meta = ckpt.read_meta(source)
     args = model_args(source, meta)
+    try:
+        arch = for_args(args, architecture)
+    except ArchitectureError as err:
+        raise ExportError(str(err)) from None
+    problems = ckpt.file_problems(source, meta)
+    if problems:
+        raise CheckpointError(f"checkpoint {source} is damaged: " + "; ".join(problems))
     tokenizer = run_tokenizer(meta.get("config", {}))
-    tensors = checkpoint_tensors(source, args, DTYPES[dtype])
+    plan = Plan(source, arch, export_entries(source, args, arch), DTYPES[dtype], max_shard_bytes, workers)
     spelled = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as config.json spells it
-    written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, tensors, tokenizer, max_shard_bytes))
+    written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, plan, tokenizer))
     for file in written:
         print(f"wrote {out / file}")
-    kind = MOE_ARCHITECTURE if own_names(args) else LLAMA_ARCHITECTURE
+    kind = arch.hf_class if arch is not None else MOE_ARCHITECTURE
     print(f"exported {meta.get('preset')!r} step {meta['step']} ({kind}, {dtype}) from {source} to {out}")
     return out
 
@@ -116,7 +128,9 @@ def check_out(out: Path) -> None:
         raise ExportError(f"--out {out}: {existing} cannot be written; choose a folder you can write")
 
 
-def check_options(max_shard_bytes: int, dtype: str) -> None:
+def check_options(max_shard_bytes: int, dtype: str, workers: int = 1) -> None:
+    if workers < 1:
+        raise ExportError(f"--workers {workers} is not positive; give 1 or more processes")
     if max_shard_bytes <= 0:
         raise ExportError(f"--max-shard-size {max_shard_bytes} is not positive; give e.g. 5GB or 500MB")
     if dtype not in DTYPES:
@@ -160,58 +174,138 @@ def write_atomically(out: Path, write) -> list[str]:
 # ---------------------------------------------------------------- tensors
 
 
-def checkpoint_tensors(path: Path, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model's tensors under the names they are exported with, cast to `dtype`."""
-    weights = ckpt.full_state(path)
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint tensor to export: its DCP key and the Hugging Face tensor(s) it becomes."""
+
+    key: str  # "model.<fivecut name>" (or "moe.<layer>.expert_bias")
+    shape: tuple[int, ...]  # global
+    map: TensorMap
+    keep_fp32: bool = False  # routing biases: selection reads them in fp32
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        itemsize = 4 if self.keep_fp32 else dtype.itemsize
+        return math.prod(self.shape) * itemsize
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to write: the checkpoint, the class (None: fivecut's own names), the tensors in order."""
+
+    path: Path
+    arch: Architecture | None
+    entries: list[Entry]
+    dtype: torch.dtype
+    max_bytes: int
+    workers: int
+
+    def shards(self) -> list[list[Entry]]:
+        """The entries in order, cut into runs of at most `max_bytes` (a larger tensor alone), as
+        Hugging Face does; the experts of one stacked tensor stay in one shard."""
+        out: list[list[Entry]] = [[]]
+        size = 0
+        for entry in self.entries:
+            nbytes = entry.nbytes(self.dtype)
+            if out[-1] and size + nbytes > self.max_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(entry)
+            size += nbytes
+        return out
+
+
+def export_entries(path: Path, args: ModelArgs, arch: Architecture | None) -> list[Entry]:
+    """The checkpoint's tensors in export order, checked against the model's shapes (metadata only)."""
+    saved = checkpoint_shapes(path)
+    weights = {key.removeprefix("model."): shape for key, shape in saved.items() if key.startswith("model.")}
     check_shapes(path, weights, expected_shapes(args))
-    cast = {name: t.to(dtype).contiguous() for name, t in weights.items()}
-    if not own_names(args):
-        return {names.to_hf(name): t for name, t in cast.items()}
-    if not args.is_moe:
-        return cast
-    biases = ckpt.full_state(path, "moe.")  # "<layer>.expert_bias", kept in fp32 as the router uses them
-    return cast | {f"layers.{key.split('.')[0]}.feed_forward.expert_bias": t for key, t in biases.items()}
+    if arch is not None:
+        return [Entry(f"model.{m.ours}", weights[m.ours], m) for m in arch.tensors(args)]
+    entries = [Entry(f"model.{name}", shape, TensorMap(name, (name,))) for name, shape in weights.items()]
+    for key, shape in saved.items():  # "moe.<layer>.expert_bias": auxiliary-loss-free routing biases
+        if key.startswith("moe.") and key.endswith(".expert_bias"):
+            name = f"layers.{key.split('.')[1]}.feed_forward.expert_bias"
+            entries.append(Entry(key, shape, TensorMap(name, (name,)), keep_fp32=True))
+    return entries
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """DCP key -> global shape of every tensor the checkpoint holds, from its metadata (no tensor read)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key: tuple(e.size) for key, e in saved.items() if isinstance(e, TensorStorageMetadata)}
 
 
 def own_names(args: ModelArgs) -> bool:
-    """Whether the export keeps fivecut's tensor names and records ModelArgs (no Hugging Face Llama
-    class reads the model: mixture-of-experts layers, or multi-head latent attention)."""
-    return args.is_moe or args.is_mla
+    """Whether the export keeps fivecut's tensor names and records ModelArgs: no registered Hugging
+    Face class holds the model (mixture-of-experts layers, or multi-head latent attention)."""
+    return for_args(args) is None
 
 
-def check_shapes(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
-    got = {name: tuple(t.shape) for name, t in weights.items()}
-    if got != expected:
-        wrong = sorted(set(got) ^ set(expected)) or [n for n in expected if got[n] != expected[n]]
+def check_shapes(path: Path, weights: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    if weights != expected:
+        wrong = sorted(set(weights) ^ set(expected)) or [n for n in expected if weights[n] != expected[n]]
         raise CheckpointError(f"checkpoint {path} does not hold its model's tensors: {', '.join(wrong[:5])}")
 
 
-def shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """The tensors in order, cut into runs of at most `max_bytes` (a larger tensor alone), as Hugging Face does."""
-    out: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if out[-1] and size + nbytes > max_bytes:
-            out.append({})
-            size = 0
-        out[-1][name] = t
-        size += nbytes
-    return out
+def read_entries(path: Path, entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """The global values of these entries' tensors only, read from the DCP checkpoint in this process."""
+    state = {e.key: torch.empty(e.shape, dtype=torch.float32) for e in entries}
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    return state
 
 
-def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
+def hf_tensors(entry: Entry, value: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One checkpoint tensor as its Hugging Face tensor(s): split over experts, transposed, cast."""
+    value = value if entry.keep_fp32 else value.to(dtype)
+    parts = value.unbind(0) if entry.map.stacked else (value,)
+    if entry.map.transposed:
+        parts = tuple(p.transpose(-1, -2) for p in parts)
+    return {name: p.contiguous() for name, p in zip(entry.map.theirs, parts, strict=True)}
+
+
+def write_shard(path: Path, entries: list[Entry], dtype: torch.dtype, file: Path) -> dict[str, int]:
+    """Read, convert and write one output shard; returns its tensors' names and sizes in bytes."""
     from safetensors.torch import save_file
 
-    parts = shards(tensors, max_bytes)
+    values = read_entries(path, entries)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        tensors |= hf_tensors(entry, values.pop(entry.key), dtype)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return {name: t.numel() * t.element_size() for name, t in tensors.items()}
+
+
+def write_shards(path: Path, jobs: list[tuple[list[Entry], Path]], dtype: torch.dtype) -> list[dict[str, int]]:
+    """One worker's shards, in order (a process of `write_weights`'s pool, or the caller itself)."""
+    torch.set_num_threads(1)
+    return [write_shard(path, entries, dtype, file) for entries, file in jobs]
+
+
+def write_weights(folder: Path, plan: Plan) -> list[str]:
+    """Every shard of `plan` into `folder` (the index too when there are several); their file names.
+    Worker w writes shards w, w + workers, ...; each reads only its shards' tensors from DCP."""
+    parts = plan.shards()
     if len(parts) == 1:
-        save_file(parts[0], str(folder / SAFETENSORS), metadata={"format": "pt"})
-        return [SAFETENSORS]
-    files = [f"model-{k:05d}-of-{len(parts):05d}.safetensors" for k in range(1, len(parts) + 1)]
-    for file, part in zip(files, parts):
-        save_file(part, str(folder / file), metadata={"format": "pt"})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    weight_map = {name: file for file, part in zip(files, parts) for name in part}
+        files = [SAFETENSORS]
+    else:
+        files = [f"model-{k:05d}-of-{len(parts):05d}.safetensors" for k in range(1, len(parts) + 1)]
+    jobs = [(entries, folder / file) for entries, file in zip(parts, files)]
+    workers = min(plan.workers, len(jobs))
+    if workers == 1:
+        sizes = write_shards(plan.path, jobs, plan.dtype)
+    else:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            done = [pool.submit(write_shards, plan.path, jobs[w::workers], plan.dtype) for w in range(workers)]
+            per_worker = [future.result() for future in done]
+        sizes = [per_worker[k % workers][k // workers] for k in range(len(jobs))]
+    if len(parts) == 1:
+        return files
+    weight_map = {name: file for file, shard in zip(files, sizes) for name in shard}
+    total = sum(n for shard in sizes for n in shard.values())
     write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return [*files, INDEX]
 
@@ -219,19 +313,19 @@ def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int
 # ---------------------------------------------------------------- configs
 
 
-def write_folder(folder: Path, args: ModelArgs, dtype: str, tensors: dict, tokenizer, max_bytes: int) -> list[str]:
-    """Every file of the export of a model of shape `args` (weights `tensors`, in `dtype`) into `folder`."""
+def write_folder(folder: Path, args: ModelArgs, dtype: str, plan: Plan, tokenizer) -> list[str]:
+    """Every file of the export of a model of shape `args` (weights as `plan` says, in `dtype`) into `folder`."""
     bos, eos = special_ids(tokenizer)
-    if own_names(args):
+    if plan.arch is None:
         config = moe_config(args, dtype, bos, eos)
     else:  # transformers >= 5 reads "dtype", older ones "torch_dtype"
-        config = llama_config(args, dtype, bos, eos) | {"dtype": dtype}
+        config = hf_config(plan.arch, args, dtype, bos, eos) | {"dtype": dtype}
     tokenizer_files = write_tokenizer(folder, tokenizer, args.max_seq_len)
     if not tokenizer_files:  # e.g. the byte tokenizer: named, so that an import of the folder finds it again
         config["fivecut_tokenizer"] = tokenizer.name
     write_json(folder / "config.json", config)
     write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
-    weights = write_weights(folder, tensors, max_bytes)
+    weights = write_weights(folder, plan)
     return ["config.json", "generation_config.json", *weights, *tokenizer_files]
 
 
@@ -281,7 +375,8 @@ def write_tokenizer(folder: Path, tokenizer, max_length: int | None = None) -> l
         (folder / "tokenizer.json").write_text(tokenizer.json)
         eot = tokenizer.eot_id
         special = {"eos_token": tokenizer.tokenizer.id_to_token(eot)} if eot is not None else {}
-        return ["tokenizer.json", *tokenizer_configs(folder, "PreTrainedTokenizerFast", special, max_length)]
+        template = {"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {}
+        return ["tokenizer.json", *tokenizer_configs(folder, "PreTrainedTokenizerFast", special, max_length, template)]
     if tokenizer.name == "byte":
         print("note: the byte-level model has no Hugging Face tokenizer (its ids are UTF-8 bytes); none written")
     else:
@@ -289,8 +384,11 @@ def write_tokenizer(folder: Path, tokenizer, max_length: int | None = None) -> l
     return []
 
 
-def tokenizer_configs(folder: Path, cls: str, special: dict[str, str], max_length: int | None) -> list[str]:
+def tokenizer_configs(
+    folder: Path, cls: str, special: dict[str, str], max_length: int | None, extra: dict | None = None
+) -> list[str]:
     config = {"tokenizer_class": cls, **special, "add_bos_token": False, "clean_up_tokenization_spaces": False}
+    config |= extra or {}
     if max_length is not None:
         config["model_max_length"] = max_length
     write_json(folder / "tokenizer_config.json", config)

@@ -1,4 +1,5 @@
-"""Hugging Face Llama folders: `config.json` <-> `ModelArgs`, and safetensors read by slices.
+"""Hugging Face model folders: `config.json` -> `ModelArgs` through the registry of classes
+(`fivecut.weights.architectures`), and safetensors read by slices.
 
 Reading needs no model class: the shape comes from `config.json`, the tensors from
 `model.safetensors` or the shards named in `model.safetensors.index.json`, each box read with
@@ -15,39 +16,23 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
-from fivecut.weights.names import from_hf
-from fivecut.weights.source import WeightsError
+from fivecut.weights.architectures import LLAMA, Architecture, ArchitectureError, TensorMap, read_args
+from fivecut.weights.source import WeightsError, expected_shapes
 
-LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+INDEX = "model.safetensors.index.json"
 
 
 def llama_config(args: ModelArgs, torch_dtype: str = "float32", bos: int | None = None, eos: int | None = None) -> dict:
     """The `config.json` of a `LlamaForCausalLM` with fivecut's dense shape `args`."""
-    if args.is_moe:
-        raise ValueError("a mixture-of-experts model has no Hugging Face Llama config; export it as fivecut tensors")
-    return {
-        "architectures": [LLAMA_ARCHITECTURE],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,  # transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers >= 5
-        "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": args.init_std,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "torch_dtype": torch_dtype,
-    }
+    problem = LLAMA.holds(args)
+    if problem:
+        raise ValueError(f"this model has no Hugging Face Llama config: {problem}")
+    return hf_config(LLAMA, args, torch_dtype, bos, eos)
+
+
+def hf_config(architecture: Architecture, args: ModelArgs, dtype: str, bos: int | None, eos: int | None) -> dict:
+    """`architecture`'s config.json of a model of shape `args`, with its dtype and special token ids."""
+    return architecture.to_config(args) | {"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype}
 
 
 def read_config(folder: Path) -> dict:
@@ -77,31 +62,19 @@ def is_fivecut(config: dict) -> bool:
 
 
 def args_from_config(config: dict, path: Path) -> ModelArgs:
-    """fivecut's shape of the Llama that `config` (a parsed config.json at `path`) describes, or of
-    the model a fivecut export's `config.json` records (its "fivecut" entry: every ModelArgs field)."""
+    """fivecut's shape of the model that `config` (a parsed config.json at `path`) describes: a class
+    of the registry (`fivecut.weights.architectures`), or a fivecut export's own record (its
+    "fivecut" entry: every ModelArgs field)."""
     if is_fivecut(config):
         return fivecut_args(config, path)
-    check_llama(config, path)
-    dim, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
-    head_dim = optional(config, "head_dim", None, path) or dim // max(heads, 1)
-    if head_dim * heads != dim:
-        raise WeightsError(
-            f"{path}: head_dim {head_dim} x {heads} heads != hidden_size {dim}; fivecut's attention needs "
-            f"head_dim = hidden_size / num_attention_heads"
-        )
-    return ModelArgs(
-        vocab_size=need(config, "vocab_size", path),
-        dim=dim,
-        n_layers=need(config, "num_hidden_layers", path),
-        n_heads=heads,
-        n_kv_heads=optional(config, "num_key_value_heads", None, path) or heads,
-        ffn_dim=need(config, "intermediate_size", path),
-        max_seq_len=optional(config, "max_position_embeddings", 2048, path),
-        rope_theta=float(rope_theta(config, path)),
-        norm_eps=float(optional(config, "rms_norm_eps", 1e-6, path, float)),
-        tie_embeddings=optional(config, "tie_word_embeddings", False, path, bool),
-        init_std=float(optional(config, "initializer_range", 0.02, path, float)),
-    )
+    return architecture_args(config, path)[1]
+
+
+def architecture_args(config: dict, path: Path) -> tuple[Architecture, ModelArgs]:
+    try:
+        return read_args(config, path)
+    except ArchitectureError as err:
+        raise WeightsError(str(err)) from None
 
 
 def fivecut_args(config: dict, path: Path) -> ModelArgs:
@@ -111,25 +84,6 @@ def fivecut_args(config: dict, path: Path) -> ModelArgs:
         raise WeightsError(f"{path}: model_type {FIVECUT_TYPE!r} without a valid 'fivecut' record of ModelArgs fields")
     defaults = ModelArgs()
     return ModelArgs(**{k: optional(record, k, v, path, type(v)) for k, v in dataclasses.asdict(defaults).items()})
-
-
-def check_llama(config: dict, path: Path) -> None:
-    archs = config.get("architectures") or []
-    model_type = config.get("model_type")
-    if model_type != "llama" or (archs and LLAMA_ARCHITECTURE not in archs):
-        found = ", ".join(archs) or f"model_type {model_type!r}"
-        raise WeightsError(
-            f"{path} describes {found}, not a Llama ({LLAMA_ARCHITECTURE}); fivecut imports Llama-architecture models"
-        )
-    for key, fine in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, fine) != fine:
-            raise WeightsError(f"{path}: {key} is {config[key]!r}; fivecut's Llama has {fine!r}")
-
-
-def need(config: dict, key: str, path: Path, kind: type = int):
-    if key not in config:
-        raise WeightsError(f"{path} has no {key!r}; it is not a complete Llama config")
-    return optional(config, key, None, path, kind)
 
 
 def optional(config: dict, key: str, default, path: Path, kind: type = int):
@@ -144,17 +98,9 @@ def optional(config: dict, key: str, default, path: Path, kind: type = int):
     return value
 
 
-def rope_theta(config: dict, path: Path) -> float:
-    """The RoPE base; only unscaled ("default") RoPE is fivecut's."""
-    params = optional(config, "rope_parameters", None, path, dict) or optional(config, "rope_scaling", {}, path, dict)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise WeightsError(f"{path}: rope scaling {kind!r} is not supported; fivecut implements unscaled RoPE")
-    return optional(params, "rope_theta", None, path, float) or optional(config, "rope_theta", 10000.0, path, float)
-
-
 class HFSource:
-    """A Hugging Face Llama folder as a `WeightSource` (see `fivecut.weights.source`)."""
+    """A Hugging Face model folder as a `WeightSource` (see `fivecut.weights.source`): a class of the
+    registry (`fivecut.weights.architectures`) or a fivecut export of a shape no class holds."""
 
     def __init__(self, folder: Path):
         if not folder.is_dir():
@@ -162,30 +108,52 @@ class HFSource:
         self.path = folder
         config = read_config(folder)
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
-        self.args = args_from_config(config, folder / "config.json")
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
+        self._handles: dict[Path, object] = {}
         if is_fivecut(config):  # fivecut's names already; the routing biases are buffers, not parameters
-            self.names = {n: n for n in self.files if not n.endswith(BIAS)}
+            self.architecture, self.args = None, fivecut_args(config, folder / "config.json")
+            self.maps = {n: TensorMap(n, (n,)) for n in self.files if not n.endswith(BIAS)}
             self.buffers = {n: n for n in self.files if n.endswith(BIAS)}
         else:
-            self.names = fivecut_names(self.files, self.args, folder)  # fivecut name -> Hugging Face name
+            self.architecture, self.args = architecture_args(config, folder / "config.json")
+            self.maps = {m.ours: m for m in self.architecture.tensors(self.args)}  # fivecut name -> its tensors
             self.buffers = {}
+            check_tensors(self, expected_shapes(self.args))
         self._shapes: dict[str, tuple[int, ...]] | None = None
         self._tokenizer = None
-        self._handles: dict[Path, object] = {}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        """fivecut name -> global shape, from the Hugging Face tensors' shapes (stacked over experts)."""
         if self._shapes is None:
-            self._shapes = {ours: self._slice(theirs).get_shape() for ours, theirs in self.names.items()}
-            self._shapes = {k: tuple(v) for k, v in self._shapes.items()}
+            self._shapes = {ours: self.fivecut_shape(m) for ours, m in self.maps.items()}
         return self._shapes
+
+    def fivecut_shape(self, m: TensorMap) -> tuple[int, ...]:
+        one = tuple(self._slice(m.theirs[0]).get_shape())
+        one = (*one[:-2], one[-1], one[-2]) if m.transposed else one
+        return (len(m.theirs), *one) if m.stacked else one
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
         """Buffers the file holds besides the parameters (a fivecut MoE export's routing biases)."""
         return {name: tuple(self._slice(name).get_shape()) for name in self.buffers}
 
     def read(self, name: str, box) -> torch.Tensor:
-        return self._slice(self.names.get(name) or self.buffers[name])[box].float()
+        if name in self.buffers:
+            return self._slice(name)[box].float()
+        m = self.maps[name]
+        if not m.stacked:
+            return self._read_one(m.theirs[0], box, m.transposed)
+        experts = range(*box[0].indices(len(m.theirs)))  # only the experts in the box are opened
+        return torch.stack([self._read_one(m.theirs[e], box[1:], m.transposed) for e in experts])
+
+    def _read_one(self, hf_name: str, box, transposed: bool) -> torch.Tensor:
+        if not transposed:
+            return self._slice(hf_name)[box].float()
+        swapped = (*box[:-2], box[-1], box[-2])  # the box of the stored [.., in, out]-swapped tensor
+        return self._slice(hf_name)[swapped].float().transpose(-1, -2)
+
+    def where(self, hf_name: str) -> str:
+        return f"{hf_name} in {self.files[hf_name].name}"
 
     def _slice(self, hf_name: str):
         return self._open(self.files[hf_name]).get_slice(hf_name)
@@ -211,7 +179,7 @@ class HFSource:
 
 def weight_files(folder: Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file that holds it (sharded or not)."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -221,9 +189,9 @@ def weight_files(folder: Path) -> dict[str, Path]:
         files = {name: folder / "model.safetensors" for name in tensor_names(folder / "model.safetensors")}
     else:
         raise WeightsError(f"{folder} holds neither model.safetensors nor model.safetensors.index.json")
-    for file in set(files.values()):
+    for name, file in files.items():
         if not file.is_file():
-            raise WeightsError(f"{file} is named in {index.name} but does not exist")
+            raise WeightsError(f"{index}: tensor {name} is in {file.name}, which does not exist")
     return files
 
 
@@ -237,21 +205,28 @@ def tensor_names(file: Path) -> list[str]:
         raise WeightsError(f"{file} is not a safetensors file: {err}") from None
 
 
-def fivecut_names(files: dict[str, Path], args: ModelArgs, folder: Path) -> dict[str, str]:
-    """fivecut name -> Hugging Face name. A tensor fivecut has no place for is an error; a stored
-    copy of a tied head (`lm_head.weight` beside a tied embedding) is left unread."""
-    out, unknown = {}, []
-    for theirs in files:
-        ours = from_hf(theirs)
-        if ours == "output.weight" and args.tie_embeddings:
-            continue
-        if ours is None:
-            unknown.append(theirs)
-        else:
-            out[ours] = theirs
+def check_tensors(source: HFSource, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the class has for this config is in the folder with its shape, and nothing else
+    is (a stored copy of a tied head, `lm_head.weight`, is left unread): one line naming the tensor
+    and its file (WeightsError), before any rank opens a weight."""
+    index = INDEX if (source.path / INDEX).is_file() else "model.safetensors"
+    wanted = {theirs for m in source.maps.values() for theirs in m.theirs}
+    for m in source.maps.values():
+        for theirs in m.theirs:
+            if theirs not in source.files:
+                raise WeightsError(f"{source.path}: tensor {theirs} (fivecut's {m.ours}) is missing from {index}")
+            shape = tuple(source._slice(theirs).get_shape())
+            if shape != m.hf_shape(expected[m.ours]):
+                raise WeightsError(
+                    f"{source.path}: tensor {source.where(theirs)} has shape {shape}, but config.json implies "
+                    f"{m.hf_shape(expected[m.ours])}"
+                )
+    tied_copy = {"lm_head.weight"} if source.args.tie_embeddings else set()
+    unknown = sorted(n for n in source.files if n not in wanted | tied_copy)
     if unknown:
-        raise WeightsError(f"{folder}: tensors {', '.join(sorted(unknown)[:5])} have no place in a Llama model")
-    return out
+        raise WeightsError(
+            f"{source.path}: tensor {source.where(unknown[0])} has no place in fivecut's {source.architecture.hf_class}"
+        )
 
 
 def folder_tokenizer(folder: Path):
@@ -265,7 +240,23 @@ def folder_tokenizer(folder: Path):
         tok = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises its own exception type
         raise WeightsError(f"{path} cannot be read by the tokenizers library: {err}") from None
-    return FileTokenizer(tok, eos_id(folder, tok), str(path))
+    return FileTokenizer(tok, eos_id(folder, tok), str(path), chat_template(folder))
+
+
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template: `chat_template.jinja` (transformers >= 4.43 writes it), else
+    tokenizer_config.json's "chat_template" (a string, or a list of named templates: "default")."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    template = read_json(config).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise WeightsError(f"{config}: chat_template is {type(template).__name__}, not a Jinja string")
+    return template
 
 
 def eos_id(folder: Path, tok) -> int | None:

@@ -1,0 +1,420 @@
+"""The Hugging Face classes fivecut reads and writes: one typed record per class.
+
+An `Architecture` says, for one `...ForCausalLM` class, everything import and export need:
+
+    hf_class, model_type     "Qwen2ForCausalLM", "qwen2": what config.json's `architectures` and
+                             `model_type` hold
+    to_args(HFConfig)        config.json -> ModelArgs. Every key of the file is either used,
+                             checked to equal what fivecut implements (`HFConfig.expect`), known
+                             to leave the math alone (`METADATA`), or refused by name
+                             (`HFConfig.finish`): a field fivecut does not implement is never ignored
+    to_config(ModelArgs)     ModelArgs -> config.json (the class reads it back to the same model)
+    holds(ModelArgs)         None when the class holds a model of that shape, else the reason
+    tensors(ModelArgs)       every parameter as a `TensorMap`: fivecut's logical name <-> the
+                             Hugging Face tensor(s), with the transform between them
+
+A `TensorMap` is general enough for mixture-of-experts layers: one fivecut tensor stacked over
+experts [E, ...] is E Hugging Face tensors (`stacked`), each maybe the transpose of fivecut's
+slice (`transposed`: fivecut's experts are [dim, hidden], a Hugging Face linear [hidden, dim]).
+
+`ARCHITECTURES` lists the dense classes of this module; `fivecut.weights.moe_architectures` adds
+the mixture-of-experts ones through `register`. Import (`fivecut.weights.hf`) finds a folder's
+record by its config's class (`for_config`); export (`fivecut.weights.export`) by name or by the
+first record that holds the checkpoint's shape (`for_args`).
+
+    fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3)
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.N.attention_norm.weight        model.layers.N.input_layernorm.weight
+    layers.N.attention.wq.weight          model.layers.N.self_attn.q_proj.weight   (wk, wv, wo: k/v/o_proj)
+    layers.N.attention.wq.bias            model.layers.N.self_attn.q_proj.bias     (Qwen2; wk, wv: k/v_proj)
+    layers.N.attention.q_norm.weight      model.layers.N.self_attn.q_norm.weight   (Qwen3; k_norm)
+    layers.N.ffn_norm.weight              model.layers.N.post_attention_layernorm.weight
+    layers.N.feed_forward.w1.weight       model.layers.N.mlp.gate_proj.weight      (w3: up_proj, w2: down_proj)
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight   (absent when tie_word_embeddings)
+
+Free of torch: the records are data and small functions of ModelArgs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivecut.model.args import ModelArgs
+
+
+class ArchitectureError(ValueError):
+    """A config.json fivecut cannot read as any of its classes; the message names the key and the file."""
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One fivecut tensor and the Hugging Face tensor(s) holding it."""
+
+    ours: str  # fivecut's logical name, e.g. "layers.3.attention.wq.weight"
+    theirs: tuple[str, ...]  # one Hugging Face name; with `stacked`, E names: theirs[e] holds ours[e]
+    stacked: bool = False  # ours is [E, ...], stacked over experts
+    transposed: bool = False  # each Hugging Face tensor is ours (ours[e]) with its last two dims swapped
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of each Hugging Face tensor, given fivecut's `shape`."""
+        one = shape[1:] if self.stacked else shape
+        return (*one[:-2], one[-1], one[-2]) if self.transposed else tuple(one)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_class: str
+    model_type: str
+    to_args: Callable[[HFConfig], ModelArgs]
+    to_config: Callable[[ModelArgs], dict]
+    holds: Callable[[ModelArgs], str | None]
+    tensors: Callable[[ModelArgs], list[TensorMap]]
+
+
+# keys of a config.json that do not change the model's math: names, token ids, the saving library,
+# what generation and the output objects of transformers look like
+METADATA = (
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
+    "fivecut_tokenizer",
+)  # fmt: skip
+
+
+@dataclass
+class HFConfig:
+    """A parsed config.json being read: each key read is marked; `finish` refuses the others by name.
+    `defaults` are the class's values of keys a file may leave out (transformers' config class)."""
+
+    raw: dict
+    path: Path
+    defaults: dict = field(default_factory=dict)
+    seen: set = field(default_factory=set)
+
+    def get(self, key: str, kind: type = int, default=None):
+        """The value (the class default when absent or null), refused naming the key unless a `kind`."""
+        self.seen.add(key)
+        value = self.raw[key] if key in self.raw else self.defaults.get(key)  # written as null: null
+        if value is None:
+            return default
+        kinds = (int, float) if kind is float else (kind,)
+        if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
+            article = "an" if kind is int else "a"
+            raise ArchitectureError(f"{self.path}: {key} is {value!r}, not {article} {kind.__name__}")
+        return value
+
+    def need(self, key: str, kind: type = int):
+        value = self.get(key, kind)
+        if value is None:
+            kind = self.raw.get("model_type")
+            raise ArchitectureError(f"{self.path} has no {key!r}; it is not a complete config of {kind!r}")
+        return value
+
+    def expect(self, key: str, fine, what: str) -> None:
+        """The key, when set, must equal `fine`: the only value fivecut implements (`what` says why)."""
+        self.seen.add(key)
+        value = self.raw.get(key, self.defaults.get(key))
+        if value is not None and value != fine:
+            raise ArchitectureError(f"{self.path}: {key} = {value!r} is not implemented; fivecut's {what} has {fine!r}")
+
+    def skip(self, *keys: str) -> None:
+        self.seen.update(keys)
+
+    def finish(self, hf_class: str) -> None:
+        """Refuse the first key no reader of `hf_class` looked at."""
+        rest = sorted(k for k in self.raw if k not in self.seen and k not in METADATA)
+        if rest:
+            more = f" (and {', '.join(rest[1:])})" if len(rest) > 1 else ""
+            raise ArchitectureError(
+                f"{self.path}: {rest[0]}{more} is not implemented by fivecut's {hf_class}; a model using it would "
+                "compute something else, so it is refused rather than ignored"
+            )
+
+
+# ---------------------------------------------------------------- config.json -> ModelArgs
+
+
+def rope_theta(cfg: HFConfig) -> float:
+    """The RoPE base; only unscaled ("default") RoPE over the whole head is fivecut's."""
+    theta = cfg.get("rope_theta", float, 10000.0)  # transformers < 5 (and beside rope_parameters in fivecut's exports)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(key, dict) or {}
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ArchitectureError(
+                f"{cfg.path}: {key}.rope_type = {kind!r} is not implemented; fivecut's RoPE is unscaled (default)"
+            )
+        unknown = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        if unknown:
+            raise ArchitectureError(f"{cfg.path}: {key}.{unknown[0]} is not implemented by fivecut's RoPE")
+        theta = params.get("rope_theta", theta)
+    return float(theta)
+
+
+def head_dim(cfg: HFConfig, dim: int, heads: int) -> int:
+    """ModelArgs.attention_head_dim: 0 when the head size is hidden_size / heads (the default)."""
+    size = cfg.get("head_dim") or dim // max(heads, 1)
+    return 0 if size * heads == dim else size
+
+
+def dense_args(cfg: HFConfig, **variant) -> ModelArgs:
+    """The fields every dense class here shares (Llama's), plus `variant` (biases, norms, window)."""
+    cfg.expect("hidden_act", "silu", "SwiGLU feed-forward")
+    cfg.expect("attention_dropout", 0.0, "attention (no dropout)")
+    cfg.expect("mlp_bias", False, "feed-forward")
+    cfg.expect("pretraining_tp", 1, "model (the plain matmuls)")
+    dim, heads = cfg.need("hidden_size"), cfg.need("num_attention_heads")
+    return ModelArgs(
+        vocab_size=cfg.need("vocab_size"),
+        dim=dim,
+        n_layers=cfg.need("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        ffn_dim=cfg.need("intermediate_size"),
+        max_seq_len=cfg.get("max_position_embeddings", default=2048),
+        rope_theta=rope_theta(cfg),
+        norm_eps=float(cfg.get("rms_norm_eps", float, 1e-6)),
+        tie_embeddings=cfg.get("tie_word_embeddings", bool, False),
+        init_std=float(cfg.get("initializer_range", float, 0.02)),
+        attention_head_dim=head_dim(cfg, dim, heads),
+        **variant,
+    )
+
+
+def llama_args(cfg: HFConfig) -> ModelArgs:
+    cfg.expect("attention_bias", False, "Llama attention (no biases)")
+    return dense_args(cfg)
+
+
+def mistral_args(cfg: HFConfig) -> ModelArgs:
+    """Mistral: Llama with a sliding window on every layer (v0.1's 4096; null in later versions)."""
+    return dense_args(cfg, sliding_window=cfg.get("sliding_window") or 0)
+
+
+def qwen_window(cfg: HFConfig) -> dict:
+    """Qwen2/Qwen3's window: with use_sliding_window, the layers from max_window_layers on slide
+    (transformers' `layer_types`; a file's own layer_types must be that pattern)."""
+    use = cfg.get("use_sliding_window", bool, False)
+    window = cfg.get("sliding_window") if use else cfg.skip("sliding_window")  # read by transformers only if used
+    n_layers = cfg.need("num_hidden_layers")
+    first = min(cfg.get("max_window_layers", default=n_layers), n_layers)
+    derived = ["sliding_attention" if window and i >= first else "full_attention" for i in range(n_layers)]
+    types = cfg.get("layer_types", list) or derived
+    full = types.count("full_attention")
+    pattern = ["full_attention"] * full + ["sliding_attention"] * (n_layers - full)
+    if types != pattern or len(types) != n_layers or (full < n_layers and not window):
+        raise ArchitectureError(
+            f"{cfg.path}: layer_types {types} is not implemented; fivecut's window covers the layers after the "
+            "first max_window_layers (full attention first, then sliding), with use_sliding_window and "
+            "sliding_window set"
+        )
+    if full == n_layers:
+        return {}
+    return {"sliding_window": window, "full_attention_layers": full}
+
+
+def qwen2_args(cfg: HFConfig) -> ModelArgs:
+    """Qwen2/2.5: biases on q, k and v (always: the class has them, no config key turns them off)."""
+    return dense_args(cfg, qkv_bias=True, **qwen_window(cfg))
+
+
+def qwen3_args(cfg: HFConfig) -> ModelArgs:
+    """Qwen3: per-head RMSNorm of q and k, its own head_dim (128 when absent), no biases."""
+    cfg.expect("attention_bias", False, "Qwen3 attention (no biases)")
+    return dense_args(cfg, qk_norm=True, **qwen_window(cfg))
+
+
+# ---------------------------------------------------------------- ModelArgs -> config.json
+
+
+def dense_config(args: ModelArgs, hf_class: str, model_type: str) -> dict:
+    return {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,  # transformers < 5
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers >= 5
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": args.init_std,
+    }
+
+
+def llama_config(args: ModelArgs) -> dict:
+    return dense_config(args, "LlamaForCausalLM", "llama") | {"attention_bias": False, "mlp_bias": False}
+
+
+def mistral_config(args: ModelArgs) -> dict:
+    return dense_config(args, "MistralForCausalLM", "mistral") | {"sliding_window": args.sliding_window or None}
+
+
+def qwen_window_config(args: ModelArgs) -> dict:
+    window = args.has_window
+    kinds = ["sliding_attention" if args.layer_window(i) else "full_attention" for i in range(args.n_layers)]
+    return {
+        "use_sliding_window": window,
+        "sliding_window": args.sliding_window if window else None,
+        "max_window_layers": args.full_attention_layers if window else args.n_layers,
+        "layer_types": kinds,
+    }
+
+
+def qwen2_config(args: ModelArgs) -> dict:
+    return dense_config(args, "Qwen2ForCausalLM", "qwen2") | qwen_window_config(args)
+
+
+def qwen3_config(args: ModelArgs) -> dict:
+    return dense_config(args, "Qwen3ForCausalLM", "qwen3") | {"attention_bias": False} | qwen_window_config(args)
+
+
+# ---------------------------------------------------------------- which shapes each class holds
+
+
+def dense_problem(args: ModelArgs) -> str | None:
+    if args.is_moe:
+        return "it has mixture-of-experts layers"
+    if args.is_mla:
+        return "it has multi-head latent attention"
+    return None
+
+
+def holds_llama(args: ModelArgs) -> str | None:
+    extra = [n for n in ("qkv_bias", "qk_norm") if getattr(args, n)] + (["sliding_window"] if args.has_window else [])
+    return dense_problem(args) or (f"Llama has no {', '.join(extra)}" if extra else None)
+
+
+def holds_mistral(args: ModelArgs) -> str | None:
+    if args.qkv_bias or args.qk_norm:
+        return "Mistral has no q/k/v biases or q/k norms"
+    if args.full_attention_layers:
+        return "Mistral's window covers every layer (full_attention_layers > 0)"
+    return dense_problem(args)
+
+
+def holds_qwen2(args: ModelArgs) -> str | None:
+    if not args.qkv_bias or args.qk_norm:
+        return "Qwen2 has q/k/v biases and no q/k norms"
+    return dense_problem(args)
+
+
+def holds_qwen3(args: ModelArgs) -> str | None:
+    if args.qkv_bias or not args.qk_norm:
+        return "Qwen3 has q/k norms and no q/k/v biases"
+    return dense_problem(args)
+
+
+# ---------------------------------------------------------------- tensor names
+
+# per-layer suffixes, fivecut -> Hugging Face, of every dense class here
+DENSE_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+QKV_BIAS = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
+QK_NORM = {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
+GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+HEAD = {"output.weight": "lm_head.weight"}
+
+
+def global_tensors(args: ModelArgs) -> list[TensorMap]:
+    """The embedding, the final norm and (untied) the head."""
+    names = GLOBAL | ({} if args.tie_embeddings else HEAD)
+    return [TensorMap(ours, (theirs,)) for ours, theirs in names.items()]
+
+
+def layer_tensors(args: ModelArgs, suffixes: dict[str, str]) -> list[TensorMap]:
+    """`suffixes` (fivecut -> Hugging Face, inside one layer) in every layer."""
+    return [
+        TensorMap(f"layers.{i}.{ours}", (f"model.layers.{i}.{theirs}",))
+        for i in range(args.n_layers)
+        for ours, theirs in suffixes.items()
+    ]
+
+
+def dense_tensors(args: ModelArgs) -> list[TensorMap]:
+    suffixes = DENSE_LAYER | (QKV_BIAS if args.qkv_bias else {}) | (QK_NORM if args.qk_norm else {})
+    return global_tensors(args) + layer_tensors(args, suffixes)
+
+
+# ---------------------------------------------------------------- the registry
+
+LLAMA = Architecture("LlamaForCausalLM", "llama", llama_args, llama_config, holds_llama, dense_tensors)
+MISTRAL = Architecture("MistralForCausalLM", "mistral", mistral_args, mistral_config, holds_mistral, dense_tensors)
+QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", qwen2_args, qwen2_config, holds_qwen2, dense_tensors)
+QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", qwen3_args, qwen3_config, holds_qwen3, dense_tensors)
+
+# transformers' defaults for keys a config.json may leave out, by model_type (where they differ from
+# the readers' own: Qwen3's head_dim is its own, Mistral v0.1's window is the class default)
+DEFAULTS = {
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {"max_window_layers": 28, "sliding_window": 4096},
+    "qwen3": {"head_dim": 128, "max_window_layers": 28, "sliding_window": 4096},
+}
+
+ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+
+
+def register(architecture: Architecture, defaults: dict | None = None) -> None:
+    """Add a class (fivecut.weights.moe_architectures adds the mixture-of-experts ones)."""
+    ARCHITECTURES[architecture.hf_class] = architecture
+    if defaults:
+        DEFAULTS[architecture.model_type] = defaults
+
+
+def for_config(raw: dict, path: Path) -> Architecture:
+    """The record of the class a parsed config.json (at `path`) names; refused naming it when none."""
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+    if not known:  # no class named: by model_type
+        known = [a for a in ARCHITECTURES.values() if a.model_type == model_type and not archs]
+    if not known or known[0].model_type != model_type:
+        found = ", ".join(archs) or f"model_type {model_type!r}"
+        raise ArchitectureError(
+            f"{path} describes {found}, which fivecut does not import; it reads {', '.join(ARCHITECTURES)}"
+        )
+    return known[0]
+
+
+def read_args(raw: dict, path: Path) -> tuple[Architecture, ModelArgs]:
+    """The class and fivecut's shape of the model a parsed config.json describes, every key accounted for."""
+    architecture = for_config(raw, path)
+    cfg = HFConfig(raw, path, DEFAULTS.get(architecture.model_type, {}))
+    args = architecture.to_args(cfg)
+    cfg.finish(architecture.hf_class)
+    try:
+        return architecture, args.check()
+    except ValueError as err:
+        raise ArchitectureError(f"{path}: {err}") from None
+
+
+def for_args(args: ModelArgs, name: str | None = None) -> Architecture | None:
+    """The class to export a model of shape `args` as: `name`'s (refused with the reason when it
+    cannot hold the shape), else the first that holds it, else None (fivecut's own format)."""
+    if name is not None:
+        if name not in ARCHITECTURES:
+            raise ArchitectureError(f"--architecture {name!r} is not one of {', '.join(ARCHITECTURES)}")
+        problem = ARCHITECTURES[name].holds(args)
+        if problem:
+            raise ArchitectureError(f"--architecture {name} cannot hold this model: {problem}")
+        return ARCHITECTURES[name]
+    return next((a for a in ARCHITECTURES.values() if a.holds(args) is None), None)
