@@ -109,8 +109,9 @@ def test_zero3_gathers_the_head_once_not_once_per_chunk():
     full = spawn(zero3_gathers, 2, 0)
     for (records, grads), (ref_records, ref_grads) in zip(spawn(zero3_gathers, 2, 7), full):
         assert records == ref_records  # every collective, its bytes and phase: the same as the full path's
-        for g, ref in zip(grads, ref_grads):
-            torch.testing.assert_close(g, ref, **GRAD_TOL)
+        for g, ref in zip(grads, ref_grads):  # summed in another order: an element far below the tensor's
+            scale = ref.abs().max().item()  # scale may move by more than 1e-7 (1.7e-7 in 32,704 seen on an EPYC)
+            torch.testing.assert_close(g, ref, rtol=GRAD_TOL["rtol"], atol=GRAD_TOL["rtol"] * scale)
 
 
 # ---------------------------------------------------------------- layouts, over optimizer steps
