@@ -11,6 +11,7 @@ exact: ratio=1.000, activation_ratio=1.000."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -146,6 +147,17 @@ def short_documents(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def mixture(short_documents, tmp_path_factory) -> list[str]:
+    """Two sources mixed 0.7 / 0.3 (issue 36's parity case): the folder above and a JSONL file of
+    600 short documents, one a line."""
+    jsonl = tmp_path_factory.mktemp("jsonl") / "short.jsonl"
+    r = random.Random(1)
+    lines = [json.dumps({"text": " ".join(r.choice(WORDS) for _ in range(r.randint(3, 25)))}) for _ in range(600)]
+    jsonl.write_text("\n".join(lines) + "\n")
+    return [f"data.source={json.dumps([str(short_documents), str(jsonl)])}", "data.weights=[0.7, 0.3]"]
+
+
 def document_sets(folder, cache) -> list[str]:
     return [
         "data.document_mask=true",
@@ -202,9 +214,9 @@ LAYOUTS = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_verify_passes_with_document_masks(capsys, short_documents, tmp_path, layout):
+def test_verify_passes_with_document_masks(capsys, short_documents, mixture, tmp_path, layout):
     argv = ["verify", "--model", "tiny-gpt2", "--layout", layout, "--steps", "3"]
-    sets = document_sets(short_documents, tmp_path / "cache") + ["train.seq_len=32"]
+    sets = document_sets(short_documents, tmp_path / "cache") + ["train.seq_len=32"] + mixture  # its source wins
     code = main(argv + [arg for s in sets for arg in ("--set", s)])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert code == 0 and last.startswith("PASS"), last
