@@ -156,7 +156,9 @@ def dtensor_plan(sp: bool) -> tuple[dict, dict]:
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     block = {
-        "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
