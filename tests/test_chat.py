@@ -268,3 +268,55 @@ def test_a_chat_template_file_that_does_not_exist(capsys, chat_model, tmp_path):
     path = write_jsonl(tmp_path / "chats.jsonl", conversations(3))
     err = refused(capsys, tmp_path, chat_model, f'data.source="{path}"', f'data.chat_template="{tmp_path / "no.j2"}"')
     assert "data.chat_template=" in err and "is not a file" in err
+
+
+# ---------------------------------------------------------------- the SmolLM2 example
+
+
+def instruction_set(n: int) -> list[list[dict]]:
+    """Small arithmetic and spelling exchanges in English, one or two a conversation."""
+    r = random.Random(0)
+    out = []
+    for _ in range(n):
+        messages = []
+        for _ in range(r.randint(1, 2)):
+            a, b = r.randint(1, 20), r.randint(1, 20)
+            if r.random() < 0.5:
+                messages += [
+                    {"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                ]
+            else:
+                word = r.choice(WORDS)
+                messages += [
+                    {"role": "user", "content": f"Spell the word {word}."},
+                    {"role": "assistant", "content": "-".join(word.upper())},
+                ]
+        out.append(messages)
+    return out
+
+
+def test_the_smollm2_chat_config_trains_on_the_replies(tmp_path, monkeypatch):
+    """configs/smollm2-chat.toml, as a user runs it, on the instruction set it expects where it
+    expects it; the store's loss tokens are exactly the replies and what the template closes them with."""
+    from pathlib import Path
+
+    from fivecut.train.data import load_sources
+    from fivecut.weights.load import run_tokenizer
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "smollm2-chat.toml"
+    monkeypatch.chdir(tmp_path)
+    chats = instruction_set(400)
+    (tmp_path / "instructions").mkdir()
+    write_jsonl(tmp_path / "instructions" / "chats.jsonl", chats)
+    sets = [f'data.cache_dir="{tmp_path / "cache"}"', "train.steps=1", "train.seq_len=64", "train.global_batch=2"]
+    sets += ["train.eval_every=1", "train.eval_batches=1", "train.warmup=0", "log.progress=false", "log.plot=false"]
+    assert main(["train", "--config", str(config)] + [a for s in sets for a in ("--set", s)]) == 0
+
+    cfg = load_config(str(config), sets)
+    tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
+    (split,) = load_sources(cfg.data, tokenizer)
+    ids = np.concatenate([np.asarray(split.train), np.asarray(split.val)])
+    mask = np.concatenate([np.asarray(split.train_mask), np.asarray(split.val_mask)])
+    replies = "".join(m["content"] + "<|im_end|>\n" for c in chats for m in c if m["role"] == "assistant")
+    assert tokenizer.decode(ids[mask == 1].tolist()) == replies
