@@ -159,6 +159,28 @@ def test_the_store_keeps_masks_beside_the_ids_checked_by_sha256(chat_model, chat
         open_store(chats, tok, tmp_path, BuildOptions(chat=template, progress=False))
 
 
+def test_a_template_file_stands_in_for_the_tokenizers(tmp_path, chats):
+    """data.chat_template: a tokenizer without a template reads chat data with the file's, to the
+    same store as a tokenizer that carries that template."""
+    from fivecut.train.data import load_sources
+    from fivecut.weights.load import run_tokenizer
+
+    (tmp_path / "bare").mkdir()
+    save_model(tmp_path / "bare", template=None)
+    (tmp_path / "template.jinja").write_text(TEMPLATE)
+    sets = chat_sets(tmp_path / "bare", chats, tmp_path / "cache") + [
+        f'data.chat_template="{tmp_path / "template.jinja"}"'
+    ]
+    cfg = load_config(None, sets)
+    (split,) = load_sources(cfg.data, run_tokenizer(cfg.data.tokenizer, cfg.model.init_from))
+    assert split.train_mask is not None and 0 < np.asarray(split.train_mask).mean() < 1
+    (tmp_path / "own").mkdir()
+    save_model(tmp_path / "own")
+    cfg = load_config(None, chat_sets(tmp_path / "own", chats, tmp_path / "cache-own"))  # built again
+    (own,) = load_sources(cfg.data, run_tokenizer(cfg.data.tokenizer, cfg.model.init_from))
+    assert own.content == split.content
+
+
 # ---------------------------------------------------------------- the loss
 
 
@@ -194,6 +216,8 @@ LAYOUTS = [
     ("tp=2", []),  # the vocabulary-parallel loss, chunked
     ("pp=2,pp_schedule=1f1b,microbatches=2", []),  # the loss on the last stage
     pytest.param("tp=2,sp=true", ["train.loss_chunk_tokens=0"], marks=pytest.mark.sweep),
+    pytest.param("cp=2,cp_mode=ring", [], marks=pytest.mark.sweep),
+    pytest.param("dp=2,zero=3", ["train.accumulate=2"], marks=pytest.mark.sweep),
 ]
 
 
