@@ -344,3 +344,9 @@ def test_the_smollm2_chat_config_trains_on_the_replies(tmp_path, monkeypatch):
     mask = np.concatenate([np.asarray(split.train_mask), np.asarray(split.val_mask)])
     replies = "".join(m["content"] + "<|im_end|>\n" for c in chats for m in c if m["role"] == "assistant")
     assert tokenizer.decode(ids[mask == 1].tolist()) == replies
+
+
+def test_chat_data_needs_a_models_own_tokenizer(capsys, chat_model, tmp_path):
+    path = write_jsonl(tmp_path / "chats.jsonl", conversations(3))
+    err = refused(capsys, tmp_path, chat_model, f'data.source="{path}"', 'data.tokenizer="byte"')
+    assert "data.format=\"chat\" needs a model's own tokenizer, not 'byte'" in err

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fivecut.data.sources import DataError, Unit, field_value, jsonl_lines
+from fivecut.train.tokenizer import FileTokenizer
 
 FORMATS = ("text", "chat")
 MESSAGES_FIELD = "messages"  # the JSONL field of a chat line: a list of {"role", "content"}
@@ -62,7 +63,7 @@ def run_template(data_format: str, template_file: str | None, tokenizer) -> Chat
         if template_file:
             raise DataError('data.chat_template is set but data.format is "text"; set data.format="chat" or drop it')
         return None
-    if not hasattr(tokenizer, "tokenizer"):  # a model's own (tokenizers) tokenizer gives each token's characters
+    if not isinstance(tokenizer, FileTokenizer):  # a model's own (tokenizers) tokenizer gives each token's characters
         raise DataError(
             f'data.format="chat" needs a model\'s own tokenizer, not {tokenizer.name!r}; set data.tokenizer="auto" '
             "with model.init_from naming a Hugging Face folder or GGUF file"
