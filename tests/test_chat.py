@@ -154,6 +154,10 @@ def test_the_store_keeps_masks_beside_the_ids_checked_by_sha256(chat_model, chat
         expected_ids += ([] if i == 0 else [tok.eot_id]) + list(one)
         expected_mask += ([] if i == 0 else [0]) + keep.tolist()
     assert ids.tolist() == expected_ids and mask.tolist() == expected_mask
+    options = BuildOptions(chat=template, progress=False, workers=2, unit_bytes=4096, shard_tokens=3000)
+    parallel = open_store(chats, tok, tmp_path / "parallel", options)  # two worker processes, several shards
+    assert len(parallel.meta["shards"]) > 1
+    assert np.asarray(parallel.tokens().loss_mask()).tolist() == expected_mask
     (store.folder / record["mask"]).write_bytes(bytes(len(mask)))  # every token out of the loss
     with pytest.raises(ValueError, match="shard-00000.mask does not match the sha256"):
         open_store(chats, tok, tmp_path, BuildOptions(chat=template, progress=False))
