@@ -32,6 +32,7 @@ from fivecut.config import (
     parse_override,
     preset_args,
 )
+from fivecut.data.chat import FORMATS
 from fivecut.data.mixture import weight_problem
 from fivecut.data.sampler import ORDERS
 from fivecut.data.sources import DataError, resolve_source
@@ -318,7 +319,19 @@ def store_problems(d) -> list[str]:
         out.append(f"data.order={d.order!r}; choose one of {', '.join(ORDERS)}")
     if not d.text_field:
         out.append('data.text_field is empty; give the JSONL field or column that holds the text, e.g. "text"')
+    out += chat_problems(d)
     return out + at_least("data", d, ("shard_tokens",), 1) + at_least("data", d, ("workers",), 0)
+
+
+def chat_problems(d) -> list[str]:
+    """data.format and data.chat_template agree (the template itself is read with the tokenizer)."""
+    if d.format not in FORMATS:
+        return [f"data.format={d.format!r}; choose one of {', '.join(FORMATS)}"]
+    if d.chat_template is not None and d.format != "chat":
+        return ['data.chat_template is set but data.format is "text"; set data.format="chat" or drop it']
+    if d.chat_template is not None and not Path(d.chat_template).expanduser().is_file():
+        return [f"data.chat_template={d.chat_template!r} is not a file; give the path of a Jinja template"]
+    return []
 
 
 def log_problems(log) -> list[str]:

@@ -85,6 +85,10 @@ class DataConfig:
     shard_tokens: int = 1 << 28  # ids per shard of the token store (`fivecut.data.store`)
     workers: int = 0  # processes that build the token store; 0: one per core
     record_ids: bool = False  # each rank writes the token ids it trains on to log.out_dir/data-ids-rank<R>.jsonl
+    # "text": documents | "chat": JSONL conversations ({"messages": [{"role", "content"}, ...]}) rendered with the
+    # tokenizer's chat template, the loss on the assistant's replies only (`fivecut.data.chat`)
+    format: str = "text"
+    chat_template: str | None = None  # with format "chat": a Jinja template file used instead of the tokenizer's
 
 
 @dataclass

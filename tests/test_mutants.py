@@ -118,6 +118,7 @@ REFUSED_KEYS = {
     ).split()),
     *(f"model.{k}" for k in "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers".split()),
     *(f"data.{k}" for k in "source tokenizer val_fraction text_field weights order document_mask".split()),
+    "data.format", "data.chat_template",
     *(f"train.{k}" for k in (
         "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype"
     ).split()),

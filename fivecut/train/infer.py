@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fivecut import comm
 from fivecut.train import checkpoint
+from fivecut.train.data import counted_targets
 from fivecut.train.run import evaluate, local_tokens, pipeline_step, setup
 
 
@@ -109,5 +110,5 @@ def evaluate_on_rank(cfg, checkpoint_path: str | None = None) -> dict:
     if checkpoint_path is not None:
         checkpoint.load(checkpoint_path, ctx.par, ctx.optimizer, dataclasses.asdict(ctx.args))
     loss = evaluate(ctx)
-    tokens = sum(batch[1].numel() for batch in ctx.val_batches)
+    tokens = sum(counted_targets(batch[1]) for batch in ctx.val_batches)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens}

@@ -201,7 +201,7 @@ class FakeBatches:
         tokens = torch.randint(0, self.vocab, (rows, seq + 1), generator=g)  # [b, s + 1]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def tokens_in_global_batch(self) -> int:
+    def tokens_in_global_batch(self, step: int | None = None) -> int:
         return self.cfg.train.global_batch * self.cfg.train.seq_len
 
 

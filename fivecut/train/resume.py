@@ -50,7 +50,7 @@ REFUSED_ON_RESUME = {
     "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
     "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers",
     # the tokens a step reads, and what each token attends to
-    "data": "source tokenizer val_fraction text_field weights order document_mask",
+    "data": "source tokenizer val_fraction text_field weights order document_mask format chat_template",
     # the batches of step s (global_batch, seq_len, seed), the optimizer and its schedule, the precision
     "train": "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype",
     "moe": "capacity_factor aux_loss_coef bias_update_rate",  # which tokens reach which expert; the loss
@@ -205,7 +205,7 @@ def idle_override(key: str, changes: list[Change], meta: dict) -> str | None:
 
 # what decides the rows of a step: with one of these accepted by --override, other data is expected
 DATA_DECIDING = ("data.source", "data.tokenizer", "data.val_fraction", "data.text_field", "data.weights", "data.order")
-DATA_DECIDING += ("train.global_batch", "train.seq_len", "train.seed")
+DATA_DECIDING += ("train.global_batch", "train.seq_len", "train.seed", "data.format", "data.chat_template")
 
 
 def check_data_position(meta: dict, now: dict, accept: list[str]) -> None:

@@ -26,7 +26,16 @@ from fivecut.model.documents import Documents
 from fivecut.parallel.context import sequence_chunk
 from fivecut.parallel.parallelize import Parallelized, build_parallel
 from fivecut.parallel.pipeline.executor import PipelineStep
-from fivecut.train.data import BatchSampler, IdsRecord, eval_batches, load_sources, local_rows, shard_batch, sources_of
+from fivecut.train.data import (
+    BatchSampler,
+    IdsRecord,
+    counted_targets,
+    eval_batches,
+    load_sources,
+    local_rows,
+    shard_batch,
+    sources_of,
+)
 from fivecut.train.memory import LossPeak
 from fivecut.train.optim import adamw_kernel, build_optimizer
 from fivecut.train.resume import Resume
@@ -92,8 +101,9 @@ def setup(cfg: Config) -> Context:
         print(f"fivecut: {note}", flush=True)
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, kernel)
     sampler = run_sampler(cfg, sources)
-    vals = [s.val for s in sources]
-    val = eval_batches(vals, t.seq_len, t.global_batch, t.eval_batches, cfg.data.weights) if t.eval_every else []
+    vals, val_masks = [s.val for s in sources], [s.val_mask for s in sources]
+    weights = cfg.data.weights
+    val = eval_batches(vals, t.seq_len, t.global_batch, t.eval_batches, weights, val_masks) if t.eval_every else []
     metrics_group = dataclasses.replace(mesh.group("dp_cp"), cut="metrics")
     control = control_group(mesh)
     return Context(
@@ -117,7 +127,10 @@ def run_sampler(cfg: Config, sources: list) -> BatchSampler:
     """The run's rows: its sources' training splits, mixed by data.weights, in data.order."""
     t, d = cfg.train, cfg.data
     trains, content = [s.train for s in sources], tuple(s.content for s in sources)
-    return BatchSampler(trains, t.seq_len, t.global_batch, t.seed, order=d.order, weights=d.weights, content=content)
+    masks = [s.train_mask for s in sources]  # chat data: the loss masks
+    return BatchSampler(
+        trains, t.seq_len, t.global_batch, t.seed, order=d.order, weights=d.weights, content=content, masks=masks
+    )
 
 
 def run_tokens(cfg: Config) -> BatchSampler:
@@ -147,7 +160,7 @@ def forward_backward(ctx: Context, step: int, activations: dict | None = None) -
     batches = ctx.sampler.local_batches(step, dp, cut.dims.dp, accumulate)
     if ctx.ids_record is not None:
         ctx.ids_record.write(step, local_rows(ctx.cfg.train.global_batch, dp, cut.dims.dp, accumulate), batches)
-    denominator = ctx.sampler.tokens_in_global_batch()
+    denominator = ctx.sampler.tokens_in_global_batch(step)  # chat data: the unmasked targets of the global batch
     total = torch.zeros((), device=ctx.device)
     if ctx.par.pipeline is not None:
         return pipeline_forward_backward(ctx, batches, denominator, activations)
@@ -295,7 +308,7 @@ def evaluate(ctx: Context) -> float:
     total = torch.zeros((), device=ctx.device)
     tokens = 0
     for batch in ctx.val_batches:
-        tokens += batch[1].numel()
+        tokens += counted_targets(batch[1])  # the whole batch's (every rank holds it): chat data, replies only
         inputs, targets, positions, documents = local_batch(ctx, *shard_batch(batch, rank, dp))
         if ctx.par.pipeline is not None:
             total += pipeline_step(ctx, inputs.shape[0], positions).forward_only(

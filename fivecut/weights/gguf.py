@@ -225,7 +225,8 @@ class GGUFSource:
                 raise
             except Exception as err:  # tokenizers raises its own exception type for a vocabulary it cannot use
                 raise WeightsError(f"{self.path}: its tokenizer cannot be built ({err}); the file is damaged") from None
-            self._tokenizer = FileTokenizer(tok, self.meta("tokenizer.ggml.eos_token_id"), str(self.path))
+            template = self.meta("tokenizer.chat_template")  # the model's chat template (Jinja), when it has one
+            self._tokenizer = FileTokenizer(tok, self.meta("tokenizer.ggml.eos_token_id"), str(self.path), template)
         return self._tokenizer
 
     def _build_tokenizer(self):
