@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fivecut.cli import main
 from fivecut.config import load_config
-from fivecut.data.chat import IGNORE, ChatTemplate, encode_conversation
+from fivecut.data.chat import IGNORE, ChatTemplate, encode_conversation, run_template
 from fivecut.data.store import BuildOptions, open_store
 from fivecut.launch import spawn
 from fivecut.parallel.parallelize import token_loss_sum
@@ -137,6 +137,27 @@ def test_masks_are_transformers_assistant_masks(chat_model):
         assert ids == list(out["input_ids"])
         assert mask.tolist() == list(out["assistant_masks"])
         assert 0 < mask.sum() < len(mask)
+
+
+def test_templates_read_the_tokenizers_bos_and_eos_tokens(tmp_path):
+    """`{{ bos_token }}` and `{{ eos_token }}` (Llama 3's and Mistral's templates use them) render as the
+    folder's tokenizer_config.json names them, as in transformers, not as empty strings."""
+    transformers = pytest.importorskip("transformers")
+    from fivecut.weights.load import source_of
+
+    template = "{{ bos_token }}" + TEMPLATE.replace("'<|im_end|>\\n'", "eos_token + '\\n'")
+    save_model(tmp_path, template)
+    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(special))
+    ours = source_of(f"hf:{tmp_path}").tokenizer()
+    assert ours.special_tokens == special
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=word_tokenizer(), chat_template=template, bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    messages = conversations(1, seed=2)[0]
+    ids, _ = encode_conversation(ours, run_template("chat", None, ours), messages, "test")
+    assert ids == list(theirs.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    assert ids[0] == 1 and ids.count(2) == len(messages)  # the bos, and an eos closing every turn
 
 
 def test_the_store_keeps_masks_beside_the_ids_checked_by_sha256(chat_model, chats, tmp_path):

@@ -45,13 +45,15 @@ class ChatTemplate:
 
     text: str
     origin: str  # "the tokenizer of <file>" or a template file's path
+    special_tokens: tuple[tuple[str, str], ...] = ()  # (name, text): bos_token and eos_token, as templates read them
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
+        return hashlib.sha256(repr((self.text, self.special_tokens)).encode()).hexdigest()
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return compiled(self.text).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        variables = dict(self.special_tokens)
+        return compiled(self.text).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
 def run_template(data_format: str, template_file: str | None, tokenizer) -> ChatTemplate | None:
@@ -68,17 +70,18 @@ def run_template(data_format: str, template_file: str | None, tokenizer) -> Chat
             f'data.format="chat" needs a model\'s own tokenizer, not {tokenizer.name!r}; set data.tokenizer="auto" '
             "with model.init_from naming a Hugging Face folder or GGUF file"
         )
+    special = tuple(sorted(tokenizer.special_tokens.items()))  # {{ bos_token }}, {{ eos_token }}
     if template_file:
         path = Path(template_file).expanduser()
         if not path.is_file():
             raise DataError(f"data.chat_template={template_file!r} is not a file; give the path of a Jinja template")
-        return checked(ChatTemplate(path.read_text(), str(path)))
+        return checked(ChatTemplate(path.read_text(), str(path), special))
     if not tokenizer.chat_template:
         raise DataError(
             f"the tokenizer of {tokenizer.source} has no chat template; set data.chat_template to a Jinja template "
             "file, or use a model whose tokenizer carries one"
         )
-    return checked(ChatTemplate(tokenizer.chat_template, f"the tokenizer of {tokenizer.source}"))
+    return checked(ChatTemplate(tokenizer.chat_template, f"the tokenizer of {tokenizer.source}", special))
 
 
 def checked(template: ChatTemplate) -> ChatTemplate:

@@ -145,7 +145,14 @@ class FileTokenizer:
     tokenizer.json or a GGUF file's metadata. `name` is its identity: the kind and a hash of its
     serialized form, so two different tokenizers never share a token cache."""
 
-    def __init__(self, tokenizer, eot_id: int | None, source: str, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        eot_id: int | None,
+        source: str,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ):
         import hashlib
 
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
@@ -156,6 +163,8 @@ class FileTokenizer:
         self.source = source  # where it came from, for messages
         # the model's chat template (Jinja, as Hugging Face stores it), carried along unrendered
         self.chat_template = chat_template
+        # the special tokens' text by the names chat templates read them ("bos_token", "eos_token")
+        self.special_tokens = dict(special_tokens or {})
 
     def encode(self, text: str) -> list[int]:
         # no special tokens added (a BOS would split documents differently from the model's training)

@@ -226,7 +226,13 @@ class GGUFSource:
             except Exception as err:  # tokenizers raises its own exception type for a vocabulary it cannot use
                 raise WeightsError(f"{self.path}: its tokenizer cannot be built ({err}); the file is damaged") from None
             template = self.meta("tokenizer.chat_template")  # the model's chat template (Jinja), when it has one
-            self._tokenizer = FileTokenizer(tok, self.meta("tokenizer.ggml.eos_token_id"), str(self.path), template)
+            special = {
+                f"{kind}_token": tok.id_to_token(int(self.meta(f"tokenizer.ggml.{kind}_token_id")))
+                for kind in ("bos", "eos")
+                if self.meta(f"tokenizer.ggml.{kind}_token_id") is not None
+            }
+            eos = self.meta("tokenizer.ggml.eos_token_id")
+            self._tokenizer = FileTokenizer(tok, eos, str(self.path), template, special)
         return self._tokenizer
 
     def _build_tokenizer(self):

@@ -240,7 +240,21 @@ def folder_tokenizer(folder: Path):
         tok = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises its own exception type
         raise WeightsError(f"{path} cannot be read by the tokenizers library: {err}") from None
-    return FileTokenizer(tok, eos_id(folder, tok), str(path), chat_template(folder))
+    return FileTokenizer(tok, eos_id(folder, tok), str(path), chat_template(folder), special_tokens(folder))
+
+
+def special_tokens(folder: Path) -> dict[str, str]:
+    """tokenizer_config.json's bos_token and eos_token (a string, or an added token's record with its
+    "content"): the names chat templates write them by (`{{ bos_token }}`)."""
+    config = folder / "tokenizer_config.json"
+    table = read_json(config) if config.is_file() else {}
+    found = {}
+    for name in ("bos_token", "eos_token"):
+        value = table.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            found[name] = value
+    return found
 
 
 def chat_template(folder: Path) -> str | None:
