@@ -204,7 +204,7 @@ def test_a_training_steps_loss_is_the_documents_own(short_documents, tmp_path, m
 
 LAYOUTS = [
     "cp=2,cp_mode=ring",
-    pytest.param("dp=2", marks=pytest.mark.sweep),
+    pytest.param("dp=2,zero=1", marks=pytest.mark.sweep),
     pytest.param("tp=2,sp=true", marks=pytest.mark.sweep),
     pytest.param("pp=2,pp_schedule=1f1b,microbatches=2", marks=pytest.mark.sweep),
     pytest.param("cp=2,cp_mode=ulysses", marks=pytest.mark.sweep),
