@@ -60,6 +60,8 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    route_norm: bool | None = None
+    qk_norm: bool | None = None
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)

@@ -21,6 +21,7 @@ MOE_ONLY = (
     "first_dense_layers",
     "gate",
     "route_scale",
+    "route_norm",
     "expert_groups",
     "route_group_limit",
 )
@@ -77,6 +78,10 @@ class ModelArgs:
     first_dense_layers: int = 0  # the first k layers use the dense feed-forward
     gate: str = "softmax"  # "softmax" | "sigmoid" scoring of the router
     route_scale: float = 1.0  # multiplies the normalized top-k weights
+    # divide the chosen experts' scores by their sum (Mixtral; Qwen3-MoE's and DeepSeek-V3's
+    # norm_topk_prob); false keeps the raw scores. A single softmax-chosen expert keeps its
+    # probability either way, so that the router still learns.
+    route_norm: bool = True
     # group-limited routing (DeepSeek-V3's node-limited routing): the experts are cut into
     # `expert_groups` contiguous groups (with expert parallelism, groups of ranks: nodes)
     # and each token chooses its experts from its best `route_group_limit` groups only
@@ -93,6 +98,8 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # per-head RMSNorm of queries and keys before RoPE (Qwen3): two weights of head_dim per layer
+    qk_norm: bool = False
 
     # ----- the check of the values ---------------------------------------
 
@@ -111,6 +118,8 @@ class ModelArgs:
                 f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads}); "
                 f"choose n_kv_heads dividing n_heads, e.g. {nearest_divisor(self.n_heads, self.n_kv_heads)}"
             )
+        if self.is_mla and self.qk_norm:
+            raise ValueError("qk_norm (per-head norms of plain attention) does not apply to latent attention; unset it")
         if self.is_mla:
             self._check_mla()
         elif self.head_dim % 2:
@@ -261,7 +270,8 @@ class ModelArgs:
 
     def _attention_params(self) -> int:
         latent_norms = self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0
-        return self.attention_matmul_params() + latent_norms
+        head_norms = 2 * self.head_dim if self.qk_norm else 0
+        return self.attention_matmul_params() + latent_norms + head_norms
 
     def _ffn_params(self, hidden: int) -> int:
         return 3 * self.dim * hidden  # w1, w3, w2

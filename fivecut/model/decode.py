@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer, apply_rope
+from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer
 
 
 @dataclass
@@ -99,23 +99,14 @@ def _attention(
 ) -> torch.Tensor:
     """Attention.forward over the cached prefix and the s new positions: x [b, s, dim] -> [b, s, dim]."""
     b, s, _ = x.shape
-    if isinstance(attn, LatentAttention):
-        q, k, v = attn.qkv(x, rope)  # [b, H, s, nope + rope] twice, [b, H, s, v_dim]
-    else:
-        q, k, v = _heads(attn, attn.wq(x)), _heads(attn, attn.wk(x)), _heads(attn, attn.wv(x))
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [b, heads, s, hd]
+    # latent: [b, H, s, nope + rope] twice, [b, H, s, v_dim]; plain: [b, heads or kv heads, s, hd]
+    q, k, v = attn.qkv(x, rope)
     end = start + s
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
     keys, values = k_cache[:, :, :end], v_cache[:, :, :end]  # [b, n_kv, end, hd]
     o = _sdpa(q, keys, values, start)  # [b, n_heads, s, hd]
     return attn.wo(o.transpose(1, 2).reshape(b, s, -1))
-
-
-def _heads(attn: Attention, y: torch.Tensor) -> torch.Tensor:
-    b, s, _ = y.shape
-    return y.view(b, s, -1, attn.head_dim).transpose(1, 2)  # [b, heads, s, hd]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

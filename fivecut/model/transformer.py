@@ -96,6 +96,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3: each query and key head RMS-normed over its head_dim channels, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         # Replaceable by any module with the same signature (context parallelism).
         self.core: nn.Module = CausalSDPA()
 
@@ -104,12 +107,17 @@ class Attention(nn.Module):
         # number of (local) heads from the projection's width, not from args
         return y.view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, heads, s, hd]
 
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> q [b, heads, s, hd], k and v [b, kv_heads, s, hd], q and k rotated."""
+        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.core(q, k, v)  # [b, n_heads, s, hd]
+        o = self.core(*self.qkv(x, rope))  # [b, n_heads, s, hd]
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, n_heads * hd]
         return self.wo(o)
 
@@ -386,6 +394,7 @@ class MoE(nn.Module):
         self.top_k = args.top_k
         self.gate = args.gate
         self.route_scale = args.route_scale
+        self.route_norm = args.route_norm
         self.expert_groups, self.route_group_limit = args.expert_groups, args.route_group_limit
         # Training-time behaviour (expert parallelism, capacity, balancing) is installed from
         # outside by `fivecut.parallel.expert`; without it this is the plain dropless layer.
@@ -408,9 +417,12 @@ class MoE(nn.Module):
     def route(self, x_flat: torch.Tensor):
         """x_flat [T, dim] -> topk_idx [T, k], topk_weight [T, k] (fp32), scores [T, E] (fp32).
 
-        softmax gate: softmax over experts, top-k, renormalized when k > 1.
-        sigmoid gate: independent sigmoid scores, top-k, always renormalized.
-        Both: selection on scores + expert_bias, weights times route_scale."""
+        softmax gate: softmax over experts, top-k (Mixtral, Qwen3-MoE).
+        sigmoid gate: independent sigmoid scores, top-k (DeepSeek-V3).
+        Both: selection on scores + expert_bias (DeepSeek-V3's e_score_correction_bias), within
+        the best groups when grouped; the weights are the unbiased scores of the chosen experts,
+        renormalized to sum 1 with route_norm (but a lone softmax expert keeps its probability),
+        times route_scale (routed_scaling_factor)."""
         logits = self.router(x_flat).float()  # [T, E]
         scores = logits.softmax(dim=-1) if self.gate == "softmax" else logits.sigmoid()
         biased = scores + self.expert_bias.float()  # [T, E] for selection only
@@ -418,7 +430,7 @@ class MoE(nn.Module):
             biased = limit_to_groups(biased, self.expert_groups, self.route_group_limit)
         topk_idx = biased.topk(self.top_k, dim=-1).indices  # [T, k]
         topk_weight = scores.gather(-1, topk_idx)  # [T, k]
-        if self.gate == "sigmoid" or self.top_k > 1:
+        if self.route_norm and (self.gate == "sigmoid" or self.top_k > 1):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         return topk_idx, topk_weight * self.route_scale, scores
 

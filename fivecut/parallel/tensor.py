@@ -314,6 +314,10 @@ def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
         attention.wv = ReplicatedKV(attention.wv, head, hd, group)
         changes |= {"wk.weight": Change(summed_over="tp"), "wv.weight": Change(summed_over="tp")}
     changes["wo.weight"] = row_parallel(attention.wo, group)
+    if attention.q_norm is not None:  # per-head norms: whole on each rank, which passes back its heads' share
+        for name in ("q_norm", "k_norm"):
+            setattr(attention, name, SequenceParallelRMSNorm(getattr(attention, name), group))
+            changes[f"{name}.weight"] = Change(summed_over="tp")
     return changes
 
 
