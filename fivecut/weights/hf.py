@@ -15,6 +15,7 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
+from fivecut.weights import moe_architectures as moe
 from fivecut.weights.names import from_hf
 from fivecut.weights.source import WeightsError
 
@@ -162,9 +163,18 @@ class HFSource:
         self.path = folder
         config = read_config(folder)
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
-        self.args = args_from_config(config, folder / "config.json")
+        # a mixture-of-experts class (fivecut.weights.moe_architectures): its tensors are `Stored` records
+        self.architecture, self.stored, self.stored_buffers = moe.for_config(config), {}, {}
+        if self.architecture is not None:
+            self.args = self.architecture.args(config, folder / "config.json")
+        else:
+            self.args = args_from_config(config, folder / "config.json")
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
-        if is_fivecut(config):  # fivecut's names already; the routing biases are buffers, not parameters
+        if self.architecture is not None:
+            layout = moe.layout(self.architecture, self.args, config, self.files, folder)
+            self.stored, self.stored_buffers = layout
+            self.names, self.buffers = dict.fromkeys(self.stored), dict.fromkeys(self.stored_buffers)
+        elif is_fivecut(config):  # fivecut's names already; the routing biases are buffers, not parameters
             self.names = {n: n for n in self.files if not n.endswith(BIAS)}
             self.buffers = {n: n for n in self.files if n.endswith(BIAS)}
         else:
@@ -175,16 +185,23 @@ class HFSource:
         self._handles: dict[Path, object] = {}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None and self.stored:
+            self._shapes = {ours: stored.shape(self._slice) for ours, stored in self.stored.items()}
         if self._shapes is None:
             self._shapes = {ours: self._slice(theirs).get_shape() for ours, theirs in self.names.items()}
             self._shapes = {k: tuple(v) for k, v in self._shapes.items()}
         return self._shapes
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Buffers the file holds besides the parameters (a fivecut MoE export's routing biases)."""
+        """Buffers the file holds besides the parameters (MoE routing biases)."""
+        if self.stored_buffers:
+            return {ours: stored.shape(self._slice) for ours, stored in self.stored_buffers.items()}
         return {name: tuple(self._slice(name).get_shape()) for name in self.buffers}
 
     def read(self, name: str, box) -> torch.Tensor:
+        stored = self.stored.get(name) or self.stored_buffers.get(name)
+        if stored is not None:
+            return stored.read(self._slice, box).float()
         return self._slice(self.names.get(name) or self.buffers[name])[box].float()
 
     def _slice(self, hf_name: str):
