@@ -287,6 +287,11 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
         help=f"model preset: {', '.join(runnable_presets())} (the shape-only {', '.join(sorted(SHAPE_ONLY))} "
         "are for planning)",
     )
+    parser.add_argument(
+        "--init-from",
+        help="a published model, hf:FOLDER or gguf:FILE, in place of --model's preset (data.tokenizer stays byte "
+        'unless set: --set data.tokenizer="auto" reads the model\'s own)',
+    )
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is reported")
     add_overrides(parser)
@@ -553,11 +558,16 @@ LAYOUT_UNUSED = {
 def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout` and every --set."""
     checks.check_run_arguments(ns.steps, ns.timeout, tolerance_flags(ns))
-    checks.check_preset(ns.model, key="--model")
-    args = preset_args(ModelConfig(preset=ns.model))
-    tokenizer = "byte" if args.vocab_size <= 256 else "gpt2"
+    if ns.init_from is not None:
+        if ns.model != "tiny":
+            raise ConfigError(f"--model {ns.model} and --init-from {ns.init_from} are both given; give one")
+        model, tokenizer = f"model.init_from={ns.init_from!r}", "byte"
+    else:
+        checks.check_preset(ns.model, key="--model")
+        args = preset_args(ModelConfig(preset=ns.model))
+        model, tokenizer = f"model.preset={ns.model!r}", "byte" if args.vocab_size <= 256 else "gpt2"
     base = [
-        f"model.preset={ns.model!r}",
+        model,
         f"data.tokenizer={tokenizer!r}",
         f"train.steps={ns.steps}",
         "train.seq_len=64",

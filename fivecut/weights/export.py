@@ -54,6 +54,7 @@ from fivecut.model.args import ModelArgs
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
+from fivecut.weights import moe_architectures as moe
 from fivecut.weights import names
 from fivecut.weights.hf import LLAMA_ARCHITECTURE, llama_config
 from fivecut.weights.load import run_tokenizer as resolve_tokenizer
@@ -89,12 +90,20 @@ def export(
     meta = ckpt.read_meta(source)
     args = model_args(source, meta)
     tokenizer = run_tokenizer(meta.get("config", {}))
-    tensors = checkpoint_tensors(source, args, DTYPES[dtype])
     spelled = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as config.json spells it
-    written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, tensors, tokenizer, max_shard_bytes))
+    arch = moe_class(source, args)
+    if arch is not None:  # a MoE class of Hugging Face: written shard by shard from the checkpoint
+        written = write_atomically(
+            out, lambda tmp: write_moe_folder(tmp, source, arch, args, spelled, tokenizer, max_shard_bytes)
+        )
+    else:
+        tensors = checkpoint_tensors(source, args, DTYPES[dtype])
+        written = write_atomically(
+            out, lambda tmp: write_folder(tmp, args, spelled, tensors, tokenizer, max_shard_bytes)
+        )
     for file in written:
         print(f"wrote {out / file}")
-    kind = MOE_ARCHITECTURE if own_names(args) else LLAMA_ARCHITECTURE
+    kind = arch.hf_class if arch is not None else MOE_ARCHITECTURE if own_names(args) else LLAMA_ARCHITECTURE
     print(f"exported {meta.get('preset')!r} step {meta['step']} ({kind}, {dtype}) from {source} to {out}")
     return out
 
@@ -250,6 +259,36 @@ def moe_config(args: ModelArgs, dtype: str, bos: int | None, eos: int | None) ->
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+
+
+def moe_class(path: Path, args: ModelArgs) -> moe.Architecture | None:
+    """The Hugging Face MoE class that holds the checkpoint's model exactly (`moe.for_args`), or None.
+    Routing biases that balancing moved (moe.bias_update_rate) change which experts a token picks:
+    a class without them (Mixtral, Qwen3-MoE) cannot hold such a model, fivecut's own export can."""
+    arch = moe.for_args(args)
+    if arch is None:
+        return None
+    biases = ckpt.full_state(path, "moe.")  # "<layer>.expert_bias", [E] each; every file checked against its sha256
+    if not arch.buffers(args) and any(bool(b.any()) for b in biases.values()):
+        print(
+            f"note: routing biases are not zero (auxiliary-loss-free balancing); {arch.hf_class} has none: "
+            "exported as fivecut's own MoE model"
+        )
+        return None
+    return arch
+
+
+def write_moe_folder(folder: Path, source: Path, arch, args: ModelArgs, dtype: str, tokenizer, max_bytes: int):
+    """Every file of the export of the checkpoint `source` as the Hugging Face class `arch`."""
+    bos, eos = special_ids(tokenizer)
+    config = arch.config(args) | {"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype, "dtype": dtype}
+    tokenizer_files = write_tokenizer(folder, tokenizer, args.max_seq_len)
+    if not tokenizer_files:  # e.g. the byte tokenizer: named, so that an import of the folder finds it again
+        config["fivecut_tokenizer"] = tokenizer.name
+    write_json(folder / "config.json", config)
+    write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
+    weights = moe.write_weights(folder, source, arch, args, getattr(torch, dtype), max_bytes)
+    return ["config.json", "generation_config.json", *weights, *tokenizer_files]
 
 
 def write_json(path: Path, value: dict) -> None:

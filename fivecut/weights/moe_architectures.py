@@ -251,6 +251,7 @@ NEUTRAL = {
     "output_router_logits",  # returns the router logits for transformers' auxiliary loss
     "router_aux_loss_coef",  # that loss's weight: fivecut's is moe.aux_loss_coef, a training choice
     "_name_or_path",
+    "fivecut_tokenizer",  # a fivecut export's tokenizer with no Hugging Face files (e.g. "byte")
     "output_attentions",
     "output_hidden_states",
     "return_dict",

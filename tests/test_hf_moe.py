@@ -1,0 +1,212 @@
+"""Mixtral, Qwen3-MoE and DeepSeek-V3 in and out of Hugging Face: a tiny random model of each,
+built by `transformers` from its config class (no download), saved in shards, imported by fivecut
+under a layout, trained two steps, exported back to its class and loaded by `transformers`.
+
+Routing ties: the routers' weights are drawn with std 1 (logit gaps of order 1), so that the top-k
+choice is the same whatever the order of the floating-point sums of a layout; DeepSeek-V3's
+correction biases are random, so that selection (biased) and weights (unbiased) are told apart.
+
+Tolerances: fp32 logits of 2-layer models, ~1 in size; fivecut and transformers differ in the
+order of sums and in the attention kernel: 1e-5 absolute and relative, as tests/test_import.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivecut.config import load_config
+from fivecut.launch import spawn
+
+RTOL = ATOL = 1e-5
+VOCAB = 259  # >= 256 for the byte tokenizer the runs read Shakespeare with; odd: tensor parallelism pads it
+# [b, s]: s divides by tp (the MoE layers of a tp rank run on its slice of the sequence)
+TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+KINDS = ("mixtral", "qwen3_moe", "deepseek_v3")
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def hf_config(kind: str):
+    """A tiny config of `kind`: 2 layers, 4 or 8 experts, top-2; Qwen3-MoE and DeepSeek-V3 with a
+    first dense layer, DeepSeek-V3 with 4 groups of which 2 are chosen and interleaved RoPE rows."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, rms_norm_eps=1e-5)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=2,
+            moe_intermediate_size=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        )
+    return transformers.DeepseekV3Config(
+        **common,
+        num_key_value_heads=4,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+    )
+
+
+def hf_class(kind: str):
+    import transformers
+
+    return getattr(transformers, CLASSES[kind])
+
+
+def save_hf(kind: str, folder: Path) -> torch.Tensor:
+    """A random model of `kind` saved in shards of 20 KB (with the index); returns its logits of TOKENS."""
+    torch.manual_seed(0)
+    model = hf_class(kind)(hf_config(kind)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # norms of ones would hide two norms swapped
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 1.0 if name.endswith("mlp.gate.weight") else 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.rand_like(b))
+    model.save_pretrained(folder, max_shard_size="20KB")
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.fixture(scope="module")
+def hf_moes(tmp_path_factory):
+    """kind -> (folder, transformers' logits of TOKENS)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {kind: (root / kind, save_hf(kind, root / kind)) for kind in KINDS}
+
+
+def test_each_class_is_saved_per_expert_with_an_index(hf_moes):
+    """What the readers expect of transformers 5: one tensor per expert and projection, sharded."""
+    folder = hf_moes["mixtral"][0]
+    names = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+    assert (
+        "model.layers.1.mlp.experts.7.down_proj.weight"
+        in json.loads((hf_moes["deepseek_v3"][0] / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+
+
+def test_each_class_gives_transformers_logits_in_one_process(hf_moes):
+    from fivecut.weights.load import single_model
+
+    for kind, (folder, expected) in hf_moes.items():
+        model, _ = single_model(init_from=f"hf:{folder}")
+        with torch.no_grad():
+            torch.testing.assert_close(model(TOKENS), expected, rtol=RTOL, atol=ATOL, msg=kind)
+
+
+def test_a_fused_expert_folder_reads_the_same(hf_moes, tmp_path):
+    """The in-memory form (gate_up_proj [E, 2I, H], down_proj [E, H, I]) read in place of experts one by one."""
+    from safetensors.torch import save_file
+
+    from fivecut.weights.load import single_model
+
+    source, expected = hf_moes["qwen3_moe"]
+    model = hf_class("qwen3_moe").from_pretrained(source, dtype=torch.float32)
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    shutil.copy(source / "config.json", folder / "config.json")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    got, _ = single_model(init_from=f"hf:{folder}")
+    with torch.no_grad():
+        torch.testing.assert_close(got(TOKENS), expected, rtol=RTOL, atol=ATOL)
+
+
+def import_config(cache: str, folder, *overrides: str):
+    base = [
+        f'model.init_from="hf:{folder}"',
+        'data.tokenizer="byte"',
+        f'data.cache_dir="{cache}"',
+        "train.seq_len=32",
+        "train.global_batch=4",
+        "train.eval_every=0",
+        "log.progress=false",
+        "log.plot=false",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def logits_of(configs, tokens) -> list[torch.Tensor]:
+    from fivecut.train.infer import full_logits
+    from fivecut.train.run import setup
+
+    return [full_logits(setup(cfg), tokens) for cfg in configs]
+
+
+LAYOUTS = {
+    "dp=2,ep=2": ("parallel.dp=2", "parallel.ep=2"),
+    "tp=2,etp=2": ("parallel.tp=2", "parallel.etp=2"),
+    "tp=2": ("parallel.tp=2",),
+    "pp=2": ("parallel.pp=2", "parallel.microbatches=2"),
+}
+SWEEP_LAYOUTS = ("tp=2", "pp=2")  # the expert cuts run in the default suite
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.sweep) if k in SWEEP_LAYOUTS else k for k in LAYOUTS]
+)
+def test_each_class_gives_transformers_logits_under_layout(hf_moes, byte_cache, layout):
+    configs = [import_config(byte_cache, folder, *LAYOUTS[layout]) for folder, _ in hf_moes.values()]
+    for rank, rank_logits in enumerate(spawn(logits_of, configs[0].parallel.world_size, configs, TOKENS)):
+        for (kind, (_, expected)), got in zip(hf_moes.items(), rank_logits):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}, {kind}")
+
+
+def verify(capsys, folder: Path, layout: str) -> tuple[int, str]:
+    from fivecut.cli import main
+
+    argv = ["verify", "--init-from", f"hf:{folder}", "--layout", layout, "--steps", "2", "--set", "train.seq_len=32"]
+    code = main(argv)
+    return code, capsys.readouterr().out
+
+
+DEFAULT_VERIFY = ("deepseek_v3", "dp=2,ep=2")
+VERIFY_CASES = [
+    DEFAULT_VERIFY,
+    *[
+        pytest.param(kind, layout, marks=pytest.mark.sweep)
+        for kind in KINDS
+        for layout in LAYOUTS
+        if (kind, layout) != DEFAULT_VERIFY
+    ],
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("kind", "layout"), VERIFY_CASES)
+def test_verify_passes_on_an_imported_model(hf_moes, kind, layout, capsys):
+    code, out = verify(capsys, hf_moes[kind][0], layout)
+    assert code == 0 and "PASS" in out, out
