@@ -210,3 +210,64 @@ VERIFY_CASES = [
 def test_verify_passes_on_an_imported_model(hf_moes, kind, layout, capsys):
     code, out = verify(capsys, hf_moes[kind][0], layout)
     assert code == 0 and "PASS" in out, out
+
+
+# ---------------------------------------------------------------- out: trained, exported, read by transformers
+
+
+def train_each(configs) -> None:
+    from fivecut.train.trainer import train
+
+    for cfg in configs:
+        train(cfg, quiet=True, resume="never")
+
+
+@pytest.fixture(scope="module")
+def exports(hf_moes, tmp_path_factory):
+    """kind -> (checkpoint folder, export folder): each model trained two steps under dp=2,ep=2
+    (its checkpoint's experts written by two ranks), then exported to its own class."""
+    from fivecut.weights.export import export
+
+    root = tmp_path_factory.mktemp("hf_moe_trained")
+    cache = str(tmp_path_factory.getbasetemp() / "token-cache")
+    steps = ("train.steps=2", "train.warmup=1", "parallel.dp=2", "parallel.ep=2")
+    configs = {
+        kind: import_config(cache, folder, *steps, f'checkpoint.dir="{root / kind}/ck"', f'log.out_dir="{root / kind}"')
+        for kind, (folder, _) in hf_moes.items()
+    }
+    spawn(train_each, 2, list(configs.values()))
+    checkpoints = {kind: Path(cfg.checkpoint.dir) for kind, cfg in configs.items()}
+    return {kind: (ck, export(ck, root / kind / "hf", max_shard_bytes=30_000)) for kind, ck in checkpoints.items()}
+
+
+@pytest.mark.multirank
+def test_an_export_after_training_gives_fivecut_logits_in_transformers(exports):
+    from fivecut.weights.load import single_model
+
+    for kind, (checkpoint, folder) in exports.items():
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == [CLASSES[kind]], config
+        assert (folder / "model.safetensors.index.json").is_file()  # sharded at 30 KB
+        ours, _ = single_model(checkpoint=str(checkpoint))
+        theirs = hf_class(kind).from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = ours(TOKENS)
+            torch.testing.assert_close(theirs(TOKENS).logits, expected, rtol=RTOL, atol=ATOL, msg=kind)
+        again, _ = single_model(init_from=f"hf:{folder}")  # and back in: the same model
+        with torch.no_grad():
+            torch.testing.assert_close(again(TOKENS), expected, rtol=RTOL, atol=ATOL, msg=f"{kind} re-imported")
+
+
+def test_greedy_generation_equals_transformers_generate(hf_moes):
+    from fivecut.generate import generate_ids
+    from fivecut.weights.load import single_model
+
+    prompt = TOKENS[0, :5]
+    for kind, (folder, _) in hf_moes.items():
+        model, _ = single_model(init_from=f"hf:{folder}")
+        ours = generate_ids(model, prompt.tolist(), 10).new_ids
+        theirs = hf_class(kind).from_pretrained(folder, dtype=torch.float32).eval()
+        theirs.generation_config.eos_token_id = None  # ten tokens whatever they are
+        with torch.no_grad():
+            out = theirs.generate(prompt.unsqueeze(0), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert ours == out[0, 5:].tolist(), kind

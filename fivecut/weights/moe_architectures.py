@@ -568,7 +568,7 @@ def deepseek_v3_config(args: ModelArgs) -> dict:
         "qk_nope_head_dim": args.qk_nope_head_dim,
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim,
-        "rope_interleave": False,  # fivecut's rotate-half layout, kept as it is
+        "rope_interleave": True,  # as DeepSeek publishes: the RoPE rows in pairs (`RopeRows`)
         "attention_bias": False,
         "num_nextn_predict_layers": 0,
         "pretraining_tp": 1,
@@ -787,7 +787,7 @@ def export_parts(arch: Architecture, args: ModelArgs, shapes: dict[str, tuple[in
     """(checkpoint key, Part) of every Hugging Face tensor of the export, in the file's order:
     parameters ("model.<name>") and routing biases ("moe.<layer>.expert_bias")."""
     out = []
-    for name, stored in arch.tensors(args, set(), {}).items():
+    for name, stored in arch.tensors(args, set(), arch.config(args)).items():
         out += [(f"model.{name}", part) for part in stored.parts(shapes[f"model.{name}"])]
     for name, stored in arch.buffers(args).items():
         key = f"moe.{name.split('.')[1]}.expert_bias"
