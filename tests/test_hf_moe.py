@@ -271,3 +271,86 @@ def test_greedy_generation_equals_transformers_generate(hf_moes):
         with torch.no_grad():
             out = theirs.generate(prompt.unsqueeze(0), max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert ours == out[0, 5:].tolist(), kind
+
+
+# ---------------------------------------------------------------- bad input: one line naming it, exit 2
+
+
+def eval_exit(capsys, folder: Path) -> tuple[int, str]:
+    from fivecut.cli import main
+
+    code = main(["eval", "--init-from", f"hf:{folder}", "--set", 'data.tokenizer="byte"'])
+    return code, capsys.readouterr().err
+
+
+def with_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | changes))
+    return dst
+
+
+CONFIG_CASES = {  # kind, config changes, what the error names
+    "an unknown key": ("mixtral", {"attn_logit_softcapping": 30.0}, "attn_logit_softcapping = 30.0 is not implemented"),
+    "scaled rope": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type = 'yarn'"),
+    "a sliding window": ("mixtral", {"sliding_window": 4096}, "sliding_window = 4096"),
+    "sparse steps": ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
+    "dense layers not first": ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),
+    "a lone softmax expert": ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok = 1"),
+    "another score": ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func = 'softmax'"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_a_config_key_fivecut_does_not_implement_is_refused_by_name(hf_moes, tmp_path, capsys, case):
+    kind, changes, needle = CONFIG_CASES[case]
+    code, err = eval_exit(capsys, with_config(hf_moes[kind][0], tmp_path / "m", **changes))
+    assert code == 2 and needle in err and "config.json" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_missing_tensor_or_shard_is_refused_naming_it(hf_moes, tmp_path, capsys):
+    source = hf_moes["deepseek_v3"][0]
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.1.mlp.experts.5.up_proj.weight"]
+    gone = tmp_path / "gone"
+    shutil.copytree(source, gone)
+    (gone / shard).unlink()
+    code, err = eval_exit(capsys, gone)
+    assert code == 2 and f"{shard} is named in model.safetensors.index.json but does not exist" in err, err
+    lacking = tmp_path / "lacking"
+    shutil.copytree(source, lacking)
+    del index["weight_map"]["model.layers.1.mlp.experts.5.up_proj.weight"]
+    (lacking / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = eval_exit(capsys, lacking)
+    assert code == 2 and "lacks tensor model.layers.1.mlp.experts.5.up_proj.weight of its DeepseekV3" in err, err
+
+
+def test_an_expert_of_another_shape_is_refused_naming_it(hf_moes, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "odd"
+    shutil.copytree(hf_moes["mixtral"][0], folder)
+    name = "model.layers.0.block_sparse_moe.experts.2.w1.weight"
+    file = folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(file)
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    code, err = eval_exit(capsys, folder)
+    assert code == 2 and f"expert tensor {name} has shape (47, 32)" in err, err
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts():
+    """The reader of stacked experts asks the files for the experts of the box only."""
+    from fivecut.weights.moe_architectures import PerExpert
+
+    asked = []
+
+    def slice_of(name):
+        asked.append(name)
+        return torch.full((6, 4), float(name[-1]))  # [out, in] of expert int(name[-1])
+
+    stored = PerExpert(tuple(f"w.{e}" for e in range(8)))
+    box = stored.read(slice_of, (slice(4, 8), slice(0, 4), slice(0, 3)))  # the second of 2 ep ranks
+    assert asked == ["w.4", "w.5", "w.6", "w.7"] and box.shape == (4, 4, 3)
+    assert box[:, 0, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
