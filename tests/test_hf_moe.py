@@ -354,3 +354,16 @@ def test_an_expert_parallel_rank_reads_only_its_experts():
     box = stored.read(slice_of, (slice(4, 8), slice(0, 4), slice(0, 3)))  # the second of 2 ep ranks
     assert asked == ["w.4", "w.5", "w.6", "w.7"] and box.shape == (4, 4, 3)
     assert box[:, 0, 0].tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def test_the_counts_of_each_imported_shape_are_its_modules(hf_moes):
+    """The planner's analytic counts hold for the new fields too (qk_norm's two norms per layer)."""
+    from fivecut.model.transformer import Transformer
+    from fivecut.weights.load import source_args
+
+    for kind, (folder, _) in hf_moes.items():
+        args = source_args(f"hf:{folder}")
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert args.num_params() == sum(p.numel() for p in model.parameters()), kind
+        assert args.qk_norm == (kind == "qwen3_moe") and args.route_norm == (kind != "qwen3_moe"), kind
