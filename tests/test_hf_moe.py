@@ -298,6 +298,8 @@ CONFIG_CASES = {  # kind, config changes, what the error names
     "dense layers not first": ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),
     "a lone softmax expert": ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok = 1"),
     "another score": ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func = 'softmax'"),
+    "wider heads": ("qwen3_moe", {"head_dim": 16}, "head_dim = 16"),  # Qwen3-30B-A3B's 128 x 32 heads > 2048
+    "fp8 weights": ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
 }
 
 
@@ -367,3 +369,16 @@ def test_the_counts_of_each_imported_shape_are_its_modules(hf_moes):
             model = Transformer(args)
         assert args.num_params() == sum(p.numel() for p in model.parameters()), kind
         assert args.qk_norm == (kind == "qwen3_moe") and args.route_norm == (kind != "qwen3_moe"), kind
+
+
+@pytest.mark.multirank
+def test_routing_biases_moved_by_balancing_keep_fivecut_s_own_export(hf_moes, byte_cache, tmp_path, capsys):
+    """Mixtral has no routing biases: a model trained with auxiliary-loss-free balancing is not one."""
+    from fivecut.weights.export import export
+
+    steps = ("train.steps=2", "train.warmup=1", "moe.bias_update_rate=0.01")
+    cfg = import_config(byte_cache, hf_moes["mixtral"][0], *steps, f'checkpoint.dir="{tmp_path}/ck"')
+    spawn(train_each, 1, [cfg])
+    folder = export(tmp_path / "ck", tmp_path / "hf")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "fivecut"
+    assert "MixtralForCausalLM has none: exported as fivecut's own MoE model" in capsys.readouterr().out
