@@ -382,3 +382,27 @@ def test_routing_biases_moved_by_balancing_keep_fivecut_s_own_export(hf_moes, by
     folder = export(tmp_path / "ck", tmp_path / "hf")
     assert json.loads((folder / "config.json").read_text())["model_type"] == "fivecut"
     assert "MixtralForCausalLM has none: exported as fivecut's own MoE model" in capsys.readouterr().out
+
+
+def experts_read(cfg) -> list[str]:
+    """On a rank: the Hugging Face expert tensors its import opened."""
+    from fivecut.train.run import setup
+    from fivecut.weights import moe_architectures
+
+    asked, read = [], moe_architectures.PerExpert.read
+
+    def recording(self, slice_of, box):
+        asked.extend(self.names[box[0]])
+        return read(self, slice_of, box)
+
+    moe_architectures.PerExpert.read = recording
+    setup(cfg)
+    return sorted(set(asked))
+
+
+@pytest.mark.multirank
+def test_under_expert_parallelism_each_rank_reads_only_its_experts(hf_moes, byte_cache):
+    cfg = import_config(byte_cache, hf_moes["qwen3_moe"][0], "parallel.dp=2", "parallel.ep=2")
+    for rank, names in enumerate(spawn(experts_read, 2, cfg)):
+        experts = {int(name.split(".")[5]) for name in names}
+        assert experts == set(range(4 * rank, 4 * rank + 4)) and len(names) == 4 * 3, (rank, names)
