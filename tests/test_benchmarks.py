@@ -205,3 +205,9 @@ def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     assert fired["0.weight"] == fired["2.weight"] == fired["3.weight"] == 3
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_hf_moe_export_benchmark_reports(tmp_path):
+    args = ("--dim", "64", "--layers", "2", "--experts", "8", "--vocab", "300", "--shard-mb", "0.05")
+    out = run_script("benchmarks/hf_moe_export.py", *args, "--dir", str(tmp_path), cwd=tmp_path)
+    assert "as DeepseekV3ForCausalLM" in out and out.rstrip().splitlines()[-1].startswith("export_over_model=")
