@@ -558,10 +558,11 @@ LAYOUT_UNUSED = {
 def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout` and every --set."""
     checks.check_run_arguments(ns.steps, ns.timeout, tolerance_flags(ns))
-    if ns.init_from is not None:
+    init_from = getattr(ns, "init_from", None)  # verify's and ledger's --init-from (absent from other callers)
+    if init_from is not None:
         if ns.model != "tiny":
-            raise ConfigError(f"--model {ns.model} and --init-from {ns.init_from} are both given; give one")
-        model, tokenizer = f"model.init_from={ns.init_from!r}", "byte"
+            raise ConfigError(f"--model {ns.model} and --init-from {init_from} are both given; give one")
+        model, tokenizer = f"model.init_from={init_from!r}", "byte"
     else:
         checks.check_preset(ns.model, key="--model")
         args = preset_args(ModelConfig(preset=ns.model))
