@@ -285,12 +285,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
         "--model",
         default="tiny",
         help=f"model preset: {', '.join(runnable_presets())} (the shape-only {', '.join(sorted(SHAPE_ONLY))} "
-        "are for planning)",
-    )
-    parser.add_argument(
-        "--init-from",
-        help="a published model, hf:FOLDER or gguf:FILE, in place of --model's preset (data.tokenizer stays byte "
-        'unless set: --set data.tokenizer="auto" reads the model\'s own)',
+        "are for planning), or a published model, hf:FOLDER or gguf:FILE (its weights, its tokenizer or bytes)",
     )
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is reported")
@@ -555,20 +550,26 @@ LAYOUT_UNUSED = {
 }
 
 
+def layout_model(model: str) -> tuple[str, str]:
+    """The [model] key of `--model` (a preset, or hf:/gguf: a published model) and the tokenizer its
+    runs read Shakespeare with: bytes for a vocabulary that holds them, else GPT-2's, and a published
+    model's own when its file has one."""
+    if model.startswith(("hf:", "gguf:")):
+        from fivecut.weights.load import source_args, source_of
+
+        source_args(model)  # the folder and its tensors checked here, before any rank starts
+        return f"model.init_from={model!r}", "auto" if source_of(model).tokenizer() is not None else "byte"
+    checks.check_preset(model, key="--model")
+    args = preset_args(ModelConfig(preset=model))
+    return f"model.preset={model!r}", "byte" if args.vocab_size <= 256 else "gpt2"
+
+
 def layout_config(ns) -> Config:
     """A small, quiet run of `ns.model` on Shakespeare, under the layout of `ns.layout` and every --set."""
     checks.check_run_arguments(ns.steps, ns.timeout, tolerance_flags(ns))
-    init_from = getattr(ns, "init_from", None)  # verify's and ledger's --init-from (absent from other callers)
-    if init_from is not None:
-        if ns.model != "tiny":
-            raise ConfigError(f"--model {ns.model} and --init-from {init_from} are both given; give one")
-        model, tokenizer = f"model.init_from={init_from!r}", "byte"
-    else:
-        checks.check_preset(ns.model, key="--model")
-        args = preset_args(ModelConfig(preset=ns.model))
-        model, tokenizer = f"model.preset={ns.model!r}", "byte" if args.vocab_size <= 256 else "gpt2"
+    model_key, tokenizer = layout_model(ns.model)
     base = [
-        model,
+        model_key,
         f"data.tokenizer={tokenizer!r}",
         f"train.steps={ns.steps}",
         "train.seq_len=64",

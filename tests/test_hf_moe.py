@@ -188,7 +188,7 @@ def test_each_class_gives_transformers_logits_under_layout(hf_moes, byte_cache, 
 def verify(capsys, folder: Path, layout: str) -> tuple[int, str]:
     from fivecut.cli import main
 
-    argv = ["verify", "--init-from", f"hf:{folder}", "--layout", layout, "--steps", "2", "--set", "train.seq_len=32"]
+    argv = ["verify", "--model", f"hf:{folder}", "--layout", layout, "--steps", "2", "--set", "train.seq_len=32"]
     code = main(argv)
     return code, capsys.readouterr().out
 
