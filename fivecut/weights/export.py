@@ -267,6 +267,9 @@ def moe_class(path: Path, args: ModelArgs) -> moe.Architecture | None:
     a class without them (Mixtral, Qwen3-MoE) cannot hold such a model, fivecut's own export can."""
     arch = moe.for_args(args)
     if arch is None:
+        if args.is_moe:  # why each class does not hold it, for a user who expected one
+            reasons = "; ".join(f"{a.hf_class}: {a.holds(args)}" for a in moe.ARCHITECTURES)
+            print(f"note: no Hugging Face MoE class holds this model ({reasons}); fivecut's own names are written")
         return None
     biases = ckpt.full_state(path, "moe.")  # "<layer>.expert_bias", [E] each; every file checked against its sha256
     if not arch.buffers(args) and any(bool(b.any()) for b in biases.values()):

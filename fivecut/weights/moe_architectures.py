@@ -385,19 +385,24 @@ def mixtral_config(args: ModelArgs) -> dict:
     }
 
 
-def mixtral_holds(args: ModelArgs) -> bool:
-    return (
-        args.is_moe
-        and not args.is_mla
-        and not args.qk_norm
-        and args.gate == "softmax"
-        and args.route_norm
-        and args.top_k > 1
-        and args.route_scale == 1.0
-        and args.expert_groups == 1
-        and args.n_shared_experts == 0
-        and args.first_dense_layers == 0
+def mixtral_holds(args: ModelArgs) -> str | None:
+    """None when MixtralForCausalLM holds a model of shape `args` exactly, else why not."""
+    return _unmet(
+        (args.is_moe, "it has no experts"),
+        (not args.is_mla, "its attention is latent"),
+        (not args.qk_norm, "its query and key heads are normed"),
+        (args.gate == "softmax" and args.route_norm, "its router is not a renormalized softmax"),
+        (args.top_k > 1, "it routes each token to one expert"),
+        (args.route_scale == 1.0, f"its routing weights are scaled by {args.route_scale}"),
+        (args.expert_groups == 1, "its routing is group-limited"),
+        (args.n_shared_experts == 0, "it has shared experts"),
+        (args.first_dense_layers == 0, "its first layers are dense"),
     )
+
+
+def _unmet(*conditions: tuple[bool, str]) -> str | None:
+    """The reason of the first condition that fails, or None."""
+    return next((why for holds, why in conditions if not holds), None)
 
 
 QWEN3_MOE_KEYS = {
@@ -465,16 +470,17 @@ def qwen3_moe_config(args: ModelArgs) -> dict:
     }
 
 
-def qwen3_moe_holds(args: ModelArgs) -> bool:
-    return (
-        args.is_moe
-        and not args.is_mla
-        and args.qk_norm
-        and args.gate == "softmax"
-        and (args.top_k > 1 or not args.route_norm)
-        and args.route_scale == 1.0
-        and args.expert_groups == 1
-        and args.n_shared_experts == 0
+def qwen3_moe_holds(args: ModelArgs) -> str | None:
+    """None when Qwen3MoeForCausalLM holds a model of shape `args` exactly, else why not."""
+    return _unmet(
+        (args.is_moe, "it has no experts"),
+        (not args.is_mla, "its attention is latent"),
+        (args.qk_norm, "its query and key heads are not normed"),
+        (args.gate == "softmax", "its router is not a softmax"),
+        (args.top_k > 1 or not args.route_norm, "a lone softmax expert weighs 1 there, its probability here"),
+        (args.route_scale == 1.0, f"its routing weights are scaled by {args.route_scale}"),
+        (args.expert_groups == 1, "its routing is group-limited"),
+        (args.n_shared_experts == 0, "it has shared experts"),
     )
 
 
@@ -575,15 +581,16 @@ def deepseek_v3_config(args: ModelArgs) -> dict:
     }
 
 
-def deepseek_v3_holds(args: ModelArgs) -> bool:
+def deepseek_v3_holds(args: ModelArgs) -> str | None:
+    """None when DeepseekV3ForCausalLM holds a model of shape `args` exactly, else why not."""
     group_size = args.n_experts // args.expert_groups if args.is_moe else 0
-    return (
-        args.is_moe
-        and args.is_mla
-        and args.gate == "sigmoid"
-        and args.n_shared_experts >= 1
-        and args.norm_eps == DEEPSEEK_NORM_EPS
-        and (args.expert_groups == 1 or group_size >= 2)
+    return _unmet(
+        (args.is_moe, "it has no experts"),
+        (args.is_mla, "its attention is not latent"),
+        (args.gate == "sigmoid", "its router is not a sigmoid"),
+        (args.n_shared_experts >= 1, "it has no shared expert"),
+        (args.norm_eps == DEEPSEEK_NORM_EPS, f"its norms' eps is {args.norm_eps}, not the latent norms' 1e-6"),
+        (args.expert_groups == 1 or group_size >= 2, "its groups hold one expert (transformers scores the best two)"),
     )
 
 
@@ -716,7 +723,7 @@ class Architecture:
     model_type: str
     args: Callable[[dict, Path], ModelArgs]  # config.json (parsed) at a path -> the model's shape
     config: Callable[[ModelArgs], dict]  # the shape -> config.json (without dtype and token ids)
-    holds: Callable[[ModelArgs], bool]  # whether this class holds a model of the shape exactly
+    holds: Callable[[ModelArgs], str | None]  # None when this class holds a model of the shape exactly, else why not
     tensors: Callable[[ModelArgs, set[str], dict], dict[str, Stored]]  # (shape, file's names, config) -> parameters
     buffers: Callable[[ModelArgs], dict[str, Stored]]  # the routing biases the class stores, if any
 
@@ -745,7 +752,7 @@ def for_config(config: dict) -> Architecture | None:
 
 def for_args(args: ModelArgs) -> Architecture | None:
     """The class that holds a model of shape `args` exactly, or None (fivecut's own export then)."""
-    return next((a for a in ARCHITECTURES if a.holds(args)), None)
+    return next((a for a in ARCHITECTURES if a.holds(args) is None), None)
 
 
 # ---------------------------------------------------------------- a folder's tensors, checked
