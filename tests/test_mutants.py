@@ -116,6 +116,7 @@ REFUSED_KEYS = {
         "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
         "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
     ).split()),
+    "model.route_norm", "model.qk_norm",
     "data.source", "data.tokenizer", "data.val_fraction",
     *(f"train.{k}" for k in (
         "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype"
