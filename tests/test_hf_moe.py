@@ -406,3 +406,20 @@ def test_under_expert_parallelism_each_rank_reads_only_its_experts(hf_moes, byte
     for rank, names in enumerate(spawn(experts_read, 2, cfg)):
         experts = {int(name.split(".")[5]) for name in names}
         assert experts == set(range(4 * rank, 4 * rank + 4)) and len(names) == 4 * 3, (rank, names)
+
+
+def test_mixtral_8x7b_s_config_gives_its_published_sizes(tmp_path):
+    """`fivecut plan --model config.json` reads MoE configs: Mixtral-8x7B-v0.1, 46.7B parameters, 12.9B active."""
+    from fivecut.weights.hf import args_from_config
+
+    config = {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
+    }  # fmt: skip
+    args = args_from_config(config, tmp_path / "config.json")
+    assert round(args.num_params() / 1e9, 1) == 46.7 and round(args.num_active_params() / 1e9, 1) == 12.9

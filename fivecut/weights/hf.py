@@ -82,6 +82,8 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     the model a fivecut export's `config.json` records (its "fivecut" entry: every ModelArgs field)."""
     if is_fivecut(config):
         return fivecut_args(config, path)
+    if moe.for_config(config) is not None:  # Mixtral, Qwen3-MoE, DeepSeek-V3
+        return moe.for_config(config).args(config, path)
     check_llama(config, path)
     dim, heads = need(config, "hidden_size", path), need(config, "num_attention_heads", path)
     head_dim = optional(config, "head_dim", None, path) or dim // max(heads, 1)
@@ -165,10 +167,7 @@ class HFSource:
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
         # a mixture-of-experts class (fivecut.weights.moe_architectures): its tensors are `Stored` records
         self.architecture, self.stored, self.stored_buffers = moe.for_config(config), {}, {}
-        if self.architecture is not None:
-            self.args = self.architecture.args(config, folder / "config.json")
-        else:
-            self.args = args_from_config(config, folder / "config.json")
+        self.args = args_from_config(config, folder / "config.json")
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
         if self.architecture is not None:
             layout = moe.layout(self.architecture, self.args, config, self.files, folder)
