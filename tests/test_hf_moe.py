@@ -227,7 +227,8 @@ def train_each(configs) -> None:
 @pytest.fixture(scope="module")
 def exports(hf_moes, tmp_path_factory):
     """kind -> (checkpoint folder, export folder): each model trained two steps under dp=2,ep=2
-    (its checkpoint's experts written by two ranks), then exported to its own class."""
+    (its checkpoint's experts written by two ranks), then exported to its own class, the class
+    picked from the model's shape."""
     from fivecut.weights.export import export
 
     root = tmp_path_factory.mktemp("hf_moe_trained")
@@ -239,7 +240,11 @@ def exports(hf_moes, tmp_path_factory):
     }
     spawn(train_each, 2, list(configs.values()))
     checkpoints = {kind: Path(cfg.checkpoint.dir) for kind, cfg in configs.items()}
-    return {kind: (ck, export(ck, root / kind / "hf", max_shard_bytes=30_000)) for kind, ck in checkpoints.items()}
+    workers = {"deepseek_v3": 2}  # its shards written by two processes
+    return {
+        kind: (ck, export(ck, root / kind / "hf", max_shard_bytes=30_000, workers=workers.get(kind, 1)))
+        for kind, ck in checkpoints.items()
+    }
 
 
 @pytest.mark.multirank
@@ -374,8 +379,9 @@ def test_the_counts_of_each_imported_shape_are_its_modules(hf_moes):
 
 @pytest.mark.multirank
 def test_routing_biases_moved_by_balancing_keep_fivecut_s_own_export(hf_moes, byte_cache, tmp_path, capsys):
-    """Mixtral has no routing biases: a model trained with auxiliary-loss-free balancing is not one."""
-    from fivecut.weights.export import export
+    """Mixtral has no routing biases: a model trained with auxiliary-loss-free balancing is not one
+    (written as fivecut's own; naming the class is refused with the reason)."""
+    from fivecut.weights.export import ExportError, export
 
     steps = ("train.steps=2", "train.warmup=1", "moe.bias_update_rate=0.01")
     cfg = import_config(byte_cache, hf_moes["mixtral"][0], *steps, f'checkpoint.dir="{tmp_path}/ck"')
@@ -383,6 +389,9 @@ def test_routing_biases_moved_by_balancing_keep_fivecut_s_own_export(hf_moes, by
     folder = export(tmp_path / "ck", tmp_path / "hf")
     assert json.loads((folder / "config.json").read_text())["model_type"] == "fivecut"
     assert "MixtralForCausalLM has none: exported as fivecut's own MoE model" in capsys.readouterr().out
+    with pytest.raises(ExportError, match="--architecture MixtralForCausalLM cannot hold this model: routing biases"):
+        export(tmp_path / "ck", tmp_path / "named", architecture="MixtralForCausalLM")
+    assert not (tmp_path / "named").exists()
 
 
 def experts_read(cfg) -> list[str]:

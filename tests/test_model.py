@@ -152,7 +152,7 @@ def test_tied_embeddings_share_storage():
 class RepeatedKVCore(nn.Module):
     """Explicit GQA: repeat each kv head, causal softmax by hand."""
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, documents=None):  # no document mask here
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [b, n_heads, s, hd]
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # [b, n_heads, s, s]

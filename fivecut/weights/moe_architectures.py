@@ -187,14 +187,20 @@ class RopeRows:
         return slice_of(self.name)[(slice(lo, hi), *box[1:])][rows - lo]
 
     def parts(self, shape: tuple[int, ...]) -> list[Part]:
-        order = self.order(shape[0])
+        return [Part(self.name, *_box_of(shape), Interleave(self.order(shape[0])))]
 
-        def interleave(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(t)
-            out[order] = t
-            return out
 
-        return [Part(self.name, *_box_of(shape), interleave)]
+@dataclass(frozen=True, eq=False)
+class Interleave:
+    """fivecut's rows -> Hugging Face's interleaved RoPE rows: row j goes to row `order[j]` (a plain
+    object, not a closure, so that export's worker processes receive it)."""
+
+    order: torch.Tensor  # [rows]
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t)
+        out[self.order] = t
+        return out
 
 
 Stored = Same | PerExpert | Fused | RopeRows
