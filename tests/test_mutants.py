@@ -375,19 +375,20 @@ def train_as_rank(rank: int, port: int, cluster: str, cache: str, out) -> subpro
 
 @pytest.mark.multirank
 def test_ranks_on_nodes_with_other_cluster_files_stop_in_one_line(byte_cache, tmp_path):
-    """Two ranks, each its own node and cluster file (8 GB: dp=2,zero=3; 16 MB: tp=2): both stop
-    at the start, exit 2, rank 0 saying why in one line naming both plans, nothing trained. Caught: `cmd_train`
-    without its `same_layout_everywhere` call (the ranks then meet in mismatched collectives)."""
+    """Two ranks, each its own node and cluster file (8 GB: dp=2,zero=3; 9 MB, where its 9.6 MiB do not
+    fit: pp=2): both stop at the start, exit 2, rank 0 saying why in one line naming both plans,
+    nothing trained. Caught: `cmd_train` without its `same_layout_everywhere` call (the ranks then
+    meet in mismatched collectives)."""
     port = free_port()
     ranks = [
         train_as_rank(r, port, auto_cluster(tmp_path, gb), byte_cache, tmp_path / "out")
-        for r, gb in enumerate(("8", "0.016"))
+        for r, gb in enumerate(("8", "0.009"))
     ]
     errors = []
     for rank in ranks:
         _, err = rank.communicate(timeout=120)
         assert rank.returncode == 2, err[-3000:]
         errors.append(err.strip().splitlines())
-    line = "on rank 0 but tp=2 (accumulate 1, recompute none) on rank 1"
+    line = "dp=2,zero=3 (accumulate 1, recompute none) on rank 0 but pp=2,"
     assert len(errors[0]) == 1 and line in errors[0][0] and errors[1] == [], errors  # rank 0 says it
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -37,7 +37,7 @@ fivecut's own format.
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight   (absent when tie_word_embeddings)
 
-Free of torch: the records are data and small functions of ModelArgs.
+The dense records are data and small functions of ModelArgs, free of torch (the MoE records import it).
 """
 
 from __future__ import annotations
