@@ -31,9 +31,9 @@ CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", 
 
 
 def hf_config(kind: str):
-    """A tiny config of `kind`: 2 layers, 4 or 8 experts, top-2; Qwen3-MoE and DeepSeek-V3 with a
-    first dense layer, Qwen3-MoE with heads wider than hidden / heads, DeepSeek-V3 with 4 groups of
-    which 2 are chosen and interleaved RoPE rows."""
+    """A tiny config of `kind`: 2 layers, 4 or 8 experts, top-2; Mixtral with a sliding window of 5;
+    Qwen3-MoE and DeepSeek-V3 with a first dense layer, Qwen3-MoE with heads wider than hidden /
+    heads, DeepSeek-V3 with 4 groups of which 2 are chosen and interleaved RoPE rows."""
     import transformers
 
     common = dict(
@@ -46,7 +46,10 @@ def hf_config(kind: str):
         tie_word_embeddings=False,
     )
     if kind == "mixtral":
-        return transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, rms_norm_eps=1e-5)
+        window = dict(sliding_window=5)  # each position sees itself and the 4 before it, on every layer
+        return transformers.MixtralConfig(
+            **common, **window, num_key_value_heads=2, num_local_experts=4, rms_norm_eps=1e-5
+        )
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **common,
@@ -300,7 +303,7 @@ def with_config(src: Path, dst: Path, **changes) -> Path:
 CONFIG_CASES = {  # kind, config changes, what the error names
     "an unknown key": ("mixtral", {"attn_logit_softcapping": 30.0}, "attn_logit_softcapping = 30.0 is not implemented"),
     "scaled rope": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type = 'yarn'"),
-    "a sliding window": ("mixtral", {"sliding_window": 4096}, "sliding_window = 4096"),
+    "a sliding window": ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window = True"),
     "sparse steps": ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
     "dense layers not first": ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),
     "a lone softmax expert": ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok = 1"),

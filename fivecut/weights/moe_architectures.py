@@ -356,7 +356,6 @@ def mixtral_args(config: dict, path: Path) -> ModelArgs:
     _check_keys(
         config, path, {"intermediate_size", "num_local_experts", "num_experts_per_tok", "head_dim"} | MIXTRAL_FIXED
     )
-    _equal(config, "sliding_window", path, None, "fivecut's attention is causal over the whole sequence", False)
     _equal(config, "router_jitter_noise", path, 0.0, "fivecut routes without noise")
     hidden = _need(config, "intermediate_size", path)
     return ModelArgs(
@@ -368,6 +367,7 @@ def mixtral_args(config: dict, path: Path) -> ModelArgs:
         gate="softmax",
         route_norm=True,
         attention_head_dim=_attention_head_dim(config, path),
+        sliding_window=_optional(config, "sliding_window", 0, path),  # on every layer, as Mistral's; null: none
     )
 
 
@@ -382,7 +382,7 @@ def mixtral_config(args: ModelArgs) -> dict:
         "head_dim": args.head_dim,
         "num_local_experts": args.n_experts,
         "num_experts_per_tok": args.top_k,
-        "sliding_window": None,
+        "sliding_window": args.sliding_window or None,
         "router_jitter_noise": 0.0,
     }
 
@@ -392,7 +392,7 @@ def mixtral_holds(args: ModelArgs) -> str | None:
     return _unmet(
         (args.is_moe, "it has no experts"),
         (not args.qkv_bias, "its q/k/v projections have biases"),
-        (not args.has_window, "its attention has a sliding window"),
+        (not args.full_attention_layers, "its window covers every layer (full_attention_layers > 0)"),
         (not args.is_mla, "its attention is latent"),
         (not args.qk_norm, "its query and key heads are normed"),
         (args.gate == "softmax" and args.route_norm, "its router is not a renormalized softmax"),
