@@ -65,6 +65,7 @@ class ModelConfig:
     qk_norm: bool | None = None
     sliding_window: int | None = None
     full_attention_layers: int | None = None
+    route_norm: bool | None = None
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)

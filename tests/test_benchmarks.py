@@ -270,3 +270,9 @@ def test_sliding_window_benchmark_reports(tmp_path):
     args = ["--seq", "64", "--window", "16", "--steps", "1", "--repeats", "1", "--warmup", "0"]
     out = run_script("benchmarks/sliding_window.py", *args, cwd=tmp_path)
     assert "| fivecut: SDPA + band mask |" in out and out.rstrip().splitlines()[-1].startswith("ratio_flex_sdpa=")
+
+
+def test_hf_moe_export_benchmark_reports(tmp_path):
+    args = ("--dim", "64", "--layers", "2", "--experts", "8", "--vocab", "300", "--shard-mb", "0.05")
+    out = run_script("benchmarks/hf_moe_export.py", *args, "--dir", str(tmp_path), cwd=tmp_path)
+    assert "as DeepseekV3ForCausalLM" in out and out.rstrip().splitlines()[-1].startswith("export_over_model=")

@@ -117,6 +117,7 @@ REFUSED_KEYS = {
         "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
     ).split()),
     *(f"model.{k}" for k in "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers".split()),
+    "model.route_norm",
     *(f"data.{k}" for k in "source tokenizer val_fraction text_field weights order document_mask".split()),
     "data.format", "data.chat_template",
     *(f"train.{k}" for k in (

@@ -21,6 +21,7 @@ MOE_ONLY = (
     "first_dense_layers",
     "gate",
     "route_scale",
+    "route_norm",
     "expert_groups",
     "route_group_limit",
 )
@@ -80,6 +81,10 @@ class ModelArgs:
     first_dense_layers: int = 0  # the first k layers use the dense feed-forward
     gate: str = "softmax"  # "softmax" | "sigmoid" scoring of the router
     route_scale: float = 1.0  # multiplies the normalized top-k weights
+    # divide the chosen experts' scores by their sum (Mixtral; Qwen3-MoE's and DeepSeek-V3's
+    # norm_topk_prob); false keeps the raw scores. A single softmax-chosen expert keeps its
+    # probability either way, so that the router still learns.
+    route_norm: bool = True
     # group-limited routing (DeepSeek-V3's node-limited routing): the experts are cut into
     # `expert_groups` contiguous groups (with expert parallelism, groups of ranks: nodes)
     # and each token chooses its experts from its best `route_group_limit` groups only

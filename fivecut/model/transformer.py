@@ -424,6 +424,7 @@ class MoE(nn.Module):
         self.top_k = args.top_k
         self.gate = args.gate
         self.route_scale = args.route_scale
+        self.route_norm = args.route_norm
         self.expert_groups, self.route_group_limit = args.expert_groups, args.route_group_limit
         # Training-time behaviour (expert parallelism, capacity, balancing) is installed from
         # outside by `fivecut.parallel.expert`; without it this is the plain dropless layer.
@@ -446,9 +447,12 @@ class MoE(nn.Module):
     def route(self, x_flat: torch.Tensor):
         """x_flat [T, dim] -> topk_idx [T, k], topk_weight [T, k] (fp32), scores [T, E] (fp32).
 
-        softmax gate: softmax over experts, top-k, renormalized when k > 1.
-        sigmoid gate: independent sigmoid scores, top-k, always renormalized.
-        Both: selection on scores + expert_bias, weights times route_scale."""
+        softmax gate: softmax over experts, top-k (Mixtral, Qwen3-MoE).
+        sigmoid gate: independent sigmoid scores, top-k (DeepSeek-V3).
+        Both: selection on scores + expert_bias (DeepSeek-V3's e_score_correction_bias), within
+        the best groups when grouped; the weights are the unbiased scores of the chosen experts,
+        renormalized to sum 1 with route_norm (but a lone softmax expert keeps its probability),
+        times route_scale (routed_scaling_factor)."""
         logits = self.router(x_flat).float()  # [T, E]
         scores = logits.softmax(dim=-1) if self.gate == "softmax" else logits.sigmoid()
         biased = scores + self.expert_bias.float()  # [T, E] for selection only
@@ -456,7 +460,7 @@ class MoE(nn.Module):
             biased = limit_to_groups(biased, self.expert_groups, self.route_group_limit)
         topk_idx = biased.topk(self.top_k, dim=-1).indices  # [T, k]
         topk_weight = scores.gather(-1, topk_idx)  # [T, k]
-        if self.gate == "sigmoid" or self.top_k > 1:
+        if self.route_norm and (self.gate == "sigmoid" or self.top_k > 1):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         return topk_idx, topk_weight * self.route_scale, scores
 

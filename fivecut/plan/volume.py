@@ -175,11 +175,13 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
 def replicated_attention_weights(args, t: int) -> int:
     """Elements of one block's attention weights that every tp rank holds whole and whose gradient
     autograd all-reduces over tp: wk and wv when t does not divide the kv heads; under multi-head
-    latent attention the down projections and latent norms (wq_a, q_norm, wkv_a, kv_norm)."""
+    latent attention the down projections and latent norms (wq_a, q_norm, wkv_a, kv_norm); the
+    per-head query and key norms (qk_norm)."""
     if args.is_mla:
         shapes = args.mla_shapes()
         return sum(shapes.get(name, 0) for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
-    return 2 * args.n_kv_heads * args.head_dim * args.dim if args.n_kv_heads % t else 0
+    head_norms = 2 * args.head_dim if args.qk_norm else 0
+    return head_norms + (2 * args.n_kv_heads * args.head_dim * args.dim if args.n_kv_heads % t else 0)
 
 
 def context_parallel_volume(args, cfg) -> tuple[float, str]:

@@ -17,10 +17,14 @@ A `TensorMap` is general enough for mixture-of-experts layers: one fivecut tenso
 experts [E, ...] is E Hugging Face tensors (`stacked`), each maybe the transpose of fivecut's
 slice (`transposed`: fivecut's experts are [dim, hidden], a Hugging Face linear [hidden, dim]).
 
-`ARCHITECTURES` lists the dense classes of this module; `fivecut.weights.moe_architectures` adds
-the mixture-of-experts ones through `register`. Import (`fivecut.weights.hf`) finds a folder's
-record by its config's class (`for_config`); export (`fivecut.weights.export`) by name or by the
-first record that holds the checkpoint's shape (`for_args`).
+`ARCHITECTURES` lists the dense classes of this module, then the mixture-of-experts ones of
+`fivecut.weights.moe_architectures` (Mixtral, Qwen3-MoE, DeepSeek-V3), added through `register`:
+their records (`moe.Architecture`) place each tensor with records a `TensorMap` cannot express
+(interleaved RoPE rows, fused experts, routing-bias buffers), and read their config.json
+themselves. Import (`fivecut.weights.hf`) finds a folder's record by its config's class
+(`for_config`); export (`fivecut.weights.export`) by name or by the first record that holds the
+checkpoint's shape (`for_args`): a MoE shape picks its MoE class, a shape no class holds gets
+fivecut's own format.
 
     fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3)
     tok_embeddings.weight                 model.embed_tokens.weight
@@ -33,7 +37,7 @@ first record that holds the checkpoint's shape (`for_args`).
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight   (absent when tie_word_embeddings)
 
-Free of torch: the records are data and small functions of ModelArgs.
+The dense records are data and small functions of ModelArgs, free of torch (the MoE records import it).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivecut.model.args import ModelArgs
+from fivecut.weights import moe_architectures as moe
 
 
 class ArchitectureError(ValueError):
@@ -370,17 +375,22 @@ DEFAULTS = {
     "qwen3": {"head_dim": 128, "max_window_layers": 28, "sliding_window": 4096},
 }
 
-ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+AnyArchitecture = Architecture | moe.Architecture
+ARCHITECTURES: dict[str, AnyArchitecture] = {a.hf_class: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 
 
-def register(architecture: Architecture, defaults: dict | None = None) -> None:
-    """Add a class (fivecut.weights.moe_architectures adds the mixture-of-experts ones)."""
+def register(architecture: AnyArchitecture, defaults: dict | None = None) -> None:
+    """Add a class: a dense `Architecture`, or a mixture-of-experts `moe.Architecture`."""
     ARCHITECTURES[architecture.hf_class] = architecture
     if defaults:
         DEFAULTS[architecture.model_type] = defaults
 
 
-def for_config(raw: dict, path: Path) -> Architecture:
+for _moe_class in moe.ARCHITECTURES:  # Mixtral, Qwen3-MoE, DeepSeek-V3
+    register(_moe_class)
+
+
+def for_config(raw: dict, path: Path) -> AnyArchitecture:
     """The record of the class a parsed config.json (at `path`) names; refused naming it when none."""
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
@@ -395,19 +405,22 @@ def for_config(raw: dict, path: Path) -> Architecture:
     return known[0]
 
 
-def read_args(raw: dict, path: Path) -> tuple[Architecture, ModelArgs]:
+def read_args(raw: dict, path: Path) -> tuple[AnyArchitecture, ModelArgs]:
     """The class and fivecut's shape of the model a parsed config.json describes, every key accounted for."""
     architecture = for_config(raw, path)
-    cfg = HFConfig(raw, path, DEFAULTS.get(architecture.model_type, {}))
-    args = architecture.to_args(cfg)
-    cfg.finish(architecture.hf_class)
+    if isinstance(architecture, moe.Architecture):  # its reader refuses the keys it does not know itself
+        args = architecture.args(raw, path)
+    else:
+        cfg = HFConfig(raw, path, DEFAULTS.get(architecture.model_type, {}))
+        args = architecture.to_args(cfg)
+        cfg.finish(architecture.hf_class)
     try:
         return architecture, args.check()
     except ValueError as err:
         raise ArchitectureError(f"{path}: {err}") from None
 
 
-def for_args(args: ModelArgs, name: str | None = None) -> Architecture | None:
+def for_args(args: ModelArgs, name: str | None = None) -> AnyArchitecture | None:
     """The class to export a model of shape `args` as: `name`'s (refused with the reason when it
     cannot hold the shape), else the first that holds it, else None (fivecut's own format)."""
     if name is not None:

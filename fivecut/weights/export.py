@@ -1,14 +1,14 @@
 """`fivecut export`: a checkpoint as a folder that Hugging Face `from_pretrained` reads.
 
 The model's shape picks the Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral,
-Qwen2, Qwen3, or `--architecture`); the checkpoint's tensor shapes, read from DCP's metadata
-alone, are checked against the shapes its `ModelArgs` imply. The weights are never gathered: the
-output is planned as shards of at most --max-shard-size, and each shard is read from DCP by
-itself (only its tensors' global values, whatever layout saved them), converted, written and
-freed -- by `workers` processes, each writing every workers-th shard, so a process holds about
-one shard at a time, never the model:
+Qwen2, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, or `--architecture`); the checkpoint's tensor
+shapes, read from DCP's metadata alone, are checked against the shapes its `ModelArgs` imply. The
+weights are never gathered: the output is planned as shards of at most --max-shard-size, and
+each shard is read from DCP by itself (only its tensors' global values, whatever layout saved
+them), converted, written and freed -- by `workers` processes, each writing every workers-th
+shard, so a process holds about one shard at a time, never the model:
 
-    config.json                    the class's config (dense), or fivecut's own (MoE)
+    config.json                    the class's config, or fivecut's own (a shape no class holds)
     generation_config.json         the tokenizer's bos/eos ids
     model.safetensors              or model-0000K-of-0000N.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, special_tokens_map.json   when the run's tokenizer has a form
@@ -20,7 +20,11 @@ linear weight, so no dense tensor is permuted or transposed (a record's `TensorM
 one is: stacked experts). The vocabulary is never padded: a checkpoint holds global tensors,
 however a layout padded them for its cuts.
 
-A model no registered class holds (mixture of experts, latent attention) is written under
+A mixture-of-experts class writes each expert as its own [out, in] tensor and, for DeepSeek-V3,
+the RoPE rows of the latent attention interleaved in pairs and the routing biases as
+`e_score_correction_bias` (the placements of `fivecut.weights.moe_architectures`). A model no
+registered class holds (e.g. a MoE without a class's routing, latent attention alone, routing
+biases moved by balancing where the class has none) is written under
 fivecut's own names (the list above, plus `layers.N.feed_forward.router.weight`, the stacked experts
 `layers.N.feed_forward.experts.w1|w3|w2` [E, dim, hidden] / [E, hidden, dim], the shared experts
 `layers.N.feed_forward.shared.w1|w3|w2.weight`, and the auxiliary-loss-free routing biases
@@ -55,7 +59,8 @@ from fivecut.model.args import ModelArgs
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
-from fivecut.weights.architectures import Architecture, ArchitectureError, TensorMap, for_args
+from fivecut.weights import moe_architectures as moe
+from fivecut.weights.architectures import ARCHITECTURES, AnyArchitecture, ArchitectureError, TensorMap, for_args
 from fivecut.weights.hf import hf_config
 from fivecut.weights.load import run_tokenizer as resolve_tokenizer
 from fivecut.weights.source import expected_shapes
@@ -100,6 +105,7 @@ def export(
     problems = ckpt.file_problems(source, meta)
     if problems:
         raise CheckpointError(f"checkpoint {source} is damaged: " + "; ".join(problems))
+    arch = with_routing_biases(source, args, arch, named=architecture is not None)
     tokenizer = run_tokenizer(meta.get("config", {}))
     plan = Plan(source, arch, export_entries(source, args, arch), DTYPES[dtype], max_shard_bytes, workers)
     spelled = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as config.json spells it
@@ -180,12 +186,14 @@ class Entry:
 
     key: str  # "model.<fivecut name>" (or "moe.<layer>.expert_bias")
     shape: tuple[int, ...]  # global
-    map: TensorMap
+    # a MoE class's entry is one Hugging Face tensor (`moe.Part`): a box of the checkpoint tensor
+    # (one expert, a projection whose RoPE rows are interleaved, a routing bias), transformed
+    map: TensorMap | moe.Part
     keep_fp32: bool = False  # routing biases: selection reads them in fp32
 
     def nbytes(self, dtype: torch.dtype) -> int:
         itemsize = 4 if self.keep_fp32 else dtype.itemsize
-        return math.prod(self.shape) * itemsize
+        return math.prod(self.map.sizes if isinstance(self.map, moe.Part) else self.shape) * itemsize
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,7 @@ class Plan:
     """What to write: the checkpoint, the class (None: fivecut's own names), the tensors in order."""
 
     path: Path
-    arch: Architecture | None
+    arch: AnyArchitecture | None
     entries: list[Entry]
     dtype: torch.dtype
     max_bytes: int
@@ -201,7 +209,8 @@ class Plan:
 
     def shards(self) -> list[list[Entry]]:
         """The entries in order, cut into runs of at most `max_bytes` (a larger tensor alone), as
-        Hugging Face does; the experts of one stacked tensor stay in one shard."""
+        Hugging Face does; the experts of one stacked tensor stay in one shard (a MoE class's
+        entries are single experts: its shards cut between them)."""
         out: list[list[Entry]] = [[]]
         size = 0
         for entry in self.entries:
@@ -214,11 +223,14 @@ class Plan:
         return out
 
 
-def export_entries(path: Path, args: ModelArgs, arch: Architecture | None) -> list[Entry]:
+def export_entries(path: Path, args: ModelArgs, arch: AnyArchitecture | None) -> list[Entry]:
     """The checkpoint's tensors in export order, checked against the model's shapes (metadata only)."""
     saved = checkpoint_shapes(path)
     weights = {key.removeprefix("model."): shape for key, shape in saved.items() if key.startswith("model.")}
     check_shapes(path, weights, expected_shapes(args))
+    if isinstance(arch, moe.Architecture):  # one entry per Hugging Face tensor (experts split, RoPE rows paired)
+        parts = moe.export_parts(arch, args, saved)
+        return [Entry(key, saved[key], part, keep_fp32=key.startswith("moe.")) for key, part in parts]
     if arch is not None:
         return [Entry(f"model.{m.ours}", weights[m.ours], m) for m in arch.tensors(args)]
     entries = [Entry(f"model.{name}", shape, TensorMap(name, (name,))) for name, shape in weights.items()]
@@ -257,9 +269,28 @@ def read_entries(path: Path, entries: list[Entry]) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_boxes(path: Path, entries: list[Entry]) -> list[torch.Tensor]:
+    """The boxes of these MoE entries (`moe.Part`) of their checkpoint tensors, in order, read from
+    DCP in this process (only the saved chunks each box overlaps)."""
+    views = [torch.empty(e.map.sizes, dtype=torch.float32) for e in entries]
+    table: ckpt.Table = {}
+    for entry, view in zip(entries, views):
+        table.setdefault(entry.key, ckpt.Entry(entry.shape, torch.float32, [])).chunks.append(
+            ckpt.Chunk(entry.map.offsets, view)
+        )
+    if table:
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            planner = ckpt.TableLoadPlanner(table, path)
+            dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    return views
+
+
 def hf_tensors(entry: Entry, value: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One checkpoint tensor as its Hugging Face tensor(s): split over experts, transposed, cast."""
     value = value if entry.keep_fp32 else value.to(dtype)
+    if isinstance(entry.map, moe.Part):  # `value` is the part's box
+        return {entry.map.hf_name: entry.map.transform(value).contiguous()}
     parts = value.unbind(0) if entry.map.stacked else (value,)
     if entry.map.transposed:
         parts = tuple(p.transpose(-1, -2) for p in parts)
@@ -270,10 +301,13 @@ def write_shard(path: Path, entries: list[Entry], dtype: torch.dtype, file: Path
     """Read, convert and write one output shard; returns its tensors' names and sizes in bytes."""
     from safetensors.torch import save_file
 
-    values = read_entries(path, entries)
+    whole = [e for e in entries if not isinstance(e.map, moe.Part)]
+    values = read_entries(path, whole) if whole else {}
+    boxes = read_boxes(path, [e for e in entries if isinstance(e.map, moe.Part)])
     tensors: dict[str, torch.Tensor] = {}
     for entry in entries:
-        tensors |= hf_tensors(entry, values.pop(entry.key), dtype)
+        value = boxes.pop(0) if isinstance(entry.map, moe.Part) else values.pop(entry.key)
+        tensors |= hf_tensors(entry, value, dtype)
     save_file(tensors, str(file), metadata={"format": "pt"})
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
@@ -344,6 +378,28 @@ def moe_config(args: ModelArgs, dtype: str, bos: int | None, eos: int | None) ->
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+
+
+def with_routing_biases(path: Path, args: ModelArgs, arch: AnyArchitecture | None, named: bool):
+    """`arch`, unless routing biases that balancing moved (moe.bias_update_rate) are in the checkpoint
+    and the class has none to hold them (Mixtral, Qwen3-MoE): they change which experts a token
+    picks, so such a model is exported as fivecut's own (refused when the class was named)."""
+    if arch is None:
+        if args.is_moe:  # why each MoE class does not hold it, for a user who expected one
+            moes = [a for a in ARCHITECTURES.values() if isinstance(a, moe.Architecture)]
+            reasons = "; ".join(f"{a.hf_class}: {a.holds(args)}" for a in moes)
+            print(f"note: no Hugging Face MoE class holds this model ({reasons}); fivecut's own names are written")
+        return None
+    if not isinstance(arch, moe.Architecture) or arch.buffers(args):
+        return arch
+    biases = ckpt.full_state(path, "moe.")  # "<layer>.expert_bias", [E] each; every file checked against its sha256
+    if not any(bool(b.any()) for b in biases.values()):
+        return arch
+    why = f"routing biases are not zero (auxiliary-loss-free balancing); {arch.hf_class} has none"
+    if named:
+        raise ExportError(f"--architecture {arch.hf_class} cannot hold this model: {why}; leave --architecture out")
+    print(f"note: {why}: exported as fivecut's own MoE model")
+    return None
 
 
 def write_json(path: Path, value: dict) -> None:

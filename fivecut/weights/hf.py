@@ -16,7 +16,8 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
-from fivecut.weights.architectures import LLAMA, Architecture, ArchitectureError, TensorMap, read_args
+from fivecut.weights import moe_architectures as moe
+from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
 from fivecut.weights.source import WeightsError, expected_shapes
 
 INDEX = "model.safetensors.index.json"
@@ -30,9 +31,10 @@ def llama_config(args: ModelArgs, torch_dtype: str = "float32", bos: int | None 
     return hf_config(LLAMA, args, torch_dtype, bos, eos)
 
 
-def hf_config(architecture: Architecture, args: ModelArgs, dtype: str, bos: int | None, eos: int | None) -> dict:
+def hf_config(architecture: AnyArchitecture, args: ModelArgs, dtype: str, bos: int | None, eos: int | None) -> dict:
     """`architecture`'s config.json of a model of shape `args`, with its dtype and special token ids."""
-    return architecture.to_config(args) | {"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype}
+    to_config = architecture.config if isinstance(architecture, moe.Architecture) else architecture.to_config
+    return to_config(args) | {"bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype}
 
 
 def read_config(folder: Path) -> dict:
@@ -70,7 +72,7 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     return architecture_args(config, path)[1]
 
 
-def architecture_args(config: dict, path: Path) -> tuple[Architecture, ModelArgs]:
+def architecture_args(config: dict, path: Path) -> tuple[AnyArchitecture, ModelArgs]:
     try:
         return read_args(config, path)
     except ArchitectureError as err:
@@ -110,20 +112,30 @@ class HFSource:
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
         self._handles: dict[Path, object] = {}
+        # a mixture-of-experts class's tensors and routing biases: fivecut name -> `moe.Stored`
+        self.stored: dict[str, moe.Stored] = {}
+        self.stored_buffers: dict[str, moe.Stored] = {}
+        self.maps: dict[str, TensorMap] = {}
+        self.buffers: dict[str, str] = {}
         if is_fivecut(config):  # fivecut's names already; the routing biases are buffers, not parameters
             self.architecture, self.args = None, fivecut_args(config, folder / "config.json")
             self.maps = {n: TensorMap(n, (n,)) for n in self.files if not n.endswith(BIAS)}
             self.buffers = {n: n for n in self.files if n.endswith(BIAS)}
         else:
             self.architecture, self.args = architecture_args(config, folder / "config.json")
-            self.maps = {m.ours: m for m in self.architecture.tensors(self.args)}  # fivecut name -> its tensors
-            self.buffers = {}
-            check_tensors(self, expected_shapes(self.args))
+            if isinstance(self.architecture, moe.Architecture):  # every tensor's place checked by its layout
+                layout = moe.layout(self.architecture, self.args, config, self.files, folder)
+                self.stored, self.stored_buffers = layout
+            else:
+                self.maps = {m.ours: m for m in self.architecture.tensors(self.args)}  # fivecut name -> its tensors
+                check_tensors(self, expected_shapes(self.args))
         self._shapes: dict[str, tuple[int, ...]] | None = None
         self._tokenizer = None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """fivecut name -> global shape, from the Hugging Face tensors' shapes (stacked over experts)."""
+        if self._shapes is None and self.stored:
+            self._shapes = {ours: stored.shape(self._slice) for ours, stored in self.stored.items()}
         if self._shapes is None:
             self._shapes = {ours: self.fivecut_shape(m) for ours, m in self.maps.items()}
         return self._shapes
@@ -134,13 +146,18 @@ class HFSource:
         return (len(m.theirs), *one) if m.stacked else one
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Buffers the file holds besides the parameters (a fivecut MoE export's routing biases)."""
+        """Buffers the file holds besides the parameters (MoE routing biases)."""
+        if self.stored_buffers:
+            return {ours: stored.shape(self._slice) for ours, stored in self.stored_buffers.items()}
         return {name: tuple(self._slice(name).get_shape()) for name in self.buffers}
 
     def read(self, name: str, box) -> torch.Tensor:
         if name in self.buffers:
             return self._slice(name)[box].float()
-        m = self.maps[name]
+        m = self.maps.get(name)
+        if m is None:  # a mixture-of-experts class's tensor or routing bias
+            stored = self.stored.get(name) or self.stored_buffers[name]
+            return stored.read(self._slice, box).float()
         if not m.stacked:
             return self._read_one(m.theirs[0], box, m.transposed)
         experts = range(*box[0].indices(len(m.theirs)))  # only the experts in the box are opened
