@@ -18,7 +18,7 @@ from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
-from fivecut.weights.source import WeightsError, expected_shapes
+from fivecut.weights.source import WeightsError, expected_shapes, optional
 
 INDEX = "model.safetensors.index.json"
 
@@ -86,18 +86,6 @@ def fivecut_args(config: dict, path: Path) -> ModelArgs:
         raise WeightsError(f"{path}: model_type {FIVECUT_TYPE!r} without a valid 'fivecut' record of ModelArgs fields")
     defaults = ModelArgs()
     return ModelArgs(**{k: optional(record, k, v, path, type(v)) for k, v in dataclasses.asdict(defaults).items()})
-
-
-def optional(config: dict, key: str, default, path: Path, kind: type = int):
-    """config[key] (`default` when absent or null), refused naming the key unless it is a `kind`
-    (a float may be written as an integer)."""
-    value = config.get(key)
-    if value is None:
-        return default
-    kinds = (int, float) if kind is float else (kind,)
-    if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
-        raise WeightsError(f"{path}: {key} is {value!r}, not a{'n' if kind is int else ''} {kind.__name__}")
-    return value
 
 
 class HFSource:

@@ -50,7 +50,7 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.weights.names import GLOBAL, LAYER
-from fivecut.weights.source import WeightsError
+from fivecut.weights.source import WeightsError, optional
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -211,17 +211,7 @@ Stored = Same | PerExpert | Fused | RopeRows
 def _need(config: dict, key: str, path: Path, kind: type = int):
     if config.get(key) is None:
         raise WeightsError(f"{path} has no {key!r}; it is not a complete {config.get('model_type')} config")
-    return _optional(config, key, None, path, kind)
-
-
-def _optional(config: dict, key: str, default, path: Path, kind: type = int):
-    value = config.get(key)
-    if value is None:
-        return default
-    kinds = (int, float) if kind is float else (kind,)
-    if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
-        raise WeightsError(f"{path}: {key} is {value!r}, not a{'n' if kind is int else ''} {kind.__name__}")
-    return value
+    return optional(config, key, None, path, kind)
 
 
 def _refuse(path: Path, key: str, value, why: str):
@@ -283,13 +273,11 @@ def _check_keys(config: dict, path: Path, known: set[str]) -> None:
 
 
 def _rope_theta(config: dict, path: Path) -> float:
-    params = _optional(config, "rope_parameters", None, path, dict) or _optional(config, "rope_scaling", {}, path, dict)
+    params = optional(config, "rope_parameters", None, path, dict) or optional(config, "rope_scaling", {}, path, dict)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         _refuse(path, "rope_parameters.rope_type", kind, "fivecut implements unscaled RoPE")
-    return float(
-        _optional(params, "rope_theta", None, path, float) or _optional(config, "rope_theta", 1e4, path, float)
-    )
+    return float(optional(params, "rope_theta", None, path, float) or optional(config, "rope_theta", 1e4, path, float))
 
 
 def _common_args(config: dict, path: Path) -> dict:
@@ -303,12 +291,12 @@ def _common_args(config: dict, path: Path) -> dict:
         dim=_need(config, "hidden_size", path),
         n_layers=_need(config, "num_hidden_layers", path),
         n_heads=heads,
-        n_kv_heads=_optional(config, "num_key_value_heads", heads, path),
-        max_seq_len=_optional(config, "max_position_embeddings", 2048, path),
+        n_kv_heads=optional(config, "num_key_value_heads", heads, path),
+        max_seq_len=optional(config, "max_position_embeddings", 2048, path),
         rope_theta=_rope_theta(config, path),
-        norm_eps=float(_optional(config, "rms_norm_eps", 1e-6, path, float)),
-        tie_embeddings=_optional(config, "tie_word_embeddings", False, path, bool),
-        init_std=float(_optional(config, "initializer_range", 0.02, path, float)),
+        norm_eps=float(optional(config, "rms_norm_eps", 1e-6, path, float)),
+        tie_embeddings=optional(config, "tie_word_embeddings", False, path, bool),
+        init_std=float(optional(config, "initializer_range", 0.02, path, float)),
     )
 
 
@@ -316,7 +304,7 @@ def _attention_head_dim(config: dict, path: Path) -> int:
     """Plain attention's ModelArgs.attention_head_dim: the config's head_dim, 0 when it is
     hidden_size / num_attention_heads (or absent)."""
     dim, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = _optional(config, "head_dim", None, path)
+    head_dim = optional(config, "head_dim", None, path)
     if head_dim is not None and head_dim <= 0:
         _refuse(path, "head_dim", head_dim, "a head needs channels")
     return 0 if head_dim is None or head_dim * heads == dim else head_dim
@@ -367,7 +355,7 @@ def mixtral_args(config: dict, path: Path) -> ModelArgs:
         gate="softmax",
         route_norm=True,
         attention_head_dim=_attention_head_dim(config, path),
-        sliding_window=_optional(config, "sliding_window", 0, path),  # on every layer, as Mistral's; null: none
+        sliding_window=optional(config, "sliding_window", 0, path),  # on every layer, as Mistral's; null: none
     )
 
 
@@ -431,7 +419,7 @@ def qwen3_moe_args(config: dict, path: Path) -> ModelArgs:
     experts = config.get("num_experts", config.get("num_local_experts"))
     if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
         _refuse(path, "num_experts", experts, "a Qwen3-MoE needs experts")
-    norm = _optional(config, "norm_topk_prob", False, path, bool)
+    norm = optional(config, "norm_topk_prob", False, path, bool)
     return ModelArgs(
         **_common_args(config, path),
         ffn_dim=_need(config, "intermediate_size", path),
@@ -535,25 +523,25 @@ def deepseek_v3_args(config: dict, path: Path) -> ModelArgs:
     )
     nope, rope = _need(config, "qk_nope_head_dim", path), _need(config, "qk_rope_head_dim", path)
     _equal(config, "qk_head_dim", path, nope + rope, "it is qk_nope_head_dim + qk_rope_head_dim")
-    groups = _optional(config, "n_group", 1, path)
+    groups = optional(config, "n_group", 1, path)
     experts = _need(config, "n_routed_experts", path)
     if groups > 1 and experts // groups < 2:
         _refuse(path, "n_group", groups, "transformers scores a group by its two best experts: give >= 2 per group")
-    norm = _optional(config, "norm_topk_prob", True, path, bool)
+    norm = optional(config, "norm_topk_prob", True, path, bool)
     return ModelArgs(
         **common,
         ffn_dim=_need(config, "intermediate_size", path),
         n_experts=experts,
         top_k=_need(config, "num_experts_per_tok", path),
-        n_shared_experts=_optional(config, "n_shared_experts", 0, path),
+        n_shared_experts=optional(config, "n_shared_experts", 0, path),
         moe_ffn_dim=_need(config, "moe_intermediate_size", path),
-        first_dense_layers=_optional(config, "first_k_dense_replace", 0, path),
+        first_dense_layers=optional(config, "first_k_dense_replace", 0, path),
         gate="sigmoid",
-        route_scale=float(_optional(config, "routed_scaling_factor", 1.0, path, float)),
+        route_scale=float(optional(config, "routed_scaling_factor", 1.0, path, float)),
         route_norm=norm,
         expert_groups=groups,
-        route_group_limit=_optional(config, "topk_group", 1, path),
-        q_lora_rank=_optional(config, "q_lora_rank", 0, path),
+        route_group_limit=optional(config, "topk_group", 1, path),
+        q_lora_rank=optional(config, "q_lora_rank", 0, path),
         kv_lora_rank=_need(config, "kv_lora_rank", path),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,

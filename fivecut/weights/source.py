@@ -30,6 +30,18 @@ class WeightsError(ValueError):
     """A weights file or folder that cannot be used; the message names the file and the problem."""
 
 
+def optional(config: dict, key: str, default, path: Path, kind: type = int):
+    """config[key] (`default` when absent or null), refused naming the key unless it is a `kind`
+    (a float may be written as an integer)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    kinds = (int, float) if kind is float else (kind,)
+    if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
+        raise WeightsError(f"{path}: {key} is {value!r}, not a{'n' if kind is int else ''} {kind.__name__}")
+    return value
+
+
 class WeightSource(Protocol):
     path: Path  # the file or folder
     args: ModelArgs  # the model's shape, from the file's own metadata
