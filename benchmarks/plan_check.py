@@ -8,7 +8,8 @@ calibrated cluster (`fivecut plan calibrate` with the layout's number of ranks).
 Per layout (seq 64, global batch 8, fp32, as `fivecut ledger` runs):
 
     comm         wire bytes per cut on rank 0, the ledger's last step vs the planner (ratio)
-    states       model-state bytes of rank 0 (params + grads + optimizer) measured vs planned
+    states       model-state bytes (params + grads + optimizer) measured vs planned, on the rank
+                 the plan says holds the most (its pipeline position, other coordinates 0)
     activations  bytes saved for backward, summed over a rank's layers (step 1, one microbatch),
                  the mean over the ranks (a MoE layer's rows per rank follow its routing: the
                  planner assumes it uniform, which is what the mean over EP ranks receives),
@@ -41,6 +42,7 @@ from fivecut.config import preset_args
 from fivecut.plan.calibrate import calibrate
 from fivecut.plan.cluster import Link, cluster_toml, parse_cluster
 from fivecut.plan.cost import cost_layout
+from fivecut.train.memory_check import global_rank
 
 LAYOUTS = [  # (model, layout): every cut and schedule, worlds of 2 and 4
     ("tiny", "dp=2"),
@@ -120,7 +122,8 @@ def compare(run: dict, cluster) -> dict:
     for c in plan.cuts:
         measured = sum(r.wire_bytes for r in mine.ledger_rows if r.cut == c.cut)
         comm[c.cut] = (measured, c.wire_bytes)
-    states = sum(mine.memory[k] for k in ("params", "grads", "optimizer"))
+    fullest = run["results"][global_rank(cfg, plan.memory_rank)]
+    states = sum(fullest.memory[k] for k in ("params", "grads", "optimizer"))
     planned_states = sum(plan.memory[k] for k in ("params", "grads", "optimizer"))
     acts = None
     if cfg.parallel.pp == 1:  # the mean over ranks: a MoE layer's tokens per rank follow the routing
