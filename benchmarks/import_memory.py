@@ -3,10 +3,12 @@ under one process, tp=2 and pp=2, against each rank's share of the weights.
 
 A random Qwen2-shaped model (q/k/v biases; no transformers needed: the folder is written with
 safetensors from the registry's names) of about --params parameters is saved in shards; then each
-layout's ranks build their part (`build_parallel`: on the meta device, each pipeline stage
-materializing only its layers) and read their slices (`load_into`). Each rank reports its peak
-resident set (ru_maxrss) above what it held before building, next to its share of the fp32
-weights (the elements its placement records hold x 4 B).
+layout's ranks build their part (`build_parallel` with the folder as its weights: on the meta
+device until the cuts are made, then each rank's part alone is given storage and read from the
+files, box by box). Each rank reports its peak resident set (ru_maxrss) above what it held before
+building, next to its share of the fp32 weights (the elements its placement records hold x 4 B).
+For scale, the last rows load the whole folder in one process with `safetensors.torch.load_file`
+(what a rank that does not cut before reading holds).
 
     python benchmarks/import_memory.py                       # ~100M parameters
     python benchmarks/import_memory.py --params 2e6          # the smoke size
@@ -15,7 +17,6 @@ weights (the elements its placement records hold x 4 B).
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +32,7 @@ from fivecut.mesh import Mesh  # noqa: E402
 from fivecut.model.args import ModelArgs  # noqa: E402
 from fivecut.parallel.parallelize import build_parallel  # noqa: E402
 from fivecut.weights.architectures import QWEN2  # noqa: E402
-from fivecut.weights.load import load_into, source_of  # noqa: E402
+from fivecut.weights.load import source_of  # noqa: E402
 from fivecut.weights.source import expected_shapes  # noqa: E402
 
 LAYOUTS = {"one process": ParallelDims(), "tp=2": ParallelDims(tp=2), "pp=2": ParallelDims(pp=2, microbatches=2)}
@@ -65,18 +66,42 @@ def write_folder(folder: Path, args: ModelArgs) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def status_mib(field: str) -> float:
+    """A field of /proc/self/status in MiB (VmRSS: resident now; VmHWM: the peak since the reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def import_rank(folder: Path, dims: ParallelDims) -> tuple[float, float]:
-    """(peak MiB above the start, this rank's share in MiB) of building and loading its part."""
+def start_peak() -> float:
+    """Reset this process's resident peak to what it holds now (Linux: clear_refs 5); returns that."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_mib("VmRSS")
+
+
+def import_rank(folder: Path, dims: ParallelDims) -> tuple[float, float, float]:
+    """(peak MiB above the start, this rank's share of the weights in MiB, what the built rank
+    holds in MiB: its parameters and the gradient buffers the data cut allocates) of building its
+    part from the folder."""
     source = source_of(f"hf:{folder}")
-    before = peak_mib()
-    par = build_parallel(source.args, Mesh(dims, "cpu"), "cpu", 0, TrainConfig())
-    load_into(par, source)
+    before = start_peak()
+    par = build_parallel(source.args, Mesh(dims, "cpu"), "cpu", 0, TrainConfig(), weights=source)
     share = sum(pl.local_numel() for pl in par.placements.values()) * 4 / 2**20
-    return peak_mib() - before, share
+    params, grads = par.state_tensors()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in params + grads if t is not None}
+    return status_mib("VmHWM") - before, share, sum(storages.values()) / 2**20
+
+
+def load_whole(folder: Path) -> float:
+    """Peak MiB above the start of loading every shard of `folder` whole (each tensor read once:
+    load_file's tensors may be backed by the file's map until touched)."""
+    from safetensors.torch import load_file
+
+    before = start_peak()
+    tensors = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert all(torch.isfinite(t).all() for t in tensors.values())
+    return status_mib("VmHWM") - before
 
 
 def main(argv=None) -> int:
@@ -89,11 +114,19 @@ def main(argv=None) -> int:
         folder = Path(tmp) / "qwen2"
         write_folder(folder, args)
         print(f"import of a Qwen2-shaped model of {args.num_params():,} parameters ({whole:.0f} MiB fp32)")
-        print("| layout | rank | peak above start, MiB | its share, MiB | peak / whole model |")
-        print("|---|---|---:|---:|---:|")
+        print(
+            "| layout | rank | peak above start, MiB | its weights, MiB | it holds built, MiB | peak - held | "
+            "peak / whole model |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
         for name, dims in LAYOUTS.items():
-            for rank, (peak, share) in enumerate(spawn(import_rank, dims.world_size, folder, dims)):
-                print(f"| {name} | {rank} | {peak:.0f} | {share:.0f} | {peak / whole:.2f} |")
+            for rank, (peak, share, held) in enumerate(spawn(import_rank, dims.world_size, folder, dims)):
+                print(
+                    f"| {name} | {rank} | {peak:.0f} | {share:.0f} | {held:.0f} | {peak - held:.0f} | "
+                    f"{peak / whole:.2f} |"
+                )
+        peak = spawn(load_whole, 1, folder)[0]
+        print(f"| safetensors load_file, every shard | 0 | {peak:.0f} | {whole:.0f} | | | {peak / whole:.2f} |")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`fivecut train | eval | generate | export | verify | ledger | schedule | checkpoint info`.
+"""`fivecut train | eval | generate | export | convert | verify | ledger | schedule | checkpoint info`.
 
 The top of the floors (DESIGN.md, principle 11): it imports everything below it. What imports torch
 (or matplotlib) is imported inside the command that runs it, so that `fivecut --help`, `schedule` and
@@ -126,7 +126,7 @@ PATH_FLAGS = {  # argparse dest -> (flag, what to give), for every option that n
     "config": ("--config", "a TOML file"),
     "resume": ("--resume", "auto, never or a checkpoint's path"),
     "checkpoint": ("--checkpoint", "a checkpoint or a checkpoint.dir"),
-    "init_from": ("--init-from", "hf:FOLDER or gguf:FILE"),
+    "init_from": ("--init-from", "hf:FOLDER, gguf:FILE or dcp:CHECKPOINT"),
     "data": ("--data", "'shakespeare', a text, JSONL or Parquet file, a folder, a glob or a saved dataset"),
     "out": ("--out", "a path"),
     "dir": ("the checkpoint folder (DIR)", "a checkpoint or a checkpoint.dir"),
@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_checkpoint_info)
 
     add_export_parser(sub)
+    add_convert_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
     add_data_parser(sub)
@@ -299,7 +300,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
         "--model",
         default="tiny",
         help=f"model preset: {', '.join(runnable_presets())} (the shape-only {', '.join(sorted(SHAPE_ONLY))} "
-        "are for planning), or a published model, hf:FOLDER or gguf:FILE (its weights, its tokenizer or bytes)",
+        "are for planning), or a model's weights, hf:FOLDER, gguf:FILE or dcp:CHECKPOINT (its tokenizer or bytes)",
     )
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is reported")
@@ -441,6 +442,71 @@ def cmd_export(ns) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- convert
+
+# convert's flags of one direction each, with their defaults: to a checkpoint, to Hugging Face (export's)
+TO_CHECKPOINT = {"--layout": None, "--timeout": 3600.0, "--set": []}
+TO_HF = {"--max-shard-size": "5GiB", "--dtype": "fp32", "--architecture": None, "--workers": 1}
+
+
+def flag_dest(flag: str) -> str:
+    return "overrides" if flag == "--set" else flag[2:].replace("-", "_")
+
+
+def add_convert_parser(sub) -> None:
+    convert = sub.add_parser(
+        "convert",
+        help="a published model (hf:, gguf:) as a fivecut checkpoint written by a layout's ranks, each reading only "
+        "its slices; or a checkpoint (dcp:) as a Hugging Face folder",
+    )
+    convert.add_argument("--from", dest="source", required=True, help="hf:FOLDER, gguf:FILE or dcp:CHECKPOINT")
+    convert.add_argument("--to", required=True, help="a folder for the checkpoint, or hf:FOLDER; absent or empty")
+    convert.add_argument("--layout", help="to a checkpoint: the ranks that read and write it (default: one process)")
+    convert.add_argument("--timeout", type=float, help="to a checkpoint: seconds before a hung rank is reported")
+    for flag in TO_HF:
+        convert.add_argument(flag, type=int if flag == "--workers" else str, help="to hf: as in fivecut export")
+    add_overrides(convert)
+    convert.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(ns) -> int:
+    from fivecut.weights.convert import conversion, to_hugging_face
+    from fivecut.weights.export import ExportError, parse_size
+
+    c = conversion(ns.source, ns.to)
+    own, other = (TO_CHECKPOINT, TO_HF) if c.to_checkpoint else (TO_HF, TO_CHECKPOINT)
+    given = [flag for flag in other if getattr(ns, flag_dest(flag))]
+    if given:
+        raise ExportError(f"{given[0]} does not apply to converting {ns.source} to {ns.to}; drop it")
+    o = {flag_dest(flag): getattr(ns, flag_dest(flag)) or default for flag, default in own.items()}
+    if not c.to_checkpoint:
+        to_hugging_face(c, parse_size(o["max_shard_size"]), o["dtype"], o["architecture"], o["workers"])
+        return 0
+    return convert_to_checkpoint(c, o["layout"], o["overrides"], o["timeout"])
+
+
+def convert_to_checkpoint(c, layout: str | None, overrides: list[str], timeout: float) -> int:
+    """Published -> DCP on the layout's ranks: torchrun's when under it, else spawned here."""
+    from fivecut.weights.convert import convert_rank
+
+    cfg = load_config(None, [f"model.init_from={c.source!r}".replace("'", '"'), 'data.tokenizer="auto"'])
+    cfg = with_layout(cfg, layout, overrides, {"model.init_from": "--from"})
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    total = checks.validate(cfg, world or cfg.parallel.world_size).num_params()
+    if world:
+        held, rank = in_process(convert_rank, cfg, c.out)
+        results = [(held, rank)]
+    else:
+        results = spawned("convert", convert_rank, cfg.parallel.world_size, cfg, c.out, timeout_s=timeout)
+    if results[0][1] == 0:
+        print(
+            f"converted {c.source} to {c.out / 'step-00000000'} under layout {cfg.parallel.describe()} "
+            f"({cfg.parallel.world_size} ranks; rank 0 held {results[0][0]:,} of the model's {total:,} elements); "
+            f"start a run from it with model.init_from = 'dcp:{c.out}'"
+        )
+    return 0
+
+
 # ---------------------------------------------------------------- eval
 
 
@@ -492,7 +558,7 @@ def cmd_data_build(ns) -> int:
 
 def add_model_choice(parser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--init-from", help="a published model: hf:FOLDER or gguf:FILE")
+    which.add_argument("--init-from", help="a model's weights: hf:FOLDER, gguf:FILE or dcp:CHECKPOINT")
     which.add_argument("--checkpoint", help="a fivecut checkpoint, or a checkpoint.dir (its newest one)")
     parser.add_argument("--step", type=int, help="with a checkpoint.dir: this step's checkpoint")
 
@@ -613,7 +679,7 @@ def layout_model(model: str) -> tuple[str, str]:
     """The [model] key of `--model` (a preset, or hf:/gguf: a published model) and the tokenizer its
     runs read Shakespeare with: bytes for a vocabulary that holds them, else GPT-2's, and a published
     model's own when its file has one."""
-    if model.startswith(("hf:", "gguf:")):
+    if model.startswith(("hf:", "gguf:", "dcp:")):
         from fivecut.weights.load import source_args, source_of
 
         source_args(model)  # the folder and its tensors checked here, before any rank starts

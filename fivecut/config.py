@@ -30,8 +30,9 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """The architecture: a preset (default "tiny"), then any field of `ModelArgs` overridden by name;
-    or `init_from`, a published model ("hf:FOLDER" or "gguf:FILE") whose file gives the shape and
-    the weights (a field set here must then agree with the file)."""
+    or `init_from`, a model's weights ("hf:FOLDER", "gguf:FILE" or a fivecut checkpoint's,
+    "dcp:CHECKPOINT") whose file gives the shape and the weights (a field set here must then agree
+    with the file)."""
 
     preset: str | None = None
     init_from: str | None = None

@@ -194,6 +194,11 @@ def test_cast_once_benchmark_reports(tmp_path):
     assert out.rstrip().splitlines()[-1].startswith("ratio_step=")
 
 
+def test_export_memory_benchmark_reports(tmp_path):
+    out = run_script("benchmarks/export_memory.py", "--params", "2e6", cwd=tmp_path)
+    assert "| export |" in out and "| whole |" in out
+
+
 def test_w_reuses_one_buffer_per_shape_bitwise_and_fires_the_hooks():
     """Once `.grad` exists (a data cut's bucket view, or an earlier microbatch), W computes each
     linear layer's dW into a buffer it keeps per shape and adds it into `.grad` in place: two

@@ -537,20 +537,13 @@ class Transformer(nn.Module):
         Each parameter is drawn on the CPU in fp32 from its own generator,
         seeded by (seed, canonical name), then copied to its device/dtype: the
         result does not depend on which modules exist, their order, or the
-        device. Also re-ties embeddings and recomputes buffers, so this is the
-        one call needed after ``to_empty``."""
+        device (`initial_tensor`). Also re-ties embeddings and recomputes
+        buffers, so this is the one call needed after ``to_empty``."""
         self.tie_weights()
-        std_out = self.args.init_std / math.sqrt(2 * self.args.n_layers)
         for module_name, module in self.named_modules():
             for pname, p in module.named_parameters(recurse=False):
                 name = _canonical_name(f"{module_name}.{pname}" if module_name else pname, self.args)
-                if isinstance(module, RMSNorm):
-                    p.fill_(1.0)
-                    continue
-                leaf = module_name.rsplit(".", 1)[-1] if pname == "weight" else pname
-                std = std_out if leaf in ("wo", "w2") else self.args.init_std
-                g = torch.Generator().manual_seed(_name_seed(seed, name))
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+                p.copy_(initial_tensor(name, tuple(p.shape), init_std(self.args, module, module_name, pname), seed))
         self.init_buffers()
 
     def forward(
@@ -593,6 +586,58 @@ def _canonical_name(name: str, args: ModelArgs) -> str:
     if args.tie_embeddings and name == "output.weight":
         return "tok_embeddings.weight"
     return name
+
+
+def init_std(args: ModelArgs, module: nn.Module, module_name: str, pname: str) -> float | None:
+    """The standard deviation a parameter is drawn with (None: an RMSNorm weight, all ones): the
+    residual branches' output projections (wo, w2) are scaled down by sqrt(2 * layers) (GPT-2)."""
+    if isinstance(module, RMSNorm):
+        return None
+    leaf = module_name.rsplit(".", 1)[-1] if pname == "weight" else pname
+    return args.init_std / math.sqrt(2 * args.n_layers) if leaf in ("wo", "w2") else args.init_std
+
+
+def initial_tensor(name: str, shape: tuple[int, ...], std: float | None, seed: int) -> torch.Tensor:
+    """The seed's value of the whole parameter `name`, fp32 on the CPU (ones where `std` is None)."""
+    if std is None:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+
+class SeedWeights:
+    """The seed's initial weights as a weight source (`fivecut.weights.source.WeightSource`'s
+    `read`): any box of any parameter, by its canonical name, equal to what `init_weights` gives
+    the whole model, so that a rank built on the meta device initializes only its part. The last
+    whole tensor drawn is kept, for the other boxes of the same parameter."""
+
+    def __init__(self, args: ModelArgs, seed: int):
+        self.args, self.seed = args, seed
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    @functools.cached_property
+    def rules(self) -> dict[str, tuple[tuple[int, ...], float | None]]:
+        """Canonical name -> (global shape, std), from the whole model on the meta device."""
+        with torch.device("meta"):
+            model = Transformer(self.args)
+        out = {}
+        for mname, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                name = _canonical_name(f"{mname}.{pname}" if mname else pname, self.args)
+                out[name] = (tuple(p.shape), init_std(self.args, m, mname, pname))
+        return out
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            shape, std = self.rules[name]
+            self._last = (name, initial_tensor(name, shape, std, self.seed))
+        return self._last[1][box]
+
+    def fill(self, requests: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
+        """Each (name, box, view): the box's values into the view."""
+        for name, box, view in requests:
+            view.copy_(self.read(name, box))
+        self._last = None
 
 
 def _name_seed(seed: int, name: str) -> int:

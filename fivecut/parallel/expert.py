@@ -312,6 +312,12 @@ class ExpertParallelMoE:
             return "capacity or auxiliary loss over tp/cp chunks: the per-sequence counts are all-gathered"
         return None
 
+    def on_device(self) -> None:
+        """The routing tables and statistics again, on the device the weights now live on (they
+        were made beside the weights on the meta device, before `parallelize` materialized them)."""
+        self.set_placement(self.placement)
+        self.stats = self._zero_stats()
+
     def set_placement(self, placement: SlotMap) -> None:
         """Use `placement`; its routing tables get one more row, for a sentinel expert E that
         dropped slots are given: its rows go past the last physical slot (rank * slots + slot)."""

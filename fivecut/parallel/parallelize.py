@@ -9,16 +9,20 @@
     2. EP                  experts over the ep group, and the MoE runtime (capacity, balancing, statistics)
     3. TP / SP             column / row / vocabulary cuts over the tp group (sequence parallel norms);
                            ETP: the routed experts' hidden size over the etp ranks of the tp group
-    4. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
-    5. recomputation       full or selective activation recomputation of every k-th block
+    4. materialize         a stage built on the meta device gets storage for this rank's part alone,
+                           filled from `options.weights` (a published model's file, a checkpoint) or the
+                           seed's initial weights, box by box: no rank holds more than its part and the
+                           one tensor being cut (the Parameter objects stay those the cuts above hold)
+    5. CP                  Ulysses or ring attention over the cp group (the trainer feeds each rank its chunks)
+    6. recomputation       full or selective activation recomputation of every k-th block
                            (fivecut.parallel.recompute), around what the cuts above put in a block
-    6. compile             train.compile: torch.compile of the forward of each block as the steps above left it
+    7. compile             train.compile: torch.compile of the forward of each block as the steps above left it
                            (`fivecut.parallel.compile`; graph breaks at collectives; a MoE that communicates eager)
     then over all of this rank's stages:
-    7. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
+    8. DP / ZeRO           each gradient summed over the group its parameter is replicated on: dp x cp
                            for most, `expert_dp` for experts, dp x cp x tp for the router and shared
                            experts under tp; DDP (zero=0) or ZeRO-1/2/3
-    8. compute weights     train.dtype = "bf16" (not ZeRO-3, whose units are gathered in bf16): each matmul
+    9. compute weights     train.dtype = "bf16" (not ZeRO-3, whose units are gathered in bf16): each matmul
                            weight read as one bf16 copy a step, made after the update and ZeRO-1/2's
                            gather (`fivecut.parallel.precision`)
 
@@ -32,6 +36,7 @@ shape is checked against its record.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +47,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
-from fivecut.model.transformer import Attention, LatentAttention, build_model
+from fivecut.model.transformer import Attention, LatentAttention, SeedWeights, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Kinds, Piece, SyncSet
@@ -74,9 +79,10 @@ from fivecut.parallel.saved import SavedActivations
 from fivecut.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss_sum
 from fivecut.parallel.zero import FullyShardedDataParallel, ZeroDataParallel
 from fivecut.parallel.zero_pipeline import StagedSync
+from fivecut.train.checkpoint import global_chunks
 
 # the order, as applied below
-STEPS = ("pipeline", "expert", "tensor", "context", "recompute", "compile", "data", "precision")
+STEPS = ("pipeline", "expert", "tensor", "materialize", "context", "recompute", "compile", "data", "precision")
 
 # parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
@@ -189,6 +195,8 @@ class ParallelizeOptions:
     seq_len: int | None = None  # balances the pipeline stages (None: the model's max_seq_len)
     seed: int = 0  # initializes a model built on the meta device
     device: torch.device | str = "cpu"  # where a meta model's part is materialized
+    # a meta model's initial weights: a `fivecut.weights.source.WeightSource` (model.init_from), else the seed's
+    weights: object | None = None
     recompute: str = "none"  # "none" | "full" | "selective"
     recompute_every: int = 1  # recompute the blocks whose layer id is a multiple of this
     param_dtype: torch.dtype | None = None  # bf16 under train.dtype = "bf16": what ZeRO-3 gathers
@@ -196,8 +204,9 @@ class ParallelizeOptions:
     loss_chunk_tokens: int = 2048  # tokens per chunk of the head and loss (`fivecut.parallel.loss`); 0: full logits
 
     @classmethod
-    def from_train(cls, train, moe: MoEOptions | None, seed: int, device) -> ParallelizeOptions:
-        """The options a run's `[train]` table gives (bf16 ZeRO-3 gathers under train.dtype = "bf16")."""
+    def from_train(cls, train, moe: MoEOptions | None, seed: int, device, weights=None) -> ParallelizeOptions:
+        """The options a run's `[train]` table gives (bf16 ZeRO-3 gathers under train.dtype = "bf16");
+        `weights`: the source of the initial weights (None: the seed's)."""
         return cls(
             bucket_mb=train.bucket_mb,
             reduce_dtype=torch.bfloat16 if train.reduce_dtype == "bf16" else None,
@@ -211,25 +220,29 @@ class ParallelizeOptions:
             param_dtype=torch.bfloat16 if train.dtype == "bf16" else None,
             compile=train.compile,
             loss_chunk_tokens=train.loss_chunk_tokens,
+            weights=weights,
         )
 
 
 def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None = None) -> Parallelized:
     """Apply every cut of `mesh.dims` to `model`, a single-device model: real, or on the meta
-    device (then this rank's part is materialized on `options.device` and initialized from
-    `options.seed`). `options.param_dtype`: what ZeRO-3 gathers and computes in, from fp32 master
-    shards; other layouts keep fp32 parameters."""
+    device (then this rank's part is materialized on `options.device` and filled from
+    `options.weights`, or initialized from `options.seed`). `options.param_dtype`: what ZeRO-3
+    gathers and computes in, from fp32 master shards; other layouts keep fp32 parameters."""
     o = options or ParallelizeOptions()
     dims, args = mesh.dims, model.args
-    schedule, stages = split_pipeline(model, mesh, o.seq_len or args.max_seq_len, o.seed, o.device)
+    schedule, stages = split_pipeline(model, mesh, o.seq_len or args.max_seq_len)
     loss_in_head = loss_heads(stages, o.loss_chunk_tokens)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
     saved, runtimes, compiled = SavedActivations(), {}, start_record() if o.compile else None
     recompute_options = (o.recompute, o.recompute_every)
+    weights = o.weights or SeedWeights(args, o.seed)
+    fill = functools.partial(materialize, placements=placements, weights=weights, device=o.device, runtimes=runtimes)
     for stage in stages.values():
         saved.track_layers(stage.layers)
-        for _step_name, step in stage_steps(mesh, saved, o.moe, o.global_batch, runtimes, recompute_options, compiled):
+        steps = stage_steps(mesh, saved, o.moe, o.global_batch, runtimes, recompute_options, compiled, fill)
+        for _step_name, step in steps:
             fold(placements, stage, step(stage))
     module = stages[0] if schedule is None else nn.ModuleDict({str(s): st for s, st in stages.items()})
     params = params_by_name(module, args.tie_embeddings, prefixed=schedule is not None)
@@ -254,25 +267,18 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
 # ---------------------------------------------------------------- 1. the pipeline split
 
 
-def split_pipeline(model, mesh: Mesh, seq_len: int, seed: int, device) -> tuple[Schedule | None, dict[int, nn.Module]]:
-    """This rank's stages of `model`, materialized; without a pipeline, the model as one stage."""
+def split_pipeline(model, mesh: Mesh, seq_len: int) -> tuple[Schedule | None, dict[int, nn.Module]]:
+    """This rank's stages of `model` (still on the meta device where it was); without a pipeline,
+    the model as one stage."""
     dims = mesh.dims
     if dims.pp == 1:
-        return None, {0: materialized(model, seed, device)}
+        return None, {0: model}
     schedule = build_schedule(dims.pp_schedule, dims.pp, dims.microbatches, dims.pp_virtual)
     check(schedule)
     layers = stage_layers(model.args, schedule.n_stages, seq_len, dims.pp_layers)
     last = schedule.n_stages - 1
     mine = schedule.stages_of(mesh.coordinate("pp"))
-    return schedule, {s: materialized(cut_stage(model, layers[s], s == 0, s == last), seed, device) for s in mine}
-
-
-def materialized(stage: nn.Module, seed: int, device) -> nn.Module:
-    """A stage on the meta device gets real storage and the seed's weights (keyed by name)."""
-    if torch.device(device).type != "meta" and any(p.is_meta for p in stage.parameters()):
-        stage.to_empty(device=device)
-        stage.init_weights(seed)
-    return stage
+    return schedule, {s: cut_stage(model, layers[s], s == 0, s == last) for s in mine}
 
 
 def loss_heads(stages: dict[int, nn.Module], chunk_tokens: int) -> bool:
@@ -317,17 +323,54 @@ def stage_steps(
     runtimes: dict,
     recompute: tuple[str, int] = ("none", 1),
     compiled: CompileRecord | None = None,
+    fill: Step = lambda stage: {},
 ) -> list:
     """The ordered cuts applied to each stage (see the module doc); `recompute`: (mode, every);
-    `compiled`: the record of train.compile (None: no compilation)."""
+    `compiled`: the record of train.compile (None: no compilation); `fill`: the materialize step."""
     mode, every = recompute
     return [
         ("expert", lambda stage: expert_parallel(stage, mesh, moe, global_batch, runtimes)),
         ("tensor", lambda stage: tensor_parallel(stage, mesh, saved)),
+        ("materialize", fill),
         ("context", lambda stage: context_parallel(stage, mesh)),
         ("recompute", lambda stage: recompute_blocks(stage, saved, mode, every)),
         ("compile", lambda stage: compile_stage(stage, compiled)),
     ]
+
+
+@torch.no_grad()
+def materialize(stage: nn.Module, placements: dict[str, Placement], weights, device, runtimes: dict) -> StepResult:
+    """4. A stage still on the meta device gets storage on `device` for what the cuts left it --
+    each Parameter filled in place (`swap_tensors`: the objects the cuts and their modules hold
+    stay valid; a tied head stays its embedding) -- then its values, box by box, from `weights`
+    (`fivecut.weights.source.WeightSource.fill`; padding rows stay zero); the buffers are recomputed.
+    With `device` meta (the planner's records of a layout) the stage stays shapes only."""
+    if torch.device(device).type == "meta" or not any(p.is_meta for p in stage.parameters()):
+        return {}
+    for module in stage.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.zeros_like(p, device=device), p.requires_grad))
+        for bname, b in module.named_buffers(recurse=False):
+            if b.is_meta:
+                setattr(module, bname, torch.zeros_like(b, device=device))
+    stage.init_buffers()
+    for runtime in runtimes.values():
+        runtime.on_device()
+    tied = stage.args.tie_embeddings
+    requests = [
+        (name, chunk_box(chunk), chunk.view)
+        for path, p in stage.named_parameters()
+        for name in [logical_name(path, tied)]
+        for chunk in global_chunks(placements[name], p.detach().view(-1), 0)
+    ]
+    weights.fill(requests)
+    return {}
+
+
+def chunk_box(chunk) -> tuple[slice, ...]:
+    """The box of the global tensor a checkpoint chunk covers."""
+    return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.view.shape))
 
 
 def fold(placements: dict[str, Placement], stage: nn.Module, changes: StepResult) -> None:
@@ -551,6 +594,10 @@ def norm_groups(mesh: Mesh) -> list[Group]:
     return [mesh.group(name) for name, wanted in on if wanted]
 
 
-def build_parallel(args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None) -> Parallelized:
-    """This rank's part of the model `args`, built from the seed, every cut of `mesh.dims` applied."""
-    return parallelize(build_model(args, device="meta"), mesh, ParallelizeOptions.from_train(train, moe, seed, device))
+def build_parallel(
+    args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None, weights=None
+) -> Parallelized:
+    """This rank's part of the model `args`, every cut of `mesh.dims` applied, filled from
+    `weights` (a `fivecut.weights.source.WeightSource`: model.init_from) or the seed's."""
+    options = ParallelizeOptions.from_train(train, moe, seed, device, weights)
+    return parallelize(build_model(args, device="meta"), mesh, options)

@@ -156,21 +156,23 @@ def sub_chunk(box: torch.Tensor, combo: list[tuple[int, int, int]]) -> Chunk:
 # ---------------------------------------------------------------- what a rank holds
 
 
-def state_table(par, optimizer: torch.optim.Optimizer) -> Table:
+def state_table(par, optimizer: torch.optim.Optimizer | None) -> Table:
     """Every tensor of this rank's training state as chunks of global tensors, by checkpoint key.
-    Where each parameter's values and optimizer state live is the data cut's answer (`GradSync.held`)."""
+    Where each parameter's values and optimizer state live is the data cut's answer (`GradSync.held`).
+    Without an optimizer (`fivecut convert`): the weights and routing biases alone."""
     table: Table = {}
     master = par.pieces[0].tensor.dtype  # what the optimizer updates (fp32; ZeRO-3 may compute on a bf16 copy)
     for name, pl in par.placements.items():
         held = par.sync.held(par.params[name], 0, pl.local_numel())
         chunks = [c for flat, at in held.values for c in global_chunks(pl, flat, at)]
         table[f"model.{name}"] = Entry(pl.shape, master, chunks)
-        for key in MOMENTS:
+        for key in MOMENTS if optimizer is not None else ():
             moments = [(optimizer.state[t][key].view(-1)[a:b], at) for t, a, b, at in held.optimized]
             table[f"optim.{key}.{name}"] = Entry(
                 pl.shape, torch.float32, [c for m in moments for c in global_chunks(pl, *m)]
             )
-    table["optim.step"] = Entry((), torch.float32, [Chunk((), next(iter(optimizer.state.values()))["step"])])
+    if optimizer is not None:
+        table["optim.step"] = Entry((), torch.float32, [Chunk((), next(iter(optimizer.state.values()))["step"])])
     for layer, runtime in par.experts.runtimes.items() if par.experts is not None else ():
         bias = runtime.moe.expert_bias  # auxiliary-loss-free balancing: the same on every rank
         table[f"moe.{layer}.expert_bias"] = Entry(tuple(bias.shape), bias.dtype, [Chunk((0,), bias)])
@@ -393,7 +395,8 @@ def collectives(what: str):
 
 
 def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
-    """Write this step's checkpoint from every rank in parallel; visible only once complete."""
+    """Write this step's checkpoint from every rank in parallel; visible only once complete
+    (`optimizer` None: the weights alone, `meta["weights_only"]`)."""
     root = Path(root)
     tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
     with collectives(f"save of step {step}"), unwritable(root, step):
@@ -524,11 +527,21 @@ def to_resume(root: str | None, resume: str) -> Path | None:
     `root`, if any) or a checkpoint's path."""
     if resume == "never":
         return None
-    if resume == "auto":
-        return newest(Path(root).expanduser()) if root is not None else None
-    path = Path(resume).expanduser()
-    read_meta(path)  # refuses what is not a complete checkpoint
+    path = newest(Path(root).expanduser()) if root is not None else None
+    if resume != "auto":
+        path = Path(resume).expanduser()
+    if path is not None:
+        refuse_weights_only(path, read_meta(path))  # and what is not a complete checkpoint
     return path
+
+
+def refuse_weights_only(path: Path, meta: dict) -> None:
+    """A checkpoint of weights alone (`fivecut convert`) has no training state to resume."""
+    if meta.get("weights_only"):
+        raise CheckpointError(
+            f"{path} holds weights only (written by fivecut convert), no optimizer state to resume; start a run from "
+            f"it with model.init_from = 'dcp:{path}' (and --resume never, or another checkpoint.dir)"
+        )
 
 
 def check_model(path: Path, meta: dict, model: dict, accepted: set[str] = frozenset()) -> None:
@@ -553,6 +566,7 @@ def load(path: Path, par, optimizer, model: dict, accepted: set[str] = frozenset
     meta = read_meta(path)
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path / META}: format version {meta.get('version')}, this fivecut reads {VERSION}")
+    refuse_weights_only(path, meta)
     check_model(path, meta, model, accepted)
     verify_files(path, meta)
     restore_moe(par, meta.get("moe", {}))

@@ -39,7 +39,7 @@ from fivecut.train.data import (
 from fivecut.train.memory import LossPeak
 from fivecut.train.optim import adamw_kernel, build_optimizer
 from fivecut.train.resume import Resume
-from fivecut.weights.load import load_into, model_args, run_tokenizer, source_of
+from fivecut.weights.load import load_routing_biases, model_args, run_tokenizer, source_of
 
 
 @dataclass
@@ -93,9 +93,10 @@ def setup(cfg: Config) -> Context:
             "has none; set data.tokenizer='gpt2' or data.document_mask=false"
         )
     t = cfg.train
-    par = build_parallel(args, mesh, device, t.seed, t, cfg.moe)
-    if cfg.model.init_from is not None:  # the published weights replace the seed's
-        load_into(par, source_of(cfg.model.init_from))
+    published = source_of(cfg.model.init_from) if cfg.model.init_from is not None else None
+    par = build_parallel(args, mesh, device, t.seed, t, cfg.moe, published)  # the published weights, or the seed's
+    if published is not None:
+        load_routing_biases(par, published)
     kernel, note = adamw_kernel(t.adamw, device)
     if note and dist.get_rank() == 0:
         print(f"fivecut: {note}", flush=True)

@@ -61,7 +61,7 @@ from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import ARCHITECTURES, AnyArchitecture, ArchitectureError, TensorMap, for_args
-from fivecut.weights.hf import hf_config
+from fivecut.weights.hf import folder_tokenizer, hf_config
 from fivecut.weights.load import run_tokenizer as resolve_tokenizer
 from fivecut.weights.source import expected_shapes
 
@@ -106,7 +106,7 @@ def export(
     if problems:
         raise CheckpointError(f"checkpoint {source} is damaged: " + "; ".join(problems))
     arch = with_routing_biases(source, args, arch, named=architecture is not None)
-    tokenizer = run_tokenizer(meta.get("config", {}))
+    tokenizer = run_tokenizer(meta.get("config", {})) if not meta.get("weights_only") else folder_tokenizer(source)
     plan = Plan(source, arch, export_entries(source, args, arch), DTYPES[dtype], max_shard_bytes, workers)
     spelled = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as config.json spells it
     written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, plan, tokenizer))
@@ -354,8 +354,10 @@ def write_folder(folder: Path, args: ModelArgs, dtype: str, plan: Plan, tokenize
         config = moe_config(args, dtype, bos, eos)
     else:  # transformers >= 5 reads "dtype", older ones "torch_dtype"
         config = hf_config(plan.arch, args, dtype, bos, eos) | {"dtype": dtype}
-    tokenizer_files = write_tokenizer(folder, tokenizer, args.max_seq_len)
-    if not tokenizer_files:  # e.g. the byte tokenizer: named, so that an import of the folder finds it again
+    tokenizer_files = write_tokenizer(folder, tokenizer, args.max_seq_len) if tokenizer is not None else []
+    if tokenizer is None:  # a converted checkpoint (`fivecut convert`) whose source had no tokenizer files
+        print("note: the checkpoint holds no tokenizer (its source had none); no tokenizer files written")
+    elif not tokenizer_files:  # e.g. the byte tokenizer: named, so that an import of the folder finds it again
         config["fivecut_tokenizer"] = tokenizer.name
     write_json(folder / "config.json", config)
     write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
@@ -416,6 +418,8 @@ def run_tokenizer(config: dict):
 
 def special_ids(tokenizer) -> tuple[int | None, int | None]:
     """(bos, eos): GPT-2 uses its one special token for both; other tokenizers name only an end-of-text id."""
+    if tokenizer is None:
+        return None, None
     if isinstance(tokenizer, GPT2Tokenizer):
         return tokenizer.eot_id, tokenizer.eot_id
     return None, tokenizer.eot_id

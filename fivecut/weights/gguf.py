@@ -33,7 +33,7 @@ import torch
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import FileTokenizer
 from fivecut.weights.names import from_gguf
-from fivecut.weights.source import Box, WeightsError, expected_shapes
+from fivecut.weights.source import Box, Request, WeightsError, expected_shapes, fill_each
 
 ARCHITECTURE = "llama"
 ROPE_FREQS = "rope_freqs.weight"  # llama-3.1-style per-frequency RoPE factors, [head_dim / 2]
@@ -194,6 +194,9 @@ class GGUFSource:
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
         return {}  # a llama GGUF holds parameters only
+
+    def fill(self, requests: list[Request]) -> None:
+        fill_each(self, requests)
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         if name not in self._tensors:

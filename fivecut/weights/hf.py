@@ -2,8 +2,9 @@
 (`fivecut.weights.architectures`), and safetensors read by slices.
 
 Reading needs no model class: the shape comes from `config.json`, the tensors from
-`model.safetensors` or the shards named in `model.safetensors.index.json`, each box read with
-`safe_open(...).get_slice`, so a rank touches only the bytes of its slices.
+`model.safetensors` or the shards named in `model.safetensors.index.json`, each box read by
+positioned reads of whole rows in bounded blocks (`fivecut.weights.safetensors_file`), so a rank
+keeps only its slices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
-from fivecut.weights.source import WeightsError, expected_shapes, optional
+from fivecut.weights.safetensors_file import NotSafetensors, StoredTensor, read_header
+from fivecut.weights.source import Request, WeightsError, expected_shapes, fill_each, optional
 
 INDEX = "model.safetensors.index.json"
 
@@ -99,7 +101,7 @@ class HFSource:
         config = read_config(folder)
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, dict[str, StoredTensor]] = {}  # file -> its tensors (`read_header`)
         # a mixture-of-experts class's tensors and routing biases: fivecut name -> `moe.Stored`
         self.stored: dict[str, moe.Stored] = {}
         self.stored_buffers: dict[str, moe.Stored] = {}
@@ -139,6 +141,9 @@ class HFSource:
             return {ours: stored.shape(self._slice) for ours, stored in self.stored_buffers.items()}
         return {name: tuple(self._slice(name).get_shape()) for name in self.buffers}
 
+    def fill(self, requests: list[Request]) -> None:
+        fill_each(self, requests)
+
     def read(self, name: str, box) -> torch.Tensor:
         if name in self.buffers:
             return self._slice(name)[box].float()
@@ -160,18 +165,16 @@ class HFSource:
     def where(self, hf_name: str) -> str:
         return f"{hf_name} in {self.files[hf_name].name}"
 
-    def _slice(self, hf_name: str):
-        return self._open(self.files[hf_name]).get_slice(hf_name)
+    def _slice(self, hf_name: str) -> StoredTensor:
+        tensor = self._open(self.files[hf_name]).get(hf_name)
+        if tensor is None:
+            raise WeightsError(f"{self.files[hf_name]} holds no tensor {hf_name}, which its index names")
+        return tensor
 
-    def _open(self, file: Path):
-        """One open handle per file, kept for the source's life."""
+    def _open(self, file: Path) -> dict[str, StoredTensor]:
+        """Each file's header read once, kept for the source's life (no file stays open)."""
         if file not in self._handles:
-            from safetensors import SafetensorError, safe_open
-
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise WeightsError(f"{file} is not a safetensors file: {err}") from None
+            self._handles[file] = tensor_header(file)
         return self._handles[file]
 
     def tokenizer(self):
@@ -200,14 +203,15 @@ def weight_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-def tensor_names(file: Path) -> list[str]:
-    from safetensors import SafetensorError, safe_open
-
+def tensor_header(file: Path) -> dict[str, StoredTensor]:
     try:
-        with safe_open(str(file), framework="pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError) as err:
-        raise WeightsError(f"{file} is not a safetensors file: {err}") from None
+        return read_header(file)
+    except NotSafetensors as err:
+        raise WeightsError(str(err)) from None
+
+
+def tensor_names(file: Path) -> list[str]:
+    return list(tensor_header(file))
 
 
 def check_tensors(source: HFSource, expected: dict[str, tuple[int, ...]]) -> None:

@@ -1,11 +1,12 @@
 """Published weights into a model of any layout, and whole models for inference.
 
-`load_into(par, source)` fills what this rank holds -- read off its placement records, exactly
-the chunks a checkpoint load would ask for (`fivecut.train.checkpoint.global_chunks`) -- from a
-`WeightSource`, one box per chunk: a TP rank reads its rows or columns, an EP rank its experts, a
-pipeline stage its layers, a ZeRO-3 rank the few boxes its flat shard covers. Before that,
-`check_source` holds the file against the model: every tensor the model needs is there with its
-shape, and every tensor in the file is used.
+A run's ranks build their parts on the meta device and `parallelize`'s materialize step fills
+what each holds from the `WeightSource` that `source_of(model.init_from)` opens -- read off its
+placement records, exactly the chunks a checkpoint load would ask for
+(`fivecut.train.checkpoint.global_chunks`), one box per chunk: a TP rank reads its rows or
+columns, an EP rank its experts, a pipeline stage its layers. Before that, `check_source` holds
+the file against the model: every tensor the model needs is there with its shape, and every
+tensor in the file is used; `load_routing_biases` adds the buffers a MoE export carries.
 
 It sits above the formats: `open_source` dispatches `model.init_from` to `hf.py` or `gguf.py`,
 and `model_args` resolves a `[model]` section into its shape, a preset's (`fivecut.config`) or
@@ -23,25 +24,26 @@ from fivecut.config import ConfigError, ModelConfig, preset_args, set_fields
 from fivecut.model.args import ModelArgs
 from fivecut.model.transformer import build_model
 from fivecut.train import checkpoint as ckpt
-from fivecut.train.checkpoint import global_chunks
 from fivecut.train.tokenizer import AUTO_TOKENIZER, get_tokenizer
+from fivecut.weights.dcp import DCPSource
 from fivecut.weights.gguf import GGUFSource
 from fivecut.weights.hf import HFSource
 from fivecut.weights.source import WeightsError, WeightSource, expected_shapes, resolve_path
 
-SCHEMES = ("hf", "gguf")
+SCHEMES = {"hf": HFSource, "gguf": GGUFSource, "dcp": DCPSource}
 
 
 def open_source(spec: str) -> WeightSource:
-    """`hf:PATH` (a Hugging Face Llama folder) or `gguf:PATH` (a llama.cpp file); PATH may be
-    `pkg:MODULE/FILE`, a file shipped inside an installed package (`resolve_path`)."""
+    """`hf:PATH` (a Hugging Face folder), `gguf:PATH` (a llama.cpp file) or `dcp:PATH` (a fivecut
+    checkpoint: its weights); PATH may be `pkg:MODULE/FILE`, a file shipped inside an installed
+    package (`resolve_path`)."""
     scheme, sep, rest = spec.partition(":")
     if not sep or scheme not in SCHEMES or not rest:
-        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH or gguf:PATH (e.g. hf:./my-llama)")
+        raise WeightsError(f"model.init_from {spec!r} is not hf:PATH, gguf:PATH or dcp:PATH (e.g. hf:./my-llama)")
     path = resolve_path(rest)
     if not path.exists():
         raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")
-    return HFSource(path) if scheme == "hf" else GGUFSource(path)
+    return SCHEMES[scheme](path)
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,20 +110,6 @@ def check_source(source: WeightSource, args: ModelArgs) -> None:
             raise WeightsError(
                 f"{source.path}: tensor {name} has shape {tuple(have[name])}, the model's config implies {shape}"
             )
-
-
-@torch.no_grad()
-def load_into(par, source: WeightSource) -> int:
-    """Copy this rank's part of every parameter from `source`; returns the elements read."""
-    read = 0
-    for name, pl in par.placements.items():
-        held = par.sync.held(par.params[name], 0, pl.local_numel())
-        for flat, at in held.values:
-            for chunk in global_chunks(pl, flat, at):
-                box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.view.shape))
-                chunk.view.copy_(source.read(name, box))
-                read += chunk.view.numel()
-    return read + load_routing_biases(par, source)
 
 
 def load_routing_biases(par, source: WeightSource) -> int:

@@ -8,7 +8,7 @@ least one layer; an explicit split (layers per stage) overrides the balance.
 
 A rank builds only its own stages: the model is constructed on the meta device, cut
 down to the stage (its layers, and the embedding / final norm / head only where they
-belong), then materialized and initialized from the seed (`fivecut.parallel.parallelize`).
+belong); the cuts that follow keep it there until `fivecut.parallel.parallelize`'s materialize step.
 Initialization is keyed by parameter name, so every stage holds exactly the weights the
 single-device model has.
 """
