@@ -341,19 +341,22 @@ def stage_steps(
 @torch.no_grad()
 def materialize(stage: nn.Module, placements: dict[str, Placement], weights, device, runtimes: dict) -> StepResult:
     """4. A stage still on the meta device gets storage on `device` for what the cuts left it --
-    each Parameter filled in place (`swap_tensors`: the objects the cuts and their modules hold
-    stay valid; a tied head stays its embedding) -- then its values, box by box, from `weights`
+    a new Parameter in each module's place (one for each meta one: a tied head stays its
+    embedding; the cuts before hold modules, not Parameters) -- then its values, box by box, from `weights`
     (`fivecut.weights.source.WeightSource.fill`; padding rows stay zero); the buffers are recomputed.
     With `device` meta (the planner's records of a layout) the stage stays shapes only."""
     if torch.device(device).type == "meta" or not any(p.is_meta for p in stage.parameters()):
         return {}
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id of a meta Parameter -> (it, its replacement)
     for module in stage.modules():
-        for p in module.parameters(recurse=False):
-            if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.zeros_like(p, device=device), p.requires_grad))
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:  # from the shape alone: a meta tensor given to an op under a fake tensor mode is memoized
+                if id(p) not in made:  # a tied one gets the same replacement
+                    made[id(p)] = p, nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                setattr(module, pname, made[id(p)][1])
         for bname, b in module.named_buffers(recurse=False):
             if b.is_meta:
-                setattr(module, bname, torch.zeros_like(b, device=device))
+                setattr(module, bname, torch.zeros(b.shape, dtype=b.dtype, device=device))
     stage.init_buffers()
     for runtime in runtimes.values():
         runtime.on_device()
