@@ -99,5 +99,20 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
         dtype = DTYPES.get(record.get("dtype")) if isinstance(record, dict) else None
         if dtype is None:
             raise NotSafetensors(f"{file}: tensor {name} has dtype {record!r}, which fivecut cannot read")
-        out[name] = StoredTensor(file, dtype, tuple(record["shape"]), 8 + length + record["data_offsets"][0])
+        out[name] = stored(file, name, record, dtype, 8 + length)
     return out
+
+
+def stored(file: Path, name: str, record: dict, dtype: torch.dtype, data_start: int) -> StoredTensor:
+    """One header entry, its bytes held to its shape and to the file's size (a cut file is refused
+    here, before any rank reads)."""
+    try:
+        shape, (begin, end) = tuple(int(n) for n in record["shape"]), record["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise NotSafetensors(f"{file}: tensor {name} has no valid shape and data_offsets in the header") from None
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise NotSafetensors(f"{file}: tensor {name} spans {end - begin} bytes, its shape {shape} needs "
+                             f"{math.prod(shape) * dtype.itemsize}")  # fmt: skip
+    if data_start + end > file.stat().st_size:
+        raise NotSafetensors(f"{file} ends before tensor {name}'s data (truncated?)")
+    return StoredTensor(file, dtype, shape, data_start + begin)
