@@ -67,6 +67,15 @@ class ModelConfig:
     sliding_window: int | None = None
     full_attention_layers: int | None = None
     route_norm: bool | None = None
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_original_context: int | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_beta_fast: float | None = None
+    rope_beta_slow: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)

@@ -345,8 +345,8 @@ def test_bad_folders_are_refused_in_one_line(saved, tmp_path, capsys):
     edited(qwen2, missing_shard)
     (missing_shard / index["model.norm.weight"]).unlink()
     cases = {
-        "rope_parameters.rope_type = 'yarn' is not implemented": edited(
-            qwen3, tmp_path / "yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}
+        "rope_parameters.rope_type = 'longrope' is not implemented": edited(
+            qwen3, tmp_path / "longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
         ),
         "final_logit_softcapping is not implemented by fivecut's Qwen3ForCausalLM": edited(
             qwen3, tmp_path / "cap", {"final_logit_softcapping": 30.0}

@@ -302,7 +302,7 @@ def with_config(src: Path, dst: Path, **changes) -> Path:
 
 CONFIG_CASES = {  # kind, config changes, what the error names
     "an unknown key": ("mixtral", {"attn_logit_softcapping": 30.0}, "attn_logit_softcapping = 30.0 is not implemented"),
-    "scaled rope": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type = 'yarn'"),
+    "scaled rope": ("deepseek_v3", {"rope_parameters": {"rope_type": "dynamic"}}, "rope_type = 'dynamic'"),
     "a sliding window": ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window = True"),
     "sparse steps": ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
     "dense layers not first": ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),

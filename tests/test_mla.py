@@ -109,7 +109,7 @@ def test_module_matches_an_explicit_reference(q_lora_rank):
     model = build_model(args, seed=3)
     attn = model.layers["0"].attention
     x = torch.randn(1, 9, args.dim, generator=torch.Generator().manual_seed(0))
-    cos, sin = rope_tables(args.rope_dim, 9, args.rope_theta)
+    cos, sin = rope_tables(dataclasses.replace(args, max_seq_len=9))
     with torch.no_grad():
         got = attn(x, (cos, sin))[0]
         want = reference_mla(attn, args, x[0])

@@ -118,6 +118,9 @@ REFUSED_KEYS = {
     ).split()),
     *(f"model.{k}" for k in "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers".split()),
     "model.route_norm",
+    *(f"model.rope_{k}" for k in (
+        "scaling factor original_context low_freq_factor high_freq_factor beta_fast beta_slow mscale mscale_all_dim"
+    ).split()),
     *(f"data.{k}" for k in "source tokenizer val_fraction text_field weights order document_mask".split()),
     "data.format", "data.chat_template",
     *(f"train.{k}" for k in (

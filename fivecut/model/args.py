@@ -10,9 +10,12 @@ for every preset. Free of torch: the CLI reads these before a run starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GATES = ("softmax", "sigmoid")
+# how RoPE's frequencies are stretched past the pretraining context (transformers' rope_type)
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 # the fields that shape only mixture-of-experts layers: a dense model (n_experts == 0) has no use for them
 MOE_ONLY = (
     "top_k",
@@ -49,6 +52,11 @@ GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "sliding_window")
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 mscale ln(factor) + 1 (1 for a factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def divisors(n: int) -> list[int]:
@@ -109,6 +117,23 @@ class ModelArgs:
     # w > 0: the query at position i sees positions i-w+1 .. i (itself and the w-1 before it)
     sliding_window: int = 0
     full_attention_layers: int = 0  # with a window: the first k layers attend fully (Qwen2's max_window_layers)
+    # RoPE scaling for contexts past pretraining (transformers' rope_parameters): "linear" divides every
+    # frequency by rope_factor (position interpolation); "llama3" (Llama 3.1+) divides the low
+    # frequencies, whose wavelength exceeds rope_original_context / rope_low_freq_factor, keeps the high
+    # ones (wavelength under rope_original_context / rope_high_freq_factor) and blends between; "yarn"
+    # (YaRN: Qwen2.5's long contexts, DeepSeek-V3) blends interpolated and original frequencies over the
+    # channels between beta_fast and beta_slow rotations in rope_original_context, and multiplies cos and
+    # sin by 0.1 ln(factor) + 1 (with rope_mscale and rope_mscale_all_dim: the ratio of the two such
+    # factors; latent attention's scores then scale by the square of the second, as DeepSeek-V3's do)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0  # original_max_position_embeddings (llama3, yarn)
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_mscale: float = 0.0  # yarn; 0: unset
+    rope_mscale_all_dim: float = 0.0  # yarn; 0: unset
 
     # ----- the check of the values ---------------------------------------
 
@@ -136,6 +161,7 @@ class ModelArgs:
             )
         self._check_gate_and_layers()
         self._check_window()
+        self._check_rope_scaling()
         if self.is_moe:
             self._check_groups()
         if self.is_moe and self.top_k > self.n_experts:
@@ -196,6 +222,24 @@ class ModelArgs:
                 f"set full_attention_layers <= {self.n_layers}"
             )
 
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling == "none":
+            return
+        if not self.rope_factor >= 1:
+            raise ValueError(f"rope_factor ({self.rope_factor}) stretches RoPE; it must be >= 1")
+        if self.rope_scaling in ("llama3", "yarn") and self.rope_original_context <= 0:
+            raise ValueError(
+                f"rope_scaling {self.rope_scaling!r} needs rope_original_context, the pretraining context "
+                f"(original_max_position_embeddings), > 0; got {self.rope_original_context}"
+            )
+        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
+            raise ValueError(
+                f"llama3 RoPE needs rope_high_freq_factor ({self.rope_high_freq_factor}) > rope_low_freq_factor "
+                f"({self.rope_low_freq_factor}) > 0"
+            )
+
     def _check_gate_and_layers(self) -> None:
         if self.gate not in GATES:
             raise ValueError(f"gate {self.gate!r} is not one of {GATES}")
@@ -241,6 +285,14 @@ class ModelArgs:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def score_scale(self) -> float:
+        """What latent attention multiplies its scores by beyond 1/sqrt(head): under YaRN with
+        rope_mscale_all_dim, that dimension's factor squared (DeepSeek-V3), else 1."""
+        if self.rope_scaling != "yarn" or not self.rope_mscale_all_dim or not self.is_mla:
+            return 1.0
+        return yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
 
     @property
     def rope_dim(self) -> int:

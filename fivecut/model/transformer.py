@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fivecut.model.args import ModelArgs
+from fivecut.model.args import ModelArgs, yarn_mscale
 from fivecut.model.documents import Documents
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [s, head_dim] or [b, s, head_dim]
@@ -49,16 +49,70 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> Rope:
-    """cos/sin tables [max_seq_len, head_dim] in fp32, in the rotate-half layout:
-    channel i and channel i + head_dim/2 form one rotated pair, at frequency
-    theta^(-2i/head_dim). Computed in float64 on the CPU so that every device
-    gets bitwise the same tables."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [hd/2]
-    t = torch.arange(max_seq_len, dtype=torch.float64)
-    angles = torch.outer(t, inv_freq)  # [S, hd/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [S, hd]
-    return angles.cos().float(), angles.sin().float()
+def rope_tables(args: ModelArgs) -> Rope:
+    """cos/sin tables [max_seq_len, rope_dim] in fp32, in the rotate-half layout: channel i and
+    channel i + rope_dim/2 form one rotated pair, at frequency theta^(-2i/rope_dim), stretched
+    by `args.rope_scaling` (`rope_frequencies`); YaRN multiplies both tables by its attention
+    factor. Computed in float64 on the CPU so that every device gets bitwise the same tables."""
+    inv_freq, factor = rope_frequencies(args)  # [rope_dim/2]
+    t = torch.arange(args.max_seq_len, dtype=torch.float64)
+    angles = torch.outer(t, inv_freq)  # [S, rope_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [S, rope_dim]
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
+def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rope_dim/2] float64, the factor on cos and sin) of `args`'s RoPE:
+    plain, or scaled for a longer context (linear, Llama 3.1's, YaRN), as transformers defines them."""
+    dim, theta = args.rope_dim, args.rope_theta
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
+    kind, factor = args.rope_scaling, args.rope_factor
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        return llama3_frequencies(inv_freq, args), 1.0
+    if kind == "yarn":
+        return yarn_frequencies(inv_freq, args), yarn_attention_factor(args)
+    return inv_freq, 1.0
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1's RoPE: wavelengths past original/low_freq_factor are stretched by the factor,
+    those under original/high_freq_factor kept, those between blended linearly in original/wavelength."""
+    context, factor = args.rope_original_context, args.rope_factor
+    low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)  # 0 at the long end of the band, 1 at the short
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    between = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(between, blended, out)
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """YaRN's frequencies: channels that turn more than beta_fast times over the original context
+    keep theirs, those turning fewer than beta_slow times are interpolated (divided by the
+    factor), a linear ramp between (the band's ends floored and ceiled to whole channels)."""
+    dim, theta, context = args.rope_dim, args.rope_theta, args.rope_original_context
+
+    def channel(rotations: float) -> float:  # the channel pair that turns `rotations` times in the context
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(channel(args.rope_beta_fast)), 0)
+    high = min(math.ceil(channel(args.rope_beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [dim/2]
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: interpolated
+    return inv_freq / args.rope_factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_attention_factor(args: ModelArgs) -> float:
+    """What YaRN multiplies cos and sin by: 0.1 ln(factor) + 1, or with mscale and mscale_all_dim
+    both set the ratio of their two such factors (1 when they are equal: DeepSeek-V3 scales its
+    scores instead, `ModelArgs.score_scale`)."""
+    if args.rope_mscale and args.rope_mscale_all_dim:
+        return yarn_mscale(args.rope_factor, args.rope_mscale) / yarn_mscale(args.rope_factor, args.rope_mscale_all_dim)
+    return yarn_mscale(args.rope_factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,6 +235,7 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
         # Replaceable by any module with the same signature (recomputation wraps it).
         self.core: nn.Module = CausalSDPA()
+        self.score_scale = args.score_scale  # YaRN's mscale_all_dim, squared (DeepSeek-V3); else 1
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, dim] -> [b, s, H * (nope + rope)]."""
@@ -205,6 +260,8 @@ class LatentAttention(nn.Module):
         heads = q.shape[1]
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(b, heads, s, self.rope_dim)  # [b, H, s, rope]
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)  # [b, H, s, nope + rope]
+        if self.score_scale != 1.0:  # the scores q.k / sqrt(nope + rope) times score_scale
+            q = q * self.score_scale
         k = torch.cat([k_nope, k_rope], dim=-1)  # [b, H, s, nope + rope]
         return q, k, v
 
@@ -520,7 +577,7 @@ class Transformer(nn.Module):
     def init_rope(self) -> None:
         """(Re)compute the RoPE tables in fp32 on the buffers' current device."""
         device = self.rope_cos.device
-        cos, sin = rope_tables(self.args.rope_dim, self.args.max_seq_len, self.args.rope_theta)
+        cos, sin = rope_tables(self.args)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def init_buffers(self) -> None:

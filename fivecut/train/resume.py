@@ -48,7 +48,9 @@ REFUSED_ON_RESUME = {
     "model": "preset init_from vocab_size dim n_layers n_heads n_kv_heads ffn_dim max_seq_len rope_theta norm_eps "
     "tie_embeddings init_std n_experts top_k n_shared_experts moe_ffn_dim first_dense_layers gate route_scale "
     "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
-    "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers route_norm",
+    "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers route_norm rope_scaling rope_factor "
+    "rope_original_context rope_low_freq_factor rope_high_freq_factor rope_beta_fast rope_beta_slow rope_mscale "
+    "rope_mscale_all_dim",
     # the tokens a step reads, and what each token attends to
     "data": "source tokenizer val_fraction text_field weights order document_mask format chat_template",
     # the batches of step s (global_batch, seq_len, seed), the optimizer and its schedule, the precision

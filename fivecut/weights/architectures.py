@@ -48,6 +48,7 @@ from pathlib import Path
 
 from fivecut.model.args import ModelArgs
 from fivecut.weights import moe_architectures as moe
+from fivecut.weights.rope import RopeError, rope_config, rope_fields
 
 
 class ArchitectureError(ValueError):
@@ -142,21 +143,16 @@ class HFConfig:
 # ---------------------------------------------------------------- config.json -> ModelArgs
 
 
-def rope_theta(cfg: HFConfig) -> float:
-    """The RoPE base; only unscaled ("default") RoPE over the whole head is fivecut's."""
+def rope(cfg: HFConfig) -> dict:
+    """ModelArgs' RoPE fields: the base and a scaling fivecut implements (`fivecut.weights.rope`)."""
     theta = cfg.get("rope_theta", float, 10000.0)  # transformers < 5 (and beside rope_parameters in fivecut's exports)
     for key in ("rope_parameters", "rope_scaling"):
-        params = cfg.get(key, dict) or {}
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise ArchitectureError(
-                f"{cfg.path}: {key}.rope_type = {kind!r} is not implemented; fivecut's RoPE is unscaled (default)"
-            )
-        unknown = sorted(set(params) - {"rope_type", "type", "rope_theta"})
-        if unknown:
-            raise ArchitectureError(f"{cfg.path}: {key}.{unknown[0]} is not implemented by fivecut's RoPE")
-        theta = params.get("rope_theta", theta)
-    return float(theta)
+        cfg.get(key, dict)
+    positions = cfg.get("max_position_embeddings", default=2048)
+    try:
+        return rope_fields(cfg.raw, cfg.path, theta, positions)
+    except RopeError as err:
+        raise ArchitectureError(str(err)) from None
 
 
 def head_dim(cfg: HFConfig, dim: int, heads: int) -> int:
@@ -180,7 +176,7 @@ def dense_args(cfg: HFConfig, **variant) -> ModelArgs:
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         ffn_dim=cfg.need("intermediate_size"),
         max_seq_len=cfg.get("max_position_embeddings", default=2048),
-        rope_theta=rope_theta(cfg),
+        **rope(cfg),
         norm_eps=float(cfg.get("rms_norm_eps", float, 1e-6)),
         tie_embeddings=cfg.get("tie_word_embeddings", bool, False),
         init_std=float(cfg.get("initializer_range", float, 0.02)),
@@ -249,8 +245,7 @@ def dense_config(args: ModelArgs, hf_class: str, model_type: str) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,  # transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers >= 5
+        **rope_config(args),  # rope_parameters (transformers >= 5), rope_theta and rope_scaling (older)
         "tie_word_embeddings": args.tie_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": args.init_std,

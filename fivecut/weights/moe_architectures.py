@@ -50,6 +50,7 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.weights.names import GLOBAL, LAYER
+from fivecut.weights.rope import RopeError, rope_config, rope_fields
 from fivecut.weights.source import WeightsError, optional
 
 SAFETENSORS = "model.safetensors"
@@ -272,12 +273,14 @@ def _check_keys(config: dict, path: Path, known: set[str]) -> None:
         _refuse(path, unknown[0], config[unknown[0]], f"{config.get('model_type')} has no such key that fivecut knows")
 
 
-def _rope_theta(config: dict, path: Path) -> float:
-    params = optional(config, "rope_parameters", None, path, dict) or optional(config, "rope_scaling", {}, path, dict)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        _refuse(path, "rope_parameters.rope_type", kind, "fivecut implements unscaled RoPE")
-    return float(optional(params, "rope_theta", None, path, float) or optional(config, "rope_theta", 1e4, path, float))
+def _rope(config: dict, path: Path) -> dict:
+    """ModelArgs' RoPE fields (`fivecut.weights.rope`), refused by name where fivecut has no such RoPE."""
+    theta = optional(config, "rope_theta", 1e4, path, float)
+    positions = optional(config, "max_position_embeddings", 2048, path)
+    try:
+        return rope_fields(config, path, theta, positions)
+    except RopeError as err:
+        raise WeightsError(str(err)) from None
 
 
 def _common_args(config: dict, path: Path) -> dict:
@@ -293,7 +296,7 @@ def _common_args(config: dict, path: Path) -> dict:
         n_heads=heads,
         n_kv_heads=optional(config, "num_key_value_heads", heads, path),
         max_seq_len=optional(config, "max_position_embeddings", 2048, path),
-        rope_theta=_rope_theta(config, path),
+        **_rope(config, path),
         norm_eps=float(optional(config, "rms_norm_eps", 1e-6, path, float)),
         tie_embeddings=optional(config, "tie_word_embeddings", False, path, bool),
         init_std=float(optional(config, "initializer_range", 0.02, path, float)),
@@ -329,8 +332,7 @@ def _common_config(args: ModelArgs) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,  # transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers >= 5
+        **rope_config(args),  # rope_parameters (transformers >= 5), rope_theta and rope_scaling (older)
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": args.init_std,
         "attention_dropout": 0.0,
