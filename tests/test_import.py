@@ -173,7 +173,7 @@ def test_import_refuses_what_it_cannot_use(llamas, tmp_path, capsys):
     untied = llamas[1][0]
     cases = {
         "does not exist": f"hf:{tmp_path}/nowhere",
-        "is not hf:PATH or gguf:PATH": f"{untied}",
+        "is not hf:PATH, gguf:PATH or dcp:PATH": f"{untied}",
         "tensor model.layers.1.self_attn.k_proj.weight (fivecut's layers.1.attention.wk.weight) is missing from "
         "model.safetensors": edited_copy(
             untied, tmp_path / "missing", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
