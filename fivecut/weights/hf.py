@@ -10,6 +10,7 @@ keeps only its slices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
+from fivecut.weights.fp8 import SCALE, BlockScaled, fp8_blocks, split_scales
 from fivecut.weights.safetensors_file import NotSafetensors, StoredTensor, read_header
 from fivecut.weights.source import Request, WeightsError, expected_shapes, fill_each, optional
 
@@ -101,6 +103,11 @@ class HFSource:
         config = read_config(folder)
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
+        self.fp8_block = fp8_blocks(config, folder / "config.json")  # block-scaled fp8 weights (`fivecut.weights.fp8`)
+        self.scales: dict[str, str] = {}  # a quantized weight's name -> its scale tensor's
+        if self.fp8_block is not None:
+            self.files, self.scales = split_scales(self.files)
+            config = {k: v for k, v in config.items() if k != "quantization_config"}
         self._handles: dict[Path, dict[str, StoredTensor]] = {}  # file -> its tensors (`read_header`)
         # a mixture-of-experts class's tensors and routing biases: fivecut name -> `moe.Stored`
         self.stored: dict[str, moe.Stored] = {}
@@ -165,11 +172,28 @@ class HFSource:
     def where(self, hf_name: str) -> str:
         return f"{hf_name} in {self.files[hf_name].name}"
 
-    def _slice(self, hf_name: str) -> StoredTensor:
-        tensor = self._open(self.files[hf_name]).get(hf_name)
+    def _slice(self, hf_name: str) -> StoredTensor | BlockScaled:
+        tensor = self._stored(hf_name, self.files)
+        if hf_name not in self.scales:
+            if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
+                raise WeightsError(
+                    f"{self.files[hf_name]}: tensor {hf_name} is fp8 without a {hf_name}{SCALE} beside it (and a "
+                    "quantization_config); its values would be read unscaled"
+                )
+            return tensor
+        scaled = BlockScaled(tensor, self._stored(self.scales[hf_name], self.scale_files), self.fp8_block)
+        scaled.check(hf_name)
+        return scaled
+
+    def _stored(self, hf_name: str, files: dict[str, Path]) -> StoredTensor:
+        tensor = self._open(files[hf_name]).get(hf_name)
         if tensor is None:
-            raise WeightsError(f"{self.files[hf_name]} holds no tensor {hf_name}, which its index names")
+            raise WeightsError(f"{files[hf_name]} holds no tensor {hf_name}, which its index names")
         return tensor
+
+    @functools.cached_property
+    def scale_files(self) -> dict[str, Path]:
+        return {name: file for name, file in weight_files(self.path).items() if name in set(self.scales.values())}
 
     def _open(self, file: Path) -> dict[str, StoredTensor]:
         """Each file's header read once, kept for the source's life (no file stays open)."""
