@@ -133,3 +133,38 @@ def test_what_fivecut_cannot_dequantize_is_refused_naming_it(folders, tmp_path, 
     code = main(["eval", "--init-from", f"hf:{unscaled}", "--set", 'data.tokenizer="byte"'])
     err = capsys.readouterr().err
     assert code == 2 and "_scale_inv" in err and "Traceback" not in err, err
+
+
+# DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3), key for key
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_deepseek_v3_s_published_config_is_read_whole():
+    """Nothing in it is refused any more: its 671B parameters, YaRN over 4,096 -> 163,840 positions
+    (latent attention's scores times mscale(40)^2), fp8 in 128 x 128 blocks."""
+    from fivecut.weights.fp8 import fp8_blocks
+    from fivecut.weights.moe_architectures import deepseek_v3_args
+
+    path = Path("config.json")
+    assert fp8_blocks(DEEPSEEK_V3, path) == (128, 128)
+    args = deepseek_v3_args({k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}, path)
+    assert round(args.num_params() / 1e9) == 671 and args.n_experts == 256 and args.first_dense_layers == 3
+    assert (args.rope_scaling, args.rope_factor, args.rope_original_context) == ("yarn", 40, 4096)
+    assert args.score_scale == pytest.approx((0.1 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)

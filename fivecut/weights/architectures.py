@@ -86,7 +86,7 @@ METADATA = (
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_attentions", "output_hidden_states",
     "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
-    "fivecut_tokenizer",
+    "fivecut_tokenizer", "auto_map",
 )  # fmt: skip
 
 

@@ -246,6 +246,10 @@ NEUTRAL = {
     "output_attentions",
     "output_hidden_states",
     "return_dict",
+    "auto_map",  # where the publisher's own modeling code lives (trust_remote_code): no math
+    "aux_loss_alpha",  # DeepSeek's auxiliary loss weight and its per-sequence form: training choices,
+    "seq_aux",  # fivecut's are moe.aux_loss_coef and its per-sequence balance
+    "ep_size",  # DeepSeek's inference code's expert-parallel degree: fivecut's is parallel.ep
 }
 # the keys fivecut reads into the shape every class shares (`_common_args`)
 COMMON = {
