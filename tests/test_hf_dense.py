@@ -399,6 +399,7 @@ def test_a_stacked_tensor_is_one_hugging_face_tensor_per_expert(tmp_path):
     assert list(written) == list(theirs) and all(t.shape == m.hf_shape((3, 8, 5)) == (5, 8) for t in written.values())
     save_file(written, str(tmp_path / "model.safetensors"))
     source = HFSource.__new__(HFSource)  # the reading half alone, without a config.json
+    source.scales = {}  # no fp8 weights
     source.files, source._handles, source.maps, source.buffers = (
         dict.fromkeys(theirs, tmp_path / "model.safetensors"),
         {},
