@@ -41,7 +41,9 @@ class DCPSource:
         except ckpt.CheckpointError as err:
             raise WeightsError(f"model.init_from dcp:{path}: {err}") from None
         if meta.get("version") != ckpt.VERSION:
-            raise WeightsError(f"{self.path / ckpt.META}: format version {meta.get('version')}, this fivecut reads 1")
+            raise WeightsError(
+                f"{self.path / ckpt.META}: format version {meta.get('version')}, this fivecut reads {ckpt.VERSION}"
+            )
         damaged = [p for name, record in meta["files"].items() if (p := size_problem(self.path, name, record))]
         if damaged:
             raise WeightsError(f"checkpoint {self.path} is damaged: " + "; ".join(damaged))

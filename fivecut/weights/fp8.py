@@ -34,8 +34,10 @@ def fp8_blocks(config: dict, path: Path) -> tuple[int, int] | None:
     if not isinstance(q, dict):
         raise WeightsError(f"{path}: quantization_config is {q!r}, not a table")
     if q.get("quant_method") != "fp8":
-        raise WeightsError(f"{path}: quantization_config.quant_method = {q.get('quant_method')!r} is not implemented; "
-                           "fivecut reads block-scaled fp8 (\"fp8\") only")  # fmt: skip
+        raise WeightsError(
+            f"{path}: quantization_config.quant_method = {q.get('quant_method')!r} is not implemented; "
+            'fivecut reads block-scaled fp8 ("fp8") only'
+        )
     if q.get("fmt", "e4m3") != "e4m3":
         raise WeightsError(f"{path}: quantization_config.fmt = {q['fmt']!r} is not implemented; fivecut reads e4m3")
     unknown = sorted(set(q) - KNOWN)

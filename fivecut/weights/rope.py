@@ -56,14 +56,16 @@ def rope_fields(config: dict, path: Path, theta: float, max_positions: int) -> d
         raise RopeError(f"{path}: {where} is {params!r}, not a table of RoPE parameters")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in KEYS:
-        raise RopeError(f"{path}: {where}.rope_type = {kind!r} is not implemented; fivecut's RoPE is one of "
-                        f"{', '.join(KEYS)}")  # fmt: skip
+        raise RopeError(
+            f"{path}: {where}.rope_type = {kind!r} is not implemented; fivecut's RoPE is one of {', '.join(KEYS)}"
+        )
     unknown = sorted(set(params) - NEUTRAL - set(KEYS[kind]))
     if unknown:
         raise RopeError(f"{path}: {where}.{unknown[0]} is not implemented by fivecut's {kind} RoPE")
     if params.get("truncate", True) is not True:
-        raise RopeError(f"{path}: {where}.truncate = {params['truncate']!r} is not implemented; fivecut's YaRN "
-                        "truncates")  # fmt: skip
+        raise RopeError(
+            f"{path}: {where}.truncate = {params['truncate']!r} is not implemented; fivecut's YaRN truncates"
+        )
     missing = [key for key in NEEDED.get(kind, ()) if params.get(key) is None]
     if missing:
         raise RopeError(f"{path}: {where} of rope_type {kind!r} has no {missing[0]}")

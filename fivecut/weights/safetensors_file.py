@@ -111,8 +111,10 @@ def stored(file: Path, name: str, record: dict, dtype: torch.dtype, data_start: 
     except (KeyError, TypeError, ValueError):
         raise NotSafetensors(f"{file}: tensor {name} has no valid shape and data_offsets in the header") from None
     if end - begin != math.prod(shape) * dtype.itemsize:
-        raise NotSafetensors(f"{file}: tensor {name} spans {end - begin} bytes, its shape {shape} needs "
-                             f"{math.prod(shape) * dtype.itemsize}")  # fmt: skip
+        raise NotSafetensors(
+            f"{file}: tensor {name} spans {end - begin} bytes, its shape {shape} needs "
+            f"{math.prod(shape) * dtype.itemsize}"
+        )
     if data_start + end > file.stat().st_size:
         raise NotSafetensors(f"{file} ends before tensor {name}'s data (truncated?)")
     return StoredTensor(file, dtype, shape, data_start + begin)
