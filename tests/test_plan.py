@@ -112,6 +112,24 @@ def test_on_a_cpu_host_a_pipelines_waiting_ranks_leave_their_cores_to_the_comput
     assert cost_layout(args, cfg, host).step == cost_layout(args, cfg, gpus).step
 
 
+def test_on_a_cpu_host_ranks_waiting_in_a_smaller_groups_collectives_leave_their_cores_too():
+    """dp=2,tp=2 on 4 ranks sharing 2 cores: while one TP pair all-reduces the other computes, so
+    the compute shrinks to its share of compute + the exposed waits of groups smaller than the node
+    (at most a core each); the collectives' own time is unchanged. A 4-rank group (cp=4) waits as one."""
+    gpus = parse_cluster("1x4xH100")
+    host = replace(gpus, cores_per_node=2)
+    flags = ("--seq", "256", "--global-batch", "8")
+    _, cfg, args = planned("tiny", "dp=2,tp=2", "1x4xH100", *flags)
+    alone, shared = cost_layout(args, cfg, gpus), cost_layout(args, cfg, host)
+    waits = sum(c.exposed for c in alone.cuts)
+    assert waits > 0 and [c.exposed for c in shared.cuts] == [c.exposed for c in alone.cuts]
+    share = max(alone.compute / (alone.compute + waits), 0.5)
+    assert shared.compute == pytest.approx(alone.compute * share, rel=1e-9)
+    assert shared.step == pytest.approx(alone.step - alone.compute * (1 - share), rel=1e-9)
+    _, cfg, args = planned("tiny", "cp=4,cp_mode=ulysses", "1x4xH100", *flags)
+    assert cost_layout(args, cfg, host).step == cost_layout(args, cfg, gpus).step
+
+
 def test_usps_all_to_alls_pay_the_latency_of_its_ulysses_ranks_only():
     _, cfg, _ = planned("tiny", "cp=8,cp_mode=usp,cp_ulysses=2", "1x8xH100", "--seq", "256", "--global-batch", "8")
     assert call_ranks("cp", "all_to_all", cfg.parallel, 8) == 2  # the Ulysses pairs, not the ring of 8

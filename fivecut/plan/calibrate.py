@@ -106,6 +106,7 @@ from fivecut.plan.cost import (
     block_kernels,
     compute_actions,
     pipeline_time,
+    shared_cores,
     stage_compute,
 )
 from fivecut.plan.volume import virtual_mesh
@@ -536,7 +537,8 @@ def action_seconds(measured: float, cluster: Cluster, stages: int) -> float:
     cluster = replace(cluster, device=replace(cluster.device, action_us=0.0))
     args = replace(PROBE, n_layers=PROBE_LAYERS)
     tokens = PROBE_TOKENS  # a microbatch: one sequence
-    planned = pipeline_time(args, cfg, cluster, virtual_mesh(cfg.parallel, False), tokens)[1]
+    pipe = pipeline_time(args, cfg, cluster, virtual_mesh(cfg.parallel, False), tokens)
+    planned = pipe.makespan * shared_cores(cluster, pipe.busy / pipe.makespan)
     schedule = build_schedule("1f1b", stages, PIPELINE_MICROBATCHES)
     return max(measured - planned, 0.0) / compute_actions(schedule, 0)
 

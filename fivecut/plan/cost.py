@@ -34,7 +34,8 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 a rank's idle time; the pipeline takes the busiest rank's compute + that idle
                 time (stages of unequal cost: the one with the head sets the pace); on a CPU
                 host whose ranks share its cores (`Cluster.cores_per_node`) the ranks waiting in
-                the bubble leave their cores to the computing ones (`shared_cores`)
+                the bubble, or in the exposed collectives of a group smaller than their node
+                (`waits_apart`), leave their cores to the computing ones (`shared_cores`)
     collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
                 NVLink inside a node, the network across nodes; every call
                 (`fivecut.plan.calls`, the counts `fivecut ledger` shows) pays its op's latency
@@ -303,14 +304,16 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     microbatches = dims.microbatches if dims.pp > 1 else 1
     seq_local = t.seq_len // dims.cp
     tokens_mb = rows // microbatches * seq_local  # per microbatch, per rank
-    compute, makespan, bubble, pp_rank_costs = pipeline_time(args, cfg, cluster, mesh, tokens_mb)
-    compute *= t.accumulate
-    makespan *= t.accumulate
+    pipe = pipeline_time(args, cfg, cluster, mesh, tokens_mb)
+    compute, makespan = pipe.compute * t.accumulate, pipe.makespan * t.accumulate
     counts = local_param_counts(args, cfg, records=records)
     calls = step_collective_calls(args, cfg, (records or local_placements)(args, cfg, 0))
     cuts = collective_times(args, cfg, cluster, mesh, compute, calls, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
-    memory, rank = peak_memory(args, cfg, pp_rank_costs, kernels_of(cluster))
+    waits = sum(c.exposed for c in cuts if c.cut != "pp" and waits_apart(cluster, mesh.group(GROUP_OF_CUT[c.cut])))
+    faster = shared_cores(cluster, pipe.busy * t.accumulate / (makespan + waits))
+    compute, makespan = compute * faster, makespan * faster
+    memory, rank = peak_memory(args, cfg, pipe.layers, kernels_of(cluster))
     tail = optimizer_seconds(args, cfg, cluster, counts, records) + tail_collectives(args, cfg, cluster)
     tail += cast_seconds(memory["weight_copies"], cluster)
     step = makespan + exposed + tail
@@ -325,7 +328,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         fits=memory["total"] <= cluster.device.memory_gb * 1e9,
         compute=compute,
         makespan=makespan,
-        bubble=bubble,
+        bubble=pipe.bubble,
         cuts=cuts,
         optimizer=tail,
         calls=calls,
@@ -370,15 +373,25 @@ def model_flops(args, seq: int) -> float:
 MODEL_FLOPS: dict[tuple, float] = {}
 
 
-def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
-    """Seconds of compute on rank 0 per micro-step, the simulated makespan, the bubble, and the
-    layers of each stage (for memory)."""
+@dataclass
+class PipelineTime:
+    """A micro-step's compute at the rates calibrated with every rank busy (before `shared_cores`)."""
+
+    compute: float  # seconds of F, B, W on rank 0
+    makespan: float  # the simulated pipeline (the compute alone without one)
+    bubble: float  # a rank's idle share of the makespan
+    busy: float  # the mean rank's compute
+    layers: dict[int, list[range]]  # each pipeline rank's stages (for memory)
+
+
+def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int) -> PipelineTime:
+    """Rank 0's compute a micro-step, the simulated makespan and its bubble."""
     dims, t = cfg.parallel, cfg.train
     cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
     if dims.pp == 1:
         timed = stage_seconds(*stage_work(args, cfg, range(args.n_layers), True, True, tokens_mb), cut, cluster)
         seconds = timed["F"] + timed["B"]
-        return seconds, seconds, 0.0, {0: [range(args.n_layers)]}
+        return PipelineTime(seconds, seconds, 0.0, seconds, {0: [range(args.n_layers)]})
     schedule, layers = pipeline_plan(args, cfg)
     last = schedule.n_stages - 1
     works = [stage_work(args, cfg, layers[s], s == 0, s == last, tokens_mb) for s in range(last + 1)]
@@ -403,8 +416,8 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int):
     ]
     idle = timeline.makespan * timeline.bubble  # a rank's mean idle time under the mean costs
     makespan = max(busy) * dims.microbatches + idle  # the busiest rank's compute sets the pace
-    faster = shared_cores(cluster, sum(busy) / len(busy) * dims.microbatches / makespan)
-    return busy[0] * dims.microbatches * faster, makespan * faster, idle / makespan, layers_by_rank(args, cfg)
+    mean = sum(busy) / len(busy) * dims.microbatches
+    return PipelineTime(busy[0] * dims.microbatches, makespan, idle / makespan, mean, layers_by_rank(args, cfg))
 
 
 def compute_actions(schedule, rank: int) -> int:
@@ -413,14 +426,22 @@ def compute_actions(schedule, rank: int) -> int:
 
 
 def shared_cores(cluster: Cluster, busy_share: float) -> float:
-    """What a pipeline's time is multiplied by when a node's ranks share its `cores_per_node` CPU
-    cores: the rates were calibrated with every rank busy, and a rank waiting in the bubble leaves
-    its core to the computing ones, which then run as if `busy_share` of the node's ranks shared
-    the cores (never faster than a core each). GPUs (0 cores): 1."""
+    """What a step's compute is multiplied by when a node's ranks share its `cores_per_node` CPU
+    cores: the rates were calibrated with every rank busy, and a rank waiting (in the pipeline's
+    bubble, or in a collective of a group apart from other ranks of its node, `waits_apart`)
+    leaves its core to the computing ones, which then run as if `busy_share` of the node's ranks
+    shared the cores (never faster than a core each). GPUs (0 cores): 1."""
     cores, ranks = cluster.cores_per_node, cluster.gpus_per_node
     if not cores or ranks <= cores:
         return 1.0
     return max(busy_share, cores / ranks)
+
+
+def waits_apart(cluster: Cluster, group) -> bool:
+    """Whether a rank waiting in `group`'s collectives can leave its core to ranks that compute
+    meanwhile: ranks of its node outside the group (the other TP pairs of dp=2,tp=2 on one node
+    run their own layers while a pair all-reduces). A group spanning its whole node waits as one."""
+    return len(group.ranks) < min(cluster.gpus_per_node, cluster.world_size)
 
 
 def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int) -> tuple[dict, dict, dict]:
