@@ -115,7 +115,8 @@ def test_on_a_cpu_host_a_pipelines_waiting_ranks_leave_their_cores_to_the_comput
 def test_on_a_cpu_host_ranks_waiting_in_a_smaller_groups_collectives_leave_their_cores_too():
     """dp=2,tp=2 on 4 ranks sharing 2 cores: while one TP pair all-reduces the other computes, so
     the compute shrinks to its share of compute + the exposed waits of groups smaller than the node
-    (at most a core each); the collectives' own time is unchanged. A 4-rank group (cp=4) waits as one."""
+    (at most a core each); the collectives' own time is unchanged. USP's all-to-alls go over its
+    Ulysses pairs: apart too. Ulysses' over all 4 ranks wait as one."""
     gpus = parse_cluster("1x4xH100")
     host = replace(gpus, cores_per_node=2)
     flags = ("--seq", "256", "--global-batch", "8")
@@ -126,6 +127,8 @@ def test_on_a_cpu_host_ranks_waiting_in_a_smaller_groups_collectives_leave_their
     share = max(alone.compute / (alone.compute + waits), 0.5)
     assert shared.compute == pytest.approx(alone.compute * share, rel=1e-9)
     assert shared.step == pytest.approx(alone.step - alone.compute * (1 - share), rel=1e-9)
+    _, cfg, args = planned("tiny", "cp=4,cp_mode=usp,cp_ulysses=2", "1x4xH100", *flags)
+    assert cost_layout(args, cfg, host).compute < cost_layout(args, cfg, gpus).compute
     _, cfg, args = planned("tiny", "cp=4,cp_mode=ulysses", "1x4xH100", *flags)
     assert cost_layout(args, cfg, host).step == cost_layout(args, cfg, gpus).step
 

@@ -112,11 +112,11 @@ def activation_bytes_per_layer(
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
     if args.is_mla:
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
-        attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
+        attention = a * latent_attention_floats(args, tp, plain, sequence_cut, fused_norm)
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
-        attention += head_norm_bytes(args, tp, kv_heads_per_rank, a, u > 1)
+        attention += head_norm_bytes(args, tp, kv_heads_per_rank, a, u > 1, fused_norm)
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
@@ -130,20 +130,21 @@ def activation_bytes_per_layer(
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
 
 
-def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, a: int, ulysses: bool) -> float:
+def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, a: int, ulysses: bool, fused: bool = False) -> float:
     """Per token, Qwen3's per-head q and k norms: each keeps its input (the projection's output) and
-    its normalized input, hd per head, and one fp32 rstd per head (RoPE after it keeps only its
-    tables). The normed q is laid out [b, H, s, hd], and the core's output follows q's layout, so
-    merging its heads for wo copies it: wo keeps that copy too (under Ulysses, whose all-to-all
-    already lays the output out by tokens, the copy is counted with `twice`)."""
+    its normalized input (not CUDA's fused kernel, `norm_bytes`), hd per head, and one fp32 rstd
+    per head (RoPE after it keeps only its tables). The normed q is laid out [b, H, s, hd], and the
+    core's output follows q's layout, so merging its heads for wo copies it: wo keeps that copy too
+    (under Ulysses, whose all-to-all already lays the output out by tokens, the copy is counted
+    with `twice`)."""
     if not args.qk_norm:
         return 0.0
     heads = args.n_heads / tp + kv_heads_per_rank
     output_copy = 0.0 if ulysses else a * args.n_heads / tp * args.head_dim
-    return heads * (2 * a * args.head_dim + FP32) + output_copy
+    return heads * ((1 if fused else 2) * a * args.head_dim + FP32) + output_copy
 
 
-def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:
+def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none", fused: bool = False) -> float:
     """Floats per token that multi-head latent attention keeps for backward, besides the block's
     norm (counted with the norms) and the log-sum-exps (counted per token), on one of `tp` ranks.
     The latents are whole on every rank, the heads (H/t of them) cut; qk = nope + rope:
@@ -156,6 +157,8 @@ def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "non
                                       wkv_b's output); o' = the output (qk padded, else v) and
                                       wo's [b, s, H v] copy of it (q is laid out [b, H, s, qk], and
                                       SDPA's output follows q's layout, so the transpose copies)
+    The latents' norms under CUDA's fused kernel (`fused`, `norm_bytes`) keep their input and rstd,
+    not the normalized input: q_lora and kv_lora fewer.
     Selective recomputation keeps the core's inputs q, k, v (a view of wkv_b's output: nope + v)
     and wo's input (v) instead of the core's tensors.
     Under context parallelism (`sequence_cut`) the core's tensors are those of the sequence cut:
@@ -168,8 +171,9 @@ def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "non
         usp       Ulysses' all-to-all outputs q, k, v (v alone), the ring's output (v) and the
                   all-to-all's back (wo's input, v): 2 qk + 3 v"""
     heads, qk, nope, v = args.n_heads / tp, args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
-    q_latent = 3 * args.q_lora_rank + 1 if args.q_lora_rank else 0
-    kv_latent = 3 * args.kv_lora_rank + args.qk_rope_head_dim + 1
+    kept = 2 if fused else 3  # the norm's input (wq_a's output), its normalized input, wq_b's input
+    q_latent = kept * args.q_lora_rank + 1 if args.q_lora_rank else 0
+    kv_latent = kept * args.kv_lora_rank + args.qk_rope_head_dim + 1
     padded = v < qk
     if sequence_cut == "ring":
         core = 2 * qk + nope + 2 * v

@@ -35,7 +35,7 @@ model. For rank 0 of the layout (pipeline position 0 for memory; see `peak_rank`
                 time (stages of unequal cost: the one with the head sets the pace); on a CPU
                 host whose ranks share its cores (`Cluster.cores_per_node`) the ranks waiting in
                 the bubble, or in the exposed collectives of a group smaller than their node
-                (`waits_apart`), leave their cores to the computing ones (`shared_cores`)
+                (`apart_share`), leave their cores to the computing ones (`shared_cores`)
     collectives alpha-beta on the link each group crosses (`Cluster.link_for` of its ranks):
                 NVLink inside a node, the network across nodes; every call
                 (`fivecut.plan.calls`, the counts `fivecut ledger` shows) pays its op's latency
@@ -310,7 +310,9 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
     calls = step_collective_calls(args, cfg, (records or local_placements)(args, cfg, 0))
     cuts = collective_times(args, cfg, cluster, mesh, compute, calls, records)
     exposed = sum(c.exposed for c in cuts if c.cut != "pp")
-    waits = sum(c.exposed for c in cuts if c.cut != "pp" and waits_apart(cluster, mesh.group(GROUP_OF_CUT[c.cut])))
+    waits = sum(
+        c.exposed * apart_share(cluster, c.cut, calls.get(c.cut, {}), dims, mesh) for c in cuts if c.cut != "pp"
+    )
     faster = shared_cores(cluster, pipe.busy * t.accumulate / (makespan + waits))
     compute, makespan = compute * faster, makespan * faster
     memory, rank = peak_memory(args, cfg, pipe.layers, kernels_of(cluster))
@@ -428,7 +430,7 @@ def compute_actions(schedule, rank: int) -> int:
 def shared_cores(cluster: Cluster, busy_share: float) -> float:
     """What a step's compute is multiplied by when a node's ranks share its `cores_per_node` CPU
     cores: the rates were calibrated with every rank busy, and a rank waiting (in the pipeline's
-    bubble, or in a collective of a group apart from other ranks of its node, `waits_apart`)
+    bubble, or in a collective of fewer ranks than its node, `apart_share`)
     leaves its core to the computing ones, which then run as if `busy_share` of the node's ranks
     shared the cores (never faster than a core each). GPUs (0 cores): 1."""
     cores, ranks = cluster.cores_per_node, cluster.gpus_per_node
@@ -437,11 +439,17 @@ def shared_cores(cluster: Cluster, busy_share: float) -> float:
     return max(busy_share, cores / ranks)
 
 
-def waits_apart(cluster: Cluster, group) -> bool:
-    """Whether a rank waiting in `group`'s collectives can leave its core to ranks that compute
-    meanwhile: ranks of its node outside the group (the other TP pairs of dp=2,tp=2 on one node
-    run their own layers while a pair all-reduces). A group spanning its whole node waits as one."""
-    return len(group.ranks) < min(cluster.gpus_per_node, cluster.world_size)
+def apart_share(cluster: Cluster, cut: str, ops: dict[str, float], dims, mesh: Mesh) -> float:
+    """The share of `cut`'s calls (`ops`: op -> calls a step) in which a waiting rank can leave its
+    core to ranks that compute meanwhile: calls spanning fewer ranks than its node (`call_ranks`:
+    the other TP pairs of dp=2,tp=2 on one node run their own layers while a pair all-reduces;
+    USP's all-to-alls go over its Ulysses pairs). A call spanning the whole node waits as one."""
+    node = min(cluster.gpus_per_node, cluster.world_size)
+    size = len(mesh.group(GROUP_OF_CUT[cut]).ranks)
+    total = sum(ops.values())
+    if not total:
+        return float(size < node)
+    return sum(n for op, n in ops.items() if call_ranks(cut, op, dims, size) < node) / total
 
 
 def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int) -> tuple[dict, dict, dict]:
