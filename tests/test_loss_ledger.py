@@ -44,3 +44,10 @@ def test_distributed_loss_peak_is_exact(capsys, layout, chunk):
     assert_loss_peak_exact(out)
     if layout.startswith("pp"):
         assert "loss peak on rank 1 " in out  # the last stage holds the head
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("chunk", [CHUNKED, FULL])
+def test_vocabulary_parallel_loss_peak_under_bf16_is_exact(capsys, chunk):
+    """Under autocast the logits are bf16 and their fp32 upcast is freed once masked."""
+    assert_loss_peak_exact(ledger(capsys, "tp=2", chunk, 'train.dtype="bf16"'))

@@ -105,7 +105,8 @@ def activation_bytes_per_layer(
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
-    norms = norm_bytes(precision, h, cut, 3, fused_norm)
+    readers = 2 if args.is_mla else 3  # the linears reading the attention's norm: wq_a (or wq), wkv_a; wq, wk, wv
+    norms = norm_bytes(precision, h, cut, readers, fused_norm)
     norms += norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2, fused_norm)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
@@ -113,6 +114,7 @@ def activation_bytes_per_layer(
     if args.is_mla:
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
         attention = a * latent_attention_floats(args, tp, plain, sequence_cut, fused_norm)
+        attention += (FP32 - a) * ((args.q_lora_rank > 0) + 1)  # the latents' norms' rstds are fp32
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
@@ -211,13 +213,29 @@ def weight_copies(args, tp: int, precision: str, moe: bool, ep: int = 1, etp: in
     or its router, this rank's E/ep routed experts (their hidden size / etp) and shared experts."""
     if precision != "bf16":
         return 0.0
-    h, hd = args.dim, args.head_dim
-    kv = 2 * args.n_kv_heads * hd * h // tp if args.n_kv_heads % tp == 0 else 0
+    h = args.dim
+    attention = attention_copy_elements(args, tp)
     if not moe:
-        return 2 * (2 * args.n_heads * hd * h // tp + kv + 3 * h * args.ffn_dim // tp)
+        return 2 * (attention + 3 * h * args.ffn_dim // tp)
     e, shared = args.n_experts, args.expert_dim * args.n_shared_experts
     experts = h * e + 3 * (e // ep) * h * args.expert_dim // etp + 3 * h * shared
-    return 2 * (2 * args.n_heads * hd * h // tp + kv + experts)
+    return 2 * (attention + experts)
+
+
+def attention_copy_elements(args, tp: int) -> int:
+    """Elements of one block's attention weights (and QKV biases) a rank copies to bf16: GQA's wq,
+    wo and, when its kv heads split over tp, wk and wv, each / tp; latent attention's wq_a and
+    wkv_a whole (the latents are whole on every rank) and its head-cut wq_b (or wq), wkv_b, wo / tp."""
+    if args.is_mla:
+        shapes = args.mla_shapes()
+        whole = shapes.get("wq_a", 0) + shapes["wkv_a"]
+        cut = shapes.get("wq_b", shapes.get("wq", 0)) + shapes["wkv_b"] + shapes["wo"]
+        return whole + cut // tp
+    h, hd = args.dim, args.head_dim
+    kv_split = args.n_kv_heads % tp == 0
+    kv = 2 * args.n_kv_heads * hd * h // tp if kv_split else 0
+    biases = (args.n_heads + (2 * args.n_kv_heads if kv_split else 0)) * hd // tp if args.qkv_bias else 0
+    return 2 * args.n_heads * hd * h // tp + kv + biases
 
 
 def replicated_kv_copies(args, tp: int, precision: str) -> float:
@@ -336,8 +354,8 @@ def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chu
                          their fp32 upcast are freed by then); chunked, the chunk's token losses
                          and two fp32 scalars (4 C' + 8).
                          vocabulary-parallel (t > 1): at the end of its forward, the logits, the
-                         fp32 upcast (under bf16), the masked, shifted and exponentiated logits and
-                         the softmax kept for backward: (a + 16 + 4 [a < 4]) C' V'; the column
+                         masked (under bf16 the fp32 upcast is freed once masked), shifted and
+                         exponentiated logits and the softmax kept for backward: (a + 16) C' V'; the column
                          ids (8 V'); per token 33 B (max, local target, ownership, picked logit,
                          the sum-exp and target logit stacked for one all-reduce, log and loss)
         chunked buffers  the token losses (4 T), d hidden (r T h) and dW (4 V' h, fp32); under
@@ -351,7 +369,7 @@ def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chu
     if tp == 1:
         entropy = 12 * rows * columns + (4 * rows + 8 if chunk else 0)
     else:
-        entropy = (a + 16 + (4 if a < FP32 else 0)) * rows * columns + 8 * columns + 33 * rows
+        entropy = (a + 16) * rows * columns + 8 * columns + 33 * rows
     casts = precision == "bf16"
     if chunk == 0:
         return entropy + (2 * tokens * h if casts else 0)
