@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from fivecut.cli import main, plan_config
+from fivecut.model.transformer import rms_norm
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import cost_layout, layout_memory
 from fivecut.plan.memory import step_moments, step_temporaries
@@ -61,6 +64,33 @@ def test_cudas_fused_norm_keeps_less_than_the_cpus_and_the_plan_follows_the_devi
     kept = 4 * args.dim * 4 * 256 * norms  # fp32 normalized inputs of 4 x 256 tokens
     assert cpu.moments["loss"] - cuda.moments["loss"] == kept
     assert layout_memory(args, cfg, "cpu")["total"] - layout_memory(args, cfg, "cuda")["total"] == kept
+
+
+@pytest.mark.parametrize(
+    "model, layout, cluster, sets",
+    [
+        ("tiny-mla", "dp=1", "1x1xH100", ()),  # latent norms of bf16 matmul outputs, fp32 weights
+        ("tiny", "dp=1", "1x1xH100", ("model.qk_norm=true",)),  # Qwen3's per-head norms
+        ("tiny", "dp=2,zero=3", "1x2xH100", ("model.qk_norm=true",)),  # ZeRO-3's bf16 units: bf16 weights
+        ("tiny-mla", "dp=2,zero=3", "1x2xH100", ()),
+    ],
+)
+def test_norms_of_bf16_inputs_keep_what_cudas_autocast_makes_them_keep(model, layout, cluster, sets):
+    """CUDA's autocast runs `rms_norm` in fp32 (the CPU's does not): a bf16 input's fp32 upcast is
+    kept, and the output is fp32; where the weight is bf16 too the model runs the norm outside
+    autocast, in bf16. The check emulates CUDA's autocast and the plan counts the same, within 1%."""
+    cost, check, _ = planned_and_checked(model, layout, cluster, 256, 8, *sets)
+    assert check.moments["loss"] == pytest.approx(step_moments(cost.memory)["loss"], rel=0.01)
+
+
+def test_a_norm_whose_weight_has_its_inputs_low_precision_runs_outside_autocast(monkeypatch):
+    seen = []
+    monkeypatch.setattr(F, "rms_norm", lambda x, *a: seen.append(torch.is_autocast_enabled("cpu")) or x)
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rms_norm(x, torch.ones(4, dtype=torch.bfloat16), 1e-6)
+        rms_norm(x, torch.ones(4), 1e-6)  # fp32 weight: autocast's policy applies (CUDA: fp32)
+    assert seen == [False, True]
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, alike on every device. Where x and the weight share a
+    dtype below fp32 (ZeRO-3's bf16 units) it runs outside autocast: CUDA's autocast runs
+    `rms_norm` in fp32 (its fp32 list; the CPU's has no such entry), which would return fp32, keep
+    an fp32 copy of x for backward and leave each linear after it to cast and keep its own bf16
+    copy; the kernels compute in fp32 inside either way."""
+    shape = (x.shape[-1],)
+    if x.dtype == weight.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, shape, weight, eps)
+    return F.rms_norm(x, shape, weight, eps)
 
 
 def rope_tables(args: ModelArgs) -> Rope:

@@ -44,7 +44,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.model.transformer import RMSNorm
+from fivecut.model.transformer import RMSNorm, rms_norm
 from fivecut.parallel.loss import LossHead
 from fivecut.parallel.pipeline.wgrad import DeferredEmbedding, deferred_lookup
 from fivecut.parallel.placement import Change, Slice
@@ -204,7 +204,7 @@ class SequenceParallelRMSNorm(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), comm.copy_to(self.weight, self.group), self.eps)
+        return rms_norm(x, comm.copy_to(self.weight, self.group), self.eps)
 
 
 # ---------------------------------------------------------------- loss

@@ -113,12 +113,12 @@ def activation_bytes_per_layer(
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
     if args.is_mla:
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
-        attention = a * latent_attention_floats(args, tp, plain, sequence_cut, fused_norm)
-        attention += (FP32 - a) * ((args.q_lora_rank > 0) + 1)  # the latents' norms' rstds are fp32
+        attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
+        attention += latent_norm_bytes(args, precision, fused_norm)
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
-        attention += head_norm_bytes(args, tp, kv_heads_per_rank, a, u > 1, fused_norm)
+        attention += head_norm_bytes(args, tp, kv_heads_per_rank, precision, u > 1, fused_norm)
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
@@ -132,35 +132,33 @@ def activation_bytes_per_layer(
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
 
 
-def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, a: int, ulysses: bool, fused: bool = False) -> float:
-    """Per token, Qwen3's per-head q and k norms: each keeps its input (the projection's output) and
-    its normalized input (not CUDA's fused kernel, `norm_bytes`), hd per head, and one fp32 rstd
-    per head (RoPE after it keeps only its tables). The normed q is laid out [b, H, s, hd], and the
-    core's output follows q's layout, so merging its heads for wo copies it: wo keeps that copy too
-    (under Ulysses, whose all-to-all already lays the output out by tokens, the copy is counted
-    with `twice`)."""
+def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, precision: str, ulysses: bool, fused: bool = False) -> float:
+    """Per token, Qwen3's per-head q and k norms: each keeps its input in fp32 (under autocast the
+    fp32 upcast of the projection's output: the CPU's composite norm makes it, CUDA's autocast
+    makes it for the fused kernel; but CUDA's fused kernel on ZeRO-3's bf16 units, outside
+    autocast, keeps the bf16 input itself) and, but for CUDA's fused kernel (`norm_bytes`), its
+    fp32 normalized input, hd per head, and one fp32 rstd per head (RoPE after it keeps only its
+    tables). The normed q is laid out [b, H, s, hd], and the core's output follows q's layout, so
+    merging its heads for wo copies it: wo keeps that copy too (under Ulysses, whose all-to-all
+    already lays the output out by tokens, the copy is counted with `twice`)."""
     if not args.qk_norm:
         return 0.0
-    heads = args.n_heads / tp + kv_heads_per_rank
+    heads, a = args.n_heads / tp + kv_heads_per_rank, BYTES[precision]
     output_copy = 0.0 if ulysses else a * args.n_heads / tp * args.head_dim
-    return heads * ((1 if fused else 2) * a * args.head_dim + FP32) + output_copy
+    kept = (a if precision == "bf16-params" else FP32) if fused else 2 * FP32  # bytes an element
+    return heads * (kept * args.head_dim + FP32) + output_copy
 
 
-def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none", fused: bool = False) -> float:
-    """Floats per token that multi-head latent attention keeps for backward, besides the block's
-    norm (counted with the norms) and the log-sum-exps (counted per token), on one of `tp` ranks.
-    The latents are whole on every rank, the heads (H/t of them) cut; qk = nope + rope:
-        query latent   3 q_lora + 1   wq_a's output (q_norm's input), q_norm's output, wq_b's copy
-                                      of it, the rstd (none without a query latent: wq reads x)
-        kv latent      (kv_lora + rope) + 2 kv_lora + 1   wkv_a's output (kv_norm's input is a view
-                                      of it), kv_norm's output, wkv_b's copy of it, the rstd
+def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:
+    """Floats per token (in the matmuls' dtype) that multi-head latent attention's core keeps for
+    backward on one of `tp` ranks, besides the block's norm (counted with the norms), the latents'
+    norms (`latent_norm_bytes`) and the log-sum-exps (counted per token). The heads (H/t of them)
+    are cut; qk = nope + rope:
         core           (H/t)(2 qk + v' + o')   q and k; v' = qk, the value zero-padded to the head
                                       size (`CausalSDPA`), or nope + v without padding (a view of
                                       wkv_b's output); o' = the output (qk padded, else v) and
                                       wo's [b, s, H v] copy of it (q is laid out [b, H, s, qk], and
                                       SDPA's output follows q's layout, so the transpose copies)
-    The latents' norms under CUDA's fused kernel (`fused`, `norm_bytes`) keep their input and rstd,
-    not the normalized input: q_lora and kv_lora fewer.
     Selective recomputation keeps the core's inputs q, k, v (a view of wkv_b's output: nope + v)
     and wo's input (v) instead of the core's tensors.
     Under context parallelism (`sequence_cut`) the core's tensors are those of the sequence cut:
@@ -173,9 +171,6 @@ def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "non
         usp       Ulysses' all-to-all outputs q, k, v (v alone), the ring's output (v) and the
                   all-to-all's back (wo's input, v): 2 qk + 3 v"""
     heads, qk, nope, v = args.n_heads / tp, args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
-    kept = 2 if fused else 3  # the norm's input (wq_a's output), its normalized input, wq_b's input
-    q_latent = kept * args.q_lora_rank + 1 if args.q_lora_rank else 0
-    kv_latent = kept * args.kv_lora_rank + args.qk_rope_head_dim + 1
     padded = v < qk
     if sequence_cut == "ring":
         core = 2 * qk + nope + 2 * v
@@ -185,7 +180,30 @@ def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "non
         core = 2 * qk + (qk if padded else v if sequence_cut == "ulysses" else nope + v) + (qk if padded else v) + v
     else:
         core = 2 * qk + (0 if sequence_cut == "ulysses" else nope) + 2 * v
-    return q_latent + kv_latent + heads * core
+    return heads * core
+
+
+def latent_norm_bytes(args, precision: str, fused: bool) -> float:
+    """Bytes per token the query and key-value latents' norms keep (the latents are whole on every
+    tp rank; r = the latent's rank), with the rstd (4 B):
+        fp32        the norm's input (wq_a's output; kv_norm's is a view of wkv_a's, whose rope
+                    channels it keeps alive: r + rope), the normalized input (not under CUDA's
+                    fused kernel) and the output, which the next linear keeps: 4 (3r [+ rope]) + 4,
+                    fused 4 (2r [+ rope]) + 4
+        bf16        (autocast over fp32 weights) the input's fp32 upcast (the CPU's composite norm
+                    makes it; CUDA's autocast runs `rms_norm` in fp32 and makes it for the fused
+                    kernel), the fp32 normalized input (not fused), and the next linear's bf16 cast
+                    of the fp32 output: 10r + 4, fused 6r + 4 (the bf16 matmul output is not kept)
+        bf16-params (bf16 weights: the norm runs outside autocast, `fivecut.model.transformer.rms_norm`)
+                    the composite norm as under bf16, its output already bf16: 10r + 4; the fused
+                    kernel keeps the bf16 input itself: as fp32 at 2 B, 2 (2r [+ rope]) + 4
+    None for the query without a latent (wq reads the block's norm)."""
+    ranks = [(args.q_lora_rank, 0), (args.kv_lora_rank, args.qk_rope_head_dim)] if args.q_lora_rank else []
+    ranks = ranks or [(args.kv_lora_rank, args.qk_rope_head_dim)]
+    if precision == "fp32" or (fused and precision == "bf16-params"):
+        a = BYTES[precision]
+        return sum(a * ((2 if fused else 3) * r + rope) + FP32 for r, rope in ranks)
+    return sum((6 if fused else 10) * r + FP32 for r, _ in ranks)
 
 
 def norm_bytes(precision: str, h: int, cut: int, consumers: int, fused: bool = False) -> float:

@@ -165,10 +165,15 @@ class KernelRMSNorm(torch.autograd.Function):
 
 
 def kernel_rms_norm(x, normalized_shape, weight=None, eps=None):
-    """`F.rms_norm` as CUDA runs it: through `KernelRMSNorm` (the fused kernel's saved tensors)."""
+    """`F.rms_norm` as CUDA runs it: under autocast, CUDA's policy for `rms_norm` (fp32: a bf16
+    input and weight are cast to fp32 first, and the output stays fp32; the CPU's autocast leaves
+    the norm alone), then `KernelRMSNorm` (the fused kernel's saved tensors)."""
     if len(normalized_shape) != 1:
         return TORCH_RMS_NORM(x, normalized_shape, weight, eps)
-    return KernelRMSNorm.apply(x, weight, eps)
+    if not torch.is_autocast_enabled(x.device.type):
+        return KernelRMSNorm.apply(x, weight, eps)
+    with torch.autocast(x.device.type, enabled=False):
+        return KernelRMSNorm.apply(x.float(), None if weight is None else weight.float(), eps)
 
 
 TORCH_RMS_NORM = F.rms_norm
