@@ -83,6 +83,24 @@ def test_norms_of_bf16_inputs_keep_what_cudas_autocast_makes_them_keep(model, la
     assert check.moments["loss"] == pytest.approx(step_moments(cost.memory)["loss"], rel=0.01)
 
 
+def test_a_pipelines_posted_receives_are_its_only_memory_that_grows_with_the_microbatches():
+    """pp=2 under 1F1B, 4 then 8 microbatches of one sequence: the first stage holds the same two
+    microbatches' activations, but the executor posts every receive when the step begins, so its
+    peak grows by 4 more gradient buffers [1, 256, h] fp32 (and the 4 more microbatches' token ids
+    and targets, int64); the plan's "boundaries" grow by the same buffers. The buffers consumed and
+    the tensors sent are let go (before: every one was held to the end of the step)."""
+    grown = []
+    for microbatches in (4, 8):
+        cost, check, (cfg, args) = planned_and_checked(
+            "tiny", f"pp=2,pp_schedule=1f1b,microbatches={microbatches}", "1x2xH100", 256, microbatches
+        )
+        grown.append((check.peak, cost.memory["total"], cost.memory["boundaries"]))
+    buffer, ids = 256 * args.dim * 4, 2 * 256 * 8
+    assert grown[1][2] - grown[0][2] == 4 * buffer
+    assert grown[1][1] - grown[0][1] == 4 * buffer
+    assert grown[1][0] - grown[0][0] == 4 * (buffer + ids)
+
+
 def test_a_norm_whose_weight_has_its_inputs_low_precision_runs_outside_autocast(monkeypatch):
     seen = []
     monkeypatch.setattr(F, "rms_norm", lambda x, *a: seen.append(torch.is_autocast_enabled("cpu")) or x)

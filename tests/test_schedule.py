@@ -11,6 +11,7 @@ from fivecut.parallel.pipeline.draw import draw
 from fivecut.parallel.pipeline.schedule import (
     Action,
     ScheduleError,
+    boundary_frontier,
     build_schedule,
     check,
     dualpipev,
@@ -222,3 +223,14 @@ def test_cli_closed_forms(capsys, name, virtual, expected):
 def test_cli_refuses_bad_numbers(capsys):
     assert main(["schedule", "--schedule", "interleaved", "--pp", "4", "--microbatches", "6", "--virtual", "2"]) == 2
     assert "error: interleaved: microbatches=6" in capsys.readouterr().err
+
+
+def test_boundary_frontier_counts_the_posted_receives_and_the_kept_outputs():
+    """1F1B on 4 ranks, 8 microbatches: rank 0 peaks with 4 microbatches in flight, its 8 gradient
+    receives posted and its 4 outputs kept (12 boundary tensors); a middle rank with 3 in flight
+    has 8 + 8 receives posted, 3 forward ones taken as inputs, 3 outputs kept: 16; the last rank
+    holds no outputs. GPipe's rank 0 holds all 8 microbatches and 8 + 8 tensors."""
+    frontier = boundary_frontier(build_schedule("1f1b", 4, 8))
+    assert frontier[0] == ((4, 12),) and frontier[1] == ((3, 16),)
+    assert max(frontier[3]) == (1, 7)
+    assert boundary_frontier(build_schedule("gpipe", 4, 8))[0] == ((8, 16),)

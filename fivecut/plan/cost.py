@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
-from fivecut.parallel.pipeline.schedule import peak_in_flight
+from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
     activation_bytes_per_layer,
@@ -84,6 +84,7 @@ from fivecut.plan.volume import (
     dims_key,
     local_param_counts,
     local_placements,
+    message_bytes,
     model_token,
     pipeline_plan,
     predict,
@@ -92,7 +93,6 @@ from fivecut.plan.volume import (
     virtual_mesh,
 )
 
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 GROUP_OF_CUT = {"dp": "dp_cp", "tp": "tp", "cp": "cp", "ep": "ep", "etp": "etp", "pp": "pp"}  # each cut's mesh group
 KERNELS_PER_LAYER = 30  # forward kernels of a block (~42 top-level aten ops: `kernel_us` is measured per 30)
 # a MoE block's router, top-k, dispatch, combine and routed experts beyond a dense block's: the experts
@@ -388,7 +388,7 @@ class PipelineTime:
 
 def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int) -> PipelineTime:
     """Rank 0's compute a micro-step, the simulated makespan and its bubble."""
-    dims, t = cfg.parallel, cfg.train
+    dims = cfg.parallel
     cut = dims.tp  # TP divides every matmul; EP moves tokens, not FLOPs
     if dims.pp == 1:
         timed = stage_seconds(*stage_work(args, cfg, range(args.n_layers), True, True, tokens_mb), cut, cluster)
@@ -405,7 +405,7 @@ def pipeline_time(args, cfg, cluster: Cluster, mesh: Mesh, tokens_mb: int) -> Pi
     ]
     f = sum(x["F"] for x in times) / len(times)  # the stages' mean: the schedule's idle time
     b = sum(x["B"] for x in times) / len(times)
-    message = tokens_mb * args.dim * ACTIVATION_BYTES[t.dtype] / (dims.tp if dims.sp else 1)
+    message = tokens_mb * args.dim * message_bytes(cfg)[0] / (dims.tp if dims.sp else 1)  # the residual stream's
     pp_group = mesh.group("pp")
     latency = cluster.link_for(pp_group.ranks).seconds("send", message, 2)
     if schedule.split_backward:
@@ -651,9 +651,10 @@ def peak_memory(
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
     seq = t.seq_len // dims.cp
     precision = precision_of(t.dtype, dims.zero)  # what each saved tensor's dtype follows
-    in_flight = [1] * dims.pp
+    in_flight, frontiers = [1] * dims.pp, [((1, 0),)] * dims.pp
     if dims.pp > 1:
-        in_flight = in_flight_of(args, cfg)
+        in_flight, frontiers = in_flight_of(args, cfg), frontiers_of(args, cfg)
+    boundary = rows * seq // (dims.tp if dims.sp else 1) * args.dim * message_bytes(cfg)[0]  # [b_mb, s, h]
     held = layout_key_of(args, cfg)
     every_state, buffers = all_rank_states(args, cfg, held), all_rank_buffers(args, cfg, held)
     fused = kernels == "cuda"
@@ -665,7 +666,10 @@ def peak_memory(
             if kind not in of_kind:
                 of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i, fused_norm=fused)
         per_layer = [of_kind[kind] for kind in order]
-        states["activations"] = sum(per_layer) / max(len(stage_ranges), 1) * in_flight[rank]
+        stage = sum(per_layer) / max(len(stage_ranges), 1)  # a microbatch-stage's
+        held, alive = max(frontiers[rank], key=lambda pair: pair[0] * stage + pair[1] * boundary)
+        states["activations"] = stage * held
+        states["boundaries"] = boundary * alive  # the pipeline's posted receives and kept outputs
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
         states["weight_copies"] = sum(block_copies(args, cfg, precision, moe) for moe, _mode in order)  # once a step
@@ -801,6 +805,18 @@ def in_flight_of(args, cfg) -> list[int]:
 
 
 IN_FLIGHT: dict[tuple, list[int]] = {}
+
+
+def frontiers_of(args, cfg) -> list[tuple[tuple[int, int], ...]]:
+    """`boundary_frontier` of the layout's schedule, once per schedule."""
+    d = cfg.parallel
+    key = (d.pp_schedule, d.pp, d.microbatches, d.pp_virtual)
+    if key not in FRONTIERS:
+        FRONTIERS[key] = boundary_frontier(pipeline_plan(args, cfg)[0])
+    return FRONTIERS[key]
+
+
+FRONTIERS: dict[tuple, list] = {}
 
 
 def rank_states(args, cfg, pp_rank: int) -> dict[str, float]:

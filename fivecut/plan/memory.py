@@ -32,7 +32,8 @@ def formula(zero: int) -> str:
 #   loss       the head's cross-entropy (on the last stage; elsewhere "forward": the last forward
 #              before the first backward), with every block's activations of the microbatches in
 #              flight: model states, compute copies, buffers, activations, what the last stage keeps
-#              between its blocks and the head ("head": the final norm's, the chunked head's input)
+#              between its blocks and the head ("head": the final norm's, the chunked head's input),
+#              a pipeline's boundary tensors ("boundaries": its posted receives, its kept outputs)
 #              and the loss's peak
 #   backward   its end: the activations are freed, the gradients reduced: model states, compute
 #              copies and the data cut's buffers
@@ -47,7 +48,7 @@ def step_moments(memory: dict[str, float]) -> dict[str, float]:
     held = sum(memory.get(k, 0.0) for k in STATES)
     first = "loss" if memory.get("loss", 0.0) > 0 else "forward"
     return {
-        first: held + at_loss(memory) + sum(memory.get(k, 0.0) for k in ("activations", "head", "loss")),
+        first: held + at_loss(memory) + sum(memory.get(k, 0.0) for k in ("activations", "boundaries", "head", "loss")),
         "backward": held + memory.get("buffers", 0.0),
         "optimizer": held + memory.get("temporaries", 0.0),
     }
@@ -87,7 +88,18 @@ def kernels_of(cluster) -> str:
 
 
 GIB = 1 << 30
-TERMS = ("params", "grads", "optimizer", "weight_copies", "activations", "head", "loss", "buffers", "temporaries")
+TERMS = (
+    "params",
+    "grads",
+    "optimizer",
+    "weight_copies",
+    "activations",
+    "boundaries",
+    "head",
+    "loss",
+    "buffers",
+    "temporaries",
+)
 ALIVE = {  # the terms alive at each moment (`step_moments`)
     "loss": set(TERMS) - {"temporaries"},
     "forward": set(TERMS) - {"temporaries"},

@@ -140,6 +140,7 @@ class PipelineStep:
     # ------------------------------------------------------------ dispatch
 
     def execute(self, action: Action) -> torch.Tensor | None:
+        self.reap_sends()
         mb = self.state.setdefault((action.stage, action.microbatch), MicrobatchState())
         if action.kind == "F":
             return self.forward(action, mb)
@@ -151,6 +152,7 @@ class PipelineStep:
             self.send(mb.output.detach(), action.stage + 1, action, forward=True)
         elif action.kind == "SEND_B":
             self.send(mb.grad_input, action.stage - 1, action, forward=False)
+            mb.grad_input = None  # the send holds it until it is out
         elif action.kind.startswith("RECV"):
             self.post(action)  # already posted when `run` began; `forward_only` posts here
         else:
@@ -204,10 +206,10 @@ class PipelineStep:
         split = self.schedule.split_backward
         with self.weight_grads.collecting(action.stage, action.microbatch) if split else contextlib.nullcontext():
             torch.autograd.backward(mb.output, grad)
-        mb.output = None
         if action.stage > 0:
             mb.grad_input = mb.input.grad
             self.hand_back(action, mb.grad_input)
+        mb.output = mb.grad_output = mb.input = None  # the microbatch's boundary tensors, done with here
 
     def weight_grad(self, action: Action, mb: MicrobatchState) -> None:
         """W: the deferred dW = dy^T x of the stage's linear layers for this microbatch."""
@@ -218,6 +220,17 @@ class PipelineStep:
     def tag(self, action: Action, forward: bool, stage: int) -> int:
         """Same on both ends: (direction, the boundary's lower stage, microbatch)."""
         return (2 * (stage * self.schedule.microbatches + action.microbatch)) + (0 if forward else 1)
+
+    def reap_sends(self) -> None:
+        """The sends that are out: waited for (at once; a failed one raises) and their tensors let go,
+        so that a step holds the boundary tensors still in flight, not every one it sent."""
+        pending = []
+        for work, tensor in self.sends:
+            if work.is_completed():
+                comm.wait(work, "send", self.group)
+            else:
+                pending.append((work, tensor))
+        self.sends = pending
 
     def send(self, tensor: torch.Tensor, to_stage: int, action: Action, forward: bool) -> None:
         boundary = min(action.stage, to_stage)

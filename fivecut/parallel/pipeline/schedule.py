@@ -552,3 +552,31 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+def boundary_frontier(schedule: Schedule) -> list[tuple[tuple[int, int], ...]]:
+    """Per rank, the (microbatch-stages holding activations, boundary tensors alive) pairs its step
+    passes through that no other pair exceeds in both, each boundary tensor one [b_mb, s, h] of the
+    residual stream. The executor (`PipelineStep`) posts every receive of the step when it begins,
+    so each receive's buffer lives from the start until its F takes it as the stage's input (an
+    activation from then on) or its B has run; a stage whose next stage is on another rank keeps
+    its output from F until B (the stage's blocks keep only their inputs). A rank's memory peaks
+    at the pair that maximizes held x activations + alive x boundary bytes."""
+    release = "W" if schedule.split_backward else "B"
+    last = schedule.n_stages - 1
+    out = []
+    for rank, actions in enumerate(schedule.actions):
+        received = {(a.kind, a.stage, a.microbatch) for a in actions if a.kind in ("RECV_F", "RECV_B")}
+        held, alive, seen = 0, len(received), {(0, len(received))}
+        for a in actions:
+            if a.kind == "F":
+                held += 1
+                alive -= ("RECV_F", a.stage, a.microbatch) in received
+                alive += a.stage < last and schedule.stage_rank[a.stage + 1] != rank  # the output, kept
+            elif a.kind == "B":
+                alive -= ("RECV_B", a.stage, a.microbatch) in received
+                alive -= a.stage < last and schedule.stage_rank[a.stage + 1] != rank
+            held -= a.kind == release
+            seen.add((held, alive))
+        out.append(tuple(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+    return out
