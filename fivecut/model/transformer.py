@@ -55,9 +55,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     `rms_norm` in fp32 (its fp32 list; the CPU's has no such entry), which would return fp32, keep
     an fp32 copy of x for backward and leave each linear after it to cast and keep its own bf16
     copy; the kernels compute in fp32 inside either way."""
-    shape = (x.shape[-1],)
-    if x.dtype == weight.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
-        with torch.autocast(x.device.type, enabled=False):
+    shape, device = (x.shape[-1],), x.device.type
+    low = x.dtype == weight.dtype != torch.float32
+    if low and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
             return F.rms_norm(x, shape, weight, eps)
     return F.rms_norm(x, shape, weight, eps)
 
