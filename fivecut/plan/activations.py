@@ -196,10 +196,9 @@ def latent_norm_bytes(args, precision: str, fused: bool) -> float:
                     of the fp32 output: 10r + 4, fused 6r + 4 (the bf16 matmul output is not kept)
         bf16-params (bf16 weights: the norm runs outside autocast, `fivecut.model.transformer.rms_norm`)
                     the composite norm as under bf16, its output already bf16: 10r + 4; the fused
-                    kernel keeps the bf16 input itself: as fp32 at 2 B, 2 (2r [+ rope]) + 4
-    None for the query without a latent (wq reads the block's norm)."""
-    ranks = [(args.q_lora_rank, 0), (args.kv_lora_rank, args.qk_rope_head_dim)] if args.q_lora_rank else []
-    ranks = ranks or [(args.kv_lora_rank, args.qk_rope_head_dim)]
+                    kernel keeps its bf16 input and output, as under fp32 at 2 B: 2 (2r [+ rope]) + 4
+    Nothing for the query without a latent (wq reads the block's norm)."""
+    ranks = [(args.kv_lora_rank, args.qk_rope_head_dim)] + ([(args.q_lora_rank, 0)] if args.q_lora_rank else [])
     if precision == "fp32" or (fused and precision == "bf16-params"):
         a = BYTES[precision]
         return sum(a * ((2 if fused else 3) * r + rope) + FP32 for r, rope in ranks)

@@ -430,9 +430,9 @@ def compute_actions(schedule, rank: int) -> int:
 def shared_cores(cluster: Cluster, busy_share: float) -> float:
     """What a step's compute is multiplied by when a node's ranks share its `cores_per_node` CPU
     cores: the rates were calibrated with every rank busy, and a rank waiting (in the pipeline's
-    bubble, or in a collective of fewer ranks than its node, `apart_share`)
-    leaves its core to the computing ones, which then run as if `busy_share` of the node's ranks
-    shared the cores (never faster than a core each). GPUs (0 cores): 1."""
+    bubble, or in a collective of fewer ranks than its node, `apart_share`) leaves its core to the
+    computing ones, which then run as if `busy_share` of the node's ranks shared the cores (never
+    faster than a core each). GPUs (0 cores): 1."""
     cores, ranks = cluster.cores_per_node, cluster.gpus_per_node
     if not cores or ranks <= cores:
         return 1.0
@@ -667,8 +667,8 @@ def peak_memory(
                 of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i, fused_norm=fused)
         per_layer = [of_kind[kind] for kind in order]
         stage = sum(per_layer) / max(len(stage_ranges), 1)  # a microbatch-stage's
-        held, alive = max(frontiers[rank], key=lambda pair: pair[0] * stage + pair[1] * boundary)
-        states["activations"] = stage * held
+        kept, alive = max(frontiers[rank], key=lambda pair: pair[0] * stage + pair[1] * boundary)
+        states["activations"] = stage * kept  # microbatch-stages holding activations at the peak
         states["boundaries"] = boundary * alive  # the pipeline's posted receives and kept outputs
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
