@@ -199,11 +199,13 @@ def not_finite(section: str, obj, names: tuple[str, ...]) -> list[str]:
 
 def train_problems(t) -> list[str]:
     floats = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "bucket_mb", "collective_timeout")
-    out = not_finite("train", t, floats)
+    out = not_finite("train", t, given(t, floats))
     if out:
         return out
     out += at_least("train", t, ("steps", "global_batch", "seq_len", "accumulate", "recompute_every"), 1)
-    out += at_least("train", t, ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "eval_every"), 0)
+    out += at_least(
+        "train", t, given(t, ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "seed", "eval_every")), 0
+    )
     if t.loss_chunk_tokens < 0:
         out.append(
             f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 (tokens per chunk of the head and loss); "
@@ -245,9 +247,14 @@ def fault_problems(t) -> list[str]:
     return out
 
 
+def given(obj, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The `names` set on `obj`: an optional key left None is derived, not checked (`train.min_lr`)."""
+    return tuple(n for n in names if getattr(obj, n) is not None)
+
+
 def schedule_of_lr_problems(t) -> list[str]:
     out = []
-    if t.min_lr > t.lr:
+    if t.min_lr is not None and t.min_lr > t.lr:
         out.append(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}; set train.min_lr <= train.lr")
     if t.warmup > t.steps >= 1:
         out.append(f"train.warmup={t.warmup} exceeds train.steps={t.steps}; set train.warmup <= {t.steps}")

@@ -33,6 +33,7 @@ from fivecut.config import (
     nest,
     parse_override,
     preset_args,
+    settle_min_lr,
 )
 from fivecut.layout import MoEOptions, ParallelDims
 from fivecut.ledger import format_rows
@@ -333,8 +334,10 @@ def cmd_train(ns) -> int:
     cfg = planned.cfg if planned is not None else cfg
     checks.validate(cfg, world)
     path = checkpoint.to_resume(cfg.checkpoint.dir, ns.resume)
+    meta = checkpoint.read_meta(path) if path else None
+    settle_min_lr(cfg.train, meta and meta["config"])  # the floor: the checkpoint's, else a tenth of train.lr
     checkpoint.refuse_other_run(cfg.checkpoint.dir, ns.resume, cfg)  # one run per checkpoint.dir
-    resume_changes(path, checkpoint.read_meta(path) if path else None, cfg, ns.accept)  # a changed run: refused here
+    resume_changes(path, meta, cfg, ns.accept)  # a changed run: refused here
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one

@@ -110,7 +110,10 @@ class TrainConfig:
     seq_len: int = 128
     accumulate: int = 1  # gradient-accumulation micro-steps per optimizer step
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    # the cosine schedule's floor. Unset: MIN_LR_FRACTION (a tenth) of train.lr for a new run, so a lowered lr
+    # (fine-tuning) lowers its floor too (3e-4 at the default lr); a resume keeps its checkpoint's floor (a new
+    # lr accepted with --override moves no floor). A value given is kept, and must be <= train.lr
+    min_lr: float | None = None
     warmup: int = 10
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -135,6 +138,31 @@ class TrainConfig:
     collective_timeout: float = 300.0  # seconds one collective waits before the run fails naming it
     on_nonfinite: str = "stop"  # a non-finite loss or gradient norm: "stop" the run, or "skip" the update
     max_skipped: int = 10  # with "skip": stop after this many skipped steps in a row
+
+
+MIN_LR_FRACTION = 0.1  # train.min_lr left unset: this fraction of train.lr (for a new run)
+
+
+def lr_floor(t: TrainConfig) -> float:
+    """The learning rate the schedule decays to: `t.min_lr` if set, else `MIN_LR_FRACTION` of `t.lr` to 15
+    digits (the number a user would write: 3e-4 at lr=3e-3, not the product's 3.0000000000000003e-4)."""
+    return float(f"{t.lr * MIN_LR_FRACTION:.15g}") if t.min_lr is None else t.min_lr
+
+
+def settle_min_lr(t: TrainConfig, saved: dict | None) -> None:
+    """Write the floor the run uses into an unset `t.min_lr`: the checkpoint's when resuming (`saved`, its
+    config: a resume goes on with its schedule), else `lr_floor`'s; so the run, the config it saves and
+    a later resume's comparison all see one number. A kept floor above a lowered train.lr is refused."""
+    if t.min_lr is not None:
+        return
+    kept = (saved or {}).get("train", {}).get("min_lr")
+    t.min_lr = lr_floor(t) if kept is None else kept
+    if t.min_lr > t.lr:
+        raise ConfigError(
+            f"train.lr={t.lr} is below train.min_lr={t.min_lr}, the schedule's floor kept from the checkpoint; "
+            f"set train.min_lr <= train.lr too (e.g. train.min_lr={t.lr * MIN_LR_FRACTION:g}) and accept it "
+            "with --override train.min_lr"
+        )
 
 
 @dataclass

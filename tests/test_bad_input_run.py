@@ -3,6 +3,7 @@ writable between two saves, keys that would do nothing, and the pipeline's defau
 Each refusal is one line naming the key, folder or flag and a fix, exit 2, no traceback."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import fivecut.launch
 from fivecut import checks
 from fivecut.checks import LayoutError
 from fivecut.cli import LOSS_RTOL, main, verify_config
-from fivecut.config import load_config
+from fivecut.config import ConfigError, load_config, settle_min_lr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,7 +78,11 @@ def earlier_run(tmp_path_factory):
     return cache, folder
 
 
-@pytest.mark.parametrize("lr, whose", [("1e-3", "another run (train.lr 0.003 -> 0.001)"), ("3e-3", "--resume auto")])
+# a new run's unset floor follows its lr (`config.lr_floor`), so a changed lr changes both
+ANOTHER_RUN = "another run (train.lr 0.003 -> 0.001, train.min_lr 0.0003 -> 0.0001)"
+
+
+@pytest.mark.parametrize("lr, whose", [("1e-3", ANOTHER_RUN), ("3e-3", "--resume auto")])
 def test_resume_never_into_a_folder_holding_a_run_is_refused(earlier_run, tmp_path, capsys, no_processes, lr, whose):
     """Another run (a changed lr) or the same config again: a new run never saves among a run's checkpoints."""
     cache, folder = earlier_run
@@ -248,3 +253,44 @@ def test_too_few_layers_for_dualpipev_offers_a_fix_that_works(capsys, tmp_path, 
         checks.validate(load_config(None, [*sets, 'parallel.pp_schedule="dualpipev"']), 4)
     for fix in ('parallel.pp_schedule="1f1b"', "model.n_layers=4"):  # each fix offered, followed, passes
         checks.validate(load_config(None, [*sets, 'parallel.pp_schedule="dualpipev"', fix]), 4)
+
+
+# ---------------------------------------------------------------- 5. the schedule's floor follows the rate (issue 42)
+
+
+def test_a_lowered_lr_is_trained_with_a_floor_that_follows_it(byte_cache, tmp_path, capsys):
+    """`--set train.lr=1e-4` (fine-tuning) with min_lr unset: accepted, and the cosine decays to lr/10.
+    Caught: a fixed default min_lr (3e-4, above the rate: refused)."""
+    out = tmp_path / "out"
+    argv = ["train"] + run_settings(byte_cache, out, "train.lr=1e-4", "train.steps=3", "log.peak_tflops=1.0")
+    assert main(argv) == 0, capsys.readouterr().err
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"lr"' in line]
+    assert lrs[-1] == pytest.approx(1e-5, rel=1e-12)  # the last step sits on the floor
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["train"]["min_lr"] == pytest.approx(1e-5)  # the floor used, as a resume compares it
+
+
+def floor(*overrides: str, saved: dict | None = None) -> float:
+    cfg = load_config(None, list(overrides))
+    checks.validate(cfg, 1)
+    settle_min_lr(cfg.train, saved)
+    return cfg.train.min_lr
+
+
+def test_the_default_floor_is_a_tenth_of_the_rate_and_a_resume_keeps_its_own():
+    assert floor() == pytest.approx(3e-4)  # the default rate's floor is the earlier fixed default
+    assert floor("train.lr=0.5", "train.min_lr=0.2") == 0.2  # a floor given is kept
+    assert floor("train.lr=1e-3", saved={"train": {"min_lr": 2e-4}}) == 2e-4  # a resume goes on with its schedule
+    assert floor("train.lr=1e-3", "train.min_lr=0.0", saved={"train": {"min_lr": 2e-4}}) == 0.0
+
+
+def test_a_resume_whose_lowered_rate_is_below_its_kept_floor_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"^train.lr=1e-05 is below train.min_lr=0.0003, .* from the checkpoint"):
+        floor("train.lr=1e-5", saved={"train": {"min_lr": 3e-4}})
+
+
+def test_a_floor_given_above_the_rate_is_refused_naming_both(capsys, tmp_path, no_processes):
+    err = refused(
+        capsys, ["train"] + run_settings(str(tmp_path), tmp_path / "out", "train.lr=1e-4", "train.min_lr=1e-3")
+    )
+    assert "train.min_lr=0.001 exceeds train.lr=0.0001" in err and "set train.min_lr <= train.lr" in err, err

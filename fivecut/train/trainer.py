@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fivecut.config import Config, model_label
+from fivecut.config import Config, lr_floor, model_label, settle_min_lr
 from fivecut.ledger import Row
 from fivecut.train import checkpoint
 from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, signal_stop
@@ -61,7 +61,7 @@ def optimizer_step(ctx: Context, step: int, moe: dict | None = None) -> None:
     them again). A skipped step calls none of this, on every rank alike."""
     t = ctx.cfg.train
     with ctx.mesh.ledger.phase("optimizer"):
-        set_lr(ctx.optimizer, lr_at(step, t.lr, t.min_lr, t.warmup, t.steps))
+        set_lr(ctx.optimizer, lr_at(step, t.lr, lr_floor(t), t.warmup, t.steps))
         ctx.optimizer.step()
         ctx.par.sync.after_step()  # ZeRO-1/2: the gathers go on into the next forward
         if ctx.par.experts is not None:
@@ -141,6 +141,7 @@ def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, 
         checkpoint.clean_partial(Path(root).expanduser())  # what a killed save left behind
     path = checkpoint.to_resume(root, resume)
     saved = checkpoint.read_meta(path) if path is not None else None
+    settle_min_lr(ctx.cfg.train, saved and saved["config"])
     ctx.start = resume_changes(path, saved, ctx.cfg, accept)
     if saved is not None:
         check_data_position(saved, ctx.sampler.position(saved["step"]), list(accept))
