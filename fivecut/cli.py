@@ -101,6 +101,7 @@ TOLERANCE_FLAGS = {  # verify's flag -> the fields of `Tolerances` it sets, and 
 INPUT_REFUSED = 2  # exit status of an input refused before anything runs
 FAILED = 1  # exit status of a FAIL, and of a run that did not complete (a rank raised, died or ran out of time)
 NOTHING_FITS = 1  # exit status of a plan search in which no layout fits the devices (an answer, not a bad input)
+PLAN_TOP = 5  # layouts a plan search prints and plots unless --top says
 
 
 class RunFailed(RuntimeError):
@@ -252,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--global-batch-tokens", default=None, help="tokens per optimizer step (4M, 512K or a number); seq divides it"
     )
-    plan.add_argument("--top", type=int, default=5, help="layouts the search prints and plots (default 5)")
+    plan.add_argument(
+        "--top", type=int, default=None, help=f"layouts the search prints and plots (default {PLAN_TOP}; no --layout)"
+    )
     plan.add_argument("--out", default="plan", help="folder for plan.json and plan.png (default ./plan)")
     plan.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="train.dtype (default bf16)")
     plan.add_argument(
@@ -1102,7 +1105,7 @@ def cmd_plan(ns) -> int:
     print(f"\nwrote {', '.join(written)}")
     if ns.check:
         print_check(args, cfg, cluster, cost)
-    return 0
+    return 0 if cost.fits else NOTHING_FITS  # the layout's plan, said and written, is an answer: it does not fit
 
 
 def check_checkable(cfg: Config) -> None:
@@ -1131,7 +1134,8 @@ def plan_search(ns, cluster) -> int:
     from fivecut.plan.search import search, why
 
     cfg, args = plan_config(ns, cluster.world_size)
-    result = search(args, cfg, cluster, ns.top)
+    shown = PLAN_TOP if ns.top is None else ns.top
+    result = search(args, cfg, cluster, shown)
     head = plan_header(ns, cfg, cluster)
     print(f"search: {ns.model}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch} sequences, "
           f"{cfg.train.dtype}; {cluster.describe()}")  # fmt: skip
@@ -1241,6 +1245,11 @@ def check_plan_flags(ns) -> None:
             raise ConfigError(f"--{dest.replace('_', '-')} {value}: give the {meaning}, a whole number >= 1")
     if ns.global_batch_tokens is not None:
         token_count(ns.global_batch_tokens)
+    if ns.top is not None and ns.layout is not None:
+        raise ConfigError(
+            f"--top {ns.top} ranks a search's layouts, but --layout {ns.layout} costs that one layout; "
+            "drop --top, or drop --layout to search"
+        )
     check_plan_folder(Path(ns.out))
 
 

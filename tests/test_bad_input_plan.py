@@ -9,7 +9,7 @@ import torch.distributed as dist
 import fivecut.launch
 import fivecut.plan.calibrate
 import fivecut.plan.search
-from fivecut.cli import main
+from fivecut.cli import NOTHING_FITS, main
 from fivecut.plan.calibrate import rank_room
 
 TINY = ["plan", "--model", "tiny", "--cluster", "1x2xH100", "--seq", "64"]
@@ -159,3 +159,22 @@ def test_a_model_that_fits_nowhere_says_what_it_needs_and_on_how_many_devices_it
     assert "it fits on 16 devices (8 nodes of 2 A100" in text and "--cluster 8x2xA100" in text
     assert main([*argv, "--cluster", "4x2xA100"]) == 1  # the doubling before: nothing fits
     assert main([*argv, "--cluster", "8x2xA100"]) == 0 and (out / "plan.json").is_file()
+
+
+def test_top_beside_a_layout_is_refused_naming_both_flags(tmp_path, capsys):
+    """--top ranks a search; --layout costs one layout, so --top would be ignored. Caught: accepted, exit 0."""
+    err = refused(capsys, [*TINY, "--layout", "dp=2", "--top", "3", "--out", str(tmp_path / "plan")])
+    assert "--top 3" in err and "--layout dp=2" in err and "drop --top, or drop --layout" in err, err
+    assert not (tmp_path / "plan").exists()
+
+
+def test_a_layout_that_does_not_fit_exits_as_a_search_in_which_none_fits(tmp_path, capsys):
+    """llama3-70b on two H100s, data-parallel: the plan is printed and written, exit NOTHING_FITS (1),
+    as a search that finds no layout; a layout that fits exits 0. Caught: exit 0 whatever the verdict."""
+    out = tmp_path / "plan"
+    argv = ["plan", "--model", "llama3-70b", "--cluster", "1x2xH100", "--seq", "1024", "--layout", "dp=2"]
+    assert main([*argv, "--out", str(out)]) == NOTHING_FITS == 1
+    text = capsys.readouterr().out
+    assert "layout dp=2" in text and "does NOT fit" in text and (out / "plan.json").is_file()
+    assert main([*TINY, "--layout", "dp=2", "--out", str(out)]) == 0
+    assert ": fits" in capsys.readouterr().out

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from fivecut.cli import build_parser, main, plan_config
+from fivecut.cli import NOTHING_FITS, build_parser, main, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import (
     EMBEDDING_GRAD_BYTES,
@@ -55,14 +55,17 @@ def test_the_specifications_3d_example_puts_tp_inside_nodes_and_dp_pp_across():
 
 
 def test_plan_prints_the_bandwidth_that_hides_each_links_traffic(capsys, tmp_path):
-    flags = ["--model", "llama3-8b", "--layout", "dp=4,tp=2", "--cluster", "1x8xH100", "--seq", "2048"]
-    assert main(["plan", *flags, "--out", str(tmp_path)]) == 0
+    flags = ["--model", "llama3-8b", "--layout", "dp=4,tp=2,zero=1", "--cluster", "1x8xH100", "--seq", "2048"]
+    assert main(["plan", *flags, "--out", str(tmp_path)]) == 0  # zero=1: it fits (unsharded AdamW does not)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("traffic per rank"))
     assert "intra" in line and "hidden behind the compute at" in line and "the link has 450" in line
 
 
 def test_a_layout_that_does_not_fit_names_its_largest_term(capsys):
-    assert main(["plan", "--model", "llama3-70b", "--layout", "dp=8", "--cluster", "1x8xH100", "--seq", "4096"]) == 0
+    assert (
+        main(["plan", "--model", "llama3-70b", "--layout", "dp=8", "--cluster", "1x8xH100", "--seq", "4096"])
+        == NOTHING_FITS
+    )
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "largest term is" in out
 
