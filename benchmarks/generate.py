@@ -210,7 +210,7 @@ def parse(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="timed generations per side per repeat")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations before each timed block")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see RESULTS.md for 1 vs 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 vs 2: results/generate.md)")
     opts = vars(p.parse_args(argv))
     unknown = set(opts["models"].split(",")) - set(PAIRS)
     if unknown:

@@ -61,7 +61,7 @@ VAL_LOSS_RTOL = 1e-5  # the validation loss: a forward with the trained weights,
 # sums (the batch split otherwise) moves a value by far more than in fp32. Measured, not guessed: the largest drift
 # of two single-process bf16 runs of verify's own run (10 steps) that differ only in the split of the batch
 # (train.accumulate 1 against 2 and 4), over tiny, tiny-moe and tiny-mla on the CPU:
-#     python benchmarks/verify_drift.py --dtype bf16   (benchmarks/RESULTS.md, "verify's tolerances under bf16")
+#     python benchmarks/verify_drift.py --dtype bf16   (benchmarks/results/verify.md)
 # loss 1.1e-4, validation loss 1.0e-4, step 1's gradient norm 3.9e-5, later gradient norms 3.3e-2. Each tolerance
 # sits 5x or more above that; the first three at 1e-3 also cover ZeRO-3, whose bf16 gathers round parameters and
 # gradients where autocast keeps fp32 (dp=2,zero=3 measured 3.2e-4 loss, 2.9e-4 step 1's norm), and stay under one
@@ -552,6 +552,7 @@ def cmd_data_build(ns) -> int:
 
     cfg = load_config(ns.config, ns.overrides)
     checks.refuse("invalid data options", checks.path_problems(cfg) + checks.data_problems(cfg))
+    checks.check_writable("data.cache_dir", cfg.data.cache_dir)  # refused by name, as train refuses it
     tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
     for source, splits in zip(sources_of(cfg.data.source), load_sources(cfg.data, tokenizer)):
         print(

@@ -129,7 +129,7 @@ class TrainConfig:
     # tokens per chunk of the head and cross-entropy computed together (`fivecut.parallel.loss`); 0: the full
     # logits. Each chunk adds its [V, h] weight gradient into the fp32 one: on an H200 (790 TFLOP/s, 4.3 TB/s)
     # that pass costs about 920/C of the chunk's dW matmul, so 512 made llama-1b's step 10% slower than the
-    # full logits, and 2048 a quarter of that (benchmarks/RESULTS.md); a chunk's logits are C*V*10 bytes
+    # full logits, and 2048 a quarter of that (benchmarks/results/gpu.md); a chunk's logits are C*V*10 bytes
     loss_chunk_tokens: int = 2048
     seed: int = 0
     eval_every: int = 50  # 0 disables periodic validation

@@ -201,7 +201,7 @@ ROWS: list[Row] = [
     # other dense models: tied embeddings (across the pipeline's ends), GPT-2's odd vocabulary
     Row("gpt2-tp2-sp", "tp=2,sp=true", "tiny-gpt2"),
     Row("gpt2-pp2-tied", "pp=2,microbatches=2", "tiny-gpt2"),
-    # DeepSeek-V3's layout in miniature (README)
+    # DeepSeek-V3's layout in miniature (docs/cuts.md)
     config_row("deepseek-v3-mini", "configs/deepseek-v3-mini.toml", changes=EPLB_NOW),
 ]
 

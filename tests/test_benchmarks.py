@@ -1,8 +1,8 @@
 """Every benchmark and script runs as a user runs it (`python benchmarks/x.py ...`) at its smallest
 size: it starts, runs and prints its report. The figures are not checked (they belong in
-benchmarks/RESULTS.md, measured on a quiet machine); that the report is printed is. The shell
-scripts are checked in tests/test_scripts.py. Each run here is a few seconds to ~20 s on a loaded
-2-core machine."""
+benchmarks/results/, indexed by benchmarks/RESULTS.md, measured on a quiet machine); that the
+report is printed is. The shell scripts are checked in tests/test_scripts.py. Each run here is a
+few seconds to ~20 s on a loaded 2-core machine."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
         assert_same_run(cfg, reference, name)
     # capacity and the auxiliary loss need each sequence's slots from both cp chunks; the bias rule is
     # left out: its sign(load - mean) turns a one-token routing flip (fp rounding differs under
-    # Ulysses) into a different bias, and the runs separate after a few steps (benchmarks/RESULTS.md)
+    # Ulysses) into a different bias, and the runs separate after a few steps (benchmarks/results/moe.md)
     moe = ('model.preset="tiny-moe"', "moe.capacity_factor=1.0", "moe.aux_loss_coef=0.01")
     reference = single_process_run(byte_cache, *moe)
     cfg = small_config(byte_cache, *moe, *ulysses, "parallel.ep=2", f'log.out_dir="{tmp_path}/moe"')

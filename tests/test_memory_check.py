@@ -148,7 +148,7 @@ def test_plan_check_prints_the_plan_beside_the_check(capsys, tmp_path):
     peak = re.search(r"^  peak\s+(\S+) MiB\s+(\S+) MiB\s+(\S+)$", out, re.M)
     # 1.036 when recorded (1.061 before the plan counted the pipeline's posted receives): a block's
     # backward transients on top of the microbatches still in flight, which the plan leaves out, are
-    # a larger share of a 10 MiB step than of a real one (1.007 at llama3-8b, pp=4: RESULTS.md)
+    # a larger share of a 10 MiB step than of a real one (1.007 at llama3-8b, pp=4: benchmarks/results/planner.md)
     assert peak is not None and abs(float(peak.group(3)) - 1) <= 0.1
 
 

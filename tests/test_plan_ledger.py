@@ -1,7 +1,7 @@
 """The planner's bytes equal the ledger's: `cost_layout`'s communication per cut and model-state
 memory are those `fivecut ledger` measures on a real step (tiny, 2 ranks), its activations
 a block's to the byte, and its collective calls per cut and op (what each call's latency multiplies) are
-the ledger's (timing is not asserted: benchmarks/plan_check.py puts it in RESULTS.md)."""
+the ledger's (timing is not asserted: benchmarks/plan_check.py puts it in benchmarks/results/planner.md)."""
 
 from __future__ import annotations
 

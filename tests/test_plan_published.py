@@ -1,4 +1,4 @@
-"""Published layouts, costed by `fivecut plan --layout` (figures and sources in the README's planner section).
+"""Published layouts, costed by `fivecut plan --layout` (figures and sources in docs/planner.md, "Published layouts").
 
 DeepSeek-V3 (arXiv 2412.19437, section 3.2): 2048 H800, EP64 x PP16 (DualPipe) x DP with ZeRO-1,
 sequences of 4,096, a batch of 15,360 sequences. Llama 3.1 405B (arXiv 2407.21783, table 4):

@@ -1,5 +1,5 @@
 """The shell scripts under scripts/: what can be checked without root, daemons or a GPU.
-(scripts/slurm_local.sh itself runs a Slurm cluster; its output is in the README.)"""
+(scripts/slurm_local.sh itself runs a Slurm cluster; its output is in docs/running.md, "Slurm".)"""
 
 from __future__ import annotations
 

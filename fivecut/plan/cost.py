@@ -111,7 +111,7 @@ EMBEDDING_GRAD_BYTES = 16  # an embedding element's fp32 passes a backward: the 
 # then added into `.grad` (read both, write); the lookup's scatter of the microbatch's rows is negligible
 CAST_BYTES = 6  # bytes moved a byte of a bf16 weight copy: the cast from fp32 (3) and its gradient's back (3)
 CHUNK_GRAD_BYTES = 10  # a head element a chunk of the chunked loss: its bf16 gradient read, the fp32 one
-# read and written (benchmarks/RESULTS.md, "One H200": 2048-token chunks cost 1.9% of llama-1b's step)
+# read and written (benchmarks/results/gpu.md, "One H200": 2048-token chunks cost 1.9% of llama-1b's step)
 LOSS_BYTES = 16  # a logit's fp32 passes in the cross-entropy: the log-sum-exp's read, the gradient's
 # write, read and scale  # a parameter's bytes in a step's tail (clipping, then AdamW)
 HIDDEN = {  # how much of a cut's time hides behind compute, and behind which

@@ -371,7 +371,7 @@ def moe_config(args: ModelArgs, dtype: str, bos: int | None, eos: int | None) ->
         "model_type": "fivecut",
         "note": "a fivecut model (mixture of experts or latent attention): no Hugging Face class reads it; the "
         "tensor names are "
-        "fivecut's own (see the README section 'Weights in and out' and fivecut/weights/export.py)",
+        "fivecut's own (see docs/models.md, 'Weights in and out', and fivecut/weights/export.py)",
         "fivecut": dataclasses.asdict(args),
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_embeddings,
