@@ -20,7 +20,10 @@ import math
 import os
 import shutil
 import tempfile
+from fractions import Fraction
 from pathlib import Path
+
+import numpy as np
 
 from fivecut.config import (
     ADAMW_KERNELS,
@@ -33,7 +36,7 @@ from fivecut.config import (
     preset_args,
 )
 from fivecut.data.chat import FORMATS
-from fivecut.data.mixture import weight_problem
+from fivecut.data.mixture import Mixture, normalised, weight_problem
 from fivecut.data.sampler import ORDERS
 from fivecut.data.sources import DataError, resolve_source
 from fivecut.layout import COUNTS, MESH_DIMS, MoEOptions, ParallelDims
@@ -348,6 +351,66 @@ def log_problems(log) -> list[str]:
     if not (math.isfinite(log.peak_tflops) and log.peak_tflops >= 0):
         out.append(f"log.peak_tflops={log.peak_tflops} must be >= 0 (0 = look it up or measure it)")
     return out
+
+
+# ---------------------------------------------------------------- the validation split
+
+
+def check_eval_split(cfg: Config, sources: list) -> None:
+    """Periodic evaluation's windows fit each source's validation split (`sources`: the run's
+    `TokenSplits`, their stores opened before any process starts). The evaluation takes
+    train.eval_batches x train.global_batch windows of seq_len + 1 tokens, dealt to the sources by
+    their weights and spaced evenly over each split (`fivecut.train.data.eval_batches`, which would
+    refuse it inside the ranks): a source given w windows needs w * seq_len + 1 tokens."""
+    t, d = cfg.train, cfg.data
+    if t.eval_every < 1:
+        return
+    lengths = [len(s.val) for s in sources]
+    windows = eval_windows(d.weights, len(sources), t.eval_batches * t.global_batch)
+    short = [k for k, (length, w) in enumerate(zip(lengths, windows)) if not fits(length, w, t.seq_len)]
+    if not short:
+        return
+    k, names = short[0], [d.source] if isinstance(d.source, str) else d.source
+    share = f" ({windows[k]} of them from this source)" if len(sources) > 1 else ""
+    raise ConfigError(
+        f"train.eval_batches={t.eval_batches} x train.global_batch={t.global_batch} validation windows of "
+        f"{t.seq_len + 1} tokens{share} need {windows[k] * t.seq_len + 1:,} tokens, but the validation split of "
+        f"{names[k]!r} holds {lengths[k]:,} (data.val_fraction={d.val_fraction} of its {sources[k].n_tokens:,}); "
+        + ", or ".join(eval_fixes(cfg, sources, lengths, windows))
+    )
+
+
+def eval_windows(weights: list[float] | None, n_sources: int, count: int) -> list[int]:
+    """How many of `count` validation windows each source gives, dealt as `eval_batches` deals them."""
+    if n_sources == 1:
+        return [count]
+    labels = np.resize(Mixture.of(normalised(weights, n_sources)[0]).labels, count)
+    return np.bincount(labels, minlength=n_sources).tolist()
+
+
+def fits(length: int, windows: int, seq_len: int) -> bool:
+    """`windows` windows of seq_len + 1 tokens, evenly spaced and targets never shared, in `length` tokens."""
+    return windows == 0 or length >= windows * seq_len + 1
+
+
+def eval_fixes(cfg: Config, sources: list, lengths: list[int], windows: list[int]) -> list[str]:
+    """The most train.eval_batches that fit, the least data.val_fraction that fits, and evaluation off."""
+    t, d = cfg.train, cfg.data
+
+    def fit(n: int) -> bool:
+        dealt = eval_windows(d.weights, len(sources), n * t.global_batch)
+        return all(fits(length, w, t.seq_len) for length, w in zip(lengths, dealt))
+
+    low, high = 0, t.eval_batches  # fit(low) holds (no windows), fit(high) does not: bisect
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fit(mid) else (low, mid)
+    out = [f"set train.eval_batches={low}"] if low else []
+    needed = max(Fraction(w * t.seq_len + 1, s.n_tokens) for w, s in zip(windows, sources))
+    fraction = Fraction(math.ceil(needed * 1000), 1000)  # in thousandths, rounded up
+    if all(math.ceil(fraction * s.n_tokens) <= s.n_tokens - t.seq_len - 1 for s in sources):  # a training row left
+        out.append(f"raise data.val_fraction to {float(fraction):g}")
+    return out + ["set train.eval_every=0 to turn evaluation off"]
 
 
 # ---------------------------------------------------------------- folders

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
@@ -19,6 +20,7 @@ from fivecut import checks
 from fivecut.checks import LayoutError
 from fivecut.cli import LOSS_RTOL, main, verify_config
 from fivecut.config import ConfigError, load_config, settle_min_lr
+from fivecut.train.data import eval_batches, load_sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -294,3 +296,47 @@ def test_a_floor_given_above_the_rate_is_refused_naming_both(capsys, tmp_path, n
         capsys, ["train"] + run_settings(str(tmp_path), tmp_path / "out", "train.lr=1e-4", "train.min_lr=1e-3")
     )
     assert "train.min_lr=0.001 exceeds train.lr=0.0001" in err and "set train.min_lr <= train.lr" in err, err
+
+
+# ---------------------------------------------------------------- 6. a validation split too small (issue 42)
+
+
+def test_a_validation_split_too_small_for_eval_batches_is_refused_before_any_process(tmp_path, capsys, no_processes):
+    """20,000 bytes hold a 1,000-token validation split; 8 x 4 windows of 65 tokens need 2,049. Caught:
+    the ranks' own refusal (`train.data.eval_batches`), reached only after the process group formed."""
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("to be or not to be " * 1052 + "to be or not")  # 20,000 bytes, one document
+    sets = (f'data.source="{corpus}"', "train.seq_len=64", "train.eval_every=1", "train.eval_batches=8")
+    err = refused(capsys, ["train"] + run_settings(str(tmp_path / "cache"), tmp_path / "out", *sets))
+    assert "train.eval_batches=8 x train.global_batch=4 validation windows of 65 tokens need 2,049 tokens" in err, err
+    assert f"validation split of {str(corpus)!r} holds 1,000 (data.val_fraction=0.05 of its 20,000)" in err, err
+    assert "set train.eval_batches=3, or raise data.val_fraction to 0.103, or set train.eval_every=0" in err, err
+    for fix in ("train.eval_batches=3", "data.val_fraction=0.103", "train.eval_every=0"):  # each fix passes
+        cfg = load_config(None, [*sets, f'data.cache_dir="{tmp_path / "cache"}"', "train.global_batch=4", fix])
+        checks.check_eval_split(cfg, load_sources(cfg.data, "byte"))
+
+
+@pytest.mark.parametrize("weights", [None, [3.0, 1.0], [1.0, 1.0, 5.0]])
+def test_the_split_check_refuses_exactly_what_the_ranks_evaluation_cannot_take(weights):
+    """Over mixed sources (windows dealt by weight) and split sizes: the check passes iff the ranks'
+    `eval_batches` builds the validation set. Caught: a check that deals the windows another way."""
+    n = 3 if weights is None or len(weights) == 3 else 2
+    cfg = load_config(None, ["train.seq_len=16", "train.global_batch=4", "train.eval_every=1"])
+    cfg.data.source, cfg.data.weights = [f"s{k}" for k in range(n)], weights
+    for lengths in [(200, 300, 50), (1000, 129, 400), (65, 65, 2000), (500, 500, 500)]:
+        vals = [np.arange(length) % 7 for length in lengths[:n]]
+        sources = [SimpleNamespace(val=v, n_tokens=20 * len(v)) for v in vals]
+        for batches in range(1, 9):
+            cfg.train.eval_batches = batches
+            try:
+                eval_batches(vals, 16, 4, batches, weights)
+                built = True
+            except ValueError:
+                built = False
+            try:
+                checks.check_eval_split(cfg, sources)
+                passed = True
+            except ConfigError as err:
+                passed = False
+                assert "need" in str(err) and "train.eval_every=0" in str(err)
+            assert passed == built, (lengths[:n], batches)

@@ -140,7 +140,9 @@ def run_tokens(cfg: Config) -> BatchSampler:
     construction refuses a split too short for a row. Called before any process group exists, so
     bad data is refused with exit 2 there."""
     tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
-    sampler = run_sampler(cfg, load_sources(cfg.data, tokenizer))
+    sources = load_sources(cfg.data, tokenizer)
+    sampler = run_sampler(cfg, sources)
+    checks.check_eval_split(cfg, sources)  # refused here, not by the ranks' `eval_batches`
     if int(os.environ.get("RANK", "0")) == 0:
         for line in sampler.lines(sources_of(cfg.data.source)):
             print(f"fivecut: {line}", flush=True)
