@@ -375,3 +375,83 @@ def test_chat_data_needs_a_models_own_tokenizer(capsys, chat_model, tmp_path):
     path = write_jsonl(tmp_path / "chats.jsonl", conversations(3))
     err = refused(capsys, tmp_path, chat_model, f'data.source="{path}"', 'data.tokenizer="byte"')
     assert "data.format=\"chat\" needs a model's own tokenizer, not 'byte'" in err
+
+
+# ---------------------------------------------------------------- templates that train on nothing (issue 42)
+
+NO_REPLIES = (  # renders the user and system turns only: every token's mask is 0
+    "{% for message in messages %}{% if message['role'] != 'assistant' %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+)
+EMPTY_MARKERS = TEMPLATE.replace(  # marks the replies with an empty {% generation %} block
+    "{% generation %}{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}",
+    "{{ message['content'] + '<|im_end|>\\n' }}{% generation %}{% endgeneration %}",
+)
+
+
+@pytest.mark.parametrize("template", [NO_REPLIES, EMPTY_MARKERS], ids=["no-replies", "empty-markers"])
+def test_a_template_that_trains_on_nothing_is_refused(capsys, chat_model, tmp_path, template):
+    """Not a run at loss 0.0 that exits 0: refused before any process, naming the data and the template."""
+    path = write_jsonl(tmp_path / "chats.jsonl", conversations(40))
+    (tmp_path / "t.jinja").write_text(template)
+    sets = f'data.source="{path}"', f'data.chat_template="{tmp_path / "t.jinja"}"', "train.seq_len=16"
+    err = refused(capsys, tmp_path, chat_model, *sets, "train.global_batch=2", "train.eval_every=0")
+    assert err.startswith(f"error: {path}: the chat template from {tmp_path / 't.jinja'} marks no token"), err
+    assert "set data.chat_template" in err
+    again = refused(capsys, tmp_path, chat_model, *sets, "train.global_batch=2", "train.eval_every=0")
+    assert again == err  # the next try resumes from the shards written: refused the same
+
+
+def test_conversations_without_a_loss_token_are_counted(capsys, tmp_path):
+    """A template whose markers wrap the reply alone: an empty reply has no loss token. The build
+    says how many conversations have none and where the first is, and goes on."""
+    folder = tmp_path / "model"
+    save_model(
+        folder,
+        TEMPLATE.replace(
+            "message['content'] + '<|im_end|>\\n' }}{% endgeneration %}",
+            "message['content'] }}{% endgeneration %}{{ '<|im_end|>\\n' }}",
+        ),
+    )
+    chats = conversations(12)
+    for k in (3, 7, 8):  # lines 4, 8 and 9
+        chats[k] = [m | {"content": ""} if m["role"] == "assistant" else m for m in chats[k]]
+    path = write_jsonl(tmp_path / "chats.jsonl", chats)
+    sets = chat_sets(folder, path, tmp_path / "cache")
+    capsys.readouterr()
+    assert main(["data", "build"] + [a for s in sets for a in ("--set", s)]) == 0
+    out = capsys.readouterr().out
+    (note,) = [line for line in out.splitlines() if "warning" in line]
+    assert "3 of the 12 conversations tokenized have no token the loss trains on" in note
+    assert f"(the first: {path}:4)" in note and f"the tokenizer of {folder}" in note, note
+
+
+# ---------------------------------------------------------------- the template's own refusals (issue 42)
+
+STRICT = (  # Mistral's and Llama 2's check, and an unknown role
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}{% endif %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([{"role": "user", "content": "the cat"}, {"role": "user", "content": "a dog"}], "roles must alternate"),
+        ([{"role": "user", "content": "the"}, {"role": "robot", "content": "a"}], "Unknown role: robot"),
+    ],
+    ids=["not-alternating", "unknown-role"],
+)
+def test_the_templates_own_refusal_names_the_file_and_line(capsys, tmp_path, bad, message):
+    folder = tmp_path / "model"
+    save_model(folder, STRICT)
+    chats = [[{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a dog sat"}]] * 2
+    path = write_jsonl(tmp_path / "chats.jsonl", chats + [bad + [{"role": "assistant", "content": "ok"}]])
+    err = refused(capsys, tmp_path, folder, f'data.source="{path}"')
+    assert err.startswith(f"error: {path}:3: the chat template from the tokenizer of {folder}"), err
+    assert message in err and "fix that line" in err
