@@ -11,12 +11,20 @@ Layout of `<cache_dir>/<tokenizer>-<key>/`:
     shard-00000.idx   uint64: where each document that starts in this shard starts in the stream
                       (its first token is the eot separator, except for the stream's first document)
     store.json        written last: tokenizer, dtype, totals, each shard's size and the sha256 of
-                      its .bin and .idx, and `content`: one sha256 over all of them
+                      its .bin and .idx, `content`: one sha256 over all of them, and `inputs`:
+                      each input file's path, sha256 and (size, mtime_ns, ctime_ns, inode) when hashed
     progress.json     while a build runs: the finished shards and where the next one starts
 
 Documents are joined as the single-file cache joined them: the tokenizer's eot id before every
 document but the first (no separator when the tokenizer has none). The key hashes the tokenizer's
 identity, `text_field`, `shard_tokens` and every input file's path and sha256.
+
+The inputs' content is checked by the build, which hashes every byte of them. An open trusts it: an
+input whose (size, mtime_ns, ctime_ns, inode) equals what a finished store in the same cache_dir
+recorded is taken to hold the content hashed then, and is not read (minutes saved at every launch on
+tens of GB); an input where any of them differs is hashed again, and new content is a new key, so a
+new store. The ctime is there because a program can put an mtime back (`touch -r`, an in-place
+restore) but not a ctime: any write or utime moves it.
 
 Building: the sources are cut into work units (`fivecut.data.sources.plan_units`) that a pool of
 `workers` processes tokenizes with the tokenizer's batch encoding; results come back in unit order,
@@ -57,7 +65,17 @@ from pathlib import Path
 import numpy as np
 
 from fivecut.data.chat import ChatTemplate, Targets, encode_chat_unit, refuse_untrained, untrained_note
-from fivecut.data.sources import JSONL, UNIT_BYTES, DataError, SourceFile, Unit, plan_units, read_unit, resolve_source
+from fivecut.data.sources import (
+    JSON,
+    JSONL,
+    UNIT_BYTES,
+    DataError,
+    SourceFile,
+    Unit,
+    plan_units,
+    read_unit,
+    resolve_source,
+)
 from fivecut.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
 
 STORE_VERSION = 1  # bump when the layout or the tokenization rules change
@@ -250,15 +268,45 @@ class Store:
         self.verified = True
 
 
-def store_key(tokenizer: str, files: list[SourceFile], options: BuildOptions) -> str:
+def store_key(tokenizer: str, inputs: list[dict], options: BuildOptions) -> str:
     h = hashlib.sha256(f"fivecut-store-v{STORE_VERSION}\0{tokenizer}\0{options.text_field}".encode())
     h.update(f"\0{options.shard_tokens}".encode())
     if options.chat is not None:  # the same files rendered with another template are another store
         h.update(f"\0chat\0{options.chat.digest}".encode())
-    for f in files:
-        digest = file_sha256(f.path) if f.path.is_file() else folder_sha256(f.path)
-        h.update(f"\0{f.path}\0{digest}".encode())
+    for r in inputs:
+        h.update(f"\0{r['path']}\0{r['sha256']}".encode())
     return h.hexdigest()[:16]
+
+
+def input_records(files: list[SourceFile], cache_dir: Path) -> list[dict]:
+    """Each input's {path, stat, sha256}; the sha256 recorded by a store of `cache_dir` for the same
+    path and stat is trusted (see the module docstring), any other input is hashed."""
+    known = recorded_inputs(cache_dir)
+    records = []
+    for f in files:
+        stat = input_stat(f.path)  # before the hash: a file changed while it is hashed differs next time
+        digest = known.get((str(f.path), json.dumps(stat)))
+        if digest is None:
+            digest = file_sha256(f.path) if f.path.is_file() else folder_sha256(f.path)
+        records.append({"path": str(f.path), "stat": stat, "sha256": digest})
+    return records
+
+
+def input_stat(path: Path) -> list:
+    """[size, mtime_ns, ctime_ns, inode] of a file; of a saved dataset's folder, [name, ...] of each file."""
+    if path.is_file():
+        st = path.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    return [[str(p.relative_to(path)), *input_stat(p)] for p in sorted(q for q in path.rglob("*") if q.is_file())]
+
+
+def recorded_inputs(cache_dir: Path) -> dict[tuple[str, str], str]:
+    """(path, stat as JSON) -> sha256 of every input recorded by a finished store in `cache_dir`."""
+    known = {}
+    for meta_file in cache_dir.glob(f"*/{META}"):
+        for r in (read_meta(meta_file.parent) or {}).get("inputs", ()):
+            known[(r["path"], json.dumps(r["stat"]))] = r["sha256"]
+    return known
 
 
 def folder_sha256(folder: Path) -> str:
@@ -296,14 +344,15 @@ def open_store(
     files = resolve_source(source)
     cache_dir = Path(cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    folder = cache_dir / f"{name}-{store_key(name, files, options)}"
+    inputs = input_records(files, cache_dir)
+    folder = cache_dir / f"{name}-{store_key(name, inputs, options)}"
     meta, built = read_meta(folder), False
     if meta is None:
         with build_lock(folder):
             meta = read_meta(folder)  # another process may have finished it while this one waited
             if meta is None:
                 tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-                meta, built = build(folder, files, tok, options), True
+                meta, built = build(folder, files, inputs, tok, options), True
     store = Store(folder, meta, verified=built)  # a build hashed every byte it wrote
     if verify and not built:
         store.verify()
@@ -512,13 +561,14 @@ def kept_shards(folder: Path, unit_bytes: int) -> list[dict]:
     return kept
 
 
-def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildOptions) -> dict:
-    """Tokenize `files` into `folder` (see the module docstring); returns store.json's contents."""
+def build(folder: Path, files: list[SourceFile], inputs: list[dict], tok: Tokenizer, options: BuildOptions) -> dict:
+    """Tokenize `files` into `folder` (see the module docstring); `inputs`: their records for store.json
+    (`input_records`); returns store.json's contents."""
     folder.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
     unit_bytes = options.unit_bytes or UNIT_BYTES
     if options.chat is not None:
-        not_jsonl = [f.path for f in files if f.kind != JSONL]
+        not_jsonl = [f.path for f in files if f.kind not in (JSONL, JSON)]
         if not_jsonl:
             raise DataError(
                 f'{not_jsonl[0]}: data.format="chat" reads JSONL files (a "messages" list a line); convert it to JSONL '
@@ -554,14 +604,14 @@ def build(folder: Path, files: list[SourceFile], tok: Tokenizer, options: BuildO
     if writer.position == 0:
         raise DataError(f"data.source {[str(f.path) for f in files]} tokenizes to 0 tokens; give it some text")
     note = None if options.chat is None else chat_note(folder, files, writer.shards, targets, options.chat)
-    meta = store_meta(tok, dtype, files, options, writer.shards)
+    meta = store_meta(tok, dtype, inputs, options, writer.shards)
     atomic_write(folder / META, json.dumps(meta, indent=1).encode())
     (folder / PROGRESS).unlink(missing_ok=True)
     seconds = time.perf_counter() - began
     print(
         f"fivecut: built token store {folder}: {meta['n_tokens']:,} tokens, {meta['n_docs']:,} documents, "
         f"{len(writer.shards)} shards, {seconds:.1f} s ({meta['n_tokens'] / max(seconds, 1e-9):,.0f} tokens/s, "
-        f"{workers} workers)",
+        f"{workers} workers); a later open trusts the inputs' recorded size, times and inode (re-hashes a changed one)",
         flush=True,
     )
     if note:
@@ -578,7 +628,7 @@ def chat_note(folder: Path, files: list[SourceFile], shards: list[dict], targets
     return untrained_note(targets, str(folder), chat)
 
 
-def store_meta(tok: Tokenizer, dtype: np.dtype, files: list[SourceFile], options: BuildOptions, shards) -> dict:
+def store_meta(tok: Tokenizer, dtype: np.dtype, inputs: list[dict], options: BuildOptions, shards) -> dict:
     content = hashlib.sha256(
         "".join(r["sha256"] + r["index_sha256"] + r.get("mask_sha256", "") for r in shards).encode()
     ).hexdigest()
@@ -593,7 +643,8 @@ def store_meta(tok: Tokenizer, dtype: np.dtype, files: list[SourceFile], options
         "shard_tokens": options.shard_tokens,
         "text_field": options.text_field,
         "format": "text" if options.chat is None else "chat",
-        "files": [str(f.path) for f in files],
+        "files": [r["path"] for r in inputs],
+        "inputs": inputs,  # path, stat and sha256 of each: an open trusts an unchanged stat (`input_records`)
         "content": content,  # the same documents give the same content, whatever their format
         "shards": [{k: v for k, v in r.items() if k != "end"} for r in shards],
     }
