@@ -31,6 +31,7 @@ import pytest
 import torch
 from test_ddp import TOKENS, run_config, small_config
 
+from fivecut.cli import in_process
 from fivecut.launch import spawn
 from fivecut.layout import ParallelDims
 from fivecut.mesh import Mesh
@@ -39,6 +40,7 @@ from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize, token_loss_sum
 from fivecut.parallel.pipeline.executor import PipelineStep
 from fivecut.train.data import BatchSampler
+from fivecut.train.trainer import train
 
 pytestmark = pytest.mark.multirank
 
@@ -214,3 +216,24 @@ def test_pp2_1f1b_holds_the_weight_copies_once():
         for m in range(8):
             assert own_before[m] - own_after[m] == weights, (rank, m)
         assert shared_after - shared_before == weights  # the same copy in every microbatch
+
+
+# ---------------------------------------------------------------- evaluation between two steps (issue 42)
+
+
+def steps_and_evaluations(cfg) -> tuple[list[float], list[float], list[int]]:
+    """Losses, gradient norms and the steps evaluated after, of a run in this process."""
+    result = train(cfg, quiet=True)
+    return result.losses, result.grad_norms, sorted(result.val_losses)
+
+
+def test_an_evaluation_between_two_bf16_steps_leaves_the_next_step_unchanged(byte_cache):
+    """The copies are a per-step cache that training fills under autograd and the optimizer step
+    empties; an evaluation (no grad) between steps 2 and 3 must neither fill it nor read a stale
+    one: step 3's loss and gradient norm equal, bit for bit, those of a run without it. Caught: a copy
+    made under no grad (`prepare` without its grad check), which step 3 reuses, cut off its master."""
+    sets = (BF16, "train.steps=3", "train.warmup=1")
+    evaluated = in_process(steps_and_evaluations, small_config(byte_cache, *sets, "train.eval_every=2"))
+    plain = in_process(steps_and_evaluations, small_config(byte_cache, *sets))
+    assert evaluated[2] == [2, 3] and plain[2] == []  # evaluated after step 2 (and at the end)
+    assert evaluated[0] == plain[0] and evaluated[1] == plain[1]  # floats compared exactly
