@@ -107,7 +107,7 @@ def test_bad_conversions_are_refused_in_one_line(qwen2, tmp_path, capsys):
     (full / "keep.txt").write_text("mine")
     spec, back = f"hf:{qwen2[0]}", f"hf:{tmp_path / 'b'}"
     cases = {
-        "is not empty; export never overwrites": ["--from", spec, "--to", str(full)],
+        f"--to {full} is not empty; fivecut never overwrites": ["--from", spec, "--to", str(full)],
         "--dtype does not apply to converting": ["--from", spec, "--to", str(tmp_path / "a"), "--dtype", "bf16"],
         "--layout does not apply to converting": ["--from", "dcp:x", "--to", back, "--layout", "tp=2"],
         "give hf:FOLDER, gguf:FILE (to a checkpoint) or dcp:CHECKPOINT": ["--from", "x", "--to", str(tmp_path / "c")],
@@ -118,6 +118,28 @@ def test_bad_conversions_are_refused_in_one_line(qwen2, tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, (needle, err)
     assert (full / "keep.txt").read_text() == "mine"
+
+
+def test_a_refused_destination_is_named_by_convert_s_own_flag(tmp_path, capsys):
+    """convert has no --out: its refusals of a destination name --to, as the user wrote it."""
+    from fivecut.cli import main
+
+    full, a_file = tmp_path / "full", tmp_path / "a-file"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    a_file.write_text("mine too")
+    cases = {
+        f"--to {full} is not empty": ["--from", "hf:anything", "--to", str(full)],
+        f"--to hf:{full} is not empty": ["--from", "dcp:x", "--to", f"hf:{full}"],
+        f"--to hf:{a_file} is a file": ["--from", "dcp:x", "--to", f"hf:{a_file}"],
+        f"--to {a_file}/ckpt: {a_file} is a file": ["--from", "gguf:x", "--to", str(a_file / "ckpt")],
+    }
+    for needle, argv in cases.items():
+        code = main(["convert", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "--out" not in err, (needle, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert (full / "keep.txt").read_text() == "mine" and a_file.read_text() == "mine too"
 
 
 @pytest.mark.multirank

@@ -281,6 +281,65 @@ def test_sizes_parse_as_hugging_face_writes_them():
             ex.parse_size(bad)
 
 
+def killed_export(out: Path) -> Path:
+    """The temporary folder an export to `out` leaves when it is killed mid-write (a process that
+    writes half a shard, then dies without cleaning up)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; from pathlib import Path; from fivecut.weights.export import write_atomically; "
+        "write_atomically(Path(sys.argv[1]), lambda tmp: ((tmp / 'model.safetensors').write_text('half'), "
+        "os._exit(9)))"
+    )
+    assert subprocess.run([sys.executable, "-c", code, str(out)]).returncode == 9
+    (left,) = [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+    return left
+
+
+def test_the_next_export_removes_what_a_killed_one_left(tiny_run, tmp_path, capsys):
+    """Its own temporary folders for that destination only: a killed export's, one of an older
+    fivecut (no PID); not another destination's, not a running export's, not a file, not a look-alike."""
+    import os
+
+    out = tmp_path / "hf"
+    killed, older = killed_export(out), tmp_path / ".hf.tmp-ab1cd_9z"
+    running, other = tmp_path / f".hf.tmp-{os.getpid()}-qwertyui", tmp_path / ".hf2.tmp-abcdefgh"
+    lookalike, a_file = tmp_path / ".hf.tmp-abcdefgh.keep", tmp_path / ".hf.tmp-zyxw9876"
+    for folder in (older, running, other, lookalike):
+        folder.mkdir()
+        (folder / "x").write_text("x")
+    a_file.write_text("mine")
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(tiny_run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    line = f"removed 2 temporary folder(s) of an interrupted export to {out}: "
+    assert line in printed and killed.name in printed and older.name in printed, printed
+    assert f"note: left {running.name}: an export to {out} still running writes it" in printed, printed
+    assert not killed.exists() and not older.exists() and (out / "model.safetensors").is_file()
+    assert all((f / "x").is_file() for f in (running, other, lookalike)) and a_file.read_text() == "mine"
+
+
+def test_workers_are_bounded_by_the_cores_and_said(tiny_run, tmp_path, capsys, monkeypatch):
+    """--workers 100000 on a 1-core machine: one process writes every shard, in this process (no
+    pool may start); the lowering is said. --workers 0 is refused before anything is written."""
+
+    def no_pool(*_):
+        raise AssertionError("a pool of worker processes was started")
+
+    monkeypatch.setattr(ex.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(ex.multiprocessing, "get_context", no_pool)
+    argv = ["export", "--checkpoint", str(tiny_run), "--max-shard-size", "100KB", "--workers", "100000"]
+    assert main([*argv, "--out", str(tmp_path / "hf")]) == 0
+    printed = capsys.readouterr().out
+    shards = len(list((tmp_path / "hf").glob("model-*-of-*.safetensors")))
+    assert shards > 1 and f"note: --workers 100000 lowered to 1 ({shards} shard(s) to write, 1 cores here)" in printed
+    for bad in ("0", "-3"):
+        code, err = export_cli(capsys, *argv[1:-2], f"--workers={bad}", "--out", str(tmp_path / "none"))
+        assert code == 2 and f"--workers {bad} is not positive" in err and "Traceback" not in err, err
+        assert err.count("\n") == 1 and not (tmp_path / "none").exists()
+
+
 @pytest.mark.multirank
 def test_eval_of_a_checkpoint_is_the_same_under_a_layout(tiny_run, cache, capsys):
     """`fivecut eval --checkpoint` in one process and under cp=2 (ring) print the same loss, and it is

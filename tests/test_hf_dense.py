@@ -265,6 +265,37 @@ def test_each_class_exports_to_itself_after_training(saved, byte_cache, tmp_path
         assert not torch.allclose(expected, before, atol=1e-3), name
 
 
+def test_a_mistral_without_a_window_goes_back_out_a_mistral(byte_cache, tmp_path, capsys):
+    """Llama holds its shape too, but the class it was imported from is the one written; when that
+    class cannot be read any more (its folder gone), the first class that holds it, said in a note."""
+    import shutil
+
+    import transformers
+
+    from fivecut.weights import export as ex
+    from fivecut.weights.load import single_model
+
+    folder = tmp_path / "mistral"
+    config = transformers.MistralConfig(**COMMON, sliding_window=None)
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).float().eval().save_pretrained(folder)
+    ck = train_two_steps(byte_cache, folder, tmp_path / "run")
+    out = ex.export(ck, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MistralForCausalLM"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "MistralForCausalLM" and theirs.config.sliding_window is None
+    ours, _ = single_model(checkpoint=str(ck))
+    with torch.no_grad():
+        difference = (theirs(TOKENS).logits - ours(TOKENS)).abs().max().item()
+    assert difference < ATOL, difference
+    shutil.rmtree(folder)
+    capsys.readouterr()
+    again = ex.export(ck, tmp_path / "hf-again")
+    assert json.loads((again / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    note = capsys.readouterr().out
+    assert f"note: the class of model.init_from 'hf:{folder}' is unknown" in note and "--architecture" in note, note
+
+
 @pytest.mark.sweep
 def test_shards_written_by_two_processes_are_the_same_files(saved, byte_cache, tmp_path):
     """--workers 2: each process reads only its shards' tensors from DCP; the folder is byte for byte

@@ -436,3 +436,37 @@ def test_mixtral_8x7b_s_config_gives_its_published_sizes(tmp_path):
     }  # fmt: skip
     args = args_from_config(config, tmp_path / "config.json")
     assert round(args.num_params() / 1e9, 1) == 46.7 and round(args.num_active_params() / 1e9, 1) == 12.9
+
+
+def test_a_deepseek_v3_whose_norms_eps_is_not_the_latent_norms_imports_and_exports(tmp_path):
+    """transformers builds DeepSeek-V3's latent norms (q_a, kv_a) with eps 1e-6 whatever rms_norm_eps
+    says; fivecut carries the two apart (ModelArgs.latent_norm_eps). A large rms_norm_eps (0.05) makes
+    a mix-up of the two visible far above the tolerance. The export's config.json, read back by
+    transformers with the same tensors, is the same model."""
+    from fivecut.weights.architectures import for_args
+    from fivecut.weights.hf import hf_config as fivecut_config
+    from fivecut.weights.load import single_model
+
+    config = hf_config("deepseek_v3")
+    config.rms_norm_eps = 0.05
+    torch.manual_seed(0)
+    model = hf_class("deepseek_v3")(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+        expected = model(TOKENS).logits
+    model.save_pretrained(tmp_path / "in")
+    ours, _ = single_model(init_from=f"hf:{tmp_path / 'in'}")
+    assert ours.args.norm_eps == 0.05 and ours.args.latent_eps == 1e-6
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), expected, rtol=RTOL, atol=ATOL)
+    arch = for_args(ours.args)
+    assert arch.hf_class == "DeepseekV3ForCausalLM"
+    shutil.copytree(tmp_path / "in", tmp_path / "out")
+    written = fivecut_config(arch, ours.args, "float32", None, None)
+    (tmp_path / "out" / "config.json").write_text(json.dumps(written))
+    assert written["rms_norm_eps"] == 0.05
+    back = hf_class("deepseek_v3").from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, expected, rtol=RTOL, atol=ATOL)

@@ -195,6 +195,32 @@ def test_import_refuses_what_it_cannot_use(llamas, tmp_path, capsys):
         assert code == 2 and needle in err and "Traceback" not in err, (needle, err)
 
 
+@pytest.mark.parametrize(
+    "architectures,model_type,fix",
+    [
+        ("MistralForCausalLM", "llama", "set model_type to 'mistral', or architectures to ['LlamaForCausalLM']"),
+        ("LlamaForCausalLM", "gpt2", "set model_type to 'llama'"),  # a model_type of no class fivecut reads
+    ],
+)
+def test_a_model_type_that_contradicts_architectures_is_said_so(
+    llamas, tmp_path, capsys, architectures, model_type, fix
+):
+    """Not "the class is not imported" followed by a list holding that class: the two keys, their
+    values, the file, and what to set."""
+    import json
+    import shutil
+
+    folder = tmp_path / "contradicting"
+    shutil.copytree(llamas[1][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"architectures": [architectures], "model_type": model_type}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, err = eval_exit(capsys, f"hf:{folder}")
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    said = f"{folder / 'config.json'}: architectures names {architectures} but model_type is {model_type!r}"
+    assert said in err and fix in err and "does not import" not in err, err
+
+
 def test_import_refuses_model_keys_that_contradict_the_file(llamas, capsys):
     spec = f"hf:{llamas[1][0]}"
     code, err = eval_exit(capsys, spec, "--set", "model.dim=32", "--set", "model.n_layers=2")

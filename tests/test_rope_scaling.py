@@ -135,3 +135,65 @@ def test_scalings_that_describe_no_rope_are_refused():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             dataclasses.replace(ModelArgs(), **fields).check()
+
+
+# ---------------------------------------------------------------- rope_scaling beside rope_parameters
+
+OLD_GUIDE = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}  # what older guides add
+
+
+def qwen2_with(folder: Path, theta: float, **keys) -> Path:
+    """A tiny Qwen2 saved by transformers 5 (its RoPE in rope_parameters, base `theta`), then `keys`
+    written into its config.json by hand."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(**DENSE | {"rope_theta": theta})
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).float().eval().save_pretrained(folder)
+    path = folder / "config.json"
+    written = json.loads(path.read_text())
+    assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": theta} and "rope_scaling" not in written
+    path.write_text(json.dumps(written | keys))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "beside a plain rope_parameters",  # transformers reads rope_scaling, with the class's default base
+        "with a top-level rope_theta",  # the base beside them, as transformers 4 wrote it
+        "saying rope_parameters' own values",  # fivecut's exports write both tables, the same
+    ],
+)
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path, case):
+    """A rope_scaling added by hand to a file transformers 5 wrote replaces its rope_parameters, in
+    transformers and in fivecut: the logits past the original context are the same."""
+    import transformers
+
+    if case == "beside a plain rope_parameters":
+        folder = qwen2_with(tmp_path, 10000.0, rope_scaling=OLD_GUIDE)
+    elif case == "with a top-level rope_theta":
+        folder = qwen2_with(tmp_path, 500.0, rope_scaling=OLD_GUIDE, rope_theta=500.0)
+    else:
+        table = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 500.0}
+        folder = qwen2_with(tmp_path, 500.0, rope_scaling=table, rope_parameters=table)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert theirs.config.rope_parameters["rope_type"] == "yarn"
+    model = imported(folder)
+    assert model.args.rope_scaling == "yarn" and model.args.rope_factor == 4.0
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), theirs(TOKENS).logits, **TOL)
+
+
+def test_rope_scaling_that_contradicts_rope_parameters_is_refused_naming_both(tmp_path, capsys):
+    """transformers reads rope_scaling alone: a base of 500 in rope_parameters, none beside it, would
+    silently become the class's 10000. One line naming both keys and the file, exit 2."""
+    from fivecut.cli import main
+
+    folder = qwen2_with(tmp_path, 500.0, rope_scaling=OLD_GUIDE)
+    capsys.readouterr()  # transformers' progress bar
+    code = main(["eval", "--init-from", f"hf:{folder}", "--set", 'data.tokenizer="byte"'])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{folder / 'config.json'}: rope_scaling and rope_parameters disagree on rope_theta" in err, err
+    assert "transformers reads 10000.0" in err and "drops rope_parameters' 500.0" in err, err
+    assert "move rope_scaling's keys into rope_parameters" in err, err

@@ -46,7 +46,7 @@ POSITIVE = (
     "route_group_limit",
 )
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
-                "attention_head_dim", "sliding_window", "full_attention_layers")  # fmt: skip
+                "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
 GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "sliding_window")
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
@@ -109,6 +109,9 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # the eps of the latent norms (q_norm over q_lora_rank, kv_norm over kv_lora_rank); 0: norm_eps.
+    # transformers' DeepSeek-V3 builds them with 1e-6 whatever its rms_norm_eps (the other norms' eps)
+    latent_norm_eps: float = 0.0
     # variants of grouped-query attention in published dense models (Qwen2/2.5, Qwen3, Mistral)
     attention_head_dim: int = 0  # channels of one head; 0: dim // n_heads (Qwen3 sets its own)
     qkv_bias: bool = False  # biases on the q, k, v projections, not on wo (Qwen2/2.5)
@@ -285,6 +288,11 @@ class ModelArgs:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def latent_eps(self) -> float:
+        """The eps of latent attention's q and kv norms: latent_norm_eps, or norm_eps when unset."""
+        return self.latent_norm_eps or self.norm_eps
 
     @property
     def score_scale(self) -> float:

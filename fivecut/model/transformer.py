@@ -239,12 +239,12 @@ class LatentAttention(nn.Module):
         self.compressed_q = args.q_lora_rank > 0
         if self.compressed_q:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.latent_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, heads * qk, bias=False)
         else:
             self.wq = nn.Linear(args.dim, heads * qk, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.latent_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
         # Replaceable by any module with the same signature (recomputation wraps it).

@@ -12,6 +12,8 @@ An `Architecture` says, for one `...ForCausalLM` class, everything import and ex
     holds(ModelArgs)         None when the class holds a model of that shape, else the reason
     tensors(ModelArgs)       every parameter as a `TensorMap`: fivecut's logical name <-> the
                              Hugging Face tensor(s), with the transform between them
+    keys                     the config.json keys `to_args` reads; with METADATA, every key
+                             transformers' config class reads (tests/test_config_keys.py)
 
 A `TensorMap` is general enough for mixture-of-experts layers: one fivecut tensor stacked over
 experts [E, ...] is E Hugging Face tensors (`stacked`), each maybe the transpose of fivecut's
@@ -22,9 +24,10 @@ slice (`transposed`: fivecut's experts are [dim, hidden], a Hugging Face linear 
 their records (`moe.Architecture`) place each tensor with records a `TensorMap` cannot express
 (interleaved RoPE rows, fused experts, routing-bias buffers), and read their config.json
 themselves. Import (`fivecut.weights.hf`) finds a folder's record by its config's class
-(`for_config`); export (`fivecut.weights.export`) by name or by the first record that holds the
-checkpoint's shape (`for_args`): a MoE shape picks its MoE class, a shape no class holds gets
-fivecut's own format.
+(`for_config`: `architectures` and `model_type` must name the same one); export
+(`fivecut.weights.export`) by name, by the class the model was imported from, or by the first
+record that holds the checkpoint's shape (`for_args`): a MoE shape picks its MoE class, a shape
+no class holds gets fivecut's own format.
 
     fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3)
     tok_embeddings.weight                 model.embed_tokens.weight
@@ -48,7 +51,7 @@ from pathlib import Path
 
 from fivecut.model.args import ModelArgs
 from fivecut.weights import moe_architectures as moe
-from fivecut.weights.rope import RopeError, rope_config, rope_fields
+from fivecut.weights.rope import CONFIG_KEYS, RopeError, rope_config, rope_fields
 
 
 class ArchitectureError(ValueError):
@@ -78,16 +81,12 @@ class Architecture:
     to_config: Callable[[ModelArgs], dict]
     holds: Callable[[ModelArgs], str | None]
     tensors: Callable[[ModelArgs], list[TensorMap]]
+    # the config.json keys `to_args` reads: each used, or checked to be what fivecut computes; any other
+    # key is refused by name unless it is in METADATA (tests/test_config_keys.py holds them to transformers')
+    keys: frozenset[str] = frozenset()
 
 
-# keys of a config.json that do not change the model's math: names, token ids, the saving library,
-# what generation and the output objects of transformers look like
-METADATA = (
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_attentions", "output_hidden_states",
-    "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
-    "fivecut_tokenizer", "auto_map",
-)  # fmt: skip
+METADATA = moe.NO_MATH  # config.json keys without math, and why (shared with the mixture-of-experts readers)
 
 
 @dataclass
@@ -146,8 +145,8 @@ class HFConfig:
 def rope(cfg: HFConfig) -> dict:
     """ModelArgs' RoPE fields: the base and a scaling fivecut implements (`fivecut.weights.rope`)."""
     theta = cfg.get("rope_theta", float, 10000.0)  # transformers < 5 (and beside rope_parameters in fivecut's exports)
-    for key in ("rope_parameters", "rope_scaling"):
-        cfg.get(key, dict)
+    cfg.get("partial_rotary_factor", float)
+    cfg.skip(*CONFIG_KEYS)  # rope_parameters, rope_scaling: read (and type-checked) by `rope_fields`
     positions = cfg.get("max_position_embeddings", default=2048)
     try:
         return rope_fields(cfg.raw, cfg.path, theta, positions)
@@ -357,10 +356,28 @@ def dense_tensors(args: ModelArgs) -> list[TensorMap]:
 
 # ---------------------------------------------------------------- the registry
 
-LLAMA = Architecture("LlamaForCausalLM", "llama", llama_args, llama_config, holds_llama, dense_tensors)
-MISTRAL = Architecture("MistralForCausalLM", "mistral", mistral_args, mistral_config, holds_mistral, dense_tensors)
-QWEN2 = Architecture("Qwen2ForCausalLM", "qwen2", qwen2_args, qwen2_config, holds_qwen2, dense_tensors)
-QWEN3 = Architecture("Qwen3ForCausalLM", "qwen3", qwen3_args, qwen3_config, holds_qwen3, dense_tensors)
+# the config.json keys every dense reader reads (`dense_args`), and each class's own
+DENSE_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+    "initializer_range", "hidden_act", "attention_dropout", "mlp_bias", "pretraining_tp", *CONFIG_KEYS,
+})  # fmt: skip
+QWEN_WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+
+LLAMA = Architecture(
+    "LlamaForCausalLM", "llama", llama_args, llama_config, holds_llama, dense_tensors, DENSE_KEYS | {"attention_bias"}
+)
+MISTRAL = Architecture(
+    "MistralForCausalLM", "mistral", mistral_args, mistral_config, holds_mistral, dense_tensors,
+    DENSE_KEYS | {"sliding_window"},
+)  # fmt: skip
+QWEN2 = Architecture(
+    "Qwen2ForCausalLM", "qwen2", qwen2_args, qwen2_config, holds_qwen2, dense_tensors, DENSE_KEYS | QWEN_WINDOW_KEYS
+)
+QWEN3 = Architecture(
+    "Qwen3ForCausalLM", "qwen3", qwen3_args, qwen3_config, holds_qwen3, dense_tensors,
+    DENSE_KEYS | QWEN_WINDOW_KEYS | {"attention_bias"},
+)  # fmt: skip
 
 # transformers' defaults for keys a config.json may leave out, by model_type (where they differ from
 # the readers' own: Qwen3's head_dim is its own, Mistral v0.1's window is the class default)
@@ -386,18 +403,32 @@ for _moe_class in moe.ARCHITECTURES:  # Mixtral, Qwen3-MoE, DeepSeek-V3
 
 
 def for_config(raw: dict, path: Path) -> AnyArchitecture:
-    """The record of the class a parsed config.json (at `path`) names; refused naming it when none."""
+    """The record of the class a parsed config.json (at `path`) names; refused naming it when none,
+    or naming both keys when its `architectures` and `model_type` name different classes."""
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
     known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
     if not known:  # no class named: by model_type
         known = [a for a in ARCHITECTURES.values() if a.model_type == model_type and not archs]
-    if not known or known[0].model_type != model_type:
+    if known and known[0].model_type != model_type:
+        raise ArchitectureError(contradiction(known[0], model_type, path))
+    if not known:
         found = ", ".join(archs) or f"model_type {model_type!r}"
         raise ArchitectureError(
             f"{path} describes {found}, which fivecut does not import; it reads {', '.join(ARCHITECTURES)}"
         )
     return known[0]
+
+
+def contradiction(named: AnyArchitecture, model_type, path: Path) -> str:
+    """The line refusing a config.json whose `architectures` names `named` but whose `model_type` is another's."""
+    typed = next((a.hf_class for a in ARCHITECTURES.values() if a.model_type == model_type), None)
+    other = f", or architectures to [{typed!r}]" if typed else ""
+    return (
+        f"{path}: architectures names {named.hf_class} but model_type is {model_type!r} ({named.hf_class}'s is "
+        f"{named.model_type!r}); transformers builds its class from model_type, so make the two agree: set "
+        f"model_type to {named.model_type!r}{other}"
+    )
 
 
 def read_args(raw: dict, path: Path) -> tuple[AnyArchitecture, ModelArgs]:

@@ -59,7 +59,7 @@ def conversion(source: str, to: str) -> Conversion:
         out = Path(to.removeprefix("hf:")).expanduser()
     else:
         raise ExportError(f"--from {source}: give hf:FOLDER, gguf:FILE (to a checkpoint) or dcp:CHECKPOINT (to hf:)")
-    check_out(out)
+    check_out(out, f"--to {to}")
     return Conversion(source, out)
 
 
@@ -87,6 +87,7 @@ def convert_rank(cfg: Config, out: Path) -> tuple[int, int]:
         "world_size": dist.get_world_size(),
         "tokens": 0,
         "preset": model_label(cfg.model),
+        "source_class": getattr(getattr(source, "architecture", None), "hf_class", None),  # export writes it back
         "model": dataclasses.asdict(args),
         "config": cfg.to_dict(),
     }

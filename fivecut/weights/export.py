@@ -1,12 +1,15 @@
 """`fivecut export`: a checkpoint as a folder that Hugging Face `from_pretrained` reads.
 
-The model's shape picks the Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral,
-Qwen2, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, or `--architecture`); the checkpoint's tensor
-shapes, read from DCP's metadata alone, are checked against the shapes its `ModelArgs` imply. The
-weights are never gathered: the output is planned as shards of at most --max-shard-size, and
-each shard is read from DCP by itself (only its tensors' global values, whatever layout saved
-them), converted, written and freed -- by `workers` processes, each writing every workers-th
-shard, so a process holds about one shard at a time, never the model:
+The Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was imported from (the run's
+model.init_from, `export_class`: a Mistral without a window goes back out a Mistral, though Llama
+holds it too), else the first that holds the model's shape; the checkpoint's tensor shapes, read
+from DCP's metadata alone, are checked against the shapes its `ModelArgs` imply. The weights are
+never gathered: the output is planned as shards of at most --max-shard-size, and each shard is
+read from DCP by itself (only its tensors' global values, whatever layout saved them), converted,
+written and freed -- by `workers` processes (at most one per shard and per core of the machine,
+said when fewer than asked), each writing every workers-th shard, so a process holds about one
+shard at a time, never the model:
 
     config.json                    the class's config, or fivecut's own (a shape no class holds)
     generation_config.json         the tokenizer's bos/eos ids
@@ -31,8 +34,10 @@ fivecut's own names (the list above, plus `layers.N.feed_forward.router.weight`,
 `layers.N.feed_forward.expert_bias` that expert selection adds), with a config.json whose
 "fivecut" entry holds every ModelArgs field.
 
-The folder appears whole or not at all: it is written next to `out` under a temporary name and
-renamed at the end; an `out` that exists and is not empty is refused, never overwritten.
+The folder appears whole or not at all: it is written next to `out` under a temporary name
+(`.OUT.tmp-PID-XXXXXXXX`) and renamed at the end; an `out` that exists and is not empty is
+refused, never overwritten. An export killed before its rename leaves its temporary folder: the
+next export to the same `out` removes it (`remove_stale`: that name's pattern, a process gone).
 """
 
 from __future__ import annotations
@@ -61,9 +66,9 @@ from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import ARCHITECTURES, AnyArchitecture, ArchitectureError, TensorMap, for_args
-from fivecut.weights.hf import folder_tokenizer, hf_config
+from fivecut.weights.hf import folder_tokenizer, hf_config, read_config
 from fivecut.weights.load import run_tokenizer as resolve_tokenizer
-from fivecut.weights.source import expected_shapes
+from fivecut.weights.source import WeightsError, expected_shapes, resolve_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -98,10 +103,7 @@ def export(
     source = ckpt.find_checkpoint(Path(checkpoint).expanduser(), step)
     meta = ckpt.read_meta(source)
     args = model_args(source, meta)
-    try:
-        arch = for_args(args, architecture)
-    except ArchitectureError as err:
-        raise ExportError(str(err)) from None
+    arch = export_class(args, architecture, meta)
     problems = ckpt.file_problems(source, meta)
     if problems:
         raise CheckpointError(f"checkpoint {source} is damaged: " + "; ".join(problems))
@@ -120,18 +122,18 @@ def export(
 # ---------------------------------------------------------------- what to read, where to write
 
 
-def check_out(out: Path) -> None:
-    """`out` can become the export's folder: absent or empty, under folders that are folders and writable."""
+def check_out(out: Path, flag: str | None = None) -> None:
+    """`out` can become the export's folder: absent or empty, under folders that are folders and
+    writable. `flag`: how the command line named it (export's `--out OUT`, convert's `--to hf:OUT`)."""
+    flag = flag or f"--out {out}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is a file" if not out.is_dir() else "is not empty"
-        raise ExportError(
-            f"--out {out} {what}; export never overwrites: choose another folder, or empty this one first"
-        )
+        raise ExportError(f"{flag} {what}; fivecut never overwrites: choose another folder, or empty this one first")
     existing = next(p for p in out.absolute().parents if p.exists())
     if not existing.is_dir():
-        raise ExportError(f"--out {out}: {existing} is a file, so no folder can be made under it; choose another path")
+        raise ExportError(f"{flag}: {existing} is a file, so no folder can be made under it; choose another path")
     if not os.access(existing, os.W_OK):
-        raise ExportError(f"--out {out}: {existing} cannot be written; choose a folder you can write")
+        raise ExportError(f"{flag}: {existing} cannot be written; choose a folder you can write")
 
 
 def check_options(max_shard_bytes: int, dtype: str, workers: int = 1) -> None:
@@ -163,9 +165,12 @@ def model_args(path: Path, meta: dict) -> ModelArgs:
 
 
 def write_atomically(out: Path, write) -> list[str]:
-    """`write(tmp)` into a fresh folder next to `out`, then rename it to `out`; on any failure nothing stays."""
+    """`write(tmp)` into a fresh folder next to `out` (`.OUT.tmp-PID-XXXXXXXX`), then rename it to
+    `out`; on any failure nothing stays, and what a killed export left is removed by the next one
+    (`remove_stale`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_stale(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         written = write(tmp)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp's folder is private to its owner; a model folder is not
@@ -175,6 +180,36 @@ def write_atomically(out: Path, write) -> list[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return written
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """The temporary folders of earlier exports to `out` that were killed before their rename: named
+    as `write_atomically` names them (with or without the PID of earlier versions), whose process is
+    gone. Removed, said in one line; a folder of an export still running is left, and said too."""
+    own = re.compile(rf"\.{re.escape(out.name)}\.tmp-(?:(\d+)-)?[a-z0-9_]{{8}}")
+    found = [(p, own.fullmatch(p.name)) for p in out.parent.iterdir()]
+    found = [(p, m[1]) for p, m in found if m and p.is_dir() and not p.is_symlink()]
+    live = [p for p, pid in found if pid is not None and running(int(pid))]
+    stale = [p for p, _ in found if p not in live]
+    for path in stale:
+        shutil.rmtree(path)
+    if stale:
+        names = ", ".join(p.name for p in stale)
+        print(f"removed {len(stale)} temporary folder(s) of an interrupted export to {out}: {names}")
+    if live:
+        print(f"note: left {', '.join(p.name for p in live)}: an export to {out} still running writes it")
+    return stale
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        pass
+    return True
 
 
 # ---------------------------------------------------------------- tensors
@@ -327,7 +362,7 @@ def write_weights(folder: Path, plan: Plan) -> list[str]:
     else:
         files = [f"model-{k:05d}-of-{len(parts):05d}.safetensors" for k in range(1, len(parts) + 1)]
     jobs = [(entries, folder / file) for entries, file in zip(parts, files)]
-    workers = min(plan.workers, len(jobs))
+    workers = worker_count(plan.workers, len(jobs))
     if workers == 1:
         sizes = write_shards(plan.path, jobs, plan.dtype)
     else:
@@ -342,6 +377,15 @@ def write_weights(folder: Path, plan: Plan) -> list[str]:
     total = sum(n for shard in sizes for n in shard.values())
     write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return [*files, INDEX]
+
+
+def worker_count(asked: int, shards: int) -> int:
+    """--workers bounded by the shards to write and by this machine's cores (said when lowered)."""
+    cores = os.cpu_count() or 1
+    workers = min(asked, shards, cores)
+    if workers < asked:
+        print(f"note: --workers {asked} lowered to {workers} ({shards} shard(s) to write, {cores} cores here)")
+    return workers
 
 
 # ---------------------------------------------------------------- configs
@@ -380,6 +424,45 @@ def moe_config(args: ModelArgs, dtype: str, bos: int | None, eos: int | None) ->
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+
+
+def export_class(args: ModelArgs, named: str | None, meta: dict) -> AnyArchitecture | None:
+    """The class to write: `named` (--architecture), else the class the model was imported from
+    when it holds the shape (a Mistral goes back out a Mistral, though Llama holds it too), else the
+    first that holds it (`for_args`; None: fivecut's own format)."""
+    try:
+        if named is not None:
+            return for_args(args, named)
+        origin, where = imported_class(meta)
+        if origin in ARCHITECTURES and ARCHITECTURES[origin].holds(args) is None:
+            return ARCHITECTURES[origin]
+        chosen = for_args(args)
+    except ArchitectureError as err:
+        raise ExportError(str(err)) from None
+    if where and chosen is not None and origin != chosen.hf_class:
+        print(f"note: {where}; exported as {chosen.hf_class}, the first class that holds the model")
+    return chosen
+
+
+def imported_class(meta: dict, depth: int = 4) -> tuple[str | None, str | None]:
+    """(the Hugging Face class a checkpoint's model was imported from, or None; why it is not used,
+    when it was imported but its class cannot be used). The class is the checkpoint's own record
+    (`source_class`, written by `fivecut convert`), else its run's model.init_from: the class its
+    config.json names (hf:FOLDER), or the class of that checkpoint (dcp:CHECKPOINT)."""
+    if meta.get("source_class"):
+        return meta["source_class"], f"it was imported from {meta['source_class']}, which cannot hold it"
+    init_from = meta.get("config", {}).get("model", {}).get("init_from") or ""
+    scheme, _, rest = init_from.partition(":")
+    try:
+        if scheme == "hf":
+            config = read_config(resolve_path(rest))
+            origin = (config.get("architectures") or [None])[0]
+            return origin, f"model.init_from {init_from!r} is a {origin}, which cannot hold it"
+        if scheme == "dcp" and depth > 0:
+            return imported_class(ckpt.read_meta(ckpt.find_checkpoint(resolve_path(rest), None)), depth - 1)
+    except (WeightsError, CheckpointError, OSError, ImportError) as err:
+        return None, f"the class of model.init_from {init_from!r} is unknown ({err}); give --architecture to choose"
+    return None, None
 
 
 def with_routing_biases(path: Path, args: ModelArgs, arch: AnyArchitecture | None, named: bool):

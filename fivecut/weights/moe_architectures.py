@@ -50,7 +50,7 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.weights.names import GLOBAL, LAYER
-from fivecut.weights.rope import RopeError, rope_config, rope_fields
+from fivecut.weights.rope import CONFIG_KEYS, RopeError, rope_config, rope_fields
 from fivecut.weights.source import WeightsError, optional
 
 SAFETENSORS = "model.safetensors"
@@ -228,28 +228,46 @@ def _equal(config: dict, key: str, path: Path, implemented, why: str, absent_ok:
         _refuse(path, key, value, why)
 
 
-# keys that change nothing transformers computes for a forward pass (bookkeeping, generation, training switches)
-NEUTRAL = {
-    "architectures",
-    "model_type",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "use_cache",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "output_router_logits",  # returns the router logits for transformers' auxiliary loss
-    "router_aux_loss_coef",  # that loss's weight: fivecut's is moe.aux_loss_coef, a training choice
-    "_name_or_path",
-    "fivecut_tokenizer",  # a fivecut export's tokenizer with no Hugging Face files (e.g. "byte")
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-    "auto_map",  # where the publisher's own modeling code lives (trust_remote_code): no math
-    "aux_loss_alpha",  # DeepSeek's auxiliary loss weight and its per-sequence form: training choices,
-    "seq_aux",  # fivecut's are moe.aux_loss_coef and its per-sequence balance
-    "ep_size",  # DeepSeek's inference code's expert-parallel degree: fivecut's is parallel.ep
+def _either(config: dict, path: Path, key: str, alias: str):
+    """config[key], or config[alias]: the name transformers' `attribute_map` reads as `key`; both set
+    to different values is refused naming both (which one transformers keeps depends on its version)."""
+    value, other = config.get(key), config.get(alias)
+    if value is not None and other is not None and value != other:
+        raise WeightsError(f"{path}: {key} = {value!r} and {alias} = {other!r} name one count; keep one of them")
+    return value if value is not None else other
+
+
+# config.json keys that change nothing transformers or fivecut computes in a forward pass, and why;
+# every class's reader (and the dense ones, `fivecut.weights.architectures`) passes them over
+NO_MATH: dict[str, str] = {
+    **dict.fromkeys(
+        ("architectures", "model_type"), "the class: `architectures.for_config` holds the two to each other"
+    ),
+    **dict.fromkeys(("transformers_version", "_name_or_path", "auto_map"), "who wrote the file, and where from"),
+    **dict.fromkeys(("dtype", "torch_dtype"), "the dtype the weights are stored in: import reads them in fp32"),
+    **dict.fromkeys(("bos_token_id", "eos_token_id"), "token ids for generation: the tokenizer's files carry them"),
+    "pad_token_id": "the embedding's padding row: transformers zeroes its gradient, no forward pass reads it",
+    "fivecut_tokenizer": "a fivecut export's tokenizer with no Hugging Face files (e.g. byte)",
+    **dict.fromkeys(
+        ("use_cache", "output_attentions", "output_hidden_states", "return_dict"), "what transformers returns"
+    ),
+    **dict.fromkeys(
+        ("id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder"),
+        "PreTrainedConfig's fields of other tasks (classification heads, encoder-decoders, chunked feed-forwards "
+        "that compute the same numbers)",
+    ),
+    "output_router_logits": "returns the router logits for transformers' auxiliary loss",
+    "router_aux_loss_coef": "that loss's weight: fivecut's is moe.aux_loss_coef, a training choice",
+    "aux_loss_alpha": "DeepSeek's auxiliary loss weight: a training choice (moe.aux_loss_coef)",
+    "seq_aux": "DeepSeek's per-sequence auxiliary loss: a training choice",
+    "ep_size": "DeepSeek's inference code's expert-parallel degree: fivecut's is parallel.ep",
+}
+# config.json keys that shape no ModelArgs field but say where tensors lie (the record's `tensors`, `_skipped`)
+TENSOR_KEYS: dict[str, str] = {
+    "rope_interleave": "DeepSeek-V3's RoPE rows in interleaved pairs, permuted on import and export (`RopeRows`)",
+    "num_nextn_predict_layers": "DeepSeek-V3's multi-token-prediction layers: transformers builds none, fivecut "
+    "neither; their tensors are left unread",
+    "num_mtp_layers": "transformers' name of num_nextn_predict_layers",
 }
 # the keys fivecut reads into the shape every class shares (`_common_args`)
 COMMON = {
@@ -259,9 +277,7 @@ COMMON = {
     "num_attention_heads",
     "num_key_value_heads",
     "max_position_embeddings",
-    "rope_parameters",
-    "rope_scaling",
-    "rope_theta",
+    *CONFIG_KEYS,  # rope_parameters, rope_scaling, rope_theta, partial_rotary_factor (`fivecut.weights.rope`)
     "rms_norm_eps",
     "tie_word_embeddings",
     "initializer_range",
@@ -272,14 +288,15 @@ COMMON = {
 
 
 def _check_keys(config: dict, path: Path, known: set[str]) -> None:
-    unknown = sorted(set(config) - NEUTRAL - COMMON - known)
+    unknown = sorted(set(config) - set(NO_MATH) - COMMON - known)
     if unknown:
         _refuse(path, unknown[0], config[unknown[0]], f"{config.get('model_type')} has no such key that fivecut knows")
 
 
-def _rope(config: dict, path: Path) -> dict:
-    """ModelArgs' RoPE fields (`fivecut.weights.rope`), refused by name where fivecut has no such RoPE."""
-    theta = optional(config, "rope_theta", 1e4, path, float)
+def _rope(config: dict, path: Path, theta: float) -> dict:
+    """ModelArgs' RoPE fields (`fivecut.weights.rope`; `theta`: the class's default rope_theta),
+    refused by name where fivecut has no such RoPE."""
+    theta = optional(config, "rope_theta", theta, path, float)
     positions = optional(config, "max_position_embeddings", 2048, path)
     try:
         return rope_fields(config, path, theta, positions)
@@ -287,8 +304,8 @@ def _rope(config: dict, path: Path) -> dict:
         raise WeightsError(str(err)) from None
 
 
-def _common_args(config: dict, path: Path) -> dict:
-    """ModelArgs fields every class gives the same way."""
+def _common_args(config: dict, path: Path, theta: float = 1e4) -> dict:
+    """ModelArgs fields every class gives the same way (`theta`: the class's default rope_theta)."""
     _equal(config, "hidden_act", path, "silu", "fivecut's feed-forward is SwiGLU")
     _equal(config, "attention_dropout", path, 0.0, "fivecut has no dropout")
     _equal(config, "attention_bias", path, False, "fivecut's projections have no biases")
@@ -300,7 +317,7 @@ def _common_args(config: dict, path: Path) -> dict:
         n_heads=heads,
         n_kv_heads=optional(config, "num_key_value_heads", heads, path),
         max_seq_len=optional(config, "max_position_embeddings", 2048, path),
-        **_rope(config, path),
+        **_rope(config, path, theta),
         norm_eps=float(optional(config, "rms_norm_eps", 1e-6, path, float)),
         tie_embeddings=optional(config, "tie_word_embeddings", False, path, bool),
         init_std=float(optional(config, "initializer_range", 0.02, path, float)),
@@ -346,16 +363,26 @@ def _common_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------- the three classes
 
 
+MIXTRAL_KEYS = {
+    "intermediate_size",
+    "num_local_experts",
+    "num_experts",  # transformers' attribute_map: num_local_experts
+    "num_experts_per_tok",
+    "head_dim",
+    "sliding_window",
+    "router_jitter_noise",
+}
+MIXTRAL_THETA = 1e6  # transformers' MixtralConfig.default_theta: a file without rope_theta has this base
+
+
 def mixtral_args(config: dict, path: Path) -> ModelArgs:
-    _check_keys(
-        config, path, {"intermediate_size", "num_local_experts", "num_experts_per_tok", "head_dim"} | MIXTRAL_FIXED
-    )
+    _check_keys(config, path, MIXTRAL_KEYS)
     _equal(config, "router_jitter_noise", path, 0.0, "fivecut routes without noise")
     hidden = _need(config, "intermediate_size", path)
     return ModelArgs(
-        **_common_args(config, path),
+        **_common_args(config, path, MIXTRAL_THETA),
         ffn_dim=hidden,
-        n_experts=_need(config, "num_local_experts", path),
+        n_experts=_experts_count(config, path, "num_local_experts", "num_experts"),
         top_k=_top_k(config, path, True),
         moe_ffn_dim=hidden,
         gate="softmax",
@@ -363,9 +390,6 @@ def mixtral_args(config: dict, path: Path) -> ModelArgs:
         attention_head_dim=_attention_head_dim(config, path),
         sliding_window=optional(config, "sliding_window", 0, path),  # on every layer, as Mistral's; null: none
     )
-
-
-MIXTRAL_FIXED = {"sliding_window", "router_jitter_noise"}
 
 
 def mixtral_config(args: ModelArgs) -> dict:
@@ -398,6 +422,14 @@ def mixtral_holds(args: ModelArgs) -> str | None:
     )
 
 
+def _experts_count(config: dict, path: Path, key: str, alias: str) -> int:
+    """The routed experts' count, under `key` or its `alias` (`_either`)."""
+    experts = _either(config, path, key, alias)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
+        _refuse(path, key, experts, f"a {config.get('model_type')} needs experts")
+    return experts
+
+
 def _unmet(*conditions: tuple[bool, str]) -> str | None:
     """The reason of the first condition that fails, or None."""
     return next((why for holds, why in conditions if not holds), None)
@@ -422,9 +454,7 @@ QWEN3_MOE_KEYS = {
 def qwen3_moe_args(config: dict, path: Path) -> ModelArgs:
     _check_keys(config, path, QWEN3_MOE_KEYS)
     _equal(config, "use_sliding_window", path, False, "fivecut's attention is causal over the whole sequence")
-    experts = config.get("num_experts", config.get("num_local_experts"))
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
-        _refuse(path, "num_experts", experts, "a Qwen3-MoE needs experts")
+    experts = _experts_count(config, path, "num_experts", "num_local_experts")
     norm = optional(config, "norm_topk_prob", False, path, bool)
     return ModelArgs(
         **_common_args(config, path),
@@ -488,6 +518,7 @@ DEEPSEEK_V3_KEYS = {
     "intermediate_size",
     "moe_intermediate_size",
     "n_routed_experts",
+    "num_local_experts",  # transformers' attribute_map: n_routed_experts
     "n_shared_experts",
     "num_experts_per_tok",
     "n_group",
@@ -501,7 +532,7 @@ DEEPSEEK_V3_KEYS = {
     "qk_rope_head_dim",
     "v_head_dim",
     "qk_head_dim",  # derived: nope + rope
-    "head_dim",  # derived: transformers sets it to qk_rope_head_dim
+    "head_dim",  # the channels transformers' RoPE rotates: checked to be qk_rope_head_dim
     "rope_interleave",
     "num_nextn_predict_layers",  # multi-token prediction layers: transformers builds none (nor does fivecut)
     "num_mtp_layers",
@@ -514,7 +545,7 @@ DEEPSEEK_V3_KEYS = {
     "aux_loss_alpha",
     "seq_aux",
 }
-DEEPSEEK_NORM_EPS = 1e-6  # transformers builds the latent norms (q_a_layernorm, kv_a_layernorm) with eps 1e-6
+DEEPSEEK_LATENT_EPS = 1e-6  # transformers builds the latent norms (q_a_layernorm, kv_a_layernorm) with eps 1e-6
 
 
 def deepseek_v3_args(config: dict, path: Path) -> ModelArgs:
@@ -524,13 +555,11 @@ def deepseek_v3_args(config: dict, path: Path) -> ModelArgs:
     _equal(config, "topk_method", path, "noaux_tc", "fivecut's group-limited selection is DeepSeek-V3's noaux_tc")
     _equal(config, "moe_layer_freq", path, 1, "fivecut's MoE layers are all layers from first_dense_layers on")
     common = _common_args(config, path)
-    _equal(
-        config, "rms_norm_eps", path, DEEPSEEK_NORM_EPS, "transformers' latent norms use 1e-6, fivecut's rms_norm_eps"
-    )
     nope, rope = _need(config, "qk_nope_head_dim", path), _need(config, "qk_rope_head_dim", path)
     _equal(config, "qk_head_dim", path, nope + rope, "it is qk_nope_head_dim + qk_rope_head_dim")
+    _equal(config, "head_dim", path, rope, "transformers' RoPE rotates head_dim channels: give qk_rope_head_dim")
     groups = optional(config, "n_group", 1, path)
-    experts = _need(config, "n_routed_experts", path)
+    experts = _experts_count(config, path, "n_routed_experts", "num_local_experts")
     if groups > 1 and experts // groups < 2:
         _refuse(path, "n_group", groups, "transformers scores a group by its two best experts: give >= 2 per group")
     norm = optional(config, "norm_topk_prob", True, path, bool)
@@ -552,6 +581,7 @@ def deepseek_v3_args(config: dict, path: Path) -> ModelArgs:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=_need(config, "v_head_dim", path),
+        latent_norm_eps=0.0 if common["norm_eps"] == DEEPSEEK_LATENT_EPS else DEEPSEEK_LATENT_EPS,
     )
 
 
@@ -591,7 +621,7 @@ def deepseek_v3_holds(args: ModelArgs) -> str | None:
         (args.is_mla, "its attention is not latent"),
         (args.gate == "sigmoid", "its router is not a sigmoid"),
         (args.n_shared_experts >= 1, "it has no shared expert"),
-        (args.norm_eps == DEEPSEEK_NORM_EPS, f"its norms' eps is {args.norm_eps}, not the latent norms' 1e-6"),
+        (args.latent_eps == DEEPSEEK_LATENT_EPS, f"its latent norms' eps is {args.latent_eps}, not 1e-6"),
         (args.expert_groups == 1 or group_size >= 2, "its groups hold one expert (transformers scores the best two)"),
     )
 
@@ -728,21 +758,24 @@ class Architecture:
     holds: Callable[[ModelArgs], str | None]  # None when this class holds a model of the shape exactly, else why not
     tensors: Callable[[ModelArgs, set[str], dict], dict[str, Stored]]  # (shape, file's names, config) -> parameters
     buffers: Callable[[ModelArgs], dict[str, Stored]]  # the routing biases the class stores, if any
+    # the config.json keys `args` reads: each used, or checked to be what fivecut computes; any other
+    # key is refused by name unless it is in NO_MATH (tests/test_config_keys.py holds them to transformers')
+    keys: frozenset[str] = frozenset()
 
 
 ARCHITECTURES = (
     Architecture(
         "MixtralForCausalLM", "mixtral", mixtral_args, mixtral_config, mixtral_holds,
-        lambda args, files, config: mixtral_tensors(args, files), no_buffers,
+        lambda args, files, config: mixtral_tensors(args, files), no_buffers, frozenset(COMMON | MIXTRAL_KEYS),
     ),
     Architecture(
         "Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe_args, qwen3_moe_config, qwen3_moe_holds,
-        lambda args, files, config: qwen3_moe_tensors(args, files), no_buffers,
+        lambda args, files, config: qwen3_moe_tensors(args, files), no_buffers, frozenset(COMMON | QWEN3_MOE_KEYS),
     ),
     Architecture(
         "DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3_args, deepseek_v3_config, deepseek_v3_holds,
         lambda args, files, config: deepseek_v3_tensors(args, files, config.get("rope_interleave", True) is not False),
-        bias_buffers,
+        bias_buffers, frozenset(COMMON | DEEPSEEK_V3_KEYS),
     ),
 )  # fmt: skip
 

@@ -11,7 +11,14 @@ the plain RoPE and three scalings (`fivecut.model.transformer.rope_frequencies`)
              beta_fast, beta_slow, mscale, mscale_all_dim
 
 Any other rope_type, or a key a type does not read (attention_factor, truncate = false,
-partial_rotary_factor, ...), is refused by name: a model using it would compute something else.
+partial_rotary_factor other than 1, ...), is refused by name: a model using it would compute
+something else.
+
+Which table: the one transformers reads (`rope_table`). A `rope_scaling` replaces `rope_parameters`
+whole -- what a user does who follows an older guide to extend a context in a file transformers 5
+wrote -- so a `rope_parameters` beside it must say nothing else (a rope_type "default" aside):
+a value of it that transformers drops (a rope_theta of 1e6 where transformers falls back to the
+class default, another factor) is refused naming both keys.
 """
 
 from __future__ import annotations
@@ -38,8 +45,11 @@ KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
 }
-NEEDED = {"linear": ("factor",), "llama3": KEYS["llama3"], "yarn": ("factor",)}
-NEUTRAL = {"rope_type", "type", "rope_theta", "truncate"}  # truncate = true is what fivecut's YaRN does
+NEEDED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+NEUTRAL = {"rope_type", "type", "rope_theta", "truncate", "partial_rotary_factor"}  # the last two: `check_whole`
+ORIGINAL = ("llama3", "yarn")  # their original context defaults to max_position_embeddings, as in transformers
+# the config.json keys a RoPE is read from: every class's reader hands them to `rope_fields`
+CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
 
 
 class RopeError(ValueError):
@@ -48,13 +58,10 @@ class RopeError(ValueError):
 
 def rope_fields(config: dict, path: Path, theta: float, max_positions: int) -> dict:
     """ModelArgs' RoPE fields of a parsed config.json at `path` (`theta`: its top-level rope_theta
-    or the class default; `max_positions`: its max_position_embeddings, YaRN's original context
-    when the file gives none)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    where = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    if not isinstance(params, dict):
-        raise RopeError(f"{path}: {where} is {params!r}, not a table of RoPE parameters")
-    kind = params.get("rope_type", params.get("type", "default"))
+    or the class default; `max_positions`: its max_position_embeddings), read from the table
+    transformers reads (`rope_table`)."""
+    where, params = rope_table(config, path, theta, max_positions)
+    kind = params["rope_type"]
     if kind not in KEYS:
         raise RopeError(
             f"{path}: {where}.rope_type = {kind!r} is not implemented; fivecut's RoPE is one of {', '.join(KEYS)}"
@@ -62,14 +69,11 @@ def rope_fields(config: dict, path: Path, theta: float, max_positions: int) -> d
     unknown = sorted(set(params) - NEUTRAL - set(KEYS[kind]))
     if unknown:
         raise RopeError(f"{path}: {where}.{unknown[0]} is not implemented by fivecut's {kind} RoPE")
-    if params.get("truncate", True) is not True:
-        raise RopeError(
-            f"{path}: {where}.truncate = {params['truncate']!r} is not implemented; fivecut's YaRN truncates"
-        )
+    check_whole(params, where, path)
     missing = [key for key in NEEDED.get(kind, ()) if params.get(key) is None]
     if missing:
         raise RopeError(f"{path}: {where} of rope_type {kind!r} has no {missing[0]}")
-    out = {"rope_theta": float(number(params.get("rope_theta", theta), f"{where}.rope_theta", path))}
+    out = {"rope_theta": float(number(params["rope_theta"], f"{where}.rope_theta", path))}
     if kind == "default":
         return out
     out["rope_scaling"] = kind
@@ -77,11 +81,66 @@ def rope_fields(config: dict, path: Path, theta: float, max_positions: int) -> d
         value = params.get(key)
         if value is not None:
             out[FIELDS[key]] = number(value, f"{where}.{key}", path)
-    if kind == "yarn" and params.get("original_max_position_embeddings") is None:
-        out["rope_original_context"] = max_positions
     if "rope_original_context" in out:
         out["rope_original_context"] = int(out["rope_original_context"])
     return out
+
+
+def check_whole(params: dict, where: str, path: Path) -> None:
+    """What fivecut's RoPE always does: YaRN truncates its range; every channel of a head rotates."""
+    if params.get("truncate", True) is not True:
+        raise RopeError(
+            f"{path}: {where}.truncate = {params['truncate']!r} is not implemented; fivecut's YaRN truncates"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise RopeError(
+            f"{path}: partial_rotary_factor = {params['partial_rotary_factor']!r} is not implemented; fivecut's "
+            "RoPE rotates every channel of a head (1.0)"
+        )
+
+
+def rope_table(config: dict, path: Path, theta: float, max_positions: int) -> tuple[str, dict]:
+    """(its key, the table) of the RoPE transformers reads, standardized as its config loading does
+    (`convert_rope_params_to_dict` and `standardize_rope_params` of transformers' modeling_rope_utils):
+    `rope_scaling`, when set, replaces `rope_parameters` whole; rope_type defaults to `type`, then
+    "default"; rope_theta and partial_rotary_factor to the top-level keys (`theta`: rope_theta or the
+    class default); llama3's and YaRN's original context to `max_positions`. A `rope_parameters`
+    beside a `rope_scaling` must agree with what transformers reads (`check_agree`): it drops it."""
+    scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
+    where = "rope_scaling" if scaling else "rope_parameters"
+    for key, value in ((where, scaling or params or {}), ("rope_parameters", params or {})):
+        if not isinstance(value, dict):
+            raise RopeError(f"{path}: {key} is {value!r}, not a table of RoPE parameters")
+    table = dict(scaling or params or {})
+    table.setdefault("rope_type", table.get("type", "default"))
+    table.setdefault("rope_theta", theta)
+    if config.get("partial_rotary_factor") is not None:
+        table.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    if table["rope_type"] in ORIGINAL:
+        table.setdefault("original_max_position_embeddings", max_positions)
+    if scaling and params:
+        theta_from = "rope_scaling" if "rope_theta" in scaling else "the top-level rope_theta"
+        if "rope_theta" not in scaling and config.get("rope_theta") is None:
+            theta_from = "the class default, rope_scaling and the file having none"
+        check_agree(table, params, path, theta_from)
+    return where, table
+
+
+def check_agree(table: dict, params: dict, path: Path, theta_from: str) -> None:
+    """Every value `params` (a rope_parameters beside a rope_scaling) sets is the one transformers
+    reads in `table` (rope_scaling, standardized); a rope_type "default" is the plain RoPE that the
+    scaling extends."""
+    given = {("rope_type" if k == "type" else k): v for k, v in params.items()}
+    if given.get("rope_type", "default") == "default":
+        given.pop("rope_type", None)
+    for key, value in sorted(given.items()):
+        if table.get(key) != value:
+            origin = theta_from if key == "rope_theta" else "rope_scaling"
+            raise RopeError(
+                f"{path}: rope_scaling and rope_parameters disagree on {key}: transformers reads {table.get(key)!r} "
+                f"(from {origin}) and drops rope_parameters' {value!r}; write one table: move rope_scaling's keys "
+                "into rope_parameters (with its rope_theta) and delete rope_scaling"
+            )
 
 
 def number(value, key: str, path: Path) -> float:
