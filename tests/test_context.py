@@ -7,7 +7,7 @@ them); ring attention sums its blocks' softmax with log-sum-exps instead of one 
 gradients are summed over the cp ranks in a different order, so
   - logits: rtol 1e-5, atol 1e-6;
   - gradients of the mean token loss: rtol 1e-5, atol 1e-7;
-  - losses over optimizer steps: rtol 1e-5.
+  - losses and gradient norms over optimizer steps: LAYOUT_RTOL, 4x the drift measured (see there).
 The fused ring is also tested on its own (q, k, v of unit scale, s = 64 and 128, cp = 2 and 4):
 its outputs and gradients against one device's SDPA (RING_TOL), and the bytes it keeps for
 backward: exactly q, k, v, the output and the log-sum-exp of a rank's s/cp tokens.
@@ -15,10 +15,11 @@ backward: exactly q, k, v, the output and the log-sum-exp of a rank's s/cp token
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ddp import assert_same_run, single_process_run, small_config
+from test_ddp import assert_same_run, run_config, single_process_run, small_config
 
 from fivecut import comm
 from fivecut.launch import spawn
@@ -89,6 +90,28 @@ def test_forward_and_gradients_match_single_device(mode, cp, tp, sp):
             torch.testing.assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# test_losses_over_steps_with_dp_pp_and_experts's bound on the losses and gradient norms of 6 steps
+# against one process. Measured here (Intel AVX-512, MKL 2024.2, torch 2.13, one thread a rank), largest
+# relative drift over the steps: ring dp=2,cp=2,zero=3 5.5e-7 in the loss and 8.0e-6 in the gradient
+# norm; Ulysses dp=2,cp=2,zero=1 and cp=2,pp=2 1.1e-7 and 2.2e-6; tiny-moe cp=2,ep=2 9.9e-8 and 2.4e-7
+# (the norm of one process with accumulate 1 against 8, the same rows summed in another order: 2.2e-6).
+# Each case repeated its bits exactly over 14 runs (in two sessions, under four hash seeds, beside a
+# CPU-bound process): no race or thread count moves them here. The drift is rounding (ring attention's
+# log-sum-exp merges, the cp and ZeRO-3 sums in another order), and the shared rtol 1e-5 sat at 1.25x
+# the ring case's; one run failed at 1.44e-5 (issue 42, on a host not recorded), not reproduced here:
+# likeliest another CPU whose kernels round otherwise. The bound is 4x the largest drift measured, as
+# tests/test_cast_once.py derives bf16's from its measured drift.
+LAYOUT_DRIFT = 8.0e-6  # measured, above
+LAYOUT_RTOL = 4 * LAYOUT_DRIFT
+
+
+def assert_close_run(cfg, reference: tuple[list[float], list[float]], name: str) -> None:
+    """`cfg` on its ranks gives the reference's losses and gradient norms within LAYOUT_RTOL."""
+    losses, norms = spawn(run_config, cfg.parallel.world_size, cfg)[0]
+    np.testing.assert_allclose(losses, reference[0], rtol=LAYOUT_RTOL, err_msg=f"{name}: losses")
+    np.testing.assert_allclose(norms, reference[1], rtol=LAYOUT_RTOL, err_msg=f"{name}: gradient norms")
+
+
 @pytest.mark.multirank
 def test_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
     ulysses = ("parallel.cp=2", 'parallel.cp_mode="ulysses"')
@@ -99,14 +122,14 @@ def test_losses_over_steps_with_dp_pp_and_experts(byte_cache, tmp_path):
         "ring dp=2,cp=2,zero=3": ("parallel.cp=2", "parallel.dp=2", "parallel.zero=3"),
     }.items():
         cfg = small_config(byte_cache, *extra, f'log.out_dir="{tmp_path}/{name}"')
-        assert_same_run(cfg, reference, name)
+        assert_close_run(cfg, reference, name)
     # capacity and the auxiliary loss need each sequence's slots from both cp chunks; the bias rule is
     # left out: its sign(load - mean) turns a one-token routing flip (fp rounding differs under
     # Ulysses) into a different bias, and the runs separate after a few steps (benchmarks/results/moe.md)
     moe = ('model.preset="tiny-moe"', "moe.capacity_factor=1.0", "moe.aux_loss_coef=0.01")
     reference = single_process_run(byte_cache, *moe)
     cfg = small_config(byte_cache, *moe, *ulysses, "parallel.ep=2", f'log.out_dir="{tmp_path}/moe"')
-    assert_same_run(cfg, reference, "tiny-moe cp=2,ep=2")
+    assert_close_run(cfg, reference, "tiny-moe cp=2,ep=2")
 
 
 @pytest.mark.multirank
