@@ -18,9 +18,11 @@ Autograd primitives (Megatron's names in brackets):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,9 @@ class Group:
     pg: dist.ProcessGroup | None
     ledger: Ledger
     index: int | None = None  # this process's place in `ranks`; None: looked up from the global rank
+    # runs each call on the group in place of torch.distributed: transport(name, call, *args) (None:
+    # the call itself); the tests put NCCL's in-order point-to-point semantics on gloo here
+    transport: object | None = None
 
     @property
     def size(self) -> int:
@@ -63,6 +68,8 @@ class CollectiveError(RuntimeError):
 def _run(name: str, group: Group, call, /, *args, **kwargs):
     """Issue `call`; a failure (gloo/NCCL error, timeout) is re-raised naming rank, op and cut."""
     try:
+        if group.transport is not None:
+            return group.transport(name, call, *args, **kwargs)
         return call(*args, **kwargs)
     except RuntimeError as err:
         raise CollectiveError(failure_message(name, group, err)) from err
@@ -185,22 +192,32 @@ def wait(work, op: str, group: Group) -> None:
         _run(op, group, work.wait)
 
 
+class P2P(NamedTuple):
+    """One message of `batch_send_recv`; a plain (tensor, peer) pair reads as one."""
+
+    tensor: torch.Tensor
+    peer: int  # a group rank
+    tag: int | None = None  # None: the call's tag (NCCL ignores tags: nothing may rely on them)
+    phase: str | None = None  # the ledger phase its record goes to; None: the current one
+
+
 @opaque
-def batch_send_recv(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group, tag: int = 0
-):
-    """Post point-to-point sends and receives (peers are group ranks) together; returns the Works."""
+def batch_send_recv(sends: list, recvs: list, group: Group, tag: int = 0):
+    """Post point-to-point sends and receives (`P2P`s, or (tensor, peer) pairs) as one batch; returns
+    the Works: one per message on gloo, one for the whole batch on NCCL (it runs the batch together)."""
     if group.size == 1:  # a rank talking to itself: copy, nothing on the wire
-        for (sent, _), (received, _) in zip(sends, recvs):
+        for (sent, *_), (received, *_) in zip(sends, recvs):
             received.copy_(sent)
         return []
     ops = []
-    for tensor, peer in sends:
-        group.ledger.record("send", group.cut, group.size, tensor.numel(), tensor.element_size())
-        ops.append(dist.P2POp(dist.isend, tensor, group.global_rank(peer), group=group.pg, tag=tag))
-    for tensor, peer in recvs:
-        group.ledger.record("recv", group.cut, group.size, tensor.numel(), tensor.element_size())
-        ops.append(dist.P2POp(dist.irecv, tensor, group.global_rank(peer), group=group.pg, tag=tag))
+    for op, entries, kind in ((dist.isend, sends, "send"), (dist.irecv, recvs, "recv")):
+        for entry in entries:
+            message = P2P(*entry)
+            t = message.tensor
+            with group.ledger.phase(message.phase) if message.phase else contextlib.nullcontext():
+                group.ledger.record(kind, group.cut, group.size, t.numel(), t.element_size())
+            peer = group.global_rank(message.peer)
+            ops.append(dist.P2POp(op, t, peer, group=group.pg, tag=tag if message.tag is None else message.tag))
     return _run("send/recv", group, dist.batch_isend_irecv, ops) if ops else []
 
 

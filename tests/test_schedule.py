@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: complete, causal, matched, deadlock-free; bubbles against closed forms; the CLI."""
+"""Pipeline schedules as data: complete, causal, matched, deadlock-free, posted in NCCL's order; bubbles against
+closed forms; the CLI."""
 
 from __future__ import annotations
 
@@ -7,21 +8,28 @@ import dataclasses
 import pytest
 
 from fivecut.cli import main
+from fivecut.model.presets import PRESETS
+from fivecut.parallel.pipeline import streams
 from fivecut.parallel.pipeline.draw import draw
 from fivecut.parallel.pipeline.schedule import (
+    RECEIVES,
+    WINDOW,
     Action,
     ScheduleError,
     boundary_frontier,
     build_schedule,
     check,
+    check_in_order,
     dualpipev,
     gpipe,
     interleaved,
     one_f_one_b,
     peak_in_flight,
+    posting,
     zb1p,
 )
 from fivecut.parallel.pipeline.simulate import simulate, text
+from fivecut.plan.search import MICROBATCH_STEPS, MIN_STAGE, SCHEDULES
 
 REL = 0.005  # closed forms must hold within 0.5%
 
@@ -226,11 +234,105 @@ def test_cli_refuses_bad_numbers(capsys):
 
 
 def test_boundary_frontier_counts_the_posted_receives_and_the_kept_outputs():
-    """1F1B on 4 ranks, 8 microbatches: rank 0 peaks with 4 microbatches in flight, its 8 gradient
-    receives posted and its 4 outputs kept (12 boundary tensors); a middle rank with 3 in flight
-    has 8 + 8 receives posted, 3 forward ones taken as inputs, 3 outputs kept: 16; the last rank
-    holds no outputs. GPipe's rank 0 holds all 8 microbatches and 8 + 8 tensors."""
-    frontier = boundary_frontier(build_schedule("1f1b", 4, 8))
-    assert frontier[0] == ((4, 12),) and frontier[1] == ((3, 16),)
-    assert max(frontier[3]) == (1, 7)
-    assert boundary_frontier(build_schedule("gpipe", 4, 8))[0] == ((8, 16),)
+    """1F1B on 4 ranks: rank 0 peaks with 4 microbatches in flight, their 4 outputs kept and one
+    gradient receive posted (5 boundary tensors); a middle rank with 3 in flight, 3 outputs, one
+    receive posted and one input gradient not yet sent (5); the last rank keeps no output. The
+    receives are posted in their window (`posting`), so 8 or 32 microbatches hold the same
+    (before issue 43 every receive was posted when the step began: 12 and 16 at 8 microbatches).
+    GPipe's rank 0 holds all its microbatches' outputs."""
+    for m in (8, 32):
+        frontier = boundary_frontier(build_schedule("1f1b", 4, m))
+        assert frontier[0] == ((4, 5),) and frontier[1] == ((3, 5),) and frontier[2] == ((2, 4),)
+        assert max(frontier[3]) == (1, 1)
+        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, m + 1),)
+
+
+# ---------------------------------------------------------------- posting under NCCL's order
+
+PLANNED = [  # what the planner's search emits: its schedules at the least microbatches, x2, x4
+    (name, pp, (2 * pp if name == "dualpipev" else pp) << k, virtual)
+    for name, virtual in SCHEDULES
+    for pp in range(2, 9)
+    for k in range(MICROBATCH_STEPS)
+]
+
+
+@pytest.mark.parametrize("name,pp,m,virtual", PLANNED)
+def test_every_schedule_the_planner_emits_is_posted_in_nccls_order(name, pp, m, virtual):
+    """`check` plays the executor's posting under NCCL's model (a rank's batches on one stream, as
+    `batch_isend_irecv` puts them); one stream per pair of ranks (plain isend/irecv) runs too, and
+    so do windows 1 and 3."""
+    sch = build_schedule(name, pp, m, virtual)
+    check(sch)
+    for window in (1, 2, 3):
+        check_in_order(sch, window, per_pair=True)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("name,virtual", SCHEDULES + (("gpipe", 1),))
+def test_every_pipeline_depth_of_the_presets_is_posted_in_nccls_order(name, virtual):
+    """Every pp the search tries for the presets (up to n_layers / MIN_STAGE blocks a stage)."""
+    deepest = max(max(args.n_layers // MIN_STAGE, 2) for args in PRESETS.values())
+    for pp in range(9, deepest + 1):
+        least = 2 * pp if name == "dualpipev" else pp
+        for k in range(MICROBATCH_STEPS):
+            check(build_schedule(name, pp, least << k, virtual))
+
+
+@pytest.mark.parametrize("name,pp,m,virtual", LAYOUTS)
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_posting_keeps_each_receive_in_its_window_and_each_send_after_its_producer(name, pp, m, virtual, window):
+    """Every message posted once by each end; a receive at most `window` compute actions before the
+    one that consumes it and not after; a send after the action that made it."""
+    sch = build_schedule(name, pp, m, virtual)
+    for rank, slots in enumerate(posting(sch, window)):
+        assert [s.compute for s in slots[:-1]] == sch.compute(rank) and slots[-1].compute is None
+        posted = {a: k for k, slot in enumerate(slots) for a in slot.post}
+        assert sorted(posted, key=str) == sorted((a for a in sch.actions[rank] if not a.is_compute), key=str)
+        at = {s.compute: k for k, s in enumerate(slots)}
+        for a, k in posted.items():
+            made = at[Action(a.kind[-1], a.stage, a.microbatch)]
+            assert made - window < k <= made if a.kind in RECEIVES else k > made, (rank, str(a), k, made)
+
+
+def test_a_posting_out_of_the_global_order_deadlocks_under_nccls_model():
+    """1F1B, pp=2 (rank 0: F0.0 | sF0.0 F0.1 | sF0.1 rB0.0 B0.0 | rB0.1 B0.1): rank 0 posting its first
+    gradient receive with its first send, before its second send, holds the second send behind a
+    receive that rank 1 answers only after it has received that second send."""
+    sch = one_f_one_b(2, 2)
+    first, second = posting(sch)
+    early = [
+        first[0],
+        dataclasses.replace(first[1], post=(Action("SEND_F", 0, 0), Action("RECV_B", 0, 0))),
+        dataclasses.replace(first[2], post=(Action("SEND_F", 0, 1),)),
+        *first[3:],
+    ]
+    sch.posted[WINDOW] = [early, second]
+    with pytest.raises(ScheduleError) as err:
+        check(sch)
+    assert str(err.value).startswith(
+        "1f1b under NCCL's order (window 2): deadlock: rank 0 waits for batch #0 [sF0.0 (send to rank 1), rB0.0 "
+        "(recv from rank 1)]: its stream's head rB0.0 (recv from rank 1) is not matched by a running operation of "
+        "rank 1; rank 1 waits for batch #1 [rF1.1 (recv from rank 0)]"
+    ), str(err.value)
+
+
+def test_the_model_names_a_deadlock_and_a_message_received_as_another():
+    send, recv = (lambda peer, m: streams.Op(True, peer, m)), (lambda peer, m: streams.Op(False, peer, m))
+    both_receive_first = [
+        [(recv(1, "b"),), streams.Wait(0), (send(1, "a"),)],
+        [(recv(0, "a"),), streams.Wait(0), (send(0, "b"),)],
+    ]
+    (problem,) = streams.run(both_receive_first)
+    assert problem == (
+        "deadlock: rank 0 waits for batch #0 [b (recv from rank 1)]: its stream's head b (recv from rank 1) is not "
+        "matched by a running operation of rank 1; rank 1 waits for batch #0 [a (recv from rank 0)]: its stream's "
+        "head a (recv from rank 0) is not matched by a running operation of rank 0"
+    )
+    batched = [[(send(1, "a"), recv(1, "b"))], [(recv(0, "a"), send(0, "b"))]]  # one batch a rank: they run together
+    assert streams.run(batched) == []
+    crossed = [[(send(1, "a"),), (send(1, "b"),)], [(recv(0, "b"),), (recv(0, "a"),)]]
+    assert (
+        "rank 1's receive #0 from rank 0 is b (recv from rank 0) but rank 0's send #0 to it is a"
+        in streams.run(crossed)[0]
+    )

@@ -1,17 +1,18 @@
 """Running a rank's schedule: the action list, executed with point-to-point messages.
 
 Shapes are known in advance (hidden states [b_mb, s (/t with SP), h]), so receives are
-posted into preallocated buffers. Every message is asynchronous: all of a step's receives
-are posted when `run` starts (in the list's order, so between two ranks they are posted in
-the order the peer sends), each is waited for just before the F or B that consumes it, and
-the sends are awaited at the end of the step. `schedule.check` proves the lists
-deadlock-free under a stricter model (a receive blocks at its own place in the list, sends
-never block); waiting later, at the consumer, only lets a rank run further ahead and post
-its sends sooner, so the proof still holds. Each message carries a tag derived from
-(direction, stage, microbatch), so messages between the same two ranks can never be
-confused. (This relies on a transport that matches tagged messages out of order, as gloo
-does; one that matches in posting order, such as NCCL, would need the receives posted at
-their places in the list.)
+posted into buffers allocated at posting. The messages are posted where `schedule.posting`
+puts them: before each compute action one batch (one `batch_isend_irecv`) of the sends of the
+actions before it and of the receives entering the window, at most `window` compute actions
+before their consumers; each receive is waited for just before the F or B that consumes it,
+and the sends are let go when they are out (`reap_sends`) and awaited at the end of the step.
+Every rank posts its messages in one global order, so the step runs under NCCL's semantics
+(no tags; a rank's batches run in the order posted, a send completing with its receive),
+which `schedule.check` proves for every schedule before a step runs (`streams`), and gloo's
+(which matches by tag whenever both ends are posted) a fortiori. A stage holds at most
+`window` posted receives at once: the step's memory does not grow with the microbatches
+(`schedule.boundary_frontier` counts what it holds). Each message still carries a tag
+derived from (direction, stage, microbatch), which nothing relies on.
 
 The loss is computed on the last stage as the sum of token losses divided by the token
 count of the global batch, so microbatches, stages and data-parallel ranks add up to the
@@ -33,7 +34,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
-from fivecut.parallel.pipeline.schedule import Action, Schedule
+from fivecut.parallel.pipeline.schedule import WINDOW, Action, Schedule, Slot, posting
 from fivecut.parallel.pipeline.wgrad import WeightGrads
 
 
@@ -49,7 +50,7 @@ class MicrobatchState:
 
 @dataclass
 class Posted:
-    """A receive in flight: its buffer fills when the works complete."""
+    """A receive in flight: its buffer fills when the works complete (its batch's, on NCCL)."""
 
     buffer: torch.Tensor  # [b_mb, s_local, h]
     works: list
@@ -70,9 +71,9 @@ class PipelineStep:
     weight_grads: WeightGrads | None = None  # split backward: what B keeps for W (`parallelize` makes it)
     stage_done: Callable[[int], None] | None = None  # ZeRO-2/3: called after a stage's last B (or W)
     loss_in_head: bool = False  # the last stage's head takes the targets and returns the loss (`LossHead`)
+    window: int = WINDOW  # receives posted at most this many compute actions before their consumers
     state: dict[tuple[int, int], MicrobatchState] = field(default_factory=dict)
-    sends: list = field(default_factory=list)
-    posted: set[Action] = field(default_factory=set)  # the receives posted in this step
+    sends: list = field(default_factory=list)  # (works, tensor): sends not yet out
 
     def __post_init__(self):
         if self.schedule.split_backward and self.weight_grads is None:
@@ -83,63 +84,61 @@ class PipelineStep:
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], denominator: int, ledger) -> torch.Tensor:
         """Execute every action of this rank; returns the sum of this rank's (last-stage) losses."""
-        self.state, self.sends, self.posted = {}, [], set()
+        self.state, self.sends = {}, []
         self.batches, self.denominator = batches, denominator
         if self.weight_grads is not None:
             self.weight_grads.clear()  # what a step that raised half-way may have left
         total = torch.zeros((), device=self.positions.device)
-        actions = self.schedule.actions[self.group.rank]
-        for action in actions:  # every receive, as early as can be: nothing it needs is computed here
-            if action.kind.startswith("RECV"):
-                with ledger.phase("forward" if action.kind == "RECV_F" else "backward"):
-                    self.post(action)
-        last = self.last_backwards(actions)
-        for i, action in enumerate(actions):
-            phase = "forward" if action.kind in ("F", "SEND_F", "RECV_F") else "backward"
-            with ledger.phase(phase):
-                loss = self.execute(action)
-                if self.stage_done is not None and last.get(action.stage) == i:
-                    self.stage_done(action.stage)  # the stage's gradients are complete: reduce them
+        slots = self.slots()
+        last = self.last_backwards(slots)
+        for i, slot in enumerate(slots):
+            self.post(slot.post)
+            if slot.compute is None:
+                continue
+            with ledger.phase("forward" if slot.compute.kind == "F" else "backward"):
+                loss = self.execute(slot.compute)
+                if self.stage_done is not None and last.get(slot.compute.stage) == i:
+                    self.stage_done(slot.compute.stage)  # the stage's gradients are complete: reduce them
             if loss is not None:
                 total += loss
-        for work, _ in self.sends:
-            comm.wait(work, "send", self.group)
-        self.state, self.sends = {}, []  # the graphs were freed by backward; drop the boundary tensors
+        self.finish_sends()
         if self.weight_grads is not None and self.weight_grads.pending:
             raise RuntimeError(f"W never ran for {sorted(self.weight_grads.pending)}")
         return total
 
-    def last_backwards(self, actions: list[Action]) -> dict[int, int]:
-        """stage -> index of its last action that produces gradients (B, or W when split)."""
+    def slots(self) -> list[Slot]:
+        """This rank's step: before each compute action, the batch of messages posted there."""
+        return posting(self.schedule, self.window)[self.group.rank]
+
+    def last_backwards(self, slots: list[Slot]) -> dict[int, int]:
+        """stage -> index of the slot of its last action that produces gradients (B, or W when split)."""
         kind = "W" if self.schedule.split_backward else "B"
-        return {a.stage: i for i, a in enumerate(actions) if a.kind == kind}
+        return {s.compute.stage: i for i, s in enumerate(slots) if s.compute is not None and s.compute.kind == kind}
 
     @torch.no_grad()
     def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]], denominator: int) -> torch.Tensor:
-        """Evaluation: every microbatch through the stages in order (no backward, nothing kept)."""
-        self.state, self.sends, self.posted = {}, [], set()
+        """Evaluation: every microbatch through the stages in order (no backward, nothing kept); each
+        message posted alone at its place, so every rank posts them in (microbatch, stage) order."""
+        self.state, self.sends = {}, []
         self.batches, self.denominator = batches, denominator
         total = torch.zeros((), device=self.positions.device)
         mine = set(self.schedule.stages_of(self.group.rank))
         for m in range(len(batches)):
-            for s in range(self.schedule.n_stages):
-                if s not in mine:
-                    continue
-                steps = [Action("RECV_F", s, m)] if s > 0 and self.schedule.stage_rank[s - 1] != self.group.rank else []
-                steps.append(Action("F", s, m))
-                if s < self.schedule.n_stages - 1 and self.schedule.stage_rank[s + 1] != self.group.rank:
-                    steps.append(Action("SEND_F", s, m))
-                for action in steps:
-                    loss = self.execute(action)
-                    if loss is not None:
-                        total += loss
-        for work, _ in self.sends:
-            comm.wait(work, "send", self.group)
+            for s in sorted(mine):
+                if s > 0 and not self.here(s - 1):
+                    self.post((Action("RECV_F", s, m),))
+                loss = self.execute(Action("F", s, m))
+                if loss is not None:
+                    total += loss
+                if s < self.schedule.n_stages - 1 and not self.here(s + 1):
+                    self.post((Action("SEND_F", s, m),))
+        self.finish_sends()
         return total
 
     # ------------------------------------------------------------ dispatch
 
     def execute(self, action: Action) -> torch.Tensor | None:
+        """Run compute action `action` (its received inputs waited for first)."""
         self.reap_sends()
         mb = self.state.setdefault((action.stage, action.microbatch), MicrobatchState())
         if action.kind == "F":
@@ -148,15 +147,8 @@ class PipelineStep:
             self.backward(action, mb)
         elif action.kind == "W":
             self.weight_grad(action, mb)
-        elif action.kind == "SEND_F":
-            self.send(mb.output.detach(), action.stage + 1, action, forward=True)
-        elif action.kind == "SEND_B":
-            self.send(mb.grad_input, action.stage - 1, action, forward=False)
-            mb.grad_input = None  # the send holds it until it is out
-        elif action.kind.startswith("RECV"):
-            self.post(action)  # already posted when `run` began; `forward_only` posts here
         else:
-            raise ValueError(f"unknown pipeline action {action}")
+            raise ValueError(f"{action} is not a compute action")
         return None
 
     # ------------------------------------------------------------ compute
@@ -193,8 +185,7 @@ class PipelineStep:
 
     def hand_back(self, action: Action, grad_input: torch.Tensor) -> None:
         """The previous stage is on this rank too: its output's gradient, without a message."""
-        if action.stage > 0 and self.here(action.stage - 1):
-            self.state.setdefault((action.stage - 1, action.microbatch), MicrobatchState()).grad_output = grad_input
+        self.state.setdefault((action.stage - 1, action.microbatch), MicrobatchState()).grad_output = grad_input
 
     def backward(self, action: Action, mb: MicrobatchState) -> None:
         """The stage's backward, once (the graph is freed). Split (zero-bubble): the linear layers'
@@ -208,7 +199,9 @@ class PipelineStep:
             torch.autograd.backward(mb.output, grad)
         if action.stage > 0:
             mb.grad_input = mb.input.grad
-            self.hand_back(action, mb.grad_input)
+            if self.here(action.stage - 1):
+                self.hand_back(action, mb.grad_input)
+                mb.grad_input = None
         mb.output = mb.grad_output = mb.input = None  # the microbatch's boundary tensors, done with here
 
     def weight_grad(self, action: Action, mb: MicrobatchState) -> None:
@@ -225,36 +218,56 @@ class PipelineStep:
         """The sends that are out: waited for (at once; a failed one raises) and their tensors let go,
         so that a step holds the boundary tensors still in flight, not every one it sent."""
         pending = []
-        for work, tensor in self.sends:
-            if work.is_completed():
-                comm.wait(work, "send", self.group)
+        for works, tensor in self.sends:
+            if all(work.is_completed() for work in works):
+                for work in works:
+                    comm.wait(work, "send", self.group)
             else:
-                pending.append((work, tensor))
+                pending.append((works, tensor))
         self.sends = pending
 
-    def send(self, tensor: torch.Tensor, to_stage: int, action: Action, forward: bool) -> None:
-        boundary = min(action.stage, to_stage)
-        peer = self.schedule.stage_rank[to_stage]
-        tensor = tensor.contiguous()
-        works = comm.batch_send_recv([(tensor, peer)], [], self.group, tag=self.tag(action, forward, boundary))
-        self.sends += [(work, tensor) for work in works]  # the tensor stays alive until the send completes
+    def finish_sends(self) -> None:
+        """The end of the step: every send waited for; the boundary tensors dropped (the graphs were
+        freed by backward)."""
+        for works, _ in self.sends:
+            for work in works:
+                comm.wait(work, "send", self.group)
+        self.state, self.sends = {}, []
 
-    def post(self, action: Action) -> None:
-        """Post the receive `action` (once per step) into a fresh buffer; its consumer waits for it."""
-        if action in self.posted:
+    def post(self, actions: tuple[Action, ...]) -> None:
+        """Post a slot's sends and receives as one batch (nothing when empty); a receive's buffer is
+        allocated here and its consumer waits for it (`wait`)."""
+        if not actions:
             return
-        self.posted.add(action)
+        sends = [(a, self.message(a)) for a in actions if a.kind.startswith("SEND")]
+        recvs = [(a, self.message(a)) for a in actions if a.kind.startswith("RECV")]
+        works = comm.batch_send_recv([m for _, m in sends], [m for _, m in recvs], self.group)
+        posted = sends + recvs
+        # gloo: a Work a message, sends first; NCCL: one Work for the whole batch
+        per_message = [[w] for w in works] if len(works) == len(posted) else [works] * len(posted)
+        for (action, message), mine in zip(posted, per_message):
+            if action.kind.startswith("SEND"):
+                self.sends.append((mine, message.tensor))  # the tensor stays alive until the send is out
+                continue
+            mb = self.state.setdefault((action.stage, action.microbatch), MicrobatchState())
+            if action.kind == "RECV_F":
+                mb.arriving_input = Posted(message.tensor, mine)
+            else:
+                mb.arriving_grad = Posted(message.tensor, mine)
+
+    def message(self, action: Action) -> comm.P2P:
+        """The tensor `action` sends, or a new buffer it receives into, with its peer, tag and phase."""
+        forward = action.kind.endswith("F")
+        other = action.stage + 1 if action.kind in ("SEND_F", "RECV_B") else action.stage - 1
+        tag = self.tag(action, forward, min(action.stage, other))
         mb = self.state.setdefault((action.stage, action.microbatch), MicrobatchState())
-        forward = action.kind == "RECV_F"
-        from_stage = action.stage - 1 if forward else action.stage + 1
-        boundary = min(action.stage, from_stage)
-        peer = self.schedule.stage_rank[from_stage]
-        buffer = torch.empty(self.hidden_shape, dtype=self.dtype, device=self.positions.device)
-        works = comm.batch_send_recv([], [(buffer, peer)], self.group, tag=self.tag(action, forward, boundary))
-        if forward:
-            mb.arriving_input = Posted(buffer, works)
+        if action.kind == "SEND_F":
+            tensor = mb.output.detach().contiguous()
+        elif action.kind == "SEND_B":
+            tensor, mb.grad_input = mb.grad_input.contiguous(), None  # the send holds it until it is out
         else:
-            mb.arriving_grad = Posted(buffer, works)
+            tensor = torch.empty(self.hidden_shape, dtype=self.dtype, device=self.positions.device)
+        return comm.P2P(tensor, self.schedule.stage_rank[other], tag, "forward" if forward else "backward")
 
     def wait(self, posted: Posted, op: str) -> torch.Tensor:
         """Block until a posted receive has arrived (just before the action that consumes it)."""

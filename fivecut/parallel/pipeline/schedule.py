@@ -37,8 +37,11 @@ those smaller units.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from fivecut.parallel.pipeline import streams
 
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -78,6 +81,7 @@ class Schedule:
     stage_rank: list[int]  # stage -> rank that holds it
     actions: list[list[Action]]  # per rank, in execution order, communication included
     split_backward: bool  # B is input-gradient only and W actions exist
+    posted: dict = field(default_factory=dict, repr=False, compare=False)  # window -> `posting`, once
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_rank) if r == rank]
@@ -361,12 +365,14 @@ def build_schedule(name: str, pp: int, m: int, virtual: int = 1) -> Schedule:
 
 
 def check(schedule: Schedule) -> None:
-    """Raise ScheduleError unless the schedule is complete, causal, matched and deadlock-free."""
+    """Raise ScheduleError unless the schedule is complete, causal, matched and deadlock-free, and
+    the executor's posting of its messages (`posting`) runs under NCCL's in-order semantics."""
     check_placement(schedule)
     check_counts(schedule)
     check_order(schedule)
     check_matching(schedule)
     execution_order(schedule)  # raises on deadlock
+    check_in_order(schedule)
 
 
 def check_placement(sch: Schedule) -> None:
@@ -538,6 +544,143 @@ def waiting(sch: Schedule, rank: int, i: int) -> str:
     return f"rank {rank} stuck at {a} (position {i}) waiting for {peer} from rank {sch.stage_rank[peer.stage]}"
 
 
+# ---------------------------------------------------------------- posting: NCCL's order
+
+WINDOW = 2  # receives posted at most this many compute actions before the one that consumes them
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place in a rank's step: the messages posted there, as one batch, then a compute action."""
+
+    post: tuple[Action, ...]  # sends and receives, in the order every rank posts its messages
+    compute: Action | None  # None: the end of the step (the last sends)
+
+
+def posting(sch: Schedule, window: int = WINDOW) -> list[list[Slot]]:
+    """Where the executor posts each message: per rank, a slot before each compute action and one
+    at the end, each posting one batch (`PipelineStep`); once per schedule and window.
+
+    NCCL runs a rank's batches in the order they were posted (`streams`), so every rank posts its
+    messages in one global order: message m passes at a time t(m) of the schedule's unit-cost clock
+    (`unit_clock`), t(m) = max(end of its producer, start of the receiver's compute action
+    `window` - 1 before the consumer), and each rank posts m in the slot whose interval holds t(m).
+    Then the sender posts m after its producer, the receiver at most `window` compute actions
+    before the consumer, and by induction on t the pipeline cannot deadlock: the unfinished
+    message of least t has only finished messages ahead of it in both streams, and both ranks
+    reach it, for they wait only for messages posted before it. A receive's buffer is alive from
+    its slot until its consumer: at most `window` of them at once. A send may be posted after its
+    producer (the consumer is further on): a forward's is the output the stage keeps until its
+    backward anyway; a backward's gradient waits for it (`boundary_frontier` counts it).
+
+    Why `WINDOW` = 2: at 1 a receive is posted after the compute action before its consumer, and
+    on a GPU NCCL's stream waits for that action before it starts (a message's whole transfer
+    exposed, every time); at 2 the message passes during that action (double buffering: a
+    stage's compute is tens of ms, a [b, s, h] message a few ms); more buys nothing and holds
+    more buffers."""
+    if window < 1:
+        raise ValueError(f"window={window}: a receive is posted at least 1 compute action before its consumer")
+    if window not in sch.posted:
+        spans = unit_clock(sch)
+        times = message_times(sch, spans, window)
+        sch.posted[window] = [rank_slots(sch, rank, spans, times) for rank in range(sch.pp)]
+    return sch.posted[window]
+
+
+def unit_clock(sch: Schedule) -> dict[Action, tuple[float, float]]:
+    """(start, end) of every compute action: F = W = 1, B = 2 when whole (1 when split), a
+    message arriving when it is sent (`simulate.simulate`'s clock with its default costs)."""
+    cost = {"F": 1.0, "B": 1.0 if sch.split_backward else 2.0, "W": 1.0}
+    free, sent, spans = [0.0] * sch.pp, {}, {}
+    for rank, i in execution_order(sch):
+        a = sch.actions[rank][i]
+        if a.is_compute:
+            spans[a] = (free[rank], free[rank] + cost[a.kind])
+            free[rank] += cost[a.kind]
+        elif a.kind in RECEIVES:
+            free[rank] = max(free[rank], sent[partner(a)])
+        else:
+            sent[a] = free[rank]
+    return spans
+
+
+def message_times(sch: Schedule, spans: dict, window: int) -> dict[Action, float]:
+    """send -> t(m): the end of its producer, or the start of the compute action `window` - 1 before
+    its consumer on the receiving rank, whichever is later."""
+    computes = [sch.compute(rank) for rank in range(sch.pp)]
+    index = {a: k for row in computes for k, a in enumerate(row)}
+    times = {}
+    for actions in sch.actions:
+        for a in actions:
+            if a.kind in SENDS:
+                consumer = made_by(partner(a))
+                early = computes[sch.stage_rank[consumer.stage]][max(index[consumer] - window + 1, 0)]
+                times[a] = max(spans[made_by(a)][1], spans[early][0])
+    return times
+
+
+def made_by(a: Action) -> Action:
+    """The compute action that produces a send's tensor (SEND_F: F) or consumes a receive's (RECV_B: B)."""
+    return Action(a.kind[-1], a.stage, a.microbatch)
+
+
+def rank_slots(sch: Schedule, rank: int, spans: dict, times: dict) -> list[Slot]:
+    """`rank`'s messages by (t, the message), each in the slot k whose interval [end of compute k-1,
+    end of compute k) holds t: sent after the producer, received before the consumer."""
+    computes = sch.compute(rank)
+    ends = [spans[a][1] for a in computes]
+    slots: list[list[Action]] = [[] for _ in range(len(computes) + 1)]
+    for a in sorted((a for a in sch.actions[rank] if not a.is_compute), key=lambda a: message_key(a, times)):
+        slots[bisect.bisect_right(ends, times[message(a)])].append(a)
+    return [Slot(tuple(post), computes[k] if k < len(computes) else None) for k, post in enumerate(slots)]
+
+
+def message(a: Action) -> Action:
+    """A message by its send: the same at both ends."""
+    return a if a.kind in SENDS else partner(a)
+
+
+def message_key(a: Action, times: dict) -> tuple:
+    m = message(a)
+    return times[m], m.stage, m.microbatch, m.kind
+
+
+def programs(sch: Schedule, slots: list[list[Slot]]) -> list[streams.Program]:
+    """Each rank's posts and waits (`streams.Program`): a slot's batch, then a wait for the receive
+    that feeds its compute action."""
+    out = []
+    for rank, row in enumerate(slots):
+        program, batch, posted = [], {}, 0
+        for slot in row:
+            if slot.post:
+                batch.update((a, posted) for a in slot.post)
+                program.append(tuple(message_op(sch, a) for a in slot.post))
+                posted += 1
+            for receive in feeding(slot.compute, sch) if slot.compute is not None else ():
+                if receive not in batch:
+                    raise ScheduleError(f"rank {rank}: {slot.compute} comes before {receive} is posted")
+                program.append(streams.Wait(batch[receive]))
+        out.append(program)
+    return out
+
+
+def feeding(a: Action, sch: Schedule) -> list[Action]:
+    """The receive whose tensor compute action `a` consumes (none when the producer is on its rank)."""
+    return [p for p in predecessors(a, sch) if p.kind in RECEIVES] if a.kind != "W" else []
+
+
+def message_op(sch: Schedule, a: Action) -> streams.Op:
+    return streams.Op(a.kind in SENDS, sch.stage_rank[partner(a).stage], message(a), label=str(a))
+
+
+def check_in_order(sch: Schedule, window: int = WINDOW, per_pair: bool = False) -> None:
+    """The executor's posting (`posting`) under NCCL's semantics (`streams.run`): raise ScheduleError
+    on a deadlock or a message received as another."""
+    problems = streams.run(programs(sch, posting(sch, window)), per_pair)
+    if problems:
+        raise ScheduleError(f"{sch.name} under NCCL's order (window {window}): " + "; ".join(problems))
+
+
 # ---------------------------------------------------------------- memory
 
 
@@ -554,29 +697,46 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def boundary_frontier(schedule: Schedule) -> list[tuple[tuple[int, int], ...]]:
+def boundary_frontier(schedule: Schedule, window: int = WINDOW) -> list[tuple[tuple[int, int], ...]]:
     """Per rank, the (microbatch-stages holding activations, boundary tensors alive) pairs its step
     passes through that no other pair exceeds in both, each boundary tensor one [b_mb, s, h] of the
-    residual stream. The executor (`PipelineStep`) posts every receive of the step when it begins,
-    so each receive's buffer lives from the start until its F takes it as the stage's input (an
-    activation from then on) or its B has run; a stage whose next stage is on another rank keeps
-    its output from F until B (the stage's blocks keep only their inputs). A rank's memory peaks
-    at the pair that maximizes held x activations + alive x boundary bytes."""
+    residual stream, as the executor (`PipelineStep`) holds them under `posting`: a receive's buffer
+    from its slot until its F takes it as the stage's input (an activation from then on) or its B
+    has run; a stage's output from F until B when the next stage is on another rank (the stage's
+    blocks keep only their inputs); a backward's input gradient from B until its send is posted
+    (and out: at once on the memory check's fake process group; on a real one when its receiver
+    takes it, `window` actions at most in the unit-cost clock) or, when the previous stage is on
+    the same rank, until that stage's B. A rank's memory peaks at the pair that maximizes
+    held x activations + alive x boundary bytes."""
     release = "W" if schedule.split_backward else "B"
-    last = schedule.n_stages - 1
     out = []
-    for rank, actions in enumerate(schedule.actions):
-        received = {(a.kind, a.stage, a.microbatch) for a in actions if a.kind in ("RECV_F", "RECV_B")}
-        held, alive, seen = 0, len(received), {(0, len(received))}
-        for a in actions:
-            if a.kind == "F":
-                held += 1
-                alive -= ("RECV_F", a.stage, a.microbatch) in received
-                alive += a.stage < last and schedule.stage_rank[a.stage + 1] != rank  # the output, kept
-            elif a.kind == "B":
-                alive -= ("RECV_B", a.stage, a.microbatch) in received
-                alive -= a.stage < last and schedule.stage_rank[a.stage + 1] != rank
-            held -= a.kind == release
+    for rank, slots in enumerate(posting(schedule, window)):
+        held = alive = sending = 0
+        seen = {(0, 0)}
+        for slot in slots:
+            alive += sum(a.kind in RECEIVES for a in slot.post)
+            sending += sum(a.kind == "SEND_B" for a in slot.post)
+            seen.add((held, alive))
+            if slot.compute is None:
+                continue
+            alive, sending = alive - sending, 0  # the sends posted are out (`PipelineStep.reap_sends`)
+            alive += boundaries_changed(schedule, slot.compute, rank)
+            held += slot.compute.kind == "F"
+            held -= slot.compute.kind == release
             seen.add((held, alive))
         out.append(tuple(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
     return out
+
+
+def boundaries_changed(sch: Schedule, a: Action, rank: int) -> int:
+    """How many boundary tensors compute action `a` adds (+) or lets go (-) on `rank`."""
+    s, last = a.stage, sch.n_stages - 1
+    sent_on = s < last and sch.stage_rank[s + 1] != rank  # the output goes to another rank
+    received = s > 0 and sch.stage_rank[s - 1] != rank
+    if a.kind == "F":  # the received input becomes an activation; the output is kept for B
+        return sent_on - received
+    if a.kind != "B":
+        return 0
+    # the received (or handed back) gradient and the kept output go; the input's gradient comes
+    handed_back = s < last and not sent_on
+    return -sent_on - sent_on - handed_back + (s > 0)
