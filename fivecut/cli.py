@@ -1145,7 +1145,7 @@ def plan_search(ns, cluster) -> int:
         print(f"no layout fits in {cluster.device.memory_gb:g} GB{least_memory(result)}")
         print(grown_line(ns, args, cluster))
         return NOTHING_FITS
-    top = result.ranked[: ns.top]
+    top = result.ranked[:shown]
     print_ranking(top, cluster)
     print("\n" + why(result.ranked[0], result.ranked[1:]))
     print("\nthe best layout in full:")
