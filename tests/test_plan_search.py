@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from fivecut.cli import build_parser, main, plan_config
+from fivecut.cli import PLAN_TOP, build_parser, main, plan_config
 from fivecut.plan.cluster import ClusterError, cluster_from_table, parse_cluster
 from fivecut.plan.cost import cost_layout
 from fivecut.plan.search import search
@@ -132,6 +132,7 @@ def test_plan_writes_json_and_png_and_says_why(tmp_path, capsys):
     assert first["fits"] and set(first["memory_bytes"]) >= {"params", "grads", "optimizer", "activations"}
     assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
     assert main([*argv, "--out", str(out)]) == 0  # its own earlier plan is replaced
+    assert len(json.loads((out / "plan.json").read_text())["layouts"]) == PLAN_TOP  # no --top: the default
 
 
 def test_plan_keeps_a_file_it_did_not_write(tmp_path, capsys):
