@@ -344,7 +344,8 @@ def cmd_train(ns) -> int:
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
-    sampler = run_tokens(cfg)  # the token stores built (once per node) and checked: bad data refused here
+    # the token stores built (once per node) and checked: bad data, and a split too small for train.eval_*, refused here
+    sampler = run_tokens(cfg, evaluation_keys=True)
     if path is not None:
         saved = checkpoint.read_meta(path)
         check_data_position(saved, sampler.position(saved["step"]), ns.accept)

@@ -134,15 +134,18 @@ def run_sampler(cfg: Config, sources: list) -> BatchSampler:
     )
 
 
-def run_tokens(cfg: Config) -> BatchSampler:
+def run_tokens(cfg: Config, evaluation_keys: bool = False) -> BatchSampler:
     """The run's sources, tokenized (once) into their stores with the run's tokenizer (`data.tokenizer`,
     "auto": the model's own) and checked against their sha256s; returns the run's sampler, whose
     construction refuses a split too short for a row. Called before any process group exists, so
-    bad data is refused with exit 2 there."""
+    bad data is refused with exit 2 there. `evaluation_keys`: train.eval_* are the user's (`fivecut
+    train`; verify and ledger set their own), and a validation split too small for them is refused
+    here too (`checks.check_eval_split`), not by the ranks."""
     tokenizer = run_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
     sources = load_sources(cfg.data, tokenizer)
     sampler = run_sampler(cfg, sources)
-    checks.check_eval_split(cfg, sources)  # refused here, not by the ranks' `eval_batches`
+    if evaluation_keys:
+        checks.check_eval_split(cfg, sources)
     if int(os.environ.get("RANK", "0")) == 0:
         for line in sampler.lines(sources_of(cfg.data.source)):
             print(f"fivecut: {line}", flush=True)
