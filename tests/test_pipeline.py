@@ -20,6 +20,7 @@ from test_ddp import GRAD_TOL, assert_same_run, single_process_run, small_config
 from torch import nn
 
 from fivecut.launch import spawn
+from fivecut.parallel.pipeline.executor import release
 from fivecut.parallel.pipeline.wgrad import DeferredLinear, WeightGrads, defer_weight_grads
 from fivecut.train.run import forward_backward, setup
 
@@ -279,3 +280,26 @@ def test_split_backward_repeats_no_collective(byte_cache, tmp_path):
         assert rows == rows_1f1b
         for name, g in grads_1f1b.items():
             torch.testing.assert_close(grads[name], g, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_sent_output_is_let_go_and_its_backward_is_the_same():
+    """A block's output (a residual add) keeps nothing for backward: `release` frees its memory
+    (a one-element stride-0 stand-in of its shape) and B gives the same gradients bitwise; an
+    output whose op keeps it (tanh) is left whole."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    dy = torch.randn(2, 3, 8)
+
+    def block(x, w):
+        h = x @ w
+        return h + h.relu()  # [b, s, h], AddBackward0
+
+    reference = torch.autograd.grad(block(x, w), (x, w), dy)
+    out = block(x, w)
+    release(out)
+    assert out.shape == (2, 3, 8) and out.untyped_storage().nbytes() == 4
+    torch.autograd.backward(out, dy)
+    assert torch.equal(x.grad, reference[0]) and torch.equal(w.grad, reference[1])
+    kept = torch.tanh(x @ w)  # TanhBackward0 reads its output
+    release(kept)
+    assert kept.untyped_storage().nbytes() == 2 * 3 * 8 * 4

@@ -233,18 +233,19 @@ def test_cli_refuses_bad_numbers(capsys):
     assert "error: interleaved: microbatches=6" in capsys.readouterr().err
 
 
-def test_boundary_frontier_counts_the_posted_receives_and_the_kept_outputs():
-    """1F1B on 4 ranks: rank 0 peaks with 4 microbatches in flight, their 4 outputs kept and one
-    gradient receive posted (5 boundary tensors); a middle rank with 3 in flight, 3 outputs, one
-    receive posted and one input gradient not yet sent (5); the last rank keeps no output. The
-    receives are posted in their window (`posting`), so 8 or 32 microbatches hold the same
-    (before issue 43 every receive was posted when the step began: 12 and 16 at 8 microbatches).
-    GPipe's rank 0 holds all its microbatches' outputs."""
+def test_boundary_frontier_counts_the_posted_receives_and_the_outputs_not_yet_sent():
+    """1F1B on 4 ranks: rank 0 peaks with 4 microbatches in flight, an output not yet sent and a
+    gradient receive posted (2 boundary tensors); a middle rank with 3 in flight holds 3 (an input
+    gradient not yet sent too); the last rank sends no output. The receives are posted in their
+    window (`posting`) and a sent output is let go, so 8 or 32 microbatches hold the same (before
+    issue 43 every receive was posted when the step began and every output kept until its B: 12 and
+    16 at 8 microbatches). Kept until B (a compiled block's output), the outputs count again: 5.
+    GPipe's rank 0 holds all its microbatches' activations, and still 2 boundary tensors."""
     for m in (8, 32):
         frontier = boundary_frontier(build_schedule("1f1b", 4, m))
-        assert frontier[0] == ((4, 5),) and frontier[1] == ((3, 5),) and frontier[2] == ((2, 4),)
-        assert max(frontier[3]) == (1, 1)
-        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, m + 1),)
+        assert frontier[:3] == [((4, 2),), ((3, 3),), ((2, 3),)] and max(frontier[3]) == (1, 1)
+        assert boundary_frontier(build_schedule("1f1b", 4, m), released=False)[0] == ((4, 5),)
+        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, 2),)
 
 
 # ---------------------------------------------------------------- posting under NCCL's order

@@ -808,11 +808,13 @@ IN_FLIGHT: dict[tuple, list[int]] = {}
 
 
 def frontiers_of(args, cfg) -> list[tuple[tuple[int, int], ...]]:
-    """`boundary_frontier` of the layout's schedule, once per schedule."""
+    """`boundary_frontier` of the layout's schedule, once per schedule: a sent output let go once
+    out, but for a compiled block's (train.compile: its graph may keep it), kept until B."""
     d = cfg.parallel
-    key = (d.pp_schedule, d.pp, d.microbatches, d.pp_virtual)
+    released = not cfg.train.compile
+    key = (d.pp_schedule, d.pp, d.microbatches, d.pp_virtual, released)
     if key not in FRONTIERS:
-        FRONTIERS[key] = boundary_frontier(pipeline_plan(args, cfg)[0])
+        FRONTIERS[key] = boundary_frontier(pipeline_plan(args, cfg)[0], released=released)
     return FRONTIERS[key]
 
 

@@ -73,7 +73,7 @@ class PipelineStep:
     loss_in_head: bool = False  # the last stage's head takes the targets and returns the loss (`LossHead`)
     window: int = WINDOW  # receives posted at most this many compute actions before their consumers
     state: dict[tuple[int, int], MicrobatchState] = field(default_factory=dict)
-    sends: list = field(default_factory=list)  # (works, tensor): sends not yet out
+    sends: list = field(default_factory=list)  # (works, tensor, the output it was sent from): sends not yet out
 
     def __post_init__(self):
         if self.schedule.split_backward and self.weight_grads is None:
@@ -218,18 +218,19 @@ class PipelineStep:
         """The sends that are out: waited for (at once; a failed one raises) and their tensors let go,
         so that a step holds the boundary tensors still in flight, not every one it sent."""
         pending = []
-        for works, tensor in self.sends:
-            if all(work.is_completed() for work in works):
+        for works, tensor, output in self.sends:
+            if all(map(comm.completed, works)):
                 for work in works:
                     comm.wait(work, "send", self.group)
+                release(output)
             else:
-                pending.append((works, tensor))
+                pending.append((works, tensor, output))
         self.sends = pending
 
     def finish_sends(self) -> None:
         """The end of the step: every send waited for; the boundary tensors dropped (the graphs were
         freed by backward)."""
-        for works, _ in self.sends:
+        for works, _, _ in self.sends:
             for work in works:
                 comm.wait(work, "send", self.group)
         self.state, self.sends = {}, []
@@ -247,7 +248,8 @@ class PipelineStep:
         per_message = [[w] for w in works] if len(works) == len(posted) else [works] * len(posted)
         for (action, message), mine in zip(posted, per_message):
             if action.kind.startswith("SEND"):
-                self.sends.append((mine, message.tensor))  # the tensor stays alive until the send is out
+                output = self.state[(action.stage, action.microbatch)].output if action.kind == "SEND_F" else None
+                self.sends.append((mine, message.tensor, output))  # the tensor stays alive until the send is out
                 continue
             mb = self.state.setdefault((action.stage, action.microbatch), MicrobatchState())
             if action.kind == "RECV_F":
@@ -274,3 +276,12 @@ class PipelineStep:
         for work in posted.works:
             comm.wait(work, op, self.group)
         return posted.buffer
+
+
+def release(output: torch.Tensor | None) -> None:
+    """A stage's output, sent and out, let go (Megatron's deallocate_output_tensor): B needs only
+    its grad_fn, and the residual add that makes a block's output (AddBackward0) keeps nothing of
+    it, so its memory goes and a stride-0 view of one element [b_mb, s, h] stands in. An output
+    made otherwise (a compiled block's: its graph may keep it) stays until B."""
+    if output is not None and output._base is None and type(output.grad_fn).__name__ == "AddBackward0":
+        output.data = output.new_empty(1).expand(output.shape)

@@ -697,46 +697,49 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def boundary_frontier(schedule: Schedule, window: int = WINDOW) -> list[tuple[tuple[int, int], ...]]:
+def boundary_frontier(
+    schedule: Schedule, window: int = WINDOW, released: bool = True
+) -> list[tuple[tuple[int, int], ...]]:
     """Per rank, the (microbatch-stages holding activations, boundary tensors alive) pairs its step
     passes through that no other pair exceeds in both, each boundary tensor one [b_mb, s, h] of the
     residual stream, as the executor (`PipelineStep`) holds them under `posting`: a receive's buffer
     from its slot until its F takes it as the stage's input (an activation from then on) or its B
-    has run; a stage's output from F until B when the next stage is on another rank (the stage's
-    blocks keep only their inputs); a backward's input gradient from B until its send is posted
-    (and out: at once on the memory check's fake process group; on a real one when its receiver
-    takes it, `window` actions at most in the unit-cost clock) or, when the previous stage is on
-    the same rank, until that stage's B. A rank's memory peaks at the pair that maximizes
-    held x activations + alive x boundary bytes."""
-    release = "W" if schedule.split_backward else "B"
+    has run; a stage's output, when the next stage is on another rank, from F until its send is
+    out (`released`: the executor lets a block's output go then, `executor.release`) or else until
+    B; a backward's input gradient from B until its send is out or, when the previous stage is on
+    the same rank, until that stage's B. A send is out at once on the memory check's fake process
+    group, at the compute action after its slot; on a real one when its receiver takes it. A
+    rank's memory peaks at the pair that maximizes held x activations + alive x boundary bytes."""
+    release_at = "W" if schedule.split_backward else "B"
+    sent = ("SEND_F", "SEND_B") if released else ("SEND_B",)
     out = []
     for rank, slots in enumerate(posting(schedule, window)):
         held = alive = sending = 0
         seen = {(0, 0)}
         for slot in slots:
             alive += sum(a.kind in RECEIVES for a in slot.post)
-            sending += sum(a.kind == "SEND_B" for a in slot.post)
+            sending += sum(a.kind in sent for a in slot.post)
             seen.add((held, alive))
             if slot.compute is None:
                 continue
             alive, sending = alive - sending, 0  # the sends posted are out (`PipelineStep.reap_sends`)
-            alive += boundaries_changed(schedule, slot.compute, rank)
+            alive += boundaries_changed(schedule, slot.compute, rank, released)
             held += slot.compute.kind == "F"
-            held -= slot.compute.kind == release
+            held -= slot.compute.kind == release_at
             seen.add((held, alive))
         out.append(tuple(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
     return out
 
 
-def boundaries_changed(sch: Schedule, a: Action, rank: int) -> int:
-    """How many boundary tensors compute action `a` adds (+) or lets go (-) on `rank`."""
+def boundaries_changed(sch: Schedule, a: Action, rank: int, released: bool) -> int:
+    """How many boundary tensors compute action `a` adds (+) or lets go (-) on `rank`, its sends aside."""
     s, last = a.stage, sch.n_stages - 1
     sent_on = s < last and sch.stage_rank[s + 1] != rank  # the output goes to another rank
     received = s > 0 and sch.stage_rank[s - 1] != rank
-    if a.kind == "F":  # the received input becomes an activation; the output is kept for B
+    if a.kind == "F":  # the received input becomes an activation; the output is kept to be sent
         return sent_on - received
     if a.kind != "B":
         return 0
-    # the received (or handed back) gradient and the kept output go; the input's gradient comes
+    # the received (or handed back) gradient goes, and the output if still kept; the input's gradient comes
     handed_back = s < last and not sent_on
-    return -sent_on - sent_on - handed_back + (s > 0)
+    return -sent_on - (sent_on and not released) - handed_back + (s > 0)
