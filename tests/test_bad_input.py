@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import fivecut.launch
 from fivecut import checks
-from fivecut.cli import LOSS_RTOL, TOLERANCES, main, verdict, verify_config
+from fivecut.cli import LOSS_RTOL, TOLERANCES, main, print_comparison, verdict, verify_config
 from fivecut.config import Config
 from fivecut.layout import ParallelDims
 from fivecut.model.presets import PRESETS, runnable_presets
@@ -600,6 +600,22 @@ def test_later_gradient_norms_are_held_to_1e_3(capsys):
 def test_later_losses_stay_at_1e_5(capsys):
     code, out = verdict_of(capsys, {"loss": [0, 0, 2e-5], "grad_norm": [0, 0, 0], "val_loss": [2e-5]})
     assert code == 1 and "loss at step 3 2.000e-05 > 1e-05" in out and "val_loss at step 1" in out
+
+
+@pytest.mark.parametrize("side", ["layout", "single process"])
+def test_a_nan_on_either_side_fails(capsys, side):
+    """A loss that is NaN under the layout (or in the single process) is no match: its relative
+    difference is NaN, which no tolerance holds. Caught: a verdict that fails only where the
+    difference exceeds the tolerance (NaN > tol is False, so a NaN passed)."""
+    nan = float("nan")
+    good = {"loss": {1: 2.0, 2: 1.9}, "grad_norm": {1: 1.0, 2: 0.9}, "val_loss": {2: 2.1}}
+    bad = {**good, "loss": {1: 2.0, 2: nan}}
+    reference, layout = (good, bad) if side == "layout" else (bad, good)
+    diffs = print_comparison(reference, layout)
+    capsys.readouterr()
+    assert verdict(diffs, TOLERANCES["fp32"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL") and "loss at step 2 nan > 1e-05" in out, out
 
 
 def test_the_tolerances_are_printed(capsys, monkeypatch, tmp_path, corpus):

@@ -316,6 +316,29 @@ def test_a_validation_split_too_small_for_eval_batches_is_refused_before_any_pro
         checks.check_eval_split(cfg, load_sources(cfg.data, "byte"))
 
 
+def test_the_split_check_and_the_ranks_evaluation_agree_at_every_length():
+    """One source, each split length from 1 to 200 tokens: the check passes iff `eval_batches` builds the
+    validation set, down to the last token (w windows of seq_len + 1 whose targets never overlap need
+    w * seq_len + 1 tokens). Caught: an off-by-one at the boundary (w * seq_len tokens passed)."""
+    cfg = load_config(None, ["train.seq_len=16", "train.global_batch=4", "train.eval_every=1"])
+    cfg.data.source = "s0"
+    for batches in (1, 2, 3):
+        cfg.train.eval_batches = batches
+        for length in range(1, 201):
+            val = np.arange(length) % 7
+            try:
+                eval_batches([val], 16, 4, batches)
+                built = True
+            except ValueError:
+                built = False
+            try:
+                checks.check_eval_split(cfg, [SimpleNamespace(val=val, n_tokens=20 * length)])
+                passed = True
+            except ConfigError:
+                passed = False
+            assert passed == built, (length, batches)
+
+
 @pytest.mark.parametrize("weights", [None, [3.0, 1.0], [1.0, 1.0, 5.0]])
 def test_the_split_check_refuses_exactly_what_the_ranks_evaluation_cannot_take(weights):
     """Over mixed sources (windows dealt by weight) and split sizes: the check passes iff the ranks'

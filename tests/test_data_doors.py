@@ -58,6 +58,19 @@ def test_a_json_file_is_read_as_json_lines_or_as_an_array(tmp_path, suffix):
         assert content(source, tmp_path / "cache") == reference, name
 
 
+def test_a_json_file_that_begins_with_a_byte_order_mark_is_read_as_its_records(tmp_path):
+    """A UTF-8 byte order mark (what Windows editors and some exporters put first) is no character: the
+    file is JSON lines or an array by what follows it. Caught: the form told by the mark's first byte,
+    which refuses the file as neither."""
+    reference = content(jsonl(tmp_path, *[json.dumps({"text": d}) for d in DOCS]), tmp_path / "cache")
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    array = json.dumps([{"text": d} for d in DOCS])
+    for name, text in (("lines", lines), ("array", array)):
+        path = tmp_path / f"{name}.json"
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert content(str(path), tmp_path / "cache") == reference, name
+
+
 @pytest.mark.parametrize(
     "text,words",
     [
@@ -84,20 +97,39 @@ def numbered_lines(n: int) -> bytes:
 
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
-@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "corrupt first block"])
 def test_a_damaged_compressed_file_is_refused_naming_it_and_where(capsys, tmp_path, suffix, damage):
+    """Truncated; 16 bytes zeroed in the middle (gzip: its CRC fails at the end, BadGzipFile); 16 bytes
+    of 0xff after the header (gzip: a deflate block that does not decode, zlib.error)."""
     lines = 20_000
     path = Path(compressed(tmp_path / f"docs{suffix}", numbered_lines(lines)))
     data = bytearray(path.read_bytes())
     if damage == "truncated":
         data = data[: len(data) // 2]
-    else:
+    elif damage == "corrupt":
         data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)
+    else:
+        data[12:28] = b"\xff" * 16
     path.write_bytes(bytes(data))
     err = refused(capsys, tmp_path, f'data.source="{path}"')
     assert f"{path} is truncated or corrupt" in err and "copy or download it again" in err
     read = int(re.search(r"broke off after ([\d,]+) lines", err)[1].replace(",", ""))
-    assert 0 < read < lines or damage == "corrupt"  # a truncation is placed (a checksum is checked at the end)
+    assert 0 < read < lines or damage != "truncated"  # a truncation is placed (a checksum is checked at the end)
+
+
+def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
+    """pzstd, and `cat a.zst b.zst`, write several zstd frames one after the other: every frame's
+    documents are read, as zstd -d reads them. Caught: the bytes after the first frame's end dropped."""
+    import zstandard
+
+    data = numbered_lines(300)
+    cut = data.index(b"\n", len(data) // 3) + 1, data.index(b"\n", 2 * len(data) // 3) + 1
+    parts = data[: cut[0]], data[cut[0] : cut[1]], data[cut[1] :]
+    frames = tmp_path / "frames.jsonl.zst"
+    frames.write_bytes(b"".join(zstandard.ZstdCompressor(write_checksum=True).compress(p) for p in parts))
+    whole = tmp_path / "whole.jsonl"
+    whole.write_bytes(data)
+    assert content(str(frames), tmp_path / "cache") == content(str(whole), tmp_path / "cache")
 
 
 def test_a_zst_source_without_zstandard_is_refused_with_the_fix(capsys, tmp_path, monkeypatch):
@@ -223,3 +255,26 @@ def test_a_mask_damaged_during_a_run_is_refused_by_name_never_read(tmp_path, cha
     with pytest.raises(DataError, match=f"shard-{unread:05d}.mask does not match the sha256"):
         for step in range(2, 200):
             sampler.global_batch(step)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_chat_build_killed_after_its_last_shard_finishes_on_the_next_open(tmp_path, chat_store, monkeypatch):
+    """A build killed after its last shard and before store.json: the next open keeps every shard and
+    tokenizes nothing; the loss tokens it counts are the kept shards' (`chat_note`), so it finishes
+    the same store, not a refusal that the template trains on nothing. Caught: a resumed build that
+    counts only the units it tokenized itself."""
+    source, tok, options, folder = chat_store
+
+    def killed(*args):
+        raise Killed
+
+    real = store_module.store_meta
+    monkeypatch.setattr(store_module, "store_meta", killed)
+    with pytest.raises(Killed):
+        open_store(source, tok, tmp_path / "again", options)
+    monkeypatch.setattr(store_module, "store_meta", real)
+    store = open_store(source, tok, tmp_path / "again", options)
+    assert store.meta["content"] == json.loads((folder / "store.json").read_text())["content"]

@@ -76,3 +76,25 @@ def test_the_plan_and_the_check_agree_on_every_moment_of_each_combination(model,
     for moment, plan in planned.items():
         seen = check.moments[moment] - check.terms[moment]["other"]
         assert abs(seen - plan) <= SLACK, f"{moment}: check {seen:,} B, plan {plan:,.0f} B"
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_the_optimizer_moment_of_zero_with_fused_adamw_on_the_cpus_kernels(zero):
+    """ZeRO-1/2 with fused AdamW (no temporaries of its own) on the CPU's kernels: the optimizer moment
+    is the gradient norm's squares of the rank's largest flat piece of its shard, which the check
+    measures (to 12 B). Caught: the plan's norm over the largest parameter whatever ZeRO shards
+    (1.4 MiB under), a term wrong only where ZeRO, fused AdamW and the CPU's kernels meet."""
+    ns = argparse.Namespace(
+        model="tiny",
+        layout=f"dp=2,zero={zero}",
+        seq=64,
+        global_batch=4,
+        global_batch_tokens=None,
+        dtype="bf16",
+        overrides=['train.adamw="fused"'],
+    )
+    cfg, args = plan_config(ns, 2)
+    plan = step_moments(layout_memory(args, cfg, "cpu"))["optimizer"]
+    check = step_memory(args, cfg, 0, kernels="cpu")
+    seen = check.moments["optimizer"] - check.terms["optimizer"]["other"]
+    assert abs(seen - plan) <= SLACK, f"optimizer: check {seen:,} B, plan {plan:,.0f} B"

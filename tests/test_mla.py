@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -251,6 +252,27 @@ def test_ring_attention_takes_a_value_head_narrower_than_the_keys():
         for name, a, want in zip(("out", "dq", "dk", "dv"), got, expected):
             msg = lambda m, n=name, r=rank: f"rank {r} {n}: {m}"  # noqa: E731
             torch.testing.assert_close(a, want[:, :, positions], **RING_TOL, msg=msg)
+
+
+def test_ring_attention_keeps_no_padded_output_for_backward():
+    """What the ring keeps for backward on MLA's shapes (value heads narrower than the keys): q, k, v,
+    its output cut to the value width [b, H, s, v] and the log-sum-exps [b, H, s], each storage once,
+    nothing else. Caught: the output cut as a view of the padded [b, H, s, qk] merge (`value_width`
+    without its copy), which keeps the padding alive until backward with every value unchanged.
+    One rank's forward: a ring of one posts no message, so no process group is needed."""
+    q, k, v, _ = (t.requires_grad_() for t in latent_inputs())
+    b, h, qk, v_dim, s = LATENT_SHAPE.values()
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = RingAttention(types.SimpleNamespace(size=1, rank=0))(q, k, v)
+    assert out.shape == (b, h, s, v_dim)
+    torch.testing.assert_close(out, CausalSDPA()(q, k, v), **RING_TOL)
+    assert sum(storages.values()) == 4 * (q.numel() + k.numel() + v.numel() + b * h * s * v_dim + b * h * s)
 
 
 CP_LAYOUTS = [
