@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from fivecut.cli import build_parser, plan_config
+from fivecut.cli import PLAN_TOP, build_parser, plan_config
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.search import search
 
@@ -54,7 +54,7 @@ def main() -> int:
     cluster = parse_cluster(plan.cluster)
     cfg, args = plan_config(plan, cluster.world_size)
     wall, cpu = time.perf_counter(), cpu_seconds()
-    result = search(args, cfg, cluster, max(plan.top, 1))
+    result = search(args, cfg, cluster, max(PLAN_TOP if plan.top is None else plan.top, 1))
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
     record = {
         "counts": [result.tried, result.invalid, result.too_big],

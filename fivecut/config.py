@@ -152,11 +152,17 @@ def lr_floor(t: TrainConfig) -> float:
 def settle_min_lr(t: TrainConfig, saved: dict | None) -> None:
     """Write the floor the run uses into an unset `t.min_lr`: the checkpoint's when resuming (`saved`, its
     config: a resume goes on with its schedule), else `lr_floor`'s; so the run, the config it saves and
-    a later resume's comparison all see one number. A kept floor above a lowered train.lr is refused."""
+    a later resume's comparison all see one number. A checkpoint saved with the floor unset (by code that
+    trains without this step: a benchmark's own loop) kept it following its rate: so does the resume. A
+    kept floor above a lowered train.lr is refused."""
     if t.min_lr is not None:
         return
-    kept = (saved or {}).get("train", {}).get("min_lr")
-    t.min_lr = lr_floor(t) if kept is None else kept
+    if saved is None:
+        t.min_lr = lr_floor(t)
+        return
+    t.min_lr = saved.get("train", {}).get("min_lr")
+    if t.min_lr is None:
+        return
     if t.min_lr > t.lr:
         raise ConfigError(
             f"train.lr={t.lr} is below train.min_lr={t.min_lr}, the schedule's floor kept from the checkpoint; "
