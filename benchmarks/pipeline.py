@@ -45,7 +45,8 @@ interleaved (benchmarks/common.py). The compute orders are the same (torch warms
 pp - r forwards and then runs 1B1F, fivecut with pp - 1 - r and then 1F1B: F0 F1 B0 F2 B1 ... on
 rank 0, F0 B0 F1 B1 ... on rank 1); the messages are posted differently: torch posts a send
 together with the next receive (one batch_isend_irecv) and waits for each send before the next,
-fivecut posts each send alone and waits for all of them at the end of the step. Each rank also
+fivecut posts a slot's sends and receives together (`schedule.posting`: a receive at most 2
+compute actions before its consumer) and lets each send go once it is out. Each rank also
 records its CPU time per step (main thread, and the whole process with gloo's threads), which
 the load on a shared machine disturbs less than wall time.
 
@@ -103,11 +104,11 @@ balance), its gradients compared with fivecut zb1p's. Steps as in part 1 (zero_g
 AdamW), interleaved, with each rank's CPU time per step as in part 1. `--torch-zb` keeps some of
 the three pairs (e.g. `--torch-zb ScheduleInterleavedZeroBubble`: the like-for-like one alone).
 
-Waits: the executor posts every receive when `run` starts and waits for it just before the F or
-B that consumes it; the wait is timed (`PipelineStep.wait` is wrapped too) and recorded as that
-receive (RECV_F before an F, RECV_B before a B), the consuming action's time starting after it,
-so busy time is compute only. The RECV actions themselves only mark where the schedule's
-deadlock proof lets a receive block at the latest; they are not timed.
+Waits: the executor posts each receive in its window (`schedule.posting`, with the sends of the
+same slot, one batch: `PipelineStep.post` is wrapped, and each send is recorded with the batch's
+posting time) and waits for it just before the F or B that consumes it; the wait is timed
+(`PipelineStep.wait` is wrapped too) and recorded as that receive (RECV_F before an F, RECV_B
+before a B), the consuming action's time starting after it, so busy time is compute only.
 
 Layers: part 2 lets fivecut balance the layers over the stages (`pp_layers` unset, the cost
 model of `split.stage_layers` weighing the embedding and the head), as a user gets them;
@@ -535,9 +536,20 @@ def _timed_wait(self, posted, op):
     return out
 
 
+_post = executor.PipelineStep.post
+
+
+def _timed_post(self, actions):
+    """A slot's batch posted: each of its sends recorded with the batch's posting time."""
+    start = time.perf_counter()
+    out = _post(self, actions)
+    end = time.perf_counter()
+    if _RECORD is not None:
+        _RECORD.extend((a.kind, a.stage, a.microbatch, start, end) for a in actions if a.kind.startswith("SEND"))
+    return out
+
+
 def _timed_execute(self, action):
-    if action.kind.startswith("RECV"):  # posted when `run` began, waited for inside the F or B (not timed)
-        return _execute(self, action)
     _WAITED.clear()
     start = time.perf_counter()
     out = _execute(self, action)
@@ -555,6 +567,7 @@ def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
     """Every schedule of `--schedules`, interleaved; per timed step this rank's (start, end, actions)."""
     global _RECORD
     executor.PipelineStep.execute, executor.PipelineStep.wait = _timed_execute, _timed_wait
+    executor.PipelineStep.post = _timed_post
     m = opts["bubble_microbatches"]
     inputs, targets = batch(args, opts)
     micro = list(zip(inputs.chunk(m), targets.chunk(m)))
@@ -594,6 +607,7 @@ def measure_schedules(args, mesh: Mesh, opts: dict) -> dict:
                 flush=True,
             )
     executor.PipelineStep.execute, executor.PipelineStep.wait = _execute, _wait
+    executor.PipelineStep.post = _post
     return {"steps": steps, "checks": checks}
 
 

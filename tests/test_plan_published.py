@@ -39,7 +39,8 @@ def test_deepseek_v3_under_ep64_pp16_dualpipe_fits_80_gb_with_full_recomputation
     """With full recomputation the model states, activations and copies fit 80 GB, and so do the
     pipeline's boundary tensors ([1, 4096, 7168] fp32 each): the executor posts each receive at
     most 2 compute actions before its consumer and lets a sent output go (issue 43), so a rank holds
-    3 of them, not the 120 microbatches' receives posted when the step began (51.8 GiB before)."""
+    4 of them at most (the fullest, position 0, 3 at its peak), not the 120 microbatches' receives
+    posted when the step began (51.8 GiB before)."""
     c = cost(
         "deepseek-v3",
         "256x8xH800",

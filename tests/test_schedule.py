@@ -16,6 +16,7 @@ from fivecut.parallel.pipeline.schedule import (
     WINDOW,
     Action,
     ScheduleError,
+    Slot,
     boundary_frontier,
     build_schedule,
     check,
@@ -234,18 +235,18 @@ def test_cli_refuses_bad_numbers(capsys):
 
 
 def test_boundary_frontier_counts_the_posted_receives_and_the_outputs_not_yet_sent():
-    """1F1B on 4 ranks: rank 0 peaks with 4 microbatches in flight, an output not yet sent and a
-    gradient receive posted (2 boundary tensors); a middle rank with 3 in flight holds 3 (an input
-    gradient not yet sent too); the last rank sends no output. The receives are posted in their
-    window (`posting`) and a sent output is let go, so 8 or 32 microbatches hold the same (before
-    issue 43 every receive was posted when the step began and every output kept until its B: 12 and
-    16 at 8 microbatches). Kept until B (a compiled block's output), the outputs count again: 5.
-    GPipe's rank 0 holds all its microbatches' activations, and still 2 boundary tensors."""
+    """1F1B on 4 ranks: rank 0 peaks with 4 microbatches in flight, an output not yet sent and two
+    gradient receives posted (3 boundary tensors); a middle rank with 3 in flight holds 3 too; the
+    last rank sends no output. The receives are posted in their window (`posting`) and a sent
+    output is let go, so 8 or 32 microbatches hold the same (before issue 43 every receive was
+    posted when the step began and every output kept until its B: 12 and 16 at 8 microbatches).
+    Kept until B (a compiled block's output), the outputs count again: 6. GPipe's rank 0 holds all
+    its microbatches' activations, and still 3 boundary tensors."""
     for m in (8, 32):
         frontier = boundary_frontier(build_schedule("1f1b", 4, m))
-        assert frontier[:3] == [((4, 2),), ((3, 3),), ((2, 3),)] and max(frontier[3]) == (1, 1)
-        assert boundary_frontier(build_schedule("1f1b", 4, m), released=False)[0] == ((4, 5),)
-        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, 2),)
+        assert frontier[:3] == [((4, 3),), ((3, 3),), ((2, 3),)] and max(frontier[3]) == (1, 1)
+        assert boundary_frontier(build_schedule("1f1b", 4, m), released=False)[0] == ((4, 6),)
+        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, 3),)
 
 
 # ---------------------------------------------------------------- posting under NCCL's order
@@ -297,16 +298,18 @@ def test_posting_keeps_each_receive_in_its_window_and_each_send_after_its_produc
 
 
 def test_a_posting_out_of_the_global_order_deadlocks_under_nccls_model():
-    """1F1B, pp=2 (rank 0: F0.0 | sF0.0 F0.1 | sF0.1 rB0.0 B0.0 | rB0.1 B0.1): rank 0 posting its first
-    gradient receive with its first send, before its second send, holds the second send behind a
-    receive that rank 1 answers only after it has received that second send."""
+    """1F1B, pp=2 (rank 0 posts: F0.0 | sF0.0 F0.1 | sF0.1 rB0.0 rB0.1 B0.0 | B0.1): rank 0 posting
+    its first gradient receive with its first send, before its second send, holds the second send
+    behind a receive that rank 1 answers only after it has received that second send."""
     sch = one_f_one_b(2, 2)
-    first, second = posting(sch)
+    second = posting(sch)[1]
+    f0, f1, b0, b1 = (Action(k, 0, i) for k, i in (("F", 0), ("F", 1), ("B", 0), ("B", 1)))
     early = [
-        first[0],
-        dataclasses.replace(first[1], post=(Action("SEND_F", 0, 0), Action("RECV_B", 0, 0))),
-        dataclasses.replace(first[2], post=(Action("SEND_F", 0, 1),)),
-        *first[3:],
+        Slot((), f0),
+        Slot((Action("SEND_F", 0, 0), Action("RECV_B", 0, 0)), f1),
+        Slot((Action("SEND_F", 0, 1), Action("RECV_B", 0, 1)), b0),
+        Slot((), b1),
+        Slot((), None),
     ]
     sch.posted[WINDOW] = [early, second]
     with pytest.raises(ScheduleError) as err:

@@ -37,7 +37,6 @@ those smaller units.
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -562,16 +561,17 @@ def posting(sch: Schedule, window: int = WINDOW) -> list[list[Slot]]:
     at the end, each posting one batch (`PipelineStep`); once per schedule and window.
 
     NCCL runs a rank's batches in the order they were posted (`streams`), so every rank posts its
-    messages in one global order: message m passes at a time t(m) of the schedule's unit-cost clock
+    messages in one global order: message m has a time t(m) on the schedule's unit-cost clock
     (`unit_clock`), t(m) = max(end of its producer, start of the receiver's compute action
-    `window` - 1 before the consumer), and each rank posts m in the slot whose interval holds t(m).
-    Then the sender posts m after its producer, the receiver at most `window` compute actions
-    before the consumer, and by induction on t the pipeline cannot deadlock: the unfinished
-    message of least t has only finished messages ahead of it in both streams, and both ranks
-    reach it, for they wait only for messages posted before it. A receive's buffer is alive from
-    its slot until its consumer: at most `window` of them at once. A send may be posted after its
-    producer (the consumer is further on): a forward's is the output the stage keeps until its
-    backward anyway; a backward's gradient waits for it (`boundary_frontier` counts it).
+    `window` - 1 before the consumer), and each rank posts its messages in the order of t, each
+    as early as that order allows (`rank_slots`): the sender after the producer, the receiver at
+    most `window` compute actions before the consumer. By induction on t the pipeline cannot
+    deadlock: the unfinished message of least t has only finished messages ahead of it in both
+    streams, and both ranks post it, for before it they wait only for messages ahead of it (t
+    is causal: a message's producer ends before its consumer starts). A receive's buffer is alive
+    from its slot until its consumer: at most `window` of them at once. A send may wait behind
+    messages of smaller t (its consumer is further on): a forward's output is kept until its
+    send is out, a backward's gradient too (`boundary_frontier` counts them).
 
     Why `WINDOW` = 2: at 1 a receive is posted after the compute action before its consumer, and
     on a GPU NCCL's stream waits for that action before it starts (a message's whole transfer
@@ -583,7 +583,7 @@ def posting(sch: Schedule, window: int = WINDOW) -> list[list[Slot]]:
     if window not in sch.posted:
         spans = unit_clock(sch)
         times = message_times(sch, spans, window)
-        sch.posted[window] = [rank_slots(sch, rank, spans, times) for rank in range(sch.pp)]
+        sch.posted[window] = [rank_slots(sch, rank, times, window) for rank in range(sch.pp)]
     return sch.posted[window]
 
 
@@ -624,14 +624,19 @@ def made_by(a: Action) -> Action:
     return Action(a.kind[-1], a.stage, a.microbatch)
 
 
-def rank_slots(sch: Schedule, rank: int, spans: dict, times: dict) -> list[Slot]:
-    """`rank`'s messages by (t, the message), each in the slot k whose interval [end of compute k-1,
-    end of compute k) holds t: sent after the producer, received before the consumer."""
+def rank_slots(sch: Schedule, rank: int, times: dict, window: int) -> list[Slot]:
+    """`rank`'s messages in the order of their times (t, then the message: the same order at both
+    ends), each posted as early as that order allows (slot k comes before compute action k): a
+    send after its producer, a receive at most `window` compute actions before its consumer,
+    neither before the message ahead of it."""
     computes = sch.compute(rank)
-    ends = [spans[a][1] for a in computes]
+    index = {a: k for k, a in enumerate(computes)}
     slots: list[list[Action]] = [[] for _ in range(len(computes) + 1)]
+    at = 0
     for a in sorted((a for a in sch.actions[rank] if not a.is_compute), key=lambda a: message_key(a, times)):
-        slots[bisect.bisect_right(ends, times[message(a)])].append(a)
+        made = index[made_by(a)]
+        at = max(at, made + 1 if a.kind in SENDS else made - window + 1)
+        slots[at].append(a)
     return [Slot(tuple(post), computes[k] if k < len(computes) else None) for k, post in enumerate(slots)]
 
 
