@@ -3,8 +3,10 @@
 `nccl_order.NcclOrder` runs a group's point-to-point batches as NCCL does (one stream a rank, in
 posting order, tags ignored, a send completing with its receive). Each case runs one step on
 plain gloo and the same step again under it, in the same process group: the global loss, the
-gradient norm and every local gradient are bitwise equal (the same arithmetic; only the order in
-which messages are matched differs). The executor's posting recorded from the run is the one
+gradient norm, every local gradient and the validation loss (the forward-only pass) are bitwise
+equal (the same arithmetic; only the order in which messages are matched differs). Every group's
+collectives were posted in one order on all its ranks (the recorded groups: the mesh's). The
+executor's posting recorded from the run is the one
 `schedule.posting` plans and `schedule.check` proves (the static model, `streams`), so a change to
 either cannot pass unseen. The executor as it was, every receive posted when the step begins, is
 caught by the transport in seconds: a timeout naming each rank and the batch it waits for.
@@ -45,7 +47,7 @@ from fivecut.parallel.pipeline.schedule import (
     programs,
 )
 from fivecut.train.optim import grad_norm
-from fivecut.train.run import forward_backward, global_mean, setup
+from fivecut.train.run import evaluate, forward_backward, global_mean, setup
 
 pytestmark = pytest.mark.multirank
 
@@ -76,6 +78,8 @@ def pipeline_config(cache: str, out: str, pp: int, name: str, m: int, *extra: st
         "model.ffn_dim=128",
         "train.seq_len=16",
         f"train.global_batch={m * cfg_dp(extra)}",
+        "train.eval_every=1",  # validation batches: the evaluation's forward-only pass runs too
+        "train.eval_batches=1",
         f'log.out_dir="{out}"',
         *extra,
     )
@@ -85,12 +89,15 @@ def cfg_dp(extra: tuple[str, ...]) -> int:
     return next((int(e.split("=")[1]) for e in extra if e.startswith("parallel.dp=")), 1)
 
 
-def one_step(ctx) -> tuple[float, float, list[torch.Tensor]]:
-    """Step 1's global loss, gradient norm and this rank's gradients (shards under ZeRO)."""
+def one_step(ctx) -> tuple[float, float, list[torch.Tensor], float, int]:
+    """Step 1's global loss, gradient norm and this rank's gradients (shards under ZeRO), the
+    validation loss (`evaluate`: the executor's forward-only pass), and how many items of the pp
+    group's recorded program the step's pipeline posted and waited for (the evaluation's follow)."""
     ctx.par.sync.zero_grad()
     loss = global_mean(ctx, forward_backward(ctx, 1))
+    posted = len(ctx.mesh.group("pp").transport.program)
     norm = float(grad_norm(ctx.par.pieces, ctx.par.norm_groups))
-    return loss, norm, [g.clone() for g in ctx.par.grads if g is not None]
+    return loss, norm, [g.clone() for g in ctx.par.grads if g is not None], evaluate(ctx), posted
 
 
 def under_both(configs: list) -> list[dict]:
@@ -112,8 +119,10 @@ def under_both(configs: list) -> list[dict]:
                 "pp_ranks": pp.ranks,
                 "loss": (gloo[0], nccl[0]),
                 "norm": (gloo[1], nccl[1]),
+                "val_loss": (gloo[3], nccl[3]),
                 "grads_equal": len(gloo[2]) == len(nccl[2]) and all(map(torch.equal, gloo[2], nccl[2])),
-                "recorded": (plain.program, ordered.program),
+                "recorded": (plain.program, ordered.program),  # the step's, then the evaluation's
+                "step_items": (gloo[4], nccl[4]),
                 "collectives": {(name, ctx.mesh.group(name).ranks): calls for name, calls in recordings.items()},
             }
         )
@@ -170,9 +179,10 @@ def assert_same_under_nccl_order(results: list[list[dict]], pp: int) -> None:
             gloo, nccl = rank_result["loss"], rank_result["norm"]
             assert rank_result["loss"][0] == rank_result["loss"][1], (name, m, gloo)
             assert rank_result["norm"][0] == rank_result["norm"][1], (name, m, nccl)
+            assert rank_result["val_loss"][0] == rank_result["val_loss"][1] > 0, (name, m, rank_result["val_loss"])
             assert rank_result["grads_equal"], (name, m, rank_result["rank"])
-            for program in rank_result["recorded"]:
-                assert without_elements(program) == planned(schedule, rank_result["rank"]), (name, m)
+            for program, items in zip(rank_result["recorded"], rank_result["step_items"]):
+                assert without_elements(program[:items]) == planned(schedule, rank_result["rank"]), (name, m)
         for ranks in {r["pp_ranks"] for r in case}:  # each pipeline's ranks, by group rank
             by_rank = sorted((r for r in case if r["pp_ranks"] == ranks), key=lambda r: r["rank"])
             for k in (0, 1):
