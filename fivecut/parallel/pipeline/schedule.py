@@ -28,6 +28,11 @@ before the direction: `sF2.5` sends stage 2's output of microbatch 5 to stage 3,
 `rF3.5` receives it on stage 3; `sB3.5` sends stage 3's input-gradient to stage 2,
 `rB2.5` receives it there.
 
+Posting: the executor does not post a message at its place in the list but where `posting`
+puts it: every rank posts its messages in one global order (NCCL runs a rank's batches in the
+order posted, `streams`), a receive at most `WINDOW` compute actions before its consumer, the
+sends and receives of one place in one batch; `check` plays that posting under NCCL's model.
+
 Memory: `peak_in_flight` counts microbatch-stages whose activations are held: from F
 until B (not split) or until W (split: B frees the stage's graph, but W still needs each
 linear layer's input and output gradient, `wgrad.py`). With several stages per rank
