@@ -85,7 +85,7 @@ class Schedule:
     stage_rank: list[int]  # stage -> rank that holds it
     actions: list[list[Action]]  # per rank, in execution order, communication included
     split_backward: bool  # B is input-gradient only and W actions exist
-    posted: dict = field(default_factory=dict, repr=False, compare=False)  # window -> `posting`, once
+    posted: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # window -> `posting`, once
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_rank) if r == rank]
