@@ -25,15 +25,16 @@ def markdown_files() -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
-def prose_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks, with inline code spans blanked out."""
+def prose_lines(text: str, keep_code: bool = False) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, inline code spans blanked out unless
+    `keep_code` (headings may contain them)."""
     out, fenced = [], False
     for number, line in enumerate(text.splitlines(), 1):
         if FENCE.match(line):
             fenced = not fenced
             continue
         if not fenced:
-            out.append((number, INLINE_CODE.sub("", line)))
+            out.append((number, line if keep_code else INLINE_CODE.sub("", line)))
     return out
 
 
@@ -52,7 +53,7 @@ def anchors(path: Path) -> set[str]:
     """Every heading's anchor in a markdown file; repeated headings get -1, -2, ... as on GitHub."""
     seen: dict[str, int] = {}
     out = set()
-    for _, line in prose_lines_keeping_code(path.read_text()):
+    for _, line in prose_lines(path.read_text(), keep_code=True):
         found = HEADING.match(line)
         if not found:
             continue
@@ -60,18 +61,6 @@ def anchors(path: Path) -> set[str]:
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.add(base if n == 0 else f"{base}-{n}")
-    return out
-
-
-def prose_lines_keeping_code(text: str) -> list[tuple[int, str]]:
-    """Lines outside fenced code blocks, inline code kept (headings may contain it)."""
-    out, fenced = [], False
-    for number, line in enumerate(text.splitlines(), 1):
-        if FENCE.match(line):
-            fenced = not fenced
-            continue
-        if not fenced:
-            out.append((number, line))
     return out
 
 
