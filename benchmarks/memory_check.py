@@ -60,6 +60,8 @@ CASES = [
     Case("llama3-8b-tp8-sp", "llama3-8b", "1x8xH100", "tp=8,sp=true", 8192, 2),
     Case("llama3-8b-pp4-1f1b", "llama3-8b", "1x4xH100", "pp=4,pp_schedule=1f1b,microbatches=8", 8192, 8),
     Case("llama3-8b-pp4-zb1p", "llama3-8b", "1x4xH100", "pp=4,pp_schedule=zb1p,microbatches=8", 8192, 8),
+    Case("llama3-8b-pp4-1f1b-m32", "llama3-8b", "1x4xH100", "pp=4,pp_schedule=1f1b,microbatches=32", 8192, 32),
+    Case("llama3-8b-pp4-zb1p-m32", "llama3-8b", "1x4xH100", "pp=4,pp_schedule=zb1p,microbatches=32", 8192, 32),
     Case(
         "deepseek-v3-mini",
         "configs/deepseek-v3-mini.toml",

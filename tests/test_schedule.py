@@ -24,9 +24,12 @@ from fivecut.parallel.pipeline.schedule import (
     dualpipev,
     gpipe,
     interleaved,
+    list_schedule,
+    make,
     one_f_one_b,
     peak_in_flight,
     posting,
+    unit_makespan,
     zb1p,
 )
 from fivecut.parallel.pipeline.simulate import simulate, text
@@ -244,9 +247,30 @@ def test_boundary_frontier_counts_the_posted_receives_and_the_outputs_not_yet_se
     its microbatches' activations, and still 3 boundary tensors."""
     for m in (8, 32):
         frontier = boundary_frontier(build_schedule("1f1b", 4, m))
-        assert frontier[:3] == [((4, 3),), ((3, 3),), ((2, 3),)] and max(frontier[3]) == (1, 1)
-        assert boundary_frontier(build_schedule("1f1b", 4, m), released=False)[0] == ((4, 6),)
-        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, 3),)
+        assert frontier[:3] == [((4, 0, 3),), ((3, 0, 3),), ((2, 0, 3),)] and max(frontier[3]) == (1, 0, 1)
+        assert boundary_frontier(build_schedule("1f1b", 4, m), released=False)[0] == ((4, 0, 6),)
+        assert boundary_frontier(build_schedule("gpipe", 4, m))[0] == ((m, 0, 3),)
+
+
+def test_boundary_frontier_counts_the_split_backwards_waiting_for_their_w():
+    """zb1p's rank r runs W r microbatches behind its B, so the last rank (r = 3) holds one
+    microbatch-stage whole and up to 4 between B and W (what W reads: `deferred_bytes_per_layer`),
+    the first rank at most the one whose W follows its B."""
+    frontier = boundary_frontier(build_schedule("zb1p", 4, 8))
+    assert max(p[1] for p in frontier[3]) == 4 and max(p[0] for p in frontier[3]) == 1
+    assert max(p[1] for p in frontier[0]) == 1
+
+
+@pytest.mark.parametrize("pp,m", [(8, 32), (16, 32), (16, 120)])
+def test_dualpipev_bounds_the_ws_waiting_without_a_longer_makespan(pp, m):
+    """At most pp W's wait on a rank where that costs no unit-cost time (DeepSeek-V3's pp=16 at
+    120 microbatches: 16 instead of 32, and a shorter makespan); elsewhere the free order stays."""
+    sch = dualpipev(pp, m)
+    waiting = [max(p[1] for p in f) for f in boundary_frontier(sch)]
+    free = make("dualpipev", pp, m, sch.stage_rank, list_schedule(sch.stage_rank, m, [2 * pp + 1] * pp), split=True)
+    assert unit_makespan(sch) <= unit_makespan(free)
+    if (pp, m) != (16, 32):
+        assert max(waiting) <= pp < max(max(p[1] for p in f) for f in boundary_frontier(free))
 
 
 # ---------------------------------------------------------------- posting under NCCL's order

@@ -73,6 +73,7 @@ def activation_bytes_per_layer(
     eplb_slots: int = 0,
     documents: bool = False,
     fused_norm: bool = False,
+    split: bool = False,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -91,7 +92,10 @@ def activation_bytes_per_layer(
     parallelism (see `moe_bytes`). `documents` (data.document_mask): SDPA keeps its mask, converted
     to the matmuls' dtype, [b, 1, S, S] over the sequence the core sees (the whole sequence, also
     inside Ulysses), unless the core is recomputed; the ring builds each pair's mask again in
-    backward and keeps none. `fused_norm`: the norms run CUDA's fused kernel (`norm_bytes`)."""
+    backward and keeps none. `fused_norm`: the norms run CUDA's fused kernel (`norm_bytes`).
+    `split`: the zero-bubble split of backward (`fivecut.parallel.pipeline.wgrad`): its linears
+    keep their input as it comes, so under autocast over fp32 weights each norm's fp32 output is
+    kept once (this rank's slice under SP) instead of each reader's bf16 cast of it."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -106,15 +110,15 @@ def activation_bytes_per_layer(
     if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
     readers = 2 if args.is_mla else 3  # the linears reading the attention's norm: wq_a (or wq), wkv_a; wq, wk, wv
-    norms = norm_bytes(precision, h, cut, readers, fused_norm)
-    norms += norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2, fused_norm)
+    norms = read_norm_bytes(precision, h, cut, readers, fused_norm, split)
+    norms += read_norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2, fused_norm, split)
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
     if args.is_mla:
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
         attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
-        attention += latent_norm_bytes(args, precision, fused_norm)
+        attention += latent_norm_bytes(args, precision, fused_norm, split)
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
@@ -129,7 +133,53 @@ def activation_bytes_per_layer(
         dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
-    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots)
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots, split)
+
+
+def read_norm_bytes(precision: str, h: int, cut: int, readers: int, fused: bool, split: bool) -> float:
+    """`norm_bytes` of a norm read by `readers` linears; under the zero-bubble split those keep the
+    norm's output itself (`activation_bytes_per_layer`): under autocast over fp32 weights one fp32
+    copy, this rank's slice under SP; under the other precisions the same bytes as unsplit."""
+    if split and precision == "bf16" and readers:
+        return norm_bytes(precision, h, cut, 0, fused) + FP32 * h / cut
+    return norm_bytes(precision, h, cut, readers, fused)
+
+
+def deferred_bytes_per_layer(args, batch: int, seq: int, tp: int, precision: str, moe: bool) -> float:
+    """What one block's zero-bubble split keeps from its B to its W (`wgrad.Deferred`): each
+    linear layer's input x and output gradient dy, each storage once, for `seq` tokens of this
+    rank (its chunk under CP). x of a column-parallel layer is the whole sequence (SP gathers it
+    again in backward) in the residual stream's dtype (the norms' output: fp32, bf16 with bf16
+    weights), shared by the layers reading one norm; a row-parallel layer's dy is the whole
+    [t, h]; everything else in the matmuls' dtype, cut by t where its layer is:
+        attention   x + wo's input (H hd/t) + dy of wq, wk, wv, wo (H hd/t + 2 K hd/t + h); kv
+                    projections replicated over t (K < t, `ReplicatedKV`) reduce in B, keep nothing
+        MLA         x + dy of wq_a (r_q) and wkv_a (r_kv + rope) + wq_b's and wkv_b's inputs (the
+                    latents' norms' outputs, in the residual's dtype) and dy (H qk/t, H (nope + v)/t)
+                    + wo's input and dy (H v/t, h); without a query latent wq's dy (H qk/t)
+        MLP         x + w2's input (F/t) + dy of w1, w3, w2 (2F/t + h)
+        MoE         x + the router's dy (E) + the shared experts' MLP (their hidden size; the
+                    routed experts' grouped GEMMs compute their gradients in B)"""
+    a = BYTES[precision]
+    r = 2 if precision == "bf16-params" else FP32  # what the norms give the linears
+    h = args.dim
+    if args.is_mla:
+        heads = args.n_heads / tp
+        q = args.q_lora_rank
+        attention = a * (args.kv_lora_rank + args.qk_rope_head_dim) + r * args.kv_lora_rank
+        attention += a * heads * (args.qk_nope_head_dim + args.v_head_dim)  # wkv_b's dy
+        attention += a * (q + heads * args.qk_head_dim) + r * q if q else a * heads * args.qk_head_dim
+        attention += a * (heads * args.v_head_dim + h)  # wo
+    else:
+        width = args.n_heads * args.head_dim / tp
+        kv = 2 * args.n_kv_heads // tp * args.head_dim  # 0 when replicated
+        attention = a * (2 * width + kv + h)
+    if moe:
+        shared = args.expert_dim * args.n_shared_experts / tp
+        mlp = a * (args.n_experts + (3 * shared + h if shared else 0))
+    else:
+        mlp = a * (3 * args.ffn_dim / tp + h)
+    return batch * seq * (2 * r * h + attention + mlp)
 
 
 def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, precision: str, ulysses: bool, fused: bool = False) -> float:
@@ -183,7 +233,7 @@ def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "non
     return heads * core
 
 
-def latent_norm_bytes(args, precision: str, fused: bool) -> float:
+def latent_norm_bytes(args, precision: str, fused: bool, split: bool = False) -> float:
     """Bytes per token the query and key-value latents' norms keep (the latents are whole on every
     tp rank; r = the latent's rank), with the rstd (4 B):
         fp32        the norm's input (wq_a's output; kv_norm's is a view of wkv_a's, whose rope
@@ -197,12 +247,13 @@ def latent_norm_bytes(args, precision: str, fused: bool) -> float:
         bf16-params (bf16 weights: the norm runs outside autocast, `fivecut.model.transformer.rms_norm`)
                     the composite norm as under bf16, its output already bf16: 10r + 4; the fused
                     kernel keeps its bf16 input and output, as under fp32 at 2 B: 2 (2r [+ rope]) + 4
-    Nothing for the query without a latent (wq reads the block's norm)."""
+    Nothing for the query without a latent (wq reads the block's norm). Under the zero-bubble
+    split (`split`) the next linear keeps the fp32 output itself under bf16: 2r more."""
     ranks = [(args.kv_lora_rank, args.qk_rope_head_dim)] + ([(args.q_lora_rank, 0)] if args.q_lora_rank else [])
     if precision == "fp32" or (fused and precision == "bf16-params"):
         a = BYTES[precision]
         return sum(a * ((2 if fused else 3) * r + rope) + FP32 for r, rope in ranks)
-    return sum((6 if fused else 10) * r + FP32 for r, _ in ranks)
+    return sum((6 if fused else 10) * r + 2 * r * split + FP32 for r, _ in ranks)
 
 
 def norm_bytes(precision: str, h: int, cut: int, consumers: int, fused: bool = False) -> float:
@@ -282,6 +333,7 @@ def moe_bytes(
     etp: int = 1,
     ep: int = 1,
     eplb_slots: int = 0,
+    split: bool = False,
 ) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
@@ -306,7 +358,8 @@ def moe_bytes(
     Under `precision` the router's scores and weights stay fp32 and the rest is in the matmuls'
     dtype; autocast over fp32 weights ("bf16") also keeps, per linear, its bf16 cast of its input
     (the router's and the shared experts' two; the routed experts' one grouped GEMM reads its
-    rows once, in the matmuls' dtype: R*h)
+    rows once, in the matmuls' dtype: R*h); under the zero-bubble split (`split`) the router and
+    the shared experts keep the fp32 input itself instead, once: 4*T*h
     (its weights are the step's compute copies, held once: `weight_copies`)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     gathered = etp * t  # the tokens the dispatch and the combine see
@@ -315,7 +368,8 @@ def moe_bytes(
     stats = FP32 * (t * e + renormalize)
     shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
     rows = received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
-    rows += swiglu * t * shared + (t * h * (1 + 2 * (shared > 0)) if casts else 0)  # casts: router's, shared's
+    casts_kept = (FP32 / a if split else 1 + 2 * (shared > 0)) if casts else 0  # router's, shared's
+    rows += swiglu * t * shared + t * h * casts_kept
     local = e // ep + eplb_slots
     grouped = 4 * local + (8 * 2 * received if ep > 1 else 0)  # group ends; the slot-major reorder
     stacked = a * 3 * local * h * args.expert_dim // etp + 8 * eplb_slots if eplb_slots else 0

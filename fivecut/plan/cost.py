@@ -70,6 +70,7 @@ from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
     activation_bytes_per_layer,
+    deferred_bytes_per_layer,
     layer_mode,
     loss_peak_bytes,
     norm_bytes,
@@ -651,7 +652,7 @@ def peak_memory(
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))
     seq = t.seq_len // dims.cp
     precision = precision_of(t.dtype, dims.zero)  # what each saved tensor's dtype follows
-    in_flight, frontiers = [1] * dims.pp, [((1, 0),)] * dims.pp
+    in_flight, frontiers = [1] * dims.pp, [((1, 0, 0),)] * dims.pp
     if dims.pp > 1:
         in_flight, frontiers = in_flight_of(args, cfg), frontiers_of(args, cfg)
     boundary = rows * seq // (dims.tp if dims.sp else 1) * args.dim * message_bytes(cfg)[0]  # [b_mb, s, h]
@@ -667,8 +668,10 @@ def peak_memory(
                 of_kind[kind] = block_bytes(args, cfg, rows, seq, precision, i, fused_norm=fused)
         per_layer = [of_kind[kind] for kind in order]
         stage = sum(per_layer) / max(len(stage_ranges), 1)  # a microbatch-stage's
-        kept, alive = max(frontiers[rank], key=lambda pair: pair[0] * stage + pair[1] * boundary)
-        states["activations"] = stage * kept  # microbatch-stages holding activations at the peak
+        deferred = sum(deferred_block_bytes(args, cfg, rows, seq, precision, moe) for moe, _mode in order)
+        deferred /= max(len(stage_ranges), 1)
+        kept, waiting, alive = max(frontiers[rank], key=lambda p: p[0] * stage + p[1] * deferred + p[2] * boundary)
+        states["activations"] = stage * kept + deferred * waiting  # held at the peak, and waiting for W
         states["boundaries"] = boundary * alive  # the pipeline's posted receives and kept outputs
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
@@ -754,6 +757,18 @@ def layout_key_of(args, cfg) -> tuple:
     return (model_token(args), dims_key(cfg.parallel, "microbatches"), *fields)
 
 
+def deferred_block_bytes(args, cfg, rows: int, seq: int, precision: str, moe: bool) -> float:
+    """`deferred_bytes_per_layer` of a dense or MoE block of the layout (nothing unless split)."""
+    if not split_backward(args, cfg):
+        return 0.0
+    return deferred_bytes_per_layer(args, rows, seq, cfg.parallel.tp, precision, moe)
+
+
+def split_backward(args, cfg) -> bool:
+    """Whether the layout's pipeline splits backward into B and W (the zero-bubble schedules)."""
+    return cfg.parallel.pp > 1 and pipeline_plan(args, cfg)[0].split_backward
+
+
 def block_bytes(
     args, cfg, rows: int, seq: int, precision: str, layer: int, mode: str | None = None, fused_norm: bool = False
 ) -> float:
@@ -763,7 +778,7 @@ def block_bytes(
     moe = args.moe_layer(layer)
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
-    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm)
+    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg))
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -781,6 +796,7 @@ def block_bytes(
             ep=dims.ep,
             eplb_slots=cfg.moe.eplb_slots,
             fused_norm=fused_norm,
+            split=split_backward(args, cfg),
         )
     return BLOCK_BYTES[key]
 
@@ -807,7 +823,7 @@ def in_flight_of(args, cfg) -> list[int]:
 IN_FLIGHT: dict[tuple, list[int]] = {}
 
 
-def frontiers_of(args, cfg) -> list[tuple[tuple[int, int], ...]]:
+def frontiers_of(args, cfg) -> list[tuple[tuple[int, int, int], ...]]:
     """`boundary_frontier` of the layout's schedule, once per schedule: a sent output let go once
     out, but for a compiled block's (train.compile: its graph may keep it), kept until B."""
     d = cfg.parallel

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fivecut.config import Config
@@ -73,11 +74,26 @@ class StepMemory:
     start: dict[str, int] = field(default_factory=dict)  # kind -> bytes when the counted step began
 
 
+class ParamClassifier(ModTracker):
+    """`ModTracker` reduced to the pre-forward call MemTracker classifies parameters in. The
+    original also hooks every module input's gradient (`register_multi_grad_hook`), and that hook's
+    closure holds the input's AccumulateGrad: a pipeline stage's received input then outlives its
+    backward, and the counted peak grows with the microbatches a step runs."""
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        pass
+
+
 class StepTracker(MemTracker):
     """`MemTracker` with the step's moments: each moment's peak and the bytes by kind at it."""
 
     def __init__(self, uniform_rows: int = 0) -> None:
         super().__init__()
+        self._mod_tracker = ParamClassifier()  # backward is told by autograd's graph task, not hooks
         self.uniform_rows = uniform_rows  # a fake scalar read on the host: rows an EP rank sends each rank
         self.moment: str | None = None  # None: not counting moments (building, the first step)
         self.peaks: dict[str, int] = {}
@@ -89,15 +105,6 @@ class StepTracker(MemTracker):
         if module not in self.memory_tracking:
             self._track_module_params_and_buffers(module, install_grad_hooks=True)
             self.memory_tracking[module] = None
-
-    def _post_fw_hook(self, module, inputs, outputs) -> None:
-        pass
-
-    def _pre_bw_hook(self, module, args) -> None:
-        pass
-
-    def _post_bw_hook(self, module, args) -> None:
-        pass
 
     def _update_peak_stats(self, peak_state) -> None:
         if self.moment is None:

@@ -295,23 +295,34 @@ def dualpipev(pp: int, m: int) -> Schedule:
     # pp <= 8, 2pp <= m <= 32 (2pp does not at pp=8); the peak then is 3pp-1 half-size
     # stages, about 1.5x 1F1B's pp whole stages (a cap of pp+1 gives 1F1B's memory at a
     # larger bubble)
-    orders = list_schedule(stage_rank, m, cap=[2 * pp + 1] * pp)
-    return make("dualpipev", pp, m, stage_rank, orders, split=True)
+    # W's waiting on a rank are bounded by pp, as DualPipeV itself defers W only in its cool-down:
+    # each keeps its linear layers' inputs and output gradients (`wgrad`), which under full
+    # recomputation outweigh a held microbatch-stage; unless the bound lengthens the unit-cost
+    # makespan (the greedy order is not monotone in it: at pp=4 it does, at pp=16, m=120 it shortens it)
+    cap = [2 * pp + 1] * pp
+    orders = [list_schedule(stage_rank, m, cap, w_bound) for w_bound in (pp, None)]
+    bounded, free = (make("dualpipev", pp, m, stage_rank, o, split=True) for o in orders)
+    return bounded if unit_makespan(bounded) <= unit_makespan(free) else free
 
 
-def list_schedule(stage_rank: list[int], m: int, cap: list[int]) -> list[list[Action]]:
+def unit_makespan(sch: Schedule) -> float:
+    """When the last compute action of `sch` ends on `unit_clock`."""
+    return max(end for _start, end in unit_clock(sch).values())
+
+
+def list_schedule(stage_rank: list[int], m: int, cap: list[int], w_bound: int | None = None) -> list[list[Action]]:
     """Greedy list scheduling with unit costs F = B = W = 1 (B/W split).
 
     At every time step each free rank starts one ready action, preferring B (critical path:
     the gradient chain back to stage 0), then F, then W (no one waits for it: the bubble
-    filler). Ties go to the oldest microbatch, then to the later stage. A forward that
-    admits a microbatch into the rank's first stage waits while `cap[rank]` microbatch-stages
-    are held (F done, W not)."""
+    filler); W first while `w_bound` of them wait on the rank (B done, W not). Ties go to the
+    oldest microbatch, then to the later stage. A forward that admits a microbatch into the
+    rank's first stage waits while `cap[rank]` microbatch-stages are held (F done, W not)."""
     pp, n = len(cap), len(stage_rank)
     first = [stage_rank.index(r) for r in range(pp)]
     ready = [dict() for _ in range(pp)]  # rank -> {action: time its inputs are there}
     ready[stage_rank[0]] = {Action("F", 0, i): 0 for i in range(m)}
-    held, orders, busy = [0] * pp, [[] for _ in range(pp)], [0] * pp
+    held, orders, busy, waiting = [0] * pp, [[] for _ in range(pp)], [0] * pp, [0] * pp
     left = 3 * n * m
     for t in range(3 * n * m + 1):  # some rank starts an action at every step
         for r in range(pp):
@@ -323,10 +334,12 @@ def list_schedule(stage_rank: list[int], m: int, cap: list[int]) -> list[list[Ac
                 if at <= t and (a.kind != "F" or a.stage != first[r] or held[r] < cap[r])
             ]
             if now:
-                a = min(now, key=lambda a: ("BFW".index(a.kind), a.microbatch, -a.stage))
+                order = "WBF" if w_bound is not None and waiting[r] >= w_bound else "BFW"
+                a = min(now, key=lambda a: (order.index(a.kind), a.microbatch, -a.stage))
                 del ready[r][a]
                 orders[r].append(a)
                 busy[r], held[r], left = t + 1, held[r] + {"F": 1, "B": 0, "W": -1}[a.kind], left - 1
+                waiting[r] += {"F": 0, "B": 1, "W": -1}[a.kind]
                 for b in successors(a, n):
                     ready[stage_rank[b.stage]][b] = t + 1
         if not left:
@@ -709,9 +722,11 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
 
 def boundary_frontier(
     schedule: Schedule, window: int = WINDOW, released: bool = True
-) -> list[tuple[tuple[int, int], ...]]:
-    """Per rank, the (microbatch-stages holding activations, boundary tensors alive) pairs its step
-    passes through that no other pair exceeds in both, each boundary tensor one [b_mb, s, h] of the
+) -> list[tuple[tuple[int, int, int], ...]]:
+    """Per rank, the (microbatch-stages holding activations, microbatch-stages between their B and
+    W, boundary tensors alive) triples its step passes through that no other triple exceeds in
+    all three (a split backward's B frees the activations but for what W reads: the linear
+    layers' inputs and output gradients), each boundary tensor one [b_mb, s, h] of the
     residual stream, as the executor (`PipelineStep`) holds them under `posting`: a receive's buffer
     from its slot until its F takes it as the stage's input (an activation from then on) or its B
     has run; a stage's output, when the next stage is on another rank, from F until its send is
@@ -719,25 +734,27 @@ def boundary_frontier(
     B; a backward's input gradient from B until its send is out or, when the previous stage is on
     the same rank, until that stage's B. A send is out at once on the memory check's fake process
     group, at the compute action after its slot; on a real one when its receiver takes it. A
-    rank's memory peaks at the pair that maximizes held x activations + alive x boundary bytes."""
-    release_at = "W" if schedule.split_backward else "B"
+    rank's memory peaks at the triple that maximizes held x activations + waiting x what W reads
+    + alive x boundary bytes."""
+    split = schedule.split_backward
     sent = ("SEND_F", "SEND_B") if released else ("SEND_B",)
     out = []
     for rank, slots in enumerate(posting(schedule, window)):
-        held = alive = sending = 0
-        seen = {(0, 0)}
+        held = waiting = alive = sending = 0
+        seen = {(0, 0, 0)}
         for slot in slots:
             alive += sum(a.kind in RECEIVES for a in slot.post)
             sending += sum(a.kind in sent for a in slot.post)
-            seen.add((held, alive))
+            seen.add((held, waiting, alive))
             if slot.compute is None:
                 continue
             alive, sending = alive - sending, 0  # the sends posted are out (`PipelineStep.reap_sends`)
+            kind = slot.compute.kind
             alive += boundaries_changed(schedule, slot.compute, rank, released)
-            held += slot.compute.kind == "F"
-            held -= slot.compute.kind == release_at
-            seen.add((held, alive))
-        out.append(tuple(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+            held += (kind == "F") - (kind == "B")
+            waiting += (kind == "B" and split) - (kind == "W")
+            seen.add((held, waiting, alive))
+        out.append(tuple(p for p in seen if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in seen)))
     return out
 
 

@@ -132,8 +132,10 @@ class WeightGrads:
     @staticmethod
     def reusable(d: Deferred | DeferredLookup) -> bool:
         """Whether d's dW can go through a kept buffer: a linear layer's on the CPU, in the weight's
-        dtype, that autograd adds into an existing dense `.grad` in place (and so keeps no reference)."""
-        grad = d.weight.grad
+        dtype, that autograd adds into an existing dense `.grad` in place (and so keeps no reference).
+        A weight that is a step's bf16 compute copy (`fivecut.parallel.precision`) is no leaf: its
+        dW flows on to the master, and it has no `.grad` to read."""
+        grad = d.weight.grad if d.weight.is_leaf else None
         return (
             isinstance(d, Deferred)
             and d.weight.device.type == "cpu"
