@@ -65,8 +65,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         w = compute_weight(weight.detach(), hidden.device.type).requires_grad_()
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [T]
         grad_hidden = torch.empty_like(hidden)  # [T, h]
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V/t, h]
-        for start, end in chunk_bounds(hidden.shape[0], chunk):
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)  # [V/t, h]
+        for i, (start, end) in enumerate(chunk_bounds(hidden.shape[0], chunk)):
             accumulate_chunk(
                 hidden[start:end],
                 w,
@@ -75,6 +75,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 losses[start:end],
                 grad_hidden[start:end],
                 grad_weight,
+                first=i == 0,
             )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -83,22 +84,38 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad, (grad_weight * grad).to(ctx.weight_dtype), None, None, None
+        # d/dW scaled in place: this graph runs backward once, and a fresh [V/t, h] would cost its
+        # page faults again (the CPU maps a tensor that large afresh each time)
+        return grad_hidden * grad, grad_weight.mul_(grad).to(ctx.weight_dtype), None, None, None
 
 
-def accumulate_chunk(hidden, w, targets, token_losses: TokenLosses, losses, grad_hidden, grad_weight) -> None:
+def accumulate_chunk(
+    hidden, w, targets, token_losses: TokenLosses, losses, grad_hidden, grad_weight, first: bool
+) -> None:
     """One chunk of C tokens: its token losses into `losses` [C], d/dhidden into `grad_hidden` [C, h],
-    d/dW added to `grad_weight` [V/t, h] (fp32). Its logits [C, V/t] and gradients die on return,
-    before the next chunk makes its own."""
+    d/dW written (`first`) or added to `grad_weight` [V/t, h] (fp32). Its logits [C, V/t] and
+    gradients die on return, before the next chunk makes its own. Autograd gives d/dhidden and,
+    on the way, d/dlogits; dW is autograd's own product for a linear layer ((x^T dlogits)^T),
+    written straight into `grad_weight` in fp32: no [V/t, h] zeros, no temporary."""
+    # x cast to w's dtype here, not by autocast, whose cache would keep each chunk's cast of this
+    # tensor to the end of the autocast region: [T, h] in bf16 by the last chunk
+    x = hidden.detach().to(w.dtype).requires_grad_()  # [C, h]
+    seen: list[torch.Tensor] = []  # d/dlogits [C, V/t], as backward passes it
     with torch.enable_grad(), own_saved_tensors():
-        h = hidden.detach().requires_grad_()  # [C, h]
-        # h cast to w's dtype here, not by autocast, whose cache would keep each chunk's cast of this
-        # leaf to the end of the autocast region: [T, h] in bf16 by the last chunk
-        chunk_losses = token_losses(F.linear(h.to(w.dtype), w), targets)  # [C]; the logits [C, V/t] are freed here
-        dh, dw = torch.autograd.grad(chunk_losses.sum(), (h, w))
+        logits = F.linear(x, w.detach())  # [C, V/t]
+        logits.register_hook(seen.append)
+        chunk_losses = token_losses(logits, targets)  # [C]
+        del logits  # freed once the cross-entropy has what it keeps
+        (grad_x,) = torch.autograd.grad(chunk_losses.sum(), x)
     losses.copy_(chunk_losses.detach())
-    grad_hidden.copy_(dh)
-    grad_weight += dw
+    grad_hidden.copy_(grad_x)  # back in the hidden state's dtype
+    grad_logits, into = seen.pop(), grad_weight.t()  # into: [h, V/t], where x^T dlogits lands
+    if grad_logits.dtype != torch.float32:  # bf16 products, summed in fp32
+        into.copy_(x.detach().t() @ grad_logits) if first else into.add_(x.detach().t() @ grad_logits)
+    elif first:
+        torch.mm(x.detach().t(), grad_logits, out=into)
+    else:
+        into.addmm_(x.detach().t(), grad_logits)
 
 
 def chunked_loss_sum(
