@@ -78,7 +78,46 @@ def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
     t = cfg.train
     validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, world_size)
     refuse("invalid [moe] options", moe_problems(cfg.moe, args, cfg.parallel))
+    refuse("invalid [lora] options", lora_problems(cfg, args))
     return args
+
+
+# the cuts adapters are carried through so far; the others are refused by name, never run another way
+LORA_CUTS = {"tp": "tensor parallelism", "pp": "a pipeline", "ep": "expert parallelism"}
+
+
+def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
+    """`[lora]`: its numbers, its targets against the model, and the layout it can run on."""
+    lo, dims = cfg.lora, cfg.parallel
+    if cfg.model.init_from is not None:
+        from fivecut.weights.load import adapter_problem  # opens the file with torch
+
+        problem = adapter_problem(cfg.model.init_from, lo)
+        if problem is not None:
+            return [problem]
+    if lo.rank is None:
+        return []
+    problems = not_finite("lora", lo, ("alpha", "dropout"))
+    if lo.rank < 1:
+        problems.append(f"lora.rank={lo.rank} must be >= 1 (unset it to train every weight)")
+    if lo.alpha <= 0:
+        problems.append(f"lora.alpha={lo.alpha} must be > 0 (the update is scaled by alpha / rank)")
+    if not 0 <= lo.dropout < 1:
+        problems.append(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    problems += [
+        f"lora (rank {lo.rank}) is not carried through {what} yet: set parallel.{cut}=1, or lora.rank=0"
+        for cut, what in LORA_CUTS.items()
+        if getattr(dims, cut) > 1
+    ]
+    if dims.zero == 3:
+        problems.append(
+            "lora is not carried through ZeRO-3 yet (its frozen weights are whole on every rank): use zero <= 2"
+        )
+    if problems:
+        return problems
+    from fivecut.model.lora import target_problems  # builds the model on the meta device: torch
+
+    return target_problems(lo.rank, lo.targets, lo.full, args)
 
 
 def resolved_args(section: ModelConfig) -> ModelArgs:

@@ -439,12 +439,26 @@ def add_export_parser(sub) -> None:
     export.add_argument(
         "--workers", type=int, default=1, help="processes writing the shards, each reading only its own"
     )
+    export.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a [lora] run: write its adapters as a peft folder (without it: the model with the adapters merged)",
+    )
     export.set_defaults(func=cmd_export)
 
 
 def cmd_export(ns) -> int:
     from fivecut.weights.export import export, parse_size
 
+    if ns.adapter:
+        from fivecut.weights.peft import export_adapter
+
+        given = [f for f, v in (("--max-shard-size", ns.max_shard_size != "5GiB"), ("--dtype", ns.dtype != "fp32"),
+                                ("--workers", ns.workers != 1)) if v]  # fmt: skip
+        if given:
+            raise ConfigError(f"{given[0]} shapes the merged model's files; the adapter folder has one fp32 file")
+        export_adapter(ns.checkpoint, ns.out, ns.step, ns.architecture)
+        return 0
     export(ns.checkpoint, ns.out, ns.step, parse_size(ns.max_shard_size), ns.dtype, ns.architecture, ns.workers)
     return 0
 
@@ -1289,6 +1303,8 @@ def plan_config(ns, world: int | None = None) -> tuple[Config, object]:
     cfg.train.global_batch = plan_batch(ns, cfg, world or cfg.parallel.world_size)
     checks.resolve_microbatches(cfg)
     checks.refuse("invalid options", checks.option_problems(cfg))
+    if cfg.lora.rank is not None:  # the planner counts every weight as trained
+        raise ConfigError("fivecut plan does not model [lora] yet (frozen weights, adapter states); drop lora.rank")
     if ns.layout is not None:
         t = cfg.train
         checks.validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, cfg.parallel.world_size)

@@ -192,6 +192,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (`fivecut.model.lora`): the model's weights frozen, small matrices trained."""
+
+    rank: int | None = None  # the adapters' rank r; unset: no adapters, every weight trains
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input
+    targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])  # groups, or weight names (wq, w2...)
+    full: list[str] = field(default_factory=list)  # trained whole beside them: "embeddings", "head", "norms"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -200,6 +211,7 @@ class Config:
     moe: MoEOptions = field(default_factory=MoEOptions)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

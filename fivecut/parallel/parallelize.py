@@ -47,6 +47,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
+from fivecut.model.lora import AdapterWeights, add_adapters
 from fivecut.model.transformer import Attention, LatentAttention, SeedWeights, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
@@ -202,11 +203,14 @@ class ParallelizeOptions:
     param_dtype: torch.dtype | None = None  # bf16 under train.dtype = "bf16": what ZeRO-3 gathers
     compile: bool = False  # torch.compile each block (`fivecut.parallel.compile`)
     loss_chunk_tokens: int = 2048  # tokens per chunk of the head and loss (`fivecut.parallel.loss`); 0: full logits
+    lora: object | None = None  # a `fivecut.config.LoraConfig` with rank > 0: adapters, the rest frozen
 
     @classmethod
-    def from_train(cls, train, moe: MoEOptions | None, seed: int, device, weights=None) -> ParallelizeOptions:
+    def from_train(
+        cls, train, moe: MoEOptions | None, seed: int, device, weights=None, lora=None
+    ) -> ParallelizeOptions:
         """The options a run's `[train]` table gives (bf16 ZeRO-3 gathers under train.dtype = "bf16");
-        `weights`: the source of the initial weights (None: the seed's)."""
+        `weights`: the source of the initial weights (None: the seed's); `lora`: the run's `[lora]`."""
         return cls(
             bucket_mb=train.bucket_mb,
             reduce_dtype=torch.bfloat16 if train.reduce_dtype == "bf16" else None,
@@ -221,6 +225,7 @@ class ParallelizeOptions:
             compile=train.compile,
             loss_chunk_tokens=train.loss_chunk_tokens,
             weights=weights,
+            lora=lora if lora is not None and lora.rank is not None else None,
         )
 
 
@@ -231,13 +236,13 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     gathers and computes in, from fp32 master shards; other layouts keep fp32 parameters."""
     o = options or ParallelizeOptions()
     dims, args = mesh.dims, model.args
+    weights = adapted(model, o)
     schedule, stages = split_pipeline(model, mesh, o.seq_len or args.max_seq_len)
     loss_in_head = loss_heads(stages, o.loss_chunk_tokens)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)
     saved, runtimes, compiled = SavedActivations(), {}, start_record() if o.compile else None
     recompute_options = (o.recompute, o.recompute_every)
-    weights = o.weights or SeedWeights(args, o.seed)
     fill = functools.partial(materialize, placements=placements, weights=weights, device=o.device, runtimes=runtimes)
     for stage in stages.values():
         saved.track_layers(stage.layers)
@@ -262,6 +267,26 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
         module, sync, sync.pieces(), loss, norm_groups(mesh), saved, placements, params, pipeline, experts, compiled,
         loss_in_head, compute,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------- 0. adapters
+
+
+def adapted(model: nn.Module, o: ParallelizeOptions):
+    """Under `[lora]`: the target linears of the whole (meta) model get adapters and every other
+    weight is frozen (bf16 under train.dtype = "bf16"); returns the source of the initial weights
+    (`o.weights`, else the seed's; the adapters' from the seed)."""
+    weights = o.weights or SeedWeights(model.args, o.seed)
+    if o.lora is None:
+        return weights
+    lo = o.lora
+    shapes = add_adapters(model, lo.rank, lo.alpha, lo.dropout, lo.targets, lo.full, o.param_dtype)
+    source = AdapterWeights(weights, shapes, o.seed)
+    with torch.no_grad():  # a real model's adapters now (a meta one's are filled with its other weights)
+        for name, p in model.named_parameters():
+            if name in shapes and not p.is_meta:
+                p.copy_(source.read(name, tuple(slice(None) for _ in p.shape)))
+    return source
 
 
 # ---------------------------------------------------------------- 1. the pipeline split
@@ -598,9 +623,10 @@ def norm_groups(mesh: Mesh) -> list[Group]:
 
 
 def build_parallel(
-    args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None, weights=None
+    args, mesh: Mesh, device, seed: int, train, moe: MoEOptions | None = None, weights=None, lora=None
 ) -> Parallelized:
     """This rank's part of the model `args`, every cut of `mesh.dims` applied, filled from
-    `weights` (a `fivecut.weights.source.WeightSource`: model.init_from) or the seed's."""
-    options = ParallelizeOptions.from_train(train, moe, seed, device, weights)
+    `weights` (a `fivecut.weights.source.WeightSource`: model.init_from) or the seed's; `lora`:
+    the run's `[lora]` (adapters when its rank is set)."""
+    options = ParallelizeOptions.from_train(train, moe, seed, device, weights, lora)
     return parallelize(build_model(args, device="meta"), mesh, options)

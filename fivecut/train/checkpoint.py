@@ -163,6 +163,8 @@ def state_table(par, optimizer: torch.optim.Optimizer | None) -> Table:
     table: Table = {}
     master = par.pieces[0].tensor.dtype  # what the optimizer updates (fp32; ZeRO-3 may compute on a bf16 copy)
     for name, pl in par.placements.items():
+        if not par.params[name].requires_grad:  # frozen ([lora]): its run's model.init_from holds it
+            continue
         held = par.sync.held(par.params[name], 0, pl.local_numel())
         chunks = [c for flat, at in held.values for c in global_chunks(pl, flat, at)]
         table[f"model.{name}"] = Entry(pl.shape, master, chunks)

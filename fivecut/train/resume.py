@@ -56,6 +56,8 @@ REFUSED_ON_RESUME = {
     # the batches of step s (global_batch, seq_len, seed), the optimizer and its schedule, the precision
     "train": "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype",
     "moe": "capacity_factor aux_loss_coef bias_update_rate",  # which tokens reach which expert; the loss
+    # which weights train, and how: the checkpoint's trained tensors are those of its [lora]
+    "lora": "rank alpha dropout targets full",
 }
 RESUME_RULES: dict[str, str] = {
     f"{section}.{name}": rule

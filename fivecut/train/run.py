@@ -94,7 +94,9 @@ def setup(cfg: Config) -> Context:
         )
     t = cfg.train
     published = source_of(cfg.model.init_from) if cfg.model.init_from is not None else None
-    par = build_parallel(args, mesh, device, t.seed, t, cfg.moe, published)  # the published weights, or the seed's
+    par = build_parallel(
+        args, mesh, device, t.seed, t, cfg.moe, published, cfg.lora
+    )  # published weights, or the seed's
     if published is not None:
         load_routing_biases(par, published)
     kernel, note = adamw_kernel(t.adamw, device)

@@ -61,12 +61,14 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivecut.model.args import ModelArgs
+from fivecut.model.lora import is_adapter
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import ARCHITECTURES, AnyArchitecture, ArchitectureError, TensorMap, for_args
 from fivecut.weights.hf import folder_tokenizer, hf_config, read_config
+from fivecut.weights.load import open_source
 from fivecut.weights.load import run_tokenizer as resolve_tokenizer
 from fivecut.weights.source import WeightsError, expected_shapes, resolve_path
 
@@ -109,7 +111,8 @@ def export(
         raise CheckpointError(f"checkpoint {source} is damaged: " + "; ".join(problems))
     arch = with_routing_biases(source, args, arch, named=architecture is not None)
     tokenizer = run_tokenizer(meta.get("config", {})) if not meta.get("weights_only") else folder_tokenizer(source)
-    plan = Plan(source, arch, export_entries(source, args, arch), DTYPES[dtype], max_shard_bytes, workers)
+    entries = export_entries(source, args, arch, layered=adapter_scale(meta) > 0)
+    plan = Plan(source, arch, entries, DTYPES[dtype], max_shard_bytes, workers, adapter_scale(meta))
     spelled = str(DTYPES[dtype]).removeprefix("torch.")  # "float32", as config.json spells it
     written = write_atomically(out, lambda tmp: write_folder(tmp, args, spelled, plan, tokenizer))
     for file in written:
@@ -152,6 +155,12 @@ def parse_size(text: str) -> int:
     if unit not in UNITS or float(match[1]) * UNITS[unit] < 1:
         raise ExportError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or 2000000 (bytes)")
     return int(float(match[1]) * UNITS[unit])
+
+
+def adapter_scale(meta: dict) -> float:
+    """alpha / rank of the run's [lora] (0 without adapters)."""
+    lora = meta.get("config", {}).get("lora") or {}
+    return lora["alpha"] / lora["rank"] if lora.get("rank") else 0.0
 
 
 def model_args(path: Path, meta: dict) -> ModelArgs:
@@ -225,6 +234,7 @@ class Entry:
     # (one expert, a projection whose RoPE rows are interleaved, a routing bias), transformed
     map: TensorMap | moe.Part
     keep_fp32: bool = False  # routing biases: selection reads them in fp32
+    adapter: tuple[str, str] | None = None  # [lora]: the DCP keys of its A and B, merged in (`merged`)
 
     def nbytes(self, dtype: torch.dtype) -> int:
         itemsize = 4 if self.keep_fp32 else dtype.itemsize
@@ -241,6 +251,7 @@ class Plan:
     dtype: torch.dtype
     max_bytes: int
     workers: int
+    adapter_scale: float = 0.0  # [lora]: alpha / rank, what B A is scaled by when merged
 
     def shards(self) -> list[list[Entry]]:
         """The entries in order, cut into runs of at most `max_bytes` (a larger tensor alone), as
@@ -258,11 +269,29 @@ class Plan:
         return out
 
 
-def export_entries(path: Path, args: ModelArgs, arch: AnyArchitecture | None) -> list[Entry]:
-    """The checkpoint's tensors in export order, checked against the model's shapes (metadata only)."""
+def export_entries(path: Path, args: ModelArgs, arch: AnyArchitecture | None, layered: bool = False) -> list[Entry]:
+    """The checkpoint's tensors in export order, checked against the model's shapes (metadata only);
+    a weight with adapters ([lora]) is written merged with them. `layered`: a [lora] run's
+    checkpoint, which holds the trained tensors only (the rest come from its base, `read_layered`)."""
     saved = checkpoint_shapes(path)
-    weights = {key.removeprefix("model."): shape for key, shape in saved.items() if key.startswith("model.")}
+    everything = {key.removeprefix("model."): shape for key, shape in saved.items() if key.startswith("model.")}
+    weights = {name: shape for name, shape in everything.items() if not is_adapter(name)}
+    if layered:
+        weights = expected_shapes(args)
+        saved = saved | {f"model.{name}": shape for name, shape in weights.items()}
     check_shapes(path, weights, expected_shapes(args))
+    return [with_adapter(e, everything) for e in plain_entries(saved, weights, args, arch)]
+
+
+def with_adapter(entry: Entry, names: dict[str, tuple[int, ...]]) -> Entry:
+    """`entry` merged with its weight's adapters when the checkpoint holds them."""
+    base = entry.key.removeprefix("model.").removesuffix(".weight")
+    if f"{base}.lora_a" not in names:
+        return entry
+    return dataclasses.replace(entry, adapter=(f"model.{base}.lora_a", f"model.{base}.lora_b"))
+
+
+def plain_entries(saved: dict, weights: dict, args: ModelArgs, arch: AnyArchitecture | None) -> list[Entry]:
     if isinstance(arch, moe.Architecture):  # one entry per Hugging Face tensor (experts split, RoPE rows paired)
         parts = moe.export_parts(arch, args, saved)
         return [Entry(key, saved[key], part, keep_fp32=key.startswith("moe.")) for key, part in parts]
@@ -332,25 +361,70 @@ def hf_tensors(entry: Entry, value: torch.Tensor, dtype: torch.dtype) -> dict[st
     return {name: p.contiguous() for name, p in zip(entry.map.theirs, parts, strict=True)}
 
 
-def write_shard(path: Path, entries: list[Entry], dtype: torch.dtype, file: Path) -> dict[str, int]:
-    """Read, convert and write one output shard; returns its tensors' names and sizes in bytes."""
+def write_shard(
+    path: Path, entries: list[Entry], dtype: torch.dtype, file: Path, scale: float, layered: bool
+) -> dict[str, int]:
+    """Read, convert and write one output shard (weights with adapters merged: W + `scale` B A;
+    `layered`: a [lora] checkpoint over its base); returns its tensors' names and sizes in bytes."""
     from safetensors.torch import save_file
 
-    whole = [e for e in entries if not isinstance(e.map, moe.Part)]
-    values = read_entries(path, whole) if whole else {}
-    boxes = read_boxes(path, [e for e in entries if isinstance(e.map, moe.Part)])
+    if layered:
+        values, boxes = read_layered(path, entries)
+    else:
+        whole = [e for e in entries if not isinstance(e.map, moe.Part)]
+        values = read_entries(path, whole) if whole else {}
+        boxes = read_boxes(path, [e for e in entries if isinstance(e.map, moe.Part)])
+    adapters = adapter_values(path, entries)
     tensors: dict[str, torch.Tensor] = {}
     for entry in entries:
         value = boxes.pop(0) if isinstance(entry.map, moe.Part) else values.pop(entry.key)
+        if entry.adapter is not None:
+            value = merged(entry, value, *(adapters[k] for k in entry.adapter), scale)
         tensors |= hf_tensors(entry, value, dtype)
     save_file(tensors, str(file), metadata={"format": "pt"})
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
 
-def write_shards(path: Path, jobs: list[tuple[list[Entry], Path]], dtype: torch.dtype) -> list[dict[str, int]]:
+def read_layered(path: Path, entries: list[Entry]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """`read_entries` and `read_boxes` of a [lora] checkpoint: each tensor from the checkpoint where
+    it holds it, else from the model its run started from (`fivecut.weights.load.LayeredSource`)."""
+    source = open_source(f"dcp:{path}")
+    whole, boxes = {}, []
+    for e in entries:
+        name = e.key.removeprefix("model.")
+        if isinstance(e.map, moe.Part):
+            if e.key.startswith("moe."):  # a routing bias: the checkpoint's own
+                boxes += read_boxes(path, [e])
+            else:
+                boxes.append(source.read(name, tuple(slice(o, o + n) for o, n in zip(e.map.offsets, e.map.sizes))))
+        else:
+            whole[e.key] = source.read(name, tuple(slice(0, n) for n in e.shape))
+    return whole, boxes
+
+
+def adapter_values(path: Path, entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """The A and B of the adapters these entries merge, read from DCP (small: [r, in], [out, r])."""
+    keys = {k: None for e in entries if e.adapter is not None for k in e.adapter}
+    if not keys:
+        return {}
+    shapes = checkpoint_shapes(path)
+    return read_entries(path, [Entry(k, shapes[k], TensorMap(k, (k,))) for k in keys])
+
+
+def merged(entry: Entry, value: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """`value` (the weight, or the box of it a MoE class's part holds) + scale B A over the same box."""
+    if isinstance(entry.map, moe.Part):  # a box [rows, columns] of the [out, in] weight
+        (r0, c0), (nr, nc) = entry.map.offsets, entry.map.sizes
+        b, a = b[r0 : r0 + nr], a[:, c0 : c0 + nc]
+    return value + scale * (b @ a)  # [out, r] @ [r, in]
+
+
+def write_shards(
+    path: Path, jobs: list[tuple[list[Entry], Path]], dtype: torch.dtype, scale: float = 0.0
+) -> list[dict[str, int]]:
     """One worker's shards, in order (a process of `write_weights`'s pool, or the caller itself)."""
     torch.set_num_threads(1)
-    return [write_shard(path, entries, dtype, file) for entries, file in jobs]
+    return [write_shard(path, entries, dtype, file, scale, scale > 0) for entries, file in jobs]
 
 
 def write_weights(folder: Path, plan: Plan) -> list[str]:
@@ -363,12 +437,13 @@ def write_weights(folder: Path, plan: Plan) -> list[str]:
         files = [f"model-{k:05d}-of-{len(parts):05d}.safetensors" for k in range(1, len(parts) + 1)]
     jobs = [(entries, folder / file) for entries, file in zip(parts, files)]
     workers = worker_count(plan.workers, len(jobs))
+    scale = plan.adapter_scale
     if workers == 1:
-        sizes = write_shards(plan.path, jobs, plan.dtype)
+        sizes = write_shards(plan.path, jobs, plan.dtype, scale)
     else:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            done = [pool.submit(write_shards, plan.path, jobs[w::workers], plan.dtype) for w in range(workers)]
+            done = [pool.submit(write_shards, plan.path, jobs[w::workers], plan.dtype, scale) for w in range(workers)]
             per_worker = [future.result() for future in done]
         sizes = [per_worker[k % workers][k // workers] for k in range(len(jobs))]
     if len(parts) == 1:

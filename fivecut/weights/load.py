@@ -22,7 +22,8 @@ import torch
 
 from fivecut.config import ConfigError, ModelConfig, preset_args, set_fields
 from fivecut.model.args import ModelArgs
-from fivecut.model.transformer import build_model
+from fivecut.model.lora import is_adapter
+from fivecut.model.transformer import SeedWeights, build_model
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.tokenizer import AUTO_TOKENIZER, get_tokenizer
 from fivecut.weights.dcp import DCPSource
@@ -43,7 +44,46 @@ def open_source(spec: str) -> WeightSource:
     path = resolve_path(rest)
     if not path.exists():
         raise WeightsError(f"model.init_from {spec!r}: {path} does not exist")
-    return SCHEMES[scheme](path)
+    source = SCHEMES[scheme](path)
+    base = frozen_base(source)
+    return source if base is None else LayeredSource(source, base)
+
+
+def frozen_base(source):
+    """Where a [lora] run's checkpoint keeps its frozen weights (it holds the trained tensors only):
+    its run's model.init_from, or the seed's model; None for any other source."""
+    config = source.meta.get("config", {}) if isinstance(source, DCPSource) else {}
+    if not (config.get("lora") or {}).get("rank"):
+        return None
+    init_from = config.get("model", {}).get("init_from")
+    if init_from is not None:
+        return source_of(init_from)
+    return SeedWeights(source.args, config.get("train", {}).get("seed", 0))
+
+
+class LayeredSource:
+    """A [lora] checkpoint over the model its run started from: the checkpoint's tensors (adapters,
+    weights trained whole) from it, every other one from `base`."""
+
+    def __init__(self, top, base):
+        self.top, self.base, self.path, self.args = top, base, top.path, top.args
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return expected_shapes(self.args) | self.top.shapes()
+
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.top.buffer_shapes()
+
+    def read(self, name: str, box) -> torch.Tensor:
+        return (self.top if name in self.top.shapes() else self.base).read(name, box)
+
+    def fill(self, requests) -> None:
+        mine = self.top.shapes()
+        self.top.fill([r for r in requests if r[0] in mine])
+        self.base.fill([r for r in requests if r[0] not in mine])
+
+    def tokenizer(self):
+        return self.top.tokenizer() or getattr(self.base, "tokenizer", lambda: None)()
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,7 +142,7 @@ def check_source(source: WeightSource, args: ModelArgs) -> None:
     missing = sorted(want.keys() - have.keys())
     if missing:
         raise WeightsError(f"{source.path} lacks tensor {missing[0]} (and {len(missing) - 1} more) of the model")
-    unused = sorted(have.keys() - want.keys())
+    unused = sorted(n for n in have.keys() - want.keys() if not is_adapter(n))  # adapters: `adapter_problem`
     if unused:
         raise WeightsError(f"{source.path} holds tensor {unused[0]}, which this model has no place for")
     for name, shape in want.items():
@@ -110,6 +150,22 @@ def check_source(source: WeightSource, args: ModelArgs) -> None:
             raise WeightsError(
                 f"{source.path}: tensor {name} has shape {tuple(have[name])}, the model's config implies {shape}"
             )
+
+
+def adapter_problem(spec: str, lora) -> str | None:
+    """A source holding adapters (a [lora] run's checkpoint) used without [lora], or with another
+    rank: its adapters would be dropped or misread."""
+    source = source_of(spec)
+    held = {n: s for n, s in source.shapes().items() if is_adapter(n)}
+    if not held:
+        return None
+    rank = next(s[0] for n, s in held.items() if n.endswith("lora_a"))
+    if lora.rank != rank:
+        return (
+            f"model.init_from {spec!r} holds adapters of rank {rank} (a [lora] run's); set lora.rank={rank} to "
+            "continue them, or export the model merged (`fivecut export`) and start from that"
+        )
+    return None
 
 
 def load_routing_biases(par, source: WeightSource) -> int:

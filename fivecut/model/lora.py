@@ -1,0 +1,164 @@
+"""Low-rank adapters (LoRA, Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models").
+
+A published weight W [out, in] stays frozen; beside it two small matrices train:
+
+    y = x W^T + (alpha / r) * dropout(x) A^T B^T        A [r, in], B [out, r]
+
+A starts uniform in +-1/sqrt(in) (the Kaiming-uniform bound `peft` and `nn.Linear` use), B at
+zero, so the adapted model starts as the published one. Only A and B have gradients, optimizer
+state and fp32 masters; the frozen weights keep no gradient and, under train.dtype = "bf16", are
+held in bf16 (they are read, never updated). `[lora]` in the config chooses the rank, alpha,
+dropout and which weights take adapters (`TARGET_GROUPS`, or single weight names), and which
+weights train whole beside them (`FULL_GROUPS`). Adapters are parameters of the model like any
+other: the cuts, the checkpoints and the seed's initialization see them by name
+(`layers.3.attention.wq.lora_a`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivecut.model.transformer import _name_seed, build_model
+
+# target group -> (the module holding the linears, their names): attention covers plain and
+# latent attention (MLA's down and up projections); mlp the dense feed-forward blocks
+TARGET_GROUPS = {
+    "attention": ("attention", ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b")),
+    "mlp": ("feed_forward", ("w1", "w2", "w3")),
+    "shared_experts": ("feed_forward.shared", ("w1", "w2", "w3")),
+}
+# weights trained whole beside the adapters, when asked (lora.full): their names' endings
+FULL_GROUPS = {"embeddings": ("tok_embeddings.weight",), "head": ("output.weight",), "norms": ("norm.weight",)}
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` (the same weight and bias Parameters, frozen) with a trained low-rank
+    update: forward = linear(x) + scale * B(A(dropout(x)))."""
+
+    def __init__(self, linear: nn.Linear, rank: int, alpha: float, dropout: float):
+        nn.Module.__init__(self)  # the layer's own Parameters move over
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # [out, in]
+        self.register_parameter("bias", linear.bias)
+        device, dtype = linear.weight.device, torch.float32
+        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=dtype))  # [r, in]
+        self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=dtype))  # [out, r]
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [..., out]
+        low = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)  # [..., r] -> [..., out]
+        return y + low * self.scale
+
+
+def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
+    """Module path -> linear layer, for every linear `targets` names (group names or weight
+    names: `wq`, `w2`, ...) in every block of `model`."""
+    out = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear):
+            continue
+        parent, _, leaf = path.rpartition(".")
+        owner = parent.split(".", 2)[-1] if parent.startswith("layers.") else ""  # "attention", "feed_forward"...
+        for group, (holder, names) in TARGET_GROUPS.items():
+            by_name = leaf in targets and group != "shared_experts"  # a bare name: attention's or the dense MLP's
+            if owner == holder and leaf in names and (group in targets or by_name):
+                out[path] = module
+    return out
+
+
+def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str], full: list[str],
+                 frozen_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    """Replace each target linear of `model` (a whole model, on any device, meta included) by a
+    `LoRALinear`; freeze every other Parameter but those `full` names (`FULL_GROUPS`), held in
+    `frozen_dtype` (None: as they are). Returns each adapter's name and global shape."""
+    for path, linear in target_linears(model, targets).items():
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, LoRALinear(linear, rank, alpha, dropout))
+    trained = tuple(end for group in full for end in FULL_GROUPS[group])
+    adapters = {}
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            adapters[name] = tuple(p.shape)
+        elif not name.endswith(trained):
+            p.requires_grad_(False)
+            if frozen_dtype is not None and p.dtype != frozen_dtype:
+                p.data = p.data.to(frozen_dtype)
+    return adapters
+
+
+def target_problems(rank: int, targets: list[str], full: list[str], args) -> list[str]:
+    """What in `[lora]` does not fit the model `args`: a target naming no weight of it, a rank
+    larger than a target weight's smaller side, an unknown `full` group."""
+    names = {n for _, (_, ns) in TARGET_GROUPS.items() for n in ns}
+    problems = [
+        f"lora.targets has {t!r}, neither a group ({', '.join(TARGET_GROUPS)}) nor a weight name "
+        f"({', '.join(sorted(names))})"
+        for t in targets
+        if t not in TARGET_GROUPS and t not in names
+    ]
+    problems += [f"lora.full has {f!r}; use {', '.join(FULL_GROUPS)}" for f in full if f not in FULL_GROUPS]
+    if problems:
+        return problems
+    model = build_model(args, device="meta")
+    problems = [
+        f"lora.targets has {t!r}, which matches no weight of this model"
+        for t in targets
+        if not target_linears(model, [t])
+    ]
+    chosen = target_linears(model, targets)
+    small = {p: m for p, m in chosen.items() if rank > min(m.in_features, m.out_features)}
+    if small:
+        path, m = next(iter(small.items()))
+        most = min(min(m.in_features, m.out_features) for m in small.values())
+        problems.append(
+            f"lora.rank={rank} exceeds the smaller side of {path} [{m.out_features}, {m.in_features}] "
+            f"({len(small)} target weights alike); use lora.rank <= {most}"
+        )
+    return problems
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(ADAPTER_NAMES)
+
+
+def initial_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The seed's value of adapter `name`: A uniform in +-1/sqrt(in) (Kaiming-uniform at a = sqrt(5),
+    as `peft` and `nn.Linear` draw it), B zero. Drawn from (seed, name) alone, as every weight is."""
+    if name.endswith("lora_b"):
+        return torch.zeros(shape)
+    bound = 1 / math.sqrt(shape[-1])
+    generator = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+class AdapterWeights:
+    """A weight source (`fivecut.weights.source.WeightSource`) that serves the adapters (`shapes`:
+    name -> global shape) from the seed (`initial_adapter`), unless `base` holds them (a LoRA run's
+    checkpoint: its adapters continue), and every other tensor from `base` (the published model,
+    or the seed's)."""
+
+    def __init__(self, base, shapes: dict[str, tuple[int, ...]], seed: int):
+        held = set(base.shapes()) if hasattr(base, "shapes") else set()
+        self.base, self.seed = base, seed
+        self.adapter_shapes = {name: shape for name, shape in shapes.items() if name not in held}
+
+    def __getattr__(self, name: str):  # path, args, shapes, tokenizer...: the base's
+        return getattr(self.base, name)
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        if name in self.adapter_shapes:
+            return initial_adapter(name, self.adapter_shapes[name], self.seed)[box]
+        return self.base.read(name, box)
+
+    def fill(self, requests: list[tuple[str, tuple[slice, ...], torch.Tensor]]) -> None:
+        self.base.fill([r for r in requests if r[0] not in self.adapter_shapes])
+        for name, box, view in requests:
+            if name in self.adapter_shapes:
+                view.copy_(self.read(name, box))
