@@ -922,15 +922,19 @@ def worst_differences(diffs: dict[str, dict[int, float]]) -> dict[str, float]:
 
 
 def print_memory(measured: dict[str, int], cfg: Config) -> None:
-    from fivecut.plan.volume import local_param_counts, shard_group_sizes
+    from fivecut.plan.volume import frozen_bytes, local_param_counts, shard_group_sizes
     from fivecut.train.memory import format_bytes
 
-    dims = cfg.parallel
-    counts = local_param_counts(checks.resolved_args(cfg.model), cfg)  # {reduce group: Psi}
+    dims, args = cfg.parallel, checks.resolved_args(cfg.model)
+    counts = local_param_counts(args, cfg)  # {reduce group: Psi}, the trained parameters
     sizes = shard_group_sizes(cfg)  # hybrid sharding: model states cut over zero_shard ranks
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     predicted = {key: sum(part[key] for part in parts) for key in parts[0]}
+    frozen = frozen_bytes(args, cfg)  # [lora]: the frozen weights, in their dtype
+    predicted["params"] += frozen
+    predicted["total"] += frozen
     groups = ", ".join(f"{name}: n={sizes[name]}, Psi={psi:,}" for name, psi in counts.items())
+    groups += f"; frozen weights {frozen:,} B" if cfg.lora.rank is not None else ""
     print(
         f"\nmodel-state memory per rank (ZeRO-{dims.zero}: {formula(dims.zero)} per gradient group; {groups} on "
         f"this rank)"

@@ -70,3 +70,126 @@ def test_the_adapters_peft_loads_and_the_merged_model_give_fivecuts_logits(llama
     with torch.no_grad():
         torch.testing.assert_close(adapted(TOKENS).logits, ours, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(merged(TOKENS).logits, ours, rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------- every cut carried, proven against one process
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "dp=2",
+        "dp=2,zero=1",
+        pytest.param("dp=2,zero=2", marks=pytest.mark.sweep),
+        pytest.param("cp=2,cp_mode=ring", marks=pytest.mark.sweep),
+        pytest.param("dp=2,cp=2,cp_mode=ulysses,zero=2", marks=pytest.mark.sweep),
+    ],
+)
+def test_verify_passes_with_adapters(layout, capsys):
+    """fp32: losses and gradient norms of the adapters equal one process's (rtol 1e-5)."""
+    assert (
+        main(["verify", "--layout", layout, "--steps", "3", "--set", "lora.rank=4", "--set", 'train.dtype="fp32"']) == 0
+    )
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_ledger_counts_the_adapters_gradients_and_the_frozen_weights(dtype, capsys):
+    """Under dp=2 only the adapters' gradients are reduced, and the model states are the adapters'
+    (fp32 masters, gradients, Adam) plus the frozen weights in their dtype: the plan's exactly."""
+    sets = ["--set", "lora.rank=4", "--set", f'train.dtype="{dtype}"']
+    assert main(["ledger", "--layout", "dp=2,zero=1", "--steps", "1", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "\nratio=1.000" in out and "memory_ratio=1.000" in out, out
+
+
+def adapted_and_plain(tokens: torch.Tensor) -> dict:
+    """On one rank: tiny with adapters on attention and w2 under bf16, and without; what to check."""
+    from fivecut.config import load_config
+    from fivecut.layout import ParallelDims
+    from fivecut.mesh import Mesh
+    from fivecut.model.presets import get_preset
+    from fivecut.parallel.parallelize import build_parallel
+
+    cfg = load_config(None, ["lora.rank=4", 'lora.targets=["attention", "w2"]', 'train.dtype="bf16"'])
+    mesh = Mesh(ParallelDims(), "cpu")
+    plain = build_parallel(get_preset("tiny"), mesh, "cpu", 0, cfg.train)
+    adapted = build_parallel(get_preset("tiny"), mesh, "cpu", 0, cfg.train, lora=cfg.lora)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        logits = adapted.module(tokens), plain.module(tokens)
+    params = dict(adapted.module.named_parameters())
+    return {
+        "logits": logits,
+        "trained": sorted(n for n, p in params.items() if p.requires_grad),
+        "frozen dtypes": {
+            n.rsplit(".", 1)[0].split(".")[-1]: p.dtype for n, p in params.items() if not p.requires_grad
+        },
+        "optimized": all(piece.tensor.requires_grad for piece in adapted.pieces) and len(adapted.pieces) > 0,
+    }
+
+
+@pytest.mark.multirank
+def test_adapters_start_as_the_model_and_only_they_train():
+    """B starts at zero (the adapted model is the published one, here under bf16 autocast), the
+    frozen weights have no gradient and stay out of the optimizer, the matmuls' held in bf16."""
+    (got,) = spawn(adapted_and_plain, 1, torch.randint(0, 256, (2, 16)))
+    torch.testing.assert_close(*got["logits"])
+    assert got["trained"] and all(n.endswith(("lora_a", "lora_b")) for n in got["trained"])
+    assert {n.rsplit(".", 2)[-2] for n in got["trained"]} == {"wq", "wk", "wv", "wo", "w2"}
+    dtypes = got["frozen dtypes"]  # the matmuls' weights in bf16; norms and the embedding fp32
+    assert {dtypes[m] for m in ("wq", "w1", "output")} == {torch.bfloat16} and got["optimized"]
+    assert {dtypes[m] for m in ("attention_norm", "tok_embeddings")} == {torch.float32}
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, before any process
+
+
+@pytest.mark.parametrize(
+    "sets, said",
+    [
+        (["lora.rank=0"], "lora.rank=0 must be >= 1"),
+        (["lora.rank=4", 'lora.targets=["qkv"]'], "lora.targets has 'qkv', neither a group"),
+        (["lora.rank=4", 'lora.targets=["shared_experts"]'], "'shared_experts', which matches no weight"),
+        (["lora.rank=500"], "lora.rank=500 exceeds the smaller side of"),
+        (["lora.rank=4", 'lora.full=["bias"]'], "lora.full has 'bias'"),
+        (["lora.rank=4", "lora.dropout=1.0"], "lora.dropout=1.0 must be in [0, 1)"),
+    ],
+)
+def test_bad_lora_options_are_refused_in_one_line(sets, said, capsys):
+    argv = ["train", *[x for s in ["train.steps=1", "train.warmup=0", *sets] for x in ("--set", s)]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "layout, said",
+    [("tp=2", "not carried through tensor parallelism yet"), ("pp=2", "not carried through a pipeline yet"),
+     ("dp=2,zero=3", "not carried through ZeRO-3 yet")],
+)  # fmt: skip
+def test_a_layout_adapters_are_not_carried_through_yet_is_refused_by_name(layout, said, capsys):
+    assert main(["verify", "--layout", layout, "--set", "lora.rank=4"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_refuses_lora_until_it_models_it(capsys):
+    assert main(["plan", "--model", "tiny", "--layout", "dp=1", "--cluster", "1x1xH100", "--set", "lora.rank=4"]) == 2
+    assert "does not model [lora] yet" in capsys.readouterr().err
+
+
+def test_a_lora_checkpoint_is_refused_without_its_lora_and_exported_as_an_adapter_only_with_one(
+    llama, byte_cache, tmp_path, capsys
+):
+    train(run_sets(byte_cache, llama, tmp_path))
+    ckpt = next((tmp_path / "ckpt").glob("step-*"))
+    sets = run_sets(byte_cache, llama, tmp_path / "again")[1:]  # the same run, from the checkpoint, without [lora]
+    sets = [s for s in sets if not s.startswith("lora.")] + [f'model.init_from="dcp:{ckpt}"']
+    assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 2
+    assert "holds adapters of rank 4" in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    train([s for s in run_sets(byte_cache, llama, plain) if not s.startswith("lora.")])
+    assert main(["export", "--checkpoint", str(plain / "ckpt"), "--out", str(tmp_path / "x"), "--adapter"]) == 2
+    assert "holds no adapters" in capsys.readouterr().err

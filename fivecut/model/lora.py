@@ -9,9 +9,10 @@ zero, so the adapted model starts as the published one. Only A and B have gradie
 state and fp32 masters; the frozen weights keep no gradient and, under train.dtype = "bf16", are
 held in bf16 (they are read, never updated). `[lora]` in the config chooses the rank, alpha,
 dropout and which weights take adapters (`TARGET_GROUPS`, or single weight names), and which
-weights train whole beside them (`FULL_GROUPS`). Adapters are parameters of the model like any
-other: the cuts, the checkpoints and the seed's initialization see them by name
-(`layers.3.attention.wq.lora_a`).
+weights train whole beside them (`FULL_GROUPS`). The frozen norms and embedding stay fp32 (tiny,
+or read by a lookup: the residual stream keeps the dtype it has in full training). Adapters are
+parameters of the model like any other: the cuts, the checkpoints and the seed's initialization
+see them by name (`layers.3.attention.wq.lora_a`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivecut.model.transformer import _name_seed, build_model
+from fivecut.model.transformer import GroupedExperts, _name_seed, build_model
 
 # target group -> (the module holding the linears, their names): attention covers plain and
 # latent attention (MLA's down and up projections); mlp the dense feed-forward blocks
@@ -76,20 +77,24 @@ def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]
 def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str], full: list[str],
                  frozen_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """Replace each target linear of `model` (a whole model, on any device, meta included) by a
-    `LoRALinear`; freeze every other Parameter but those `full` names (`FULL_GROUPS`), held in
-    `frozen_dtype` (None: as they are). Returns each adapter's name and global shape."""
+    `LoRALinear`; freeze every other Parameter but those `full` names (`FULL_GROUPS`); the frozen
+    weights the matmuls read (every linear layer's, the experts') are held in `frozen_dtype` (None:
+    as they are). Returns each adapter's name and global shape."""
     for path, linear in target_linears(model, targets).items():
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, LoRALinear(linear, rank, alpha, dropout))
     trained = tuple(end for group in full for end in FULL_GROUPS[group])
+    read_by_matmuls = {
+        id(p) for m in model.modules() if isinstance(m, nn.Linear | GroupedExperts) for p in m.parameters()
+    }
     adapters = {}
     for name, p in model.named_parameters():
         if is_adapter(name):
             adapters[name] = tuple(p.shape)
         elif not name.endswith(trained):
             p.requires_grad_(False)
-            if frozen_dtype is not None and p.dtype != frozen_dtype:
-                p.data = p.data.to(frozen_dtype)
+            if frozen_dtype is not None and id(p) in read_by_matmuls:  # norms and the embedding stay fp32:
+                p.data = p.data.to(frozen_dtype)  # the residual stream keeps its dtype
     return adapters
 
 

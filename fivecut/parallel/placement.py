@@ -97,6 +97,8 @@ class Placement:
     aliases: tuple[str, ...] = ()  # other single-device names of this tensor (a tied head)
     ends: bool = False  # tied across the pipeline ends: a copy on each, gradients summed over pp_ends
     flat: FlatSlot | None = None  # ZeRO: its place in a flat shard
+    frozen: bool = False  # [lora]: no gradient, no optimizer state, nothing to reduce
+    itemsize: int = 4  # bytes an element (a frozen weight a matmul reads: bf16 under train.dtype = "bf16")
 
     def apply(self, change: Change) -> Placement:
         return dataclasses.replace(
@@ -171,7 +173,10 @@ def initial_placements(stage: nn.Module, stage_index: int | None) -> dict[str, P
     for path, p in stage.named_parameters(remove_duplicate=False):
         name = logical_name(path, tied)
         aliases = ("output.weight",) if tied and name == "tok_embeddings.weight" else ()
-        out[name] = Placement(name, tuple(p.shape), stage_index, aliases=aliases)
+        frozen = not p.requires_grad
+        out[name] = Placement(
+            name, tuple(p.shape), stage_index, aliases=aliases, frozen=frozen, itemsize=p.dtype.itemsize
+        )
     return out
 
 

@@ -83,6 +83,7 @@ from fivecut.plan.cluster import Cluster
 from fivecut.plan.memory import kernels_of, model_state_bytes, step_moments, step_temporaries
 from fivecut.plan.volume import (
     dims_key,
+    frozen_bytes,
     local_param_counts,
     local_placements,
     message_bytes,
@@ -869,6 +870,7 @@ def states_now(args, cfg, pp_rank: int) -> dict[str, float]:
     counts = local_param_counts(args, cfg, pp_rank=pp_rank)
     parts = [model_state_bytes(psi, dims.zero, sizes[name]) for name, psi in counts.items()]
     states = {key: sum(p[key] for p in parts) for key in ("params", "grads", "optimizer")}
+    states["params"] += frozen_bytes(args, cfg, pp_rank)  # [lora]: no gradient, no optimizer state
     if dims.pp > 1 and dims.zero >= 2:  # a stage's full gradients live through the schedule
         states["grads"] = 4 * sum(counts.values())  # (`zero_pipeline`): its peak, not its shards
     return states

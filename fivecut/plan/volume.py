@@ -11,6 +11,8 @@ import functools
 import itertools
 from dataclasses import dataclass, replace
 
+import torch
+
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
 from fivecut.model.transformer import build_model
@@ -486,6 +488,8 @@ def record_sums(records) -> dict[str, GroupSums]:
     phi: dict[str, int] = {}
     buffers: dict[str, set[tuple[int, int]]] = {}
     for pl in records:
+        if pl.frozen:  # [lora]: no gradient to reduce
+            continue
         phi[pl.reduce] = phi.get(pl.reduce, 0) + pl.local_numel()
         if pl.flat is not None:
             buffers.setdefault(pl.reduce, set()).add((pl.flat.buffer, pl.flat.padded))
@@ -596,7 +600,7 @@ def local_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     layouts asks for the same records many times. The records are shared: read them only."""
     t = cfg.train
     key = (args, layout_key(records_layout(args, cfg.parallel)), t.bucket_mb, t.global_batch, t.seq_len)
-    key += (repr(cfg.moe), pp_rank)
+    key += (repr(cfg.moe), repr(cfg.lora), t.dtype if cfg.lora.rank else None, pp_rank)
     if key not in PLACEMENTS:
         kept(key, real_placements(args, cfg, pp_rank))
     return PLACEMENTS[key]
@@ -607,6 +611,8 @@ def real_placements(args, cfg, pp_rank: int = 0) -> dict[str, Placement]:
     dims, t = cfg.parallel, cfg.train
     mesh = Mesh.virtual(dims, rank=int(Mesh.virtual(dims).grid[pp_rank, 0, 0, 0]), moe=args.is_moe)
     options = ParallelizeOptions(t.bucket_mb, None, cfg.moe, t.global_batch, t.seq_len, device="meta")
+    if cfg.lora.rank is not None:  # adapters, the rest frozen (`fivecut ledger` of a [lora] run)
+        options = replace(options, lora=cfg.lora, param_dtype=torch.bfloat16 if t.dtype == "bf16" else None)
     return parallelize(build_model(args, device="meta"), mesh, options).placements
 
 
@@ -800,10 +806,20 @@ def composed_counts(args, cfg, pp_rank: int) -> dict[str, int]:
 
 
 def group_counts(records) -> dict[str, int]:
+    """The trained parameters' elements by reduce group (a [lora] run's frozen ones: `frozen_bytes`)."""
     counts: dict[str, int] = {}
     for pl in records:
-        counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
+        if not pl.frozen:
+            counts[pl.reduce] = counts.get(pl.reduce, 0) + pl.local_numel()
     return counts
+
+
+def frozen_bytes(args, cfg, pp_rank: int = 0) -> int:
+    """[lora]: the frozen weights this rank holds, whole on every data-parallel rank, in their dtype
+    (the matmuls' in bf16 under train.dtype = "bf16": they are read, never updated)."""
+    if cfg.lora.rank is None:
+        return 0
+    return sum(pl.itemsize * pl.local_numel() for pl in local_placements(args, cfg, pp_rank).values() if pl.frozen)
 
 
 def block_kinds(args) -> tuple[list[bool], int]:
