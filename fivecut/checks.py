@@ -96,7 +96,7 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         if problem is not None:
             return [problem]
     if lo.rank is None:
-        return []
+        return ["lora.adapter is set but lora.rank is not; set lora.rank to the adapter's r"] if lo.adapter else []
     problems = not_finite("lora", lo, ("alpha", "dropout"))
     if lo.rank < 1:
         problems.append(f"lora.rank={lo.rank} must be >= 1 (unset it to train every weight)")
@@ -117,7 +117,12 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         return problems
     from fivecut.model.lora import target_problems  # builds the model on the meta device: torch
 
-    return target_problems(lo.rank, lo.targets, lo.full, args)
+    problems = target_problems(lo.rank, lo.targets, lo.full, args)
+    if lo.adapter is None or problems:
+        return problems
+    from fivecut.weights.peft import lora_adapter_problems  # opens the folder with torch
+
+    return lora_adapter_problems(lo, cfg.model.init_from, args)
 
 
 def resolved_args(section: ModelConfig) -> ModelArgs:

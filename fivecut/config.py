@@ -200,6 +200,7 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapters' input
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])  # groups, or weight names (wq, w2...)
     full: list[str] = field(default_factory=list)  # trained whole beside them: "embeddings", "head", "norms"
+    adapter: str | None = None  # a peft LoRA folder whose adapters the run starts from (continues)
 
 
 @dataclass

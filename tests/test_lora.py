@@ -193,3 +193,85 @@ def test_a_lora_checkpoint_is_refused_without_its_lora_and_exported_as_an_adapte
     train([s for s in run_sets(byte_cache, llama, plain) if not s.startswith("lora.")])
     assert main(["export", "--checkpoint", str(plain / "ckpt"), "--out", str(tmp_path / "x"), "--adapter"]) == 2
     assert "holds no adapters" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_the_smollm2_lora_chat_config_trains_adapters_and_exports_them_for_peft(tmp_path, monkeypatch):
+    """configs/smollm2-lora-chat.toml as a user runs it (one step here), then `fivecut export
+    --adapter`: rank 8 on the 7 projections of each of SmolLM2's 30 layers, the only tensors saved."""
+    import json
+
+    from test_chat import instruction_set, write_jsonl
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "smollm2-lora-chat.toml"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "instructions").mkdir()
+    write_jsonl(tmp_path / "instructions" / "chats.jsonl", instruction_set(400))
+    sets = [f'data.cache_dir="{tmp_path / "cache"}"', "train.steps=1", "train.seq_len=64", "train.global_batch=2"]
+    sets += ["train.eval_every=0", "train.warmup=0", "log.progress=false", "log.plot=false"]
+    assert main(["train", "--config", str(config)] + [a for s in sets for a in ("--set", s)]) == 0
+    ckpt = tmp_path / "runs" / "smollm2-lora-chat" / "checkpoints"
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["peft_type"] == "LORA" and len(adapter["target_modules"]) == 30 * 7
+    assert "model.layers.29.mlp.down_proj" in adapter["target_modules"]
+
+
+# ---------------------------------------------------------------- in: an adapter peft made
+
+
+def peft_adapter(folder: Path, base: Path, **config) -> Path:
+    """An adapter made by peft on `base`'s transformers model: A and B random (not peft's zero B),
+    then a step of plain PyTorch, saved to `folder`."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).float()
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    settings = dict(r=4, lora_alpha=8, target_modules=modules, init_lora_weights=False) | config
+    torch.manual_seed(3)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(**settings))
+    optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
+    adapted(TOKENS, labels=TOKENS).loss.backward()
+    optimizer.step()
+    adapted.save_pretrained(folder)
+    return folder
+
+
+def test_an_adapter_peft_made_gives_pefts_logits_in_fivecut(llama, byte_cache, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    folder = peft_adapter(tmp_path / "adapter", llama)
+    cfg = import_config(byte_cache, llama, *LORA, f'lora.adapter="{folder}"', 'train.dtype="fp32"')
+    (ours,) = spawn(logits_of, 1, [cfg], TOKENS)
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama).float()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, folder).eval()(TOKENS).logits
+    torch.testing.assert_close(ours[0], theirs, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "config, sets, said",
+    [
+        (dict(use_dora=True), (), "use_dora=True is not plain LoRA"),
+        (dict(bias="all"), (), "bias='all' is not plain LoRA"),
+        (dict(rank_pattern={"q_proj": 8}), (), "rank_pattern="),
+        (dict(r=8), (), "r=8, lora_alpha=8; this run has lora.rank=4"),
+        (dict(target_modules=["q_proj"]), (), "its target modules and lora.targets differ"),
+        ({}, ("model.init_from=OTHER",), "an adapter for another model?"),
+    ],
+)
+def test_an_adapter_fivecut_cannot_use_is_refused_in_one_line(config, sets, said, llama, byte_cache, tmp_path, capsys):
+    folder = peft_adapter(tmp_path / "adapter", llama, **config)
+    other = tmp_path / "qwen"
+    if sets:  # the same adapter on another model: Qwen2 of another width
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.Qwen2Config(vocab_size=321, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        transformers.Qwen2ForCausalLM(cfg).save_pretrained(other)
+        sets = (f'model.init_from="hf:{other}"',)
+    run = [s for s in run_sets(byte_cache, llama, tmp_path) if "init_from" not in s or not sets] + list(sets)
+    run += [f'lora.adapter="{folder}"']
+    capsys.readouterr()  # what making the adapter printed
+    assert main(["train", *[x for s in run for x in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err

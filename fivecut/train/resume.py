@@ -43,6 +43,7 @@ FREE_ON_RESUME = {
     "data": "cache_dir shard_tokens workers record_ids",
     "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",
     "checkpoint": "dir every keep",
+    "lora": "adapter",  # where the adapters started: a resume takes the checkpoint's
 }
 REFUSED_ON_RESUME = {
     "model": "preset init_from vocab_size dim n_layers n_heads n_kv_heads ffn_dim max_seq_len rope_theta norm_eps "

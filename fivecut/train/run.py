@@ -40,6 +40,7 @@ from fivecut.train.memory import LossPeak
 from fivecut.train.optim import adamw_kernel, build_optimizer
 from fivecut.train.resume import Resume
 from fivecut.weights.load import load_routing_biases, model_args, run_tokenizer, source_of
+from fivecut.weights.peft import with_adapter
 
 
 @dataclass
@@ -94,6 +95,8 @@ def setup(cfg: Config) -> Context:
         )
     t = cfg.train
     published = source_of(cfg.model.init_from) if cfg.model.init_from is not None else None
+    if cfg.lora.adapter is not None:  # a peft folder's adapters over the model (checked by `checks`)
+        published = with_adapter(cfg.lora, cfg.model.init_from, args, published, t.seed)
     par = build_parallel(
         args, mesh, device, t.seed, t, cfg.moe, published, cfg.lora
     )  # published weights, or the seed's

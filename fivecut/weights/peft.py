@@ -14,11 +14,16 @@ adapters are written; the base model is the run's model.init_from, which peft lo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import torch
+
+from fivecut.model.lora import target_linears
+from fivecut.model.transformer import SeedWeights, build_model
 from fivecut.train import checkpoint as ckpt
 from fivecut.weights import moe_architectures as moe
-from fivecut.weights.architectures import TensorMap
+from fivecut.weights.architectures import TensorMap, for_args
 from fivecut.weights.export import (
     Entry,
     ExportError,
@@ -26,12 +31,12 @@ from fivecut.weights.export import (
     checkpoint_shapes,
     export_class,
     model_args,
-    plain_entries,
     read_entries,
     write_atomically,
     write_json,
 )
-from fivecut.weights.source import expected_shapes
+from fivecut.weights.load import LayeredSource, source_of
+from fivecut.weights.source import WeightsError, expected_shapes, resolve_path
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -69,36 +74,37 @@ def export_adapter(checkpoint: Path, out: Path, step: int | None = None, archite
 
 def adapted_modules(source: Path, args, arch) -> dict[str, str]:
     """fivecut's adapted weight (its name less ".weight") -> the Hugging Face module path."""
-    saved = checkpoint_shapes(source)
-    weights = expected_shapes(args)  # the checkpoint holds the trained tensors only
-    saved = saved | {f"model.{name}": shape for name, shape in weights.items()}
-    adapted = {
+    adapted = sorted(
         k.removeprefix("model.").removesuffix(".lora_a")
-        for k in saved
+        for k in checkpoint_shapes(source)
         if k.startswith("model.") and k.endswith(".lora_a")
-    }
-    out = {}
-    for entry in plain_entries(saved, weights, args, arch):
-        base = entry.key.removeprefix("model.").removesuffix(".weight")
-        if base in adapted:
-            out[base] = hf_module(entry, base)
-    missing = sorted(adapted - set(out))
+    )
+    paths = module_paths(args, arch)
+    missing = [base for base in adapted if base not in paths]
     if missing:
-        raise ExportError(f"checkpoint {source}: no Hugging Face module holds the adapted {missing[0]} whole")
+        raise ExportError(
+            f"checkpoint {source}: {arch.hf_class} stores {missing[0]} transformed (or in parts); peft has no "
+            "module for its adapter: export the merged model (without --adapter)"
+        )
+    return {base: paths[base] for base in adapted}
+
+
+def module_paths(args, arch) -> dict[str, str]:
+    """fivecut weight (its name less ".weight") -> the Hugging Face module path, for each weight the
+    class `arch` stores whole and as it is (an adapter's A and B are that module's; a weight cut
+    into parts, transposed or with rows permuted has no module peft could adapt)."""
+    out = {}
+    if isinstance(arch, moe.Architecture):
+        shapes = expected_shapes(args)
+        for name, stored in arch.tensors(args, set(), arch.config(args)).items():
+            parts = stored.parts(shapes[name])
+            if len(parts) == 1 and parts[0].transform is moe._whole and not any(parts[0].offsets):
+                out[name.removesuffix(".weight")] = parts[0].hf_name.removesuffix(".weight")
+        return out
+    for m in arch.tensors(args):
+        if not (m.stacked or m.transposed):
+            out[m.ours.removesuffix(".weight")] = m.theirs[0].removesuffix(".weight")
     return out
-
-
-def hf_module(entry: Entry, base: str) -> str:
-    """The module path of the Hugging Face tensor that `entry` writes whole (an adapter's A and B
-    are that module's; a weight cut into parts, or whose rows a class permutes, has none)."""
-    if isinstance(entry.map, moe.Part):
-        full = all(o == 0 for o in entry.map.offsets) and entry.map.transform is moe._whole
-        if not full:
-            raise ExportError(f"{base}: its Hugging Face class stores it transformed; peft cannot hold its adapter")
-        return entry.map.hf_name.removesuffix(".weight")
-    if entry.map.stacked or entry.map.transposed:
-        raise ExportError(f"{base}: its Hugging Face class stores it transformed; peft cannot hold its adapter")
-    return entry.map.theirs[0].removesuffix(".weight")
 
 
 def adapter_tensors(source: Path, modules: dict[str, str]) -> dict:
@@ -140,3 +146,136 @@ def write_adapter(folder: Path, tensors: dict, config: dict) -> list[str]:
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     write_json(folder / CONFIG_FILE, config)
     return [CONFIG_FILE, ADAPTER_FILE]
+
+
+# ---------------------------------------------------------------- in: lora.adapter
+
+# peft LoraConfig keys fivecut reads, and those it accepts only at the value that means plain LoRA
+# (anything else changes the math: refused by name)
+PLAIN_LORA = {
+    "bias": "none",
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "lora_bias": False,
+}
+
+
+class PeftSource:
+    """A peft LoRA folder as the source of a run's adapters (`WeightSource`'s methods, by fivecut
+    name: `layers.3.attention.wq.lora_a`), for the model `args` of class `arch`."""
+
+    def __init__(self, folder: Path, args, arch):
+        from safetensors import safe_open
+
+        self.path, self.args, self.folder = folder, args, folder
+        self.config = read_json(folder / CONFIG_FILE)
+        paths = {module: base for base, module in module_paths(args, arch).items()}
+        self.names: dict[str, str] = {}  # fivecut name -> peft's tensor name
+        with safe_open(str(folder / ADAPTER_FILE), "pt") as f:
+            self.stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        for key in self.stored:
+            module, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if module not in paths or kind not in ("A.weight", "B.weight"):
+                raise WeightsError(f"{folder / ADAPTER_FILE}: {key} adapts no weight of this {arch.hf_class}")
+            self.names[f"{paths[module]}.lora_{kind[0].lower()}"] = key
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: self.stored[key] for name, key in self.names.items()}
+
+    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def read(self, name: str, box) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.folder / ADAPTER_FILE), "pt") as f:
+            return f.get_tensor(self.names[name])[box].float()
+
+    def fill(self, requests) -> None:
+        for name, box, view in requests:
+            view.copy_(self.read(name, box))
+
+    def tokenizer(self):
+        return None
+
+
+def adapter_problems(folder: Path, rank: int, alpha: float, adapted: dict, args, arch) -> list[str]:
+    """What makes the peft folder `folder` unusable as this run's adapters: a missing file, a peft
+    method other than plain LoRA, another rank or alpha, another architecture, modules other than
+    the `adapted` linear layers (fivecut path -> layer), tensors of other shapes."""
+    files = [folder / CONFIG_FILE, folder / ADAPTER_FILE]
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        return [
+            f"lora.adapter: {missing[0]} does not exist (a peft LoRA folder holds {CONFIG_FILE} and {ADAPTER_FILE})"
+        ]
+    config = read_json(folder / CONFIG_FILE)
+    where = f"{folder / CONFIG_FILE}"
+    if config.get("peft_type") != "LORA":
+        return [f"{where}: peft_type {config.get('peft_type')!r}; fivecut reads LORA adapters only"]
+    odd = [k for k, plain in PLAIN_LORA.items() if config.get(k, plain) not in (plain, None, {}, [])]
+    if odd:
+        return [f"{where}: {odd[0]}={config[odd[0]]!r} is not plain LoRA, which is all fivecut implements"]
+    if config.get("r") != rank or float(config.get("lora_alpha", 0)) != alpha:
+        return [
+            f"{where}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; this run has lora.rank={rank}, "
+            f"lora.alpha={alpha}: set them to the adapter's"
+        ]
+    try:
+        source = PeftSource(folder, args, arch)
+    except WeightsError as err:
+        return [f"lora.adapter: {err} (an adapter for another model or architecture?)"]
+    held = {name.rsplit(".", 1)[0] for name in source.shapes()}
+    if held != set(adapted):
+        other = sorted(held ^ set(adapted))[0]
+        return [
+            f"{where}: its target modules and lora.targets differ at {other}; set lora.targets to what the "
+            f"adapter adapts"
+        ]
+    for path, layer in adapted.items():
+        want = {f"{path}.lora_a": (rank, layer.in_features), f"{path}.lora_b": (layer.out_features, rank)}
+        for name, shape in want.items():
+            if source.shapes()[name] != shape:
+                key = source.names[name]
+                return [f"{folder / ADAPTER_FILE}: {key} is {list(source.shapes()[name])}, this model's is "
+                        f"{list(shape)} (an adapter for another model?)"]  # fmt: skip
+    return []
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{path} cannot be read as JSON ({err})") from None
+
+
+def run_class(init_from: str | None, args):
+    """The Hugging Face class whose module names a run's adapters take: its hf: folder's, else the
+    first that holds the model's shape."""
+    if init_from is not None and init_from.startswith("hf:"):
+        source = source_of(init_from)
+        if source.architecture is not None:
+            return source.architecture
+    return for_args(args)
+
+
+def lora_adapter_problems(lora, init_from: str | None, args) -> list[str]:
+    """`adapter_problems` of a run's lora.adapter (its targets' weights, its class)."""
+    arch = run_class(init_from, args)
+    if arch is None:
+        return ["lora.adapter: no Hugging Face class holds this model, so peft's module names mean nothing here"]
+    adapted = target_linears(build_model(args, device="meta"), lora.targets)
+    return adapter_problems(resolve_path(lora.adapter), lora.rank, lora.alpha, adapted, args, arch)
+
+
+def with_adapter(lora, init_from: str | None, args, published, seed: int):
+    """The run's initial weights with its adapters from the peft folder lora.adapter (checked
+    before by `lora_adapter_problems`), over `published` (None: the seed's model)."""
+    base = published if published is not None else SeedWeights(args, seed)
+    return LayeredSource(PeftSource(resolve_path(lora.adapter), args, run_class(init_from, args)), base)
