@@ -65,7 +65,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         w = compute_weight(weight.detach(), hidden.device.type).requires_grad_()
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [T]
         grad_hidden = torch.empty_like(hidden)  # [T, h]
-        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)  # [V/t, h]
+        grad_weight = None  # a frozen head ([lora]) has no d/dW to make
+        if weight.requires_grad:
+            grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)  # [V/t, h]
         for i, (start, end) in enumerate(chunk_bounds(hidden.shape[0], chunk)):
             accumulate_chunk(
                 hidden[start:end],
@@ -86,14 +88,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         # d/dW scaled in place: this graph runs backward once, and a fresh [V/t, h] would cost its
         # page faults again (the CPU maps a tensor that large afresh each time)
-        return grad_hidden * grad, grad_weight.mul_(grad).to(ctx.weight_dtype), None, None, None
+        dw = grad_weight.mul_(grad).to(ctx.weight_dtype) if grad_weight is not None else None
+        return grad_hidden * grad, dw, None, None, None
 
 
 def accumulate_chunk(
     hidden, w, targets, token_losses: TokenLosses, losses, grad_hidden, grad_weight, first: bool
 ) -> None:
     """One chunk of C tokens: its token losses into `losses` [C], d/dhidden into `grad_hidden` [C, h],
-    d/dW written (`first`) or added to `grad_weight` [V/t, h] (fp32). Its logits [C, V/t] and
+    d/dW written (`first`) or added to `grad_weight` [V/t, h] (fp32; None: a frozen head). Its logits [C, V/t] and
     gradients die on return, before the next chunk makes its own. Autograd gives d/dhidden and,
     on the way, d/dlogits; dW is autograd's own product for a linear layer ((x^T dlogits)^T),
     written straight into `grad_weight` in fp32: no [V/t, h] zeros, no temporary."""
@@ -109,7 +112,10 @@ def accumulate_chunk(
         (grad_x,) = torch.autograd.grad(chunk_losses.sum(), x)
     losses.copy_(chunk_losses.detach())
     grad_hidden.copy_(grad_x)  # back in the hidden state's dtype
-    grad_logits, into = seen.pop(), grad_weight.t()  # into: [h, V/t], where x^T dlogits lands
+    grad_logits = seen.pop()
+    if grad_weight is None:
+        return
+    into = grad_weight.t()  # [h, V/t], where x^T dlogits lands
     if grad_logits.dtype != torch.float32:  # bf16 products, summed in fp32
         into.copy_(x.detach().t() @ grad_logits) if first else into.add_(x.detach().t() @ grad_logits)
     elif first:
