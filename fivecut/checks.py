@@ -82,6 +82,19 @@ def validate(cfg: Config, world_size: int | None = None) -> ModelArgs:
     return args
 
 
+def quantize_problems(quantize: str | None) -> list[str]:
+    """lora.quantize: "nf4" (QLoRA) with torchao importable, or unset."""
+    if quantize is None:
+        return []
+    if quantize != "nf4":
+        return [f'lora.quantize={quantize!r}; use "nf4" (QLoRA) or leave it unset']
+    try:
+        import torchao  # noqa: F401  (QLoRA's NF4Tensor)
+    except ImportError:
+        return ["lora.quantize='nf4' needs torchao: pip install --no-deps torchao==0.18.0 (--no-deps keeps torch)"]
+    return []
+
+
 # the cuts adapters are carried through so far; the others are refused by name, never run another way
 LORA_CUTS = {"tp": "tensor parallelism", "pp": "a pipeline", "ep": "expert parallelism"}
 
@@ -96,7 +109,8 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         if problem is not None:
             return [problem]
     if lo.rank is None:
-        return ["lora.adapter is set but lora.rank is not; set lora.rank to the adapter's r"] if lo.adapter else []
+        given = [k for k in ("adapter", "quantize") if getattr(lo, k) is not None]
+        return [f"lora.{given[0]} is set but lora.rank is not; set lora.rank"] if given else []
     problems = not_finite("lora", lo, ("alpha", "dropout"))
     if lo.rank < 1:
         problems.append(f"lora.rank={lo.rank} must be >= 1 (unset it to train every weight)")
@@ -109,6 +123,7 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         for cut, what in LORA_CUTS.items()
         if getattr(dims, cut) > 1
     ]
+    problems += quantize_problems(lo.quantize)
     if dims.zero == 3:
         problems.append(
             "lora is not carried through ZeRO-3 yet (its frozen weights are whole on every rank): use zero <= 2"
@@ -117,7 +132,7 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         return problems
     from fivecut.model.lora import target_problems  # builds the model on the meta device: torch
 
-    problems = target_problems(lo.rank, lo.targets, lo.full, args)
+    problems = target_problems(lo.rank, lo.targets, lo.full, args, lo.quantize)
     if lo.adapter is None or problems:
         return problems
     from fivecut.weights.peft import lora_adapter_problems  # opens the folder with torch

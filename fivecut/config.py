@@ -201,6 +201,7 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])  # groups, or weight names (wq, w2...)
     full: list[str] = field(default_factory=list)  # trained whole beside them: "embeddings", "head", "norms"
     adapter: str | None = None  # a peft LoRA folder whose adapters the run starts from (continues)
+    quantize: str | None = None  # "nf4": QLoRA, the adapted layers' frozen weights in 4 bits (torchao)
 
 
 @dataclass

@@ -275,3 +275,28 @@ def test_an_adapter_fivecut_cannot_use_is_refused_in_one_line(config, sets, said
     assert main(["train", *[x for s in run for x in ("--set", s)]]) == 2
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------- QLoRA: the frozen base in NF4
+
+
+@pytest.mark.multirank
+def test_qlora_trains_the_same_on_two_ranks_as_on_one(capsys):
+    """The adapted layers' frozen weights in NF4 (torchao), the adapters fp32: dp=2 gives one
+    process's losses and gradient norms (fp32 compute over the dequantized weights)."""
+    sets = ["--set", "lora.rank=4", "--set", 'lora.quantize="nf4"', "--set", 'train.dtype="fp32"']
+    assert main(["verify", "--layout", "dp=2,zero=1", "--steps", "3", *sets]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.multirank
+def test_qlora_holds_its_base_in_about_a_quarter_of_bf16(capsys):
+    """The ledger's measured model states equal the plan's with the NF4 weights counted exactly
+    (`nf4_bytes`), and those weights take at most 0.3 of their bf16 bytes."""
+    from fivecut.model.lora import nf4_bytes
+
+    sets = ["--set", "lora.rank=4", "--set", 'lora.quantize="nf4"']
+    assert main(["ledger", "--layout", "dp=2", "--steps", "1", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "memory_ratio=1.000" in out, out
+    assert nf4_bytes(576 * 1536) <= 0.3 * 2 * 576 * 1536  # SmolLM2's MLP weight

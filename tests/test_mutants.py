@@ -127,7 +127,7 @@ REFUSED_KEYS = {
         "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype"
     ).split()),
     "moe.capacity_factor", "moe.aux_loss_coef", "moe.bias_update_rate",
-    *(f"lora.{k}" for k in "rank alpha dropout targets full".split()),
+    *(f"lora.{k}" for k in "rank alpha dropout targets full quantize".split()),
 }  # fmt: skip
 
 

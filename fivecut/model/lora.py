@@ -53,9 +53,53 @@ class LoRALinear(nn.Linear):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [..., out]
+        y = frozen_linear(x, self.weight, self.bias)  # [..., out]
         low = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)  # [..., r] -> [..., out]
         return y + low * self.scale
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for a frozen W, stored as it is or in NF4 (QLoRA: torchao dequantizes it to x's
+    dtype for the product, in forward and for dx in backward)."""
+    if type(weight).__name__ != "NF4Tensor":
+        return F.linear(x, weight, bias)
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    y = linear_nf4(x, weight)
+    return y if bias is None else y + bias
+
+
+# ---------------------------------------------------------------- QLoRA: the frozen base in NF4
+
+NF4_BLOCK = 64  # elements sharing one scale (QLoRA's block size)
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """Scales quantized together (QLoRA's 256, or the largest power of two under it that divides
+    the weight's blocks, for small weights)."""
+    blocks = numel // NF4_BLOCK
+    return next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % b == 0)
+
+
+def nf4_bytes(numel: int, itemsize: int = 2) -> int:
+    """Bytes of an NF4 weight of `numel` elements quantized from `itemsize`-byte values: 4 bits an
+    element, an int8 scale a block of 64, a scale factor a block of scales, the mean of the scales
+    and the 16-value NF4 table in the source dtype."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + itemsize * (blocks // nf4_scaler_block(numel)) + itemsize + 16 * itemsize
+
+
+def quantize_frozen(block: nn.Module) -> None:
+    """QLoRA: every adapted linear layer of `block` gets its frozen weight as torchao's NF4Tensor
+    (4-bit NormalFloat, blocks of 64; quantized from bf16)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    for module in block.modules():
+        if isinstance(module, LoRALinear) and type(module.weight).__name__ != "NF4Tensor":
+            w = module.weight.detach().to(torch.bfloat16)
+            nf4 = to_nf4(w, NF4_BLOCK, nf4_scaler_block(w.numel()))
+            nf4.quantization_factor = nf4.quantization_factor.clone()  # with one factor, a view holding them all
+            module.weight = nn.Parameter(nf4, requires_grad=False)
 
 
 def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
@@ -98,9 +142,10 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     return adapters
 
 
-def target_problems(rank: int, targets: list[str], full: list[str], args) -> list[str]:
+def target_problems(rank: int, targets: list[str], full: list[str], args, quantize: str | None = None) -> list[str]:
     """What in `[lora]` does not fit the model `args`: a target naming no weight of it, a rank
-    larger than a target weight's smaller side, an unknown `full` group."""
+    larger than a target weight's smaller side, an unknown `full` group; under QLoRA a weight
+    whose size is not a multiple of NF4's block."""
     names = {n for _, (_, ns) in TARGET_GROUPS.items() for n in ns}
     problems = [
         f"lora.targets has {t!r}, neither a group ({', '.join(TARGET_GROUPS)}) nor a weight name "
@@ -118,6 +163,12 @@ def target_problems(rank: int, targets: list[str], full: list[str], args) -> lis
         if not target_linears(model, [t])
     ]
     chosen = target_linears(model, targets)
+    odd = [p for p, m in chosen.items() if m.weight.numel() % NF4_BLOCK]
+    if quantize == "nf4" and odd:
+        problems.append(
+            f"lora.quantize='nf4' quantizes in blocks of {NF4_BLOCK}, and {odd[0]} has {chosen[odd[0]].weight.numel()} "
+            "elements; leave lora.quantize unset for this model"
+        )
     small = {p: m for p, m in chosen.items() if rank > min(m.in_features, m.out_features)}
     if small:
         path, m = next(iter(small.items()))

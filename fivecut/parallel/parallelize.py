@@ -47,7 +47,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
-from fivecut.model.lora import AdapterWeights, add_adapters
+from fivecut.model.lora import AdapterWeights, add_adapters, quantize_frozen
 from fivecut.model.transformer import Attention, LatentAttention, SeedWeights, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
@@ -243,7 +243,10 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     placements = initial_records(stages, schedule)
     saved, runtimes, compiled = SavedActivations(), {}, start_record() if o.compile else None
     recompute_options = (o.recompute, o.recompute_every)
-    fill = functools.partial(materialize, placements=placements, weights=weights, device=o.device, runtimes=runtimes)
+    quantize = quantize_frozen if o.lora is not None and o.lora.quantize == "nf4" else None  # QLoRA
+    fill = functools.partial(
+        materialize, placements=placements, weights=weights, device=o.device, runtimes=runtimes, quantize=quantize
+    )
     for stage in stages.values():
         saved.track_layers(stage.layers)
         steps = stage_steps(mesh, saved, o.moe, o.global_batch, runtimes, recompute_options, compiled, fill)
@@ -364,36 +367,55 @@ def stage_steps(
 
 
 @torch.no_grad()
-def materialize(stage: nn.Module, placements: dict[str, Placement], weights, device, runtimes: dict) -> StepResult:
+def materialize(
+    stage: nn.Module, placements: dict[str, Placement], weights, device, runtimes: dict, quantize=None
+) -> StepResult:
     """4. A stage still on the meta device gets storage on `device` for what the cuts left it --
     a new Parameter in each module's place (one for each meta one: a tied head stays its
     embedding; the cuts before hold modules, not Parameters) -- then its values, box by box, from `weights`
     (`fivecut.weights.source.WeightSource.fill`; padding rows stay zero); the buffers are recomputed.
+    One block at a time, then the rest: `quantize` (QLoRA, `fivecut.model.lora.quantize_frozen`)
+    turns each block's frozen weights to 4 bits before the next block exists in full precision.
     With `device` meta (the planner's records of a layout) the stage stays shapes only."""
     if torch.device(device).type == "meta" or not any(p.is_meta for p in stage.parameters()):
         return {}
-    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id of a meta Parameter -> (it, its replacement)
+    made: dict[int, nn.Parameter] = {}  # id of a meta Parameter -> its replacement (a tied one shares it)
+    tied = stage.args.tie_embeddings
+    for prefix, modules in fill_groups(stage):
+        paths = {}
+        for mname, module in modules:
+            for pname, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:  # from the shape alone: a meta tensor given to an op under a fake tensor mode is memoized
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                        paths[f"{mname}.{pname}" if mname else pname] = made[id(p)]
+                    setattr(module, pname, made[id(p)])
+        requests = [
+            (name, chunk_box(chunk), chunk.view)
+            for path, p in paths.items()
+            for name in [logical_name(path, tied)]
+            for chunk in global_chunks(placements[name], p.detach().view(-1), 0)
+        ]
+        weights.fill(requests)
+        if quantize is not None and prefix:
+            quantize(stage.get_submodule(prefix))
     for module in stage.modules():
-        for pname, p in list(module.named_parameters(recurse=False)):
-            if p.is_meta:  # from the shape alone: a meta tensor given to an op under a fake tensor mode is memoized
-                if id(p) not in made:  # a tied one gets the same replacement
-                    made[id(p)] = p, nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-                setattr(module, pname, made[id(p)][1])
         for bname, b in module.named_buffers(recurse=False):
             if b.is_meta:
                 setattr(module, bname, torch.zeros(b.shape, dtype=b.dtype, device=device))
     stage.init_buffers()
     for runtime in runtimes.values():
         runtime.on_device()
-    tied = stage.args.tie_embeddings
-    requests = [
-        (name, chunk_box(chunk), chunk.view)
-        for path, p in stage.named_parameters()
-        for name in [logical_name(path, tied)]
-        for chunk in global_chunks(placements[name], p.detach().view(-1), 0)
-    ]
-    weights.fill(requests)
     return {}
+
+
+def fill_groups(stage: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """The stage's modules (by path) in the groups `materialize` fills: each block, then the rest."""
+    blocks = [f"layers.{k}" for k in stage.layers] if getattr(stage, "layers", None) is not None else []
+    inside = tuple(f"{b}." for b in blocks)
+    groups = [(b, list(stage.get_submodule(b).named_modules(prefix=b))) for b in blocks]
+    rest = [(n, m) for n, m in stage.named_modules() if n not in blocks and not n.startswith(inside)]
+    return [*groups, ("", rest)]
 
 
 def chunk_box(chunk) -> tuple[slice, ...]:

@@ -124,7 +124,9 @@ class SavedActivations:
 
     def _stand_in(self, t: torch.Tensor):
         """A `SavedView` when `t` is a view of a gathered tensor whose local slice we keep instead."""
-        entry = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if t.device.type == "meta" or _is_parameter(t):  # a weight (QLoRA's NF4 ones have no plain storage)
+            return t
+        entry = self._gathered.get(t.untyped_storage().data_ptr())
         if entry is None or entry[0].dtype != t.dtype:
             return t
         return SavedView(entry[1], tuple(t.size()), tuple(t.stride()), t.storage_offset())

@@ -15,6 +15,7 @@ import torch
 
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
+from fivecut.model.lora import nf4_bytes
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
@@ -819,7 +820,14 @@ def frozen_bytes(args, cfg, pp_rank: int = 0) -> int:
     (the matmuls' in bf16 under train.dtype = "bf16": they are read, never updated)."""
     if cfg.lora.rank is None:
         return 0
-    return sum(pl.itemsize * pl.local_numel() for pl in local_placements(args, cfg, pp_rank).values() if pl.frozen)
+    records = local_placements(args, cfg, pp_rank)
+    nf4 = cfg.lora.quantize == "nf4"  # QLoRA: the adapted layers' weights in 4 bits
+    return sum(
+        nf4_bytes(pl.local_numel()) if nf4 and f"{name.removesuffix('.weight')}.lora_a" in records else
+        pl.itemsize * pl.local_numel()
+        for name, pl in records.items()
+        if pl.frozen
+    )  # fmt: skip
 
 
 def block_kinds(args) -> tuple[list[bool], int]:

@@ -18,6 +18,10 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        if hasattr(t, "__tensor_flatten__"):  # a wrapper subclass (QLoRA's NF4 weights): its inner tensors
+            names, _ = t.__tensor_flatten__()
+            total += _storage_bytes([getattr(t, n) for n in names], seen)
+            continue
         storage = t.untyped_storage()
         if storage.data_ptr() in seen or storage.nbytes() == 0:
             continue

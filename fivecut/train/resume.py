@@ -58,7 +58,7 @@ REFUSED_ON_RESUME = {
     "train": "global_batch seq_len seed lr min_lr warmup weight_decay beta1 beta2 eps grad_clip dtype reduce_dtype",
     "moe": "capacity_factor aux_loss_coef bias_update_rate",  # which tokens reach which expert; the loss
     # which weights train, and how: the checkpoint's trained tensors are those of its [lora]
-    "lora": "rank alpha dropout targets full",
+    "lora": "rank alpha dropout targets full quantize",
 }
 RESUME_RULES: dict[str, str] = {
     f"{section}.{name}": rule
