@@ -114,10 +114,12 @@ def hf_run(folder: Path, opts: dict) -> dict:
     return json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
 
 
-def model_states(rank: int | None, dtype: str) -> int:
-    """`fivecut ledger`'s measured model states (params + grads + optimizer) of `small` (124M)."""
+def model_states(model: str, rank: int | None, dtype: str, quantize: bool = False) -> int:
+    """`fivecut ledger`'s measured model states (params + grads + optimizer) of `model`."""
     sets = ["--set", f'train.dtype="{dtype}"'] + (["--set", f"lora.rank={rank}"] if rank else [])
-    argv = [sys.executable, "-m", "fivecut", "ledger", "--model", "small", "--layout", "dp=1", "--steps", "1", *sets]
+    sets += ["--set", 'lora.quantize="nf4"'] if quantize else []
+    argv = [sys.executable, "-m", "fivecut", "ledger", "--model", model, "--layout", "dp=1", "--steps", "1", *sets]
+    argv += ["--set", "train.seq_len=64", "--set", "train.global_batch=1"]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("total "))
     return int(line.split()[-2].replace(",", ""))
@@ -131,36 +133,50 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--states-only", action="store_true", help="only the model-state table (fivecut ledger)")
     opts = vars(parser.parse_args())
     print(f"benchmarks/lora.py {' '.join(sys.argv[1:])}\nmachine: {machine()}, load {load_average()} before")
-    runs: dict[str, list[dict]] = {"fivecut": [], "hf-peft": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         make_model(folder)
-        for r in range(opts["repeats"]):
-            order = ["fivecut", "hf-peft"] if r % 2 == 0 else ["hf-peft", "fivecut"]
-            for side in order:
-                got = fivecut_run(folder, opts, Path(tmp) / f"run{r}") if side == "fivecut" else hf_run(folder, opts)
-                runs[side].append(got)
-                print(f"  repeat {r + 1} {side}: median step {statistics.median(got['times']):.3f} s, "
-                      f"peak {got['peak'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
+        if not opts.pop("states_only"):
+            side_by_side(folder, opts, Path(tmp))
+        states(folder, opts["rank"])
+    print(f"load {load_average()} after")
+
+
+def side_by_side(folder: Path, opts: dict, tmp: Path) -> None:
+    """fivecut and transformers + peft, alternating, each run in its own process."""
+    runs: dict[str, list[dict]] = {"fivecut": [], "hf-peft": []}
+    for r in range(opts["repeats"]):
+        order = ["fivecut", "hf-peft"] if r % 2 == 0 else ["hf-peft", "fivecut"]
+        for side in order:
+            got = fivecut_run(folder, opts, tmp / f"run{r}") if side == "fivecut" else hf_run(folder, opts)
+            runs[side].append(got)
+            print(f"  repeat {r + 1} {side}: median step {statistics.median(got['times']):.3f} s, "
+                  f"peak {got['peak'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
     tokens = opts["batch"] * opts["seq"]
     step = {s: statistics.median(t for run in rs for t in run["times"]) for s, rs in runs.items()}
     peak = {s: max(run["peak"] for run in rs) for s, rs in runs.items()}
-    print(
-        f"\nSmolLM2-135M's shape, rank {opts['rank']} on the 7 projections, "
-        f"{opts['batch']} x {opts['seq']} tokens, fp32"
-    )
+    print(f"\nSmolLM2-135M's shape, rank {opts['rank']} on the 7 projections, {opts['batch']} x {opts['seq']} "
+          "tokens, fp32")  # fmt: skip
     print("| side | median step | tokens/s | peak RSS |\n|---|---:|---:|---:|")
     for s in runs:
         print(f"| {s} | {step[s]:.3f} s | {tokens / step[s]:,.0f} | {peak[s] / 2**20:,.0f} MiB |")
     print(f"\nstep time fivecut / hf-peft: {step['fivecut'] / step['hf-peft']:.3f}x; "
           f"peak fivecut / hf-peft: {peak['fivecut'] / peak['hf-peft']:.3f}x")  # fmt: skip
-    for dtype in ("fp32", "bf16"):
-        full, lora = model_states(None, dtype), model_states(opts["rank"], dtype)
-        print(f"model states of `small` (fivecut ledger, train.dtype {dtype}): full fine-tuning {full:,} B, "
-              f"LoRA rank {opts['rank']} {lora:,} B: {lora / full:.3f}x")  # fmt: skip
-    print(f"load {load_average()} after")
+
+
+def states(folder: Path, rank: int) -> None:
+    """Model states of full fine-tuning, LoRA and QLoRA, measured by `fivecut ledger`."""
+    print("\n| model | train.dtype | full fine-tuning | LoRA | LoRA / full | QLoRA | QLoRA / full |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, model in (("small (17.6M)", "small"), ("SmolLM2-135M's shape", f"hf:{folder}")):
+        for dtype in ("fp32", "bf16"):
+            full, lora = model_states(model, None, dtype), model_states(model, rank, dtype)
+            qlora = model_states(model, rank, dtype, quantize=True)
+            print(f"| {name} | {dtype} | {full:,} B | {lora:,} B | {lora / full:.3f} | {qlora:,} B | "
+                  f"{qlora / full:.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
