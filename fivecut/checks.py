@@ -96,7 +96,7 @@ def quantize_problems(quantize: str | None) -> list[str]:
 
 
 # the cuts adapters are carried through so far; the others are refused by name, never run another way
-LORA_CUTS = {"tp": "tensor parallelism", "pp": "a pipeline", "ep": "expert parallelism"}
+LORA_CUTS = {"ep": "expert parallelism", "etp": "expert tensor parallelism"}
 
 
 def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
@@ -119,11 +119,16 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
     if not 0 <= lo.dropout < 1:
         problems.append(f"lora.dropout={lo.dropout} must be in [0, 1)")
     problems += [
-        f"lora (rank {lo.rank}) is not carried through {what} yet: set parallel.{cut}=1, or lora.rank=0"
+        f"lora (rank {lo.rank}) is not carried through {what} yet: set parallel.{cut}=1, or unset lora.rank"
         for cut, what in LORA_CUTS.items()
         if getattr(dims, cut) > 1
     ]
     problems += quantize_problems(lo.quantize)
+    if lo.quantize is not None and dims.tp > 1:  # NF4's blocks and its scales' mean span the whole weight
+        problems.append(
+            f"lora.quantize={lo.quantize!r} is not carried through tensor parallelism yet (a shard's NF4 is not the "
+            "weight's); set parallel.tp=1, or leave lora.quantize unset"
+        )
     if dims.zero == 3:
         problems.append(
             "lora is not carried through ZeRO-3 yet (its frozen weights are whole on every rank): use zero <= 2"
@@ -132,7 +137,7 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         return problems
     from fivecut.model.lora import target_problems  # builds the model on the meta device: torch
 
-    problems = target_problems(lo.rank, lo.targets, lo.full, args, lo.quantize)
+    problems = target_problems(lo.rank, lo.targets, lo.full, args, lo.quantize, dims.tp)
     if lo.adapter is None or problems:
         return problems
     from fivecut.weights.peft import lora_adapter_problems  # opens the folder with torch

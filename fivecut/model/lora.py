@@ -18,6 +18,7 @@ see them by name (`layers.3.attention.wq.lora_a`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +52,17 @@ class LoRALinear(nn.Linear):
         self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=dtype))  # [out, r]
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # tensor parallelism (`fivecut.parallel.tensor.cut_adapters`): the half left whole on every
+        # rank, and the op that sums its gradient over the ranks (identity forward)
+        self.grad_summed: tuple[str, Callable] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = frozen_linear(x, self.weight, self.bias)  # [..., out]
-        low = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)  # [..., r] -> [..., out]
+        a, b = self.lora_a, self.lora_b  # [r, in], [out, r] (or this rank's rows of B, columns of A)
+        if self.grad_summed is not None:
+            half, summed = self.grad_summed
+            a, b = (summed(a), b) if half == "lora_a" else (a, summed(b))
+        low = F.linear(F.linear(self.dropout(x), a), b)  # [..., r] -> [..., out]
         return y + low * self.scale
 
 
@@ -142,10 +150,13 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     return adapters
 
 
-def target_problems(rank: int, targets: list[str], full: list[str], args, quantize: str | None = None) -> list[str]:
+def target_problems(
+    rank: int, targets: list[str], full: list[str], args, quantize: str | None = None, tp: int = 1
+) -> list[str]:
     """What in `[lora]` does not fit the model `args`: a target naming no weight of it, a rank
     larger than a target weight's smaller side, an unknown `full` group; under QLoRA a weight
-    whose size is not a multiple of NF4's block."""
+    whose size is not a multiple of NF4's block; under tensor parallelism (`tp`) a target the cut
+    leaves whole on every rank (`replicated_under_tp`)."""
     names = {n for _, (_, ns) in TARGET_GROUPS.items() for n in ns}
     problems = [
         f"lora.targets has {t!r}, neither a group ({', '.join(TARGET_GROUPS)}) nor a weight name "
@@ -169,6 +180,12 @@ def target_problems(rank: int, targets: list[str], full: list[str], args, quanti
             f"lora.quantize='nf4' quantizes in blocks of {NF4_BLOCK}, and {odd[0]} has {chosen[odd[0]].weight.numel()} "
             "elements; leave lora.quantize unset for this model"
         )
+    whole = replicated_under_tp(list(chosen), args, tp)
+    if whole:
+        problems.append(
+            f"lora on {whole[0]} is not carried through tensor parallelism yet (tp={tp} leaves it whole on every "
+            "rank); drop it from lora.targets, or set parallel.tp=1"
+        )
     small = {p: m for p, m in chosen.items() if rank > min(m.in_features, m.out_features)}
     if small:
         path, m = next(iter(small.items()))
@@ -178,6 +195,16 @@ def target_problems(rank: int, targets: list[str], full: list[str], args, quanti
             f"({len(small)} target weights alike); use lora.rank <= {most}"
         )
     return problems
+
+
+def replicated_under_tp(paths: list[str], args, tp: int) -> list[str]:
+    """Of the adapted linears `paths`, those tensor parallelism keeps whole on every rank: k and v
+    with fewer kv heads than ranks, MLA's down projections, a MoE layer's shared experts."""
+    if tp == 1:
+        return []
+    whole = ("attention.wq_a", "attention.wkv_a", "feed_forward.shared.")
+    whole += ("attention.wk", "attention.wv") if args.n_kv_heads % tp else ()
+    return [p for p in paths if any(f".{w}" in f"{p}." or p.endswith(w) for w in whole)]
 
 
 def is_adapter(name: str) -> bool:

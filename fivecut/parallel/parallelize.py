@@ -324,7 +324,10 @@ def split_backward(schedule: Schedule | None, stages: dict[int, nn.Module]) -> W
     if schedule is None or not schedule.split_backward:
         return None
     grads = WeightGrads()
-    require("pipeline", [s for s in sorted(stages) if defer_weight_grads(stages[s], grads)], sorted(stages))
+    for stage in stages.values():
+        defer_weight_grads(stage, grads)
+    plain = [s for s in sorted(stages) if not any(type(m) is nn.Linear for m in stages[s].modules())]
+    require("pipeline", plain, sorted(stages))  # every linear defers its dW, or is adapted ([lora]: frozen)
     return grads
 
 
@@ -454,10 +457,23 @@ def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> St
     suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ()) + TP_CUT_MLA
     expected = [path for path, _ in stage.named_parameters() if path.endswith(suffixes) and ".experts." not in path]
     expected += [path for path, _ in stage.named_parameters() if ".experts." in path and dims.etp > 1]
+    expected += adapter_cuts(stage, expected)
     if stage.output is not None and not (args.tie_embeddings and stage.tok_embeddings is not None):
         expected.append("output.weight")
     require("tensor", sorted(p for p, c in changes.items() if c.slice is not None), sorted(expected))
     return changes
+
+
+def adapter_cuts(stage: nn.Module, cut: list[str]) -> list[str]:
+    """[lora]: the adapter tensor each cut weight's cut takes (`tensor.cut_adapters`): a
+    row-parallel weight's A, a column-parallel one's B."""
+    params = dict(stage.named_parameters())
+    rows = ("attention.wo.weight", "feed_forward.w2.weight")
+    return [
+        f"{path.removesuffix('.weight')}.lora_{'a' if path.endswith(rows) else 'b'}"
+        for path in cut
+        if path.endswith(".weight") and f"{path.removesuffix('.weight')}.lora_a" in params
+    ]
 
 
 def context_parallel(stage: nn.Module, mesh: Mesh) -> StepResult:

@@ -37,6 +37,7 @@ parameters' placement records and checks every local shape against them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ from torch import nn
 
 from fivecut import comm
 from fivecut.comm import Group
+from fivecut.model.lora import LoRALinear
 from fivecut.model.transformer import RMSNorm, rms_norm
 from fivecut.parallel.loss import LossHead
 from fivecut.parallel.pipeline.wgrad import DeferredEmbedding, deferred_lookup
@@ -61,7 +63,9 @@ def shard_param(
     if padded_size > full.shape[dim]:
         pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded_size - full.shape[dim]]
         full = F.pad(full, pad)
-    param = nn.Parameter(comm.my_slice(full.detach(), dim, group).clone())  # its own storage: the full weight is freed
+    param = nn.Parameter(  # its own storage: the full weight is freed; a frozen one ([lora]) stays frozen
+        comm.my_slice(full.detach(), dim, group).clone(), requires_grad=full.requires_grad
+    )
     length = param.shape[dim]
     return param, Slice("tp", dim, group.rank * length, length, padded_size)
 
@@ -133,6 +137,34 @@ def row_parallel(linear: nn.Linear, group: Group) -> Change:
     linear.weight, where = shard_param(linear.weight, 1, group)
     linear.in_features = linear.weight.shape[1]
     return Change(slice=where)
+
+
+def cut(linear: nn.Linear, name: str, group: Group, row: bool) -> Changes:
+    """`name` cut column-parallel (rows of its weight, and of its bias) or, `row`, row-parallel
+    (columns), with its adapters when it has them (`cut_adapters`)."""
+    if row:
+        changes = {f"{name}.weight": row_parallel(linear, group)}
+    else:
+        changes = column_changes(linear, name, column_parallel(linear, group))
+    return changes | cut_adapters(linear, name, changes[f"{name}.weight"].slice, group, row)
+
+
+def cut_adapters(linear: nn.Linear, name: str, where: Slice, group: Group, row: bool) -> Changes:
+    """[lora]: a column-parallel weight's B [out, r] is cut by rows like its output, A [r, in] stays
+    whole; a row-parallel weight's A is cut by columns like its input, B stays whole. The whole
+    half gets a partial gradient on each rank (the rows of dy it sees, or the partial sum x_t A_t^T
+    its product is made of): autograd sums it over t (`LoRALinear.grad_summed`). The row-parallel
+    update adds into the partial sums the region's all-reduce (or reduce-scatter) already sums."""
+    if not isinstance(linear, LoRALinear):
+        return {}
+    summed = functools.partial(comm.copy_to, group=group)
+    if row:
+        linear.lora_a, a_where = shard_param(linear.lora_a, 1, group)  # [r, in/t]
+        linear.grad_summed = ("lora_b", summed)
+        return {f"{name}.lora_a": Change(slice=a_where), f"{name}.lora_b": Change(summed_over="tp")}
+    linear.lora_b, b_where = shard_param(linear.lora_b, 0, group, where.padded)  # [out/t, r]
+    linear.grad_summed = ("lora_a", summed)
+    return {f"{name}.lora_b": Change(slice=b_where), f"{name}.lora_a": Change(summed_over="tp")}
 
 
 class ReplicatedKV(nn.Module):
@@ -324,16 +356,16 @@ def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
     if args.is_mla:
         return parallelize_latent_attention(attention, group)
     t, hd = group.size, args.head_dim
-    changes = column_changes(attention.wq, "wq", column_parallel(attention.wq, group))
+    changes = cut(attention.wq, "wq", group, row=False)
     for name in ("wk", "wv"):
         linear = getattr(attention, name)
         if args.n_kv_heads % t == 0:
-            changes |= column_changes(linear, name, column_parallel(linear, group))
+            changes |= cut(linear, name, group, row=False)
         else:  # t is a multiple of n_kv_heads: one kv head per rank, replicated weights
             head = (group.rank * args.n_heads // t) // (args.n_heads // args.n_kv_heads)
             changes |= column_changes(linear, name, Change(summed_over="tp"))
             setattr(attention, name, ReplicatedKV(linear, head, hd, group))
-    changes["wo.weight"] = row_parallel(attention.wo, group)
+    changes |= cut(attention.wo, "wo", group, row=True)
     return changes | parallelize_head_norms(attention, group)
 
 
@@ -351,13 +383,13 @@ def parallelize_head_norms(attention: nn.Module, group: Group) -> Changes:
 
 def parallelize_latent_attention(attention: nn.Module, group: Group) -> Changes:
     """MLA: heads cut (wq_b or wq, wkv_b by rows, wo by columns), latents replicated (tp-summed)."""
-    changes = {"wkv_b.weight": column_parallel(attention.wkv_b, group), "wo.weight": row_parallel(attention.wo, group)}
+    changes = cut(attention.wkv_b, "wkv_b", group, row=False) | cut(attention.wo, "wo", group, row=True)
     replicated = ["wkv_a", "kv_norm"]
     if attention.compressed_q:
-        changes["wq_b.weight"] = column_parallel(attention.wq_b, group)
+        changes |= cut(attention.wq_b, "wq_b", group, row=False)
         replicated += ["wq_a", "q_norm"]
     else:
-        changes["wq.weight"] = column_parallel(attention.wq, group)
+        changes |= cut(attention.wq, "wq", group, row=False)
     for name in replicated:
         module = getattr(attention, name)
         wrapped = (
@@ -369,8 +401,6 @@ def parallelize_latent_attention(attention: nn.Module, group: Group) -> Changes:
 
 
 def parallelize_mlp(mlp: nn.Module, group: Group) -> Changes:
-    return {
-        "w1.weight": column_parallel(mlp.w1, group),
-        "w3.weight": column_parallel(mlp.w3, group),
-        "w2.weight": row_parallel(mlp.w2, group),
-    }
+    return (
+        cut(mlp.w1, "w1", group, row=False) | cut(mlp.w3, "w3", group, row=False) | cut(mlp.w2, "w2", group, row=True)
+    )

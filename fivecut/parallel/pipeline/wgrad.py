@@ -256,13 +256,15 @@ class DeferredEmbedding(nn.Embedding):
 
 
 def defer_weight_grads(stage: nn.Module, grads: WeightGrads) -> int:
-    """Replace every `nn.Linear` of `stage` by a `DeferredLinear` and every plain `nn.Embedding`
-    by a `DeferredEmbedding`, on `grads`; returns how many."""
+    """Replace every plain `nn.Linear` of `stage` by a `DeferredLinear` and every plain
+    `nn.Embedding` by a `DeferredEmbedding`, on `grads`; returns how many. An adapted linear
+    ([lora], `LoRALinear`) stays as it is: its weight is frozen (no dW to defer) and its adapters'
+    gradients, two small products, come in B like a norm's."""
     found = [
         (parent, name, child)
         for parent in stage.modules()
         for name, child in parent.named_children()
-        if (isinstance(child, nn.Linear) and not isinstance(child, DeferredLinear)) or type(child) is nn.Embedding
+        if (type(child) is nn.Linear) or type(child) is nn.Embedding  # not an adapted one ([lora]): see below
     ]
     for parent, name, child in found:
         deferred = DeferredLinear if isinstance(child, nn.Linear) else DeferredEmbedding
