@@ -95,10 +95,6 @@ def quantize_problems(quantize: str | None) -> list[str]:
     return []
 
 
-# the cuts adapters are carried through so far; the others are refused by name, never run another way
-LORA_CUTS = {"ep": "expert parallelism", "etp": "expert tensor parallelism"}
-
-
 def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
     """`[lora]`: its numbers, its targets against the model, and the layout it can run on."""
     lo, dims = cfg.lora, cfg.parallel
@@ -118,11 +114,6 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
         problems.append(f"lora.alpha={lo.alpha} must be > 0 (the update is scaled by alpha / rank)")
     if not 0 <= lo.dropout < 1:
         problems.append(f"lora.dropout={lo.dropout} must be in [0, 1)")
-    problems += [
-        f"lora (rank {lo.rank}) is not carried through {what} yet: set parallel.{cut}=1, or unset lora.rank"
-        for cut, what in LORA_CUTS.items()
-        if getattr(dims, cut) > 1
-    ]
     problems += quantize_problems(lo.quantize)
     if lo.quantize is not None and dims.tp > 1:  # NF4's blocks and its scales' mean span the whole weight
         problems.append(

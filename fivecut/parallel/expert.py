@@ -608,7 +608,8 @@ def shard_experts(moe: MoE, ep: Group) -> Slice:
     lo = ep.rank * n_local
     for name in EXPERT_WEIGHTS:
         full = getattr(ex, name)
-        setattr(ex, name, nn.Parameter(full.detach()[lo : lo + n_local].clone()))
+        local = full.detach()[lo : lo + n_local].clone()
+        setattr(ex, name, nn.Parameter(local, requires_grad=full.requires_grad))  # frozen ([lora]) stays frozen
     return expert_slice(n_experts, ep.size, list(range(lo, lo + n_local)))
 
 
@@ -621,7 +622,8 @@ def cut_expert_hidden(moe: MoE, etp: Group) -> dict[str, Change]:
     length = hidden // etp.size
     for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
         full = getattr(ex, name)
-        setattr(ex, name, nn.Parameter(full.detach().narrow(dim, etp.rank * length, length).clone()))
+        local = full.detach().narrow(dim, etp.rank * length, length).clone()
+        setattr(ex, name, nn.Parameter(local, requires_grad=full.requires_grad))  # frozen ([lora]) stays frozen
         out[f"experts.{name}"] = Change(slice=Slice("etp", dim, etp.rank * length, length, hidden))
     return out
 
