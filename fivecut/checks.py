@@ -120,10 +120,6 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
             f"lora.quantize={lo.quantize!r} is not carried through tensor parallelism yet (a shard's NF4 is not the "
             "weight's); set parallel.tp=1, or leave lora.quantize unset"
         )
-    if dims.zero == 3:
-        problems.append(
-            "lora is not carried through ZeRO-3 yet (its frozen weights are whole on every rank): use zero <= 2"
-        )
     if problems:
         return problems
     from fivecut.model.lora import target_problems  # builds the model on the meta device: torch

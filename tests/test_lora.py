@@ -89,6 +89,7 @@ def test_the_adapters_peft_loads_and_the_merged_model_give_fivecuts_logits(llama
         pytest.param("pp=2,pp_schedule=dualpipev,microbatches=4", marks=pytest.mark.sweep),
         pytest.param("pp=2,pp_schedule=interleaved,pp_virtual=2,microbatches=2", marks=pytest.mark.sweep),
         pytest.param("dp=2,zero=2", marks=pytest.mark.sweep),
+        pytest.param("dp=2,zero=3", marks=pytest.mark.sweep),
         pytest.param("cp=2,cp_mode=ring", marks=pytest.mark.sweep),
         pytest.param("dp=2,cp=2,cp_mode=ulysses,zero=2", marks=pytest.mark.sweep),
     ],
@@ -104,7 +105,13 @@ def test_verify_passes_with_adapters(layout, capsys):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "layout, dtype",
-    [("dp=2,zero=1", "fp32"), ("dp=2,zero=1", "bf16"), ("tp=2,sp=true", "fp32"), ("dp=2,tp=2", "bf16")],
+    [
+        ("dp=2,zero=1", "fp32"),
+        ("dp=2,zero=1", "bf16"),
+        ("tp=2,sp=true", "fp32"),
+        ("dp=2,tp=2", "bf16"),
+        ("dp=2,zero=3", "bf16"),
+    ],
 )
 def test_the_ledger_counts_the_adapters_gradients_and_the_frozen_weights(layout, dtype, capsys):
     """Only the adapters' gradients are reduced (under tp the whole half of each, in its copy's
@@ -179,7 +186,6 @@ def test_bad_lora_options_are_refused_in_one_line(sets, said, capsys):
 @pytest.mark.parametrize(
     "layout, sets, said",
     [("tp=4", (), "lora on layers.0.attention.wk is not carried through tensor parallelism yet"),
-     ("dp=2,zero=3", (), "not carried through ZeRO-3 yet"),
      ("tp=2", ("lora.quantize=\"nf4\"",), "lora.quantize='nf4' is not carried through tensor parallelism yet")],
 )  # fmt: skip
 def test_a_layout_adapters_are_not_carried_through_yet_is_refused_by_name(layout, sets, said, capsys):
