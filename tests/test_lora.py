@@ -331,3 +331,19 @@ def test_qlora_holds_its_base_in_about_a_quarter_of_bf16(capsys):
     out = capsys.readouterr().out
     assert "memory_ratio=1.000" in out, out
     assert nf4_bytes(576 * 1536) <= 0.3 * 2 * 576 * 1536  # SmolLM2's MLP weight
+
+
+def test_a_resume_over_another_base_model_is_refused_naming_both(llama, byte_cache, tmp_path, capsys):
+    """The checkpoint holds the adapters only and records its base's fingerprint: the same folder
+    saved again with other weights is another model, and the resume says so before it starts."""
+    folder = tmp_path / "base"
+    hf_model("LlamaForCausalLM").save_pretrained(folder)
+    sets = run_sets(byte_cache, folder, tmp_path)
+    train(sets)
+    train([s for s in sets if not s.startswith("train.steps")] + ["train.steps=4"])  # the same base: resumed
+    hf_model("LlamaForCausalLM", seed=1).save_pretrained(folder)  # another model in the same place
+    capsys.readouterr()
+    longer = [s for s in sets if not s.startswith("train.steps")] + ["train.steps=5"]
+    assert main(["train", *[x for s in longer for x in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert "its adapters trained over hf:" in err and "is another model now" in err, err

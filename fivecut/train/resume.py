@@ -20,6 +20,7 @@ run's later steps as the newest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,53 @@ def check_override_keys(accept: list[str]) -> None:
         raise ConfigError(f"--override {key}: not a config key; {hint}")
 
 
+def frozen_base(cfg: Config) -> dict | None:
+    """[lora]: what a checkpoint records of the frozen weights it does not hold (the run's
+    model.init_from, or the seed's model) and their fingerprint, which a resume compares."""
+    if cfg.lora.rank is None:
+        return None
+    spec = cfg.model.init_from
+    return {"init_from": spec, "fingerprint": fingerprint(spec) if spec else f"seed {cfg.train.seed}"}
+
+
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16  # a weights file is fingerprinted by its size and 16 slices of 64 KiB
+
+
+def fingerprint(spec: str) -> str:
+    """sha256 over a weights source's files (hf: its safetensors and index, gguf: the file, dcp: the
+    checkpoint's recorded checksums): each file's name, size and 16 evenly spaced 64 KiB slices, so
+    that another model, or the same one saved again with other values, differs; a file of a few
+    MiB is read whole."""
+    scheme, _, rest = spec.partition(":")
+    path = Path(rest).expanduser()
+    if rest.startswith("pkg:") or not path.exists():  # a file in a pinned package: its name stands for it
+        return hashlib.sha256(spec.encode()).hexdigest()
+    if scheme == "dcp":
+        return hashlib.sha256((path / "fivecut.json").read_bytes() if path.is_dir() else b"").hexdigest()
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.index.json")) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            for k in range(SAMPLES):
+                f.seek(k * max(size - SAMPLE_BYTES, 0) // max(SAMPLES - 1, 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def check_base(path: Path, meta: dict, cfg: Config) -> None:
+    """A [lora] checkpoint resumed over other frozen weights than it trained against: refused."""
+    saved, now = meta.get("base"), frozen_base(cfg)
+    if saved is None or now is None or saved["fingerprint"] == now["fingerprint"]:
+        return
+    raise ConfigError(
+        f"resuming {path}: its adapters trained over {saved['init_from'] or saved['fingerprint']}, and "
+        f"model.init_from={now['init_from']!r} is another model now (its files differ); point model.init_from at "
+        "the weights the run started from"
+    )
+
+
 def resume_changes(path: Path | None, meta: dict | None, cfg: Config, accept: list[str]) -> Resume:
     """Compare `cfg` with the config saved in the checkpoint at `path` (`meta`: its fivecut.json;
     None: a fresh start). A changed refused key that `accept` does not name raises ConfigError
@@ -166,6 +214,7 @@ def resume_changes(path: Path | None, meta: dict | None, cfg: Config, accept: li
     if meta is None:
         return Resume(notes=[f"--override {key}: no checkpoint to resume; nothing to accept" for key in accept])
     changes = config_changes(meta["config"], cfg)
+    check_base(path, meta, cfg)
     refused = [c for c in changes if RESUME_RULES.get(c.key, REFUSED) == REFUSED]  # unlisted: refused
     denied = [c for c in refused if c.key not in accept]
     if denied:

@@ -20,7 +20,7 @@ from fivecut.train.infer import greedy_sample
 from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
-from fivecut.train.resume import check_data_position, resume_changes
+from fivecut.train.resume import check_data_position, frozen_base, resume_changes
 from fivecut.train.run import Context, evaluate, forward_backward, global_mean, measuring_loss_peak, setup
 from fivecut.weights.load import model_args
 
@@ -189,6 +189,7 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
         "config": cfg.to_dict(),
         "overrides": ctx.overrides,
         "data": ctx.sampler.position(step),  # (epoch, index) and the stores read: compared on resume
+        "base": frozen_base(cfg),  # [lora]: the frozen weights the checkpoint does not hold, compared on resume
     }
     return checkpoint.save(
         Path(cfg.checkpoint.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, cfg.checkpoint.keep
