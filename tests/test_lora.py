@@ -45,10 +45,10 @@ def train(sets: list[str]) -> None:
     assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 0
 
 
-def fivecut_logits(byte_cache: str, folder: Path, out: Path) -> torch.Tensor:
+def fivecut_logits(byte_cache: str, folder: Path, out: Path, *extra: str) -> torch.Tensor:
     """fivecut's model with the run's adapters: its checkpoint as model.init_from, [lora] as the run's."""
     ckpt = next((out / "ckpt").glob("step-*"))
-    cfg = import_config(byte_cache, folder, *LORA, f'model.init_from="dcp:{ckpt}"', 'train.dtype="fp32"')
+    cfg = import_config(byte_cache, folder, *LORA, f'model.init_from="dcp:{ckpt}"', 'train.dtype="fp32"', *extra)
     (logits,) = spawn(logits_of, 1, [cfg], TOKENS)
     return logits[0]
 
@@ -347,3 +347,37 @@ def test_a_resume_over_another_base_model_is_refused_naming_both(llama, byte_cac
     assert main(["train", *[x for s in longer for x in ("--set", s)]]) == 2
     err = capsys.readouterr().err
     assert "its adapters trained over hf:" in err and "is another model now" in err, err
+
+
+# ---------------------------------------------------------------- weights trained whole: peft's modules_to_save
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> Path:
+    """A tiny Llama whose head is its own weight (peft cannot keep a tied head's copy)."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_dense import COMMON
+
+    folder = tmp_path_factory.mktemp("lora-untied") / "llama"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=False)).save_pretrained(folder)
+    return folder
+
+
+def test_weights_trained_whole_go_out_and_in_as_pefts_modules_to_save(untied, byte_cache, tmp_path):
+    """lora.full = ["norms", "head"]: the export lists each norm and the head by its full path in
+    modules_to_save with its trained weight; peft's model gives fivecut's logits; the folder read
+    back as lora.adapter gives them again."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    full = 'lora.full=["norms", "head"]'
+    train(run_sets(byte_cache, untied, tmp_path, full))
+    ours = fivecut_logits(byte_cache, untied, tmp_path, full)
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "a"), "--adapter"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(untied).float()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "a").eval()(TOKENS).logits
+    torch.testing.assert_close(theirs, ours, rtol=RTOL, atol=ATOL)
+    cfg = import_config(byte_cache, untied, *LORA, full, f'lora.adapter="{tmp_path / "a"}"', 'train.dtype="fp32"')
+    (again,) = spawn(logits_of, 1, [cfg], TOKENS)
+    torch.testing.assert_close(again[0], ours, rtol=RTOL, atol=ATOL)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fivecut.model.lora import target_linears
+from fivecut.model.lora import FULL_GROUPS, target_linears
 from fivecut.model.transformer import SeedWeights, build_model
 from fivecut.train import checkpoint as ckpt
 from fivecut.weights import moe_architectures as moe
@@ -53,18 +53,14 @@ def export_adapter(checkpoint: Path, out: Path, step: int | None = None, archite
         raise ExportError(
             f"checkpoint {source} holds no adapters (its run had no lora.rank); export it without --adapter"
         )
-    if lora.get("full"):
-        raise ExportError(
-            f"checkpoint {source} also trained {lora['full']} whole; peft's modules_to_save is not written yet: "
-            "export the merged model (without --adapter)"
-        )
     args = model_args(source, meta)
     arch = export_class(args, architecture, meta)
     if arch is None:
         raise ExportError(f"checkpoint {source}: no Hugging Face class holds this model, so peft has no module names")
     modules = adapted_modules(source, args, arch)
-    tensors = adapter_tensors(source, modules)
-    config = adapter_config(lora, sorted(modules.values()), meta)
+    whole = trained_whole(source, args, arch)
+    tensors = adapter_tensors(source, modules) | whole_tensors(source, whole)
+    config = adapter_config(lora, sorted(modules.values()), meta, sorted(whole.values()))
     written = write_atomically(out, lambda tmp: write_adapter(tmp, tensors, config))
     for file in written:
         print(f"wrote {out / file}")
@@ -107,6 +103,31 @@ def module_paths(args, arch) -> dict[str, str]:
     return out
 
 
+def trained_whole(source: Path, args, arch) -> dict[str, str]:
+    """lora.full: each weight the checkpoint trained whole -> its Hugging Face module path (peft's
+    modules_to_save). A tied embedding is refused: peft would give the head the original weight."""
+    names = [k.removeprefix("model.") for k in checkpoint_shapes(source) if k.startswith("model.")]
+    names = [n for n in names if not n.endswith((".lora_a", ".lora_b"))]
+    if args.tie_embeddings and any(n.startswith("tok_embeddings.") for n in names):
+        raise ExportError(
+            f"checkpoint {source} trained a tied embedding whole; peft's modules_to_save would leave the head on the "
+            "original weight: export the merged model (without --adapter)"
+        )
+    paths = module_paths(args, arch)
+    missing = [n for n in names if n.removesuffix(".weight") not in paths]
+    if missing:
+        raise ExportError(f"checkpoint {source}: {arch.hf_class} has no module holding {missing[0]} whole")
+    return {n: paths[n.removesuffix(".weight")] for n in names}
+
+
+def whole_tensors(source: Path, whole: dict[str, str]) -> dict:
+    """peft's names of the weights trained whole (base_model.model.<module>.weight) -> values, fp32."""
+    shapes = checkpoint_shapes(source)
+    keys = [f"model.{name}" for name in whole]
+    values = read_entries(source, [Entry(k, shapes[k], TensorMap(k, (k,))) for k in keys])
+    return {f"base_model.model.{module}.weight": values[f"model.{name}"].contiguous() for name, module in whole.items()}
+
+
 def adapter_tensors(source: Path, modules: dict[str, str]) -> dict:
     """peft's names -> A and B, fp32."""
     shapes = checkpoint_shapes(source)
@@ -119,7 +140,7 @@ def adapter_tensors(source: Path, modules: dict[str, str]) -> dict:
     return out
 
 
-def adapter_config(lora: dict, modules: list[str], meta: dict) -> dict:
+def adapter_config(lora: dict, modules: list[str], meta: dict, whole: list[str]) -> dict:
     init_from = meta.get("config", {}).get("model", {}).get("init_from") or ""
     return {
         "peft_type": "LORA",
@@ -134,7 +155,7 @@ def adapter_config(lora: dict, modules: list[str], meta: dict) -> dict:
         "use_rslora": False,
         "use_dora": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": whole or None,  # full paths: peft matches a module whose name ends with one
         "inference_mode": True,
         "fivecut": {"step": meta["step"], "targets": lora["targets"]},
     }
@@ -159,7 +180,6 @@ PLAIN_LORA = {
     "fan_in_fan_out": False,
     "rank_pattern": {},
     "alpha_pattern": {},
-    "modules_to_save": None,
     "layers_to_transform": None,
     "layers_pattern": None,
     "lora_bias": False,
@@ -181,9 +201,11 @@ class PeftSource:
             self.stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         for key in self.stored:
             module, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
-            if module not in paths or kind not in ("A.weight", "B.weight"):
+            if not module:  # a module trained whole (modules_to_save): base_model.model.<module>.weight
+                module, kind = key.removeprefix("base_model.model.").removesuffix(".weight"), "whole"
+            if module not in paths or kind not in ("A.weight", "B.weight", "whole"):
                 raise WeightsError(f"{folder / ADAPTER_FILE}: {key} adapts no weight of this {arch.hf_class}")
-            self.names[f"{paths[module]}.lora_{kind[0].lower()}"] = key
+            self.names[f"{paths[module]}.{'weight' if kind == 'whole' else 'lora_' + kind[0].lower()}"] = key
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.stored[key] for name, key in self.names.items()}
@@ -205,7 +227,7 @@ class PeftSource:
         return None
 
 
-def adapter_problems(folder: Path, rank: int, alpha: float, adapted: dict, args, arch) -> list[str]:
+def adapter_problems(folder: Path, rank: int, alpha: float, adapted: dict, args, arch, full=()) -> list[str]:
     """What makes the peft folder `folder` unusable as this run's adapters: a missing file, a peft
     method other than plain LoRA, another rank or alpha, another architecture, modules other than
     the `adapted` linear layers (fivecut path -> layer), tensors of other shapes."""
@@ -231,7 +253,12 @@ def adapter_problems(folder: Path, rank: int, alpha: float, adapted: dict, args,
         source = PeftSource(folder, args, arch)
     except WeightsError as err:
         return [f"lora.adapter: {err} (an adapter for another model or architecture?)"]
-    held = {name.rsplit(".", 1)[0] for name in source.shapes()}
+    whole = {name for name in source.shapes() if name.endswith(".weight")}
+    want = {n for n in expected_shapes(args) if n.endswith(tuple(e for g in full for e in FULL_GROUPS[g]))}
+    if whole != want:
+        other = sorted(whole ^ want)[0]
+        return [f"{where}: its modules_to_save and lora.full differ at {other}; set lora.full to what it trained whole"]
+    held = {name.rsplit(".", 1)[0] for name in source.shapes() if not name.endswith(".weight")}
     if held != set(adapted):
         other = sorted(held ^ set(adapted))[0]
         return [
@@ -271,7 +298,7 @@ def lora_adapter_problems(lora, init_from: str | None, args) -> list[str]:
     if arch is None:
         return ["lora.adapter: no Hugging Face class holds this model, so peft's module names mean nothing here"]
     adapted = target_linears(build_model(args, device="meta"), lora.targets)
-    return adapter_problems(resolve_path(lora.adapter), lora.rank, lora.alpha, adapted, args, arch)
+    return adapter_problems(resolve_path(lora.adapter), lora.rank, lora.alpha, adapted, args, arch, lora.full)
 
 
 def with_adapter(lora, init_from: str | None, args, published, seed: int):
