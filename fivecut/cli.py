@@ -1307,8 +1307,6 @@ def plan_config(ns, world: int | None = None) -> tuple[Config, object]:
     cfg.train.global_batch = plan_batch(ns, cfg, world or cfg.parallel.world_size)
     checks.resolve_microbatches(cfg)
     checks.refuse("invalid options", checks.option_problems(cfg))
-    if cfg.lora.rank is not None:  # the planner counts every weight as trained
-        raise ConfigError("fivecut plan does not model [lora] yet (frozen weights, adapter states); drop lora.rank")
     if ns.layout is not None:
         t = cfg.train
         checks.validate_layout(cfg.parallel, args, t.seq_len, t.global_batch, t.accumulate, cfg.parallel.world_size)

@@ -17,6 +17,7 @@ see them by name (`layers.3.attention.wq.lora_a`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivecut.model.transformer import GroupedExperts, _name_seed, build_model
+from fivecut.model.transformer import Block, GroupedExperts, _name_seed, build_model
 
 # target group -> (the module holding the linears, their names): attention covers plain and
 # latent attention (MLA's down and up projections); mlp the dense feed-forward blocks
@@ -136,17 +137,18 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, LoRALinear(linear, rank, alpha, dropout))
     trained = tuple(end for group in full for end in FULL_GROUPS[group])
-    read_by_matmuls = {
-        id(p) for m in model.modules() if isinstance(m, nn.Linear | GroupedExperts) for p in m.parameters()
-    }
-    adapters = {}
-    for name, p in model.named_parameters():
-        if is_adapter(name):
-            adapters[name] = tuple(p.shape)
-        elif not name.endswith(trained):
+    looked_up = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    adapters = {name: tuple(p.shape) for name, p in model.named_parameters() if is_adapter(name)}
+    for mname, module in model.named_modules():
+        matmul = isinstance(module, nn.Linear | GroupedExperts)
+        for pname, p in list(module.named_parameters(recurse=False)):
+            name = f"{mname}.{pname}" if mname else pname
+            if is_adapter(name) or name.endswith(trained):
+                continue
             p.requires_grad_(False)
-            if frozen_dtype is not None and id(p) in read_by_matmuls:  # norms and the embedding stay fp32:
-                p.data = p.data.to(frozen_dtype)  # the residual stream keeps its dtype
+            if frozen_dtype is not None and matmul and id(p) not in looked_up and p.dtype != frozen_dtype:
+                # norms and the embedding (a tied head's too) stay fp32: the residual stream keeps its dtype
+                setattr(module, pname, nn.Parameter(p.detach().to(frozen_dtype), requires_grad=False))
     return adapters
 
 
@@ -195,6 +197,17 @@ def target_problems(
             f"({len(small)} target weights alike); use lora.rank <= {most}"
         )
     return problems
+
+
+@functools.cache
+def block_targets(args, layer: int, targets: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
+    """(path inside the block, in, out) of each linear `targets` adapts in block `layer` of `args`."""
+    with torch.device("meta"):
+        holder = nn.Module()
+        holder.layers = nn.ModuleDict({str(layer): Block(layer, args)})
+    prefix = f"layers.{layer}."
+    chosen = target_linears(holder, list(targets))
+    return tuple((p.removeprefix(prefix), m.in_features, m.out_features) for p, m in chosen.items())
 
 
 def replicated_under_tp(paths: list[str], args, tp: int) -> list[str]:

@@ -406,7 +406,10 @@ def stage_activation_bytes(
     return {"kept": kept, "transient": transient, "peak": kept + transient}
 
 
-def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chunk: int = 0) -> float:
+def loss_peak_bytes(
+    args, tokens: int, tp: int = 1, precision: str = "fp32", chunk: int = 0, head_trained: bool = True,
+    head_cast: bool = True,
+) -> float:  # fmt: skip
     """The loss's peak on the rank holding the head (the last stage), for one microbatch of T =
     `tokens` on this rank (the head sees the whole sequence under SP): the most bytes held at once
     by the tensors the head and the cross-entropy make, in the head's forward (from its input to
@@ -434,7 +437,9 @@ def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chu
                          cast that its matmul saves (2 C' h)
         full logits      under bf16 the head's bf16 cast of its input, saved by its matmul (2 T h)
     Exact (`tests/test_loss_ledger.py`) where the moment named is the peak: one process while
-    the chunk's matmul backward (its logits' gradient, d hidden, dW) holds less than 12 C' V'."""
+    the chunk's matmul backward (its logits' gradient, d hidden, dW) holds less than 12 C' V'.
+    [lora]: a frozen head (`head_trained` false) makes no dW, and a head weight already held in
+    bf16 (`head_cast` false: frozen and untied) is not cast."""
     columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
     rows = min(chunk, tokens) if chunk else tokens  # C'
     if tp == 1:
@@ -445,5 +450,5 @@ def loss_peak_bytes(args, tokens: int, tp: int = 1, precision: str = "fp32", chu
     if chunk == 0:
         return entropy + (2 * tokens * h if casts else 0)
     residual = 2 if precision == "bf16-params" else FP32
-    buffers = FP32 * tokens + residual * tokens * h + FP32 * columns * h
-    return entropy + buffers + (2 * columns * h + 2 * rows * h if casts else 0)
+    buffers = FP32 * tokens + residual * tokens * h + (FP32 * columns * h if head_trained else 0)
+    return entropy + buffers + (2 * columns * h * head_cast + 2 * rows * h if casts else 0)

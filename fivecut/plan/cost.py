@@ -66,6 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
+from fivecut.model.lora import block_targets
 from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
@@ -675,7 +676,10 @@ def peak_memory(
         states["activations"] = stage * kept + deferred * waiting  # held at the peak, and waiting for W
         states["boundaries"] = boundary * alive  # the pipeline's posted receives and kept outputs
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
-        states["loss"] = loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens) if last else 0.0
+        trained, cast = head_training(args, cfg)
+        states["loss"] = (
+            loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens, trained, cast) if last else 0.0
+        )
         states["weight_copies"] = sum(block_copies(args, cfg, precision, moe) for moe, _mode in order)  # once a step
         states["head"] = head_saved_bytes(args, cfg, rows * seq, precision, fused) * in_flight[rank] if last else 0.0
         if last:
@@ -701,10 +705,21 @@ def head_saved_bytes(args, cfg, tokens: int, precision: str, fused: bool) -> flo
     return tokens * (norm + kept)
 
 
+def head_training(args, cfg) -> tuple[bool, bool]:
+    """(whether the head's weight trains, whether it is cast to bf16 for its matmuls): both, but
+    under [lora] a frozen head trains not, and is already bf16 unless it is the (fp32) embedding."""
+    lo = cfg.lora
+    if lo.rank is None:
+        return True, True
+    tied = args.tie_embeddings
+    trained = "head" in lo.full or (tied and "embeddings" in lo.full)
+    return trained, trained or tied
+
+
 def head_copy_bytes(args, cfg, precision: str) -> float:
     """The head's bf16 compute copy where it computes the full logits (a cast module outside the
     blocks, `fivecut.parallel.precision`): 2 B x its V/t x h (the chunked head's is in the loss)."""
-    if precision != "bf16" or cfg.train.loss_chunk_tokens:
+    if precision != "bf16" or cfg.train.loss_chunk_tokens or not head_training(args, cfg)[1]:
         return 0.0
     return 2 * -(-args.vocab_size // cfg.parallel.tp) * args.dim
 
@@ -807,9 +822,23 @@ BLOCK_BYTES: dict[tuple, float] = {}
 
 def block_copies(args, cfg, precision: str, moe: bool) -> float:
     """The bf16 compute copies of one block's matmul weights on a rank: one a step, shared by
-    every microbatch in flight (`fivecut.parallel.precision`; none in fp32 or under ZeRO-3)."""
+    every microbatch in flight (`fivecut.parallel.precision`; none in fp32 or under ZeRO-3).
+    [lora]: the frozen weights are bf16 already; only the adapters are copied."""
     dims = cfg.parallel
+    if cfg.lora.rank is not None:
+        return 2.0 * adapter_elements(args, cfg, moe) if precision == "bf16" else 0.0
     return weight_copies(args, dims.tp, precision, moe, dims.ep, dims.etp)
+
+
+def adapter_elements(args, cfg, moe: bool) -> int:
+    """[lora]: one block's adapter elements on a tp rank (a column-parallel weight's B and a
+    row-parallel one's A cut by t, the other half whole)."""
+    t, layer = cfg.parallel.tp, next(i for i in range(args.n_layers) if args.moe_layer(i) == moe)
+    rows, r = ("attention.wo", "feed_forward.w2"), cfg.lora.rank
+    return sum(
+        r * n_in // (t if p.endswith(rows) else 1) + n_out * r // (1 if p.endswith(rows) else t)
+        for p, n_in, n_out in block_targets(args, layer, tuple(cfg.lora.targets))
+    )
 
 
 def in_flight_of(args, cfg) -> list[int]:

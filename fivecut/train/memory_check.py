@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -103,8 +103,22 @@ class StepTracker(MemTracker):
         """Each module's parameters, buffers and gradients classified once (MemTracker's own hooks
         keep module-wise snapshots and refuse a module called twice: microbatches, micro-steps)."""
         if module not in self.memory_tracking:
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self._track_module_params_and_buffers(module, install_grad_hooks=False)
+            self._hook_grads(module)
             self.memory_tracking[module] = None
+
+    def _hook_grads(self, module) -> None:
+        """MemTracker's gradient hooks on the parameters that have gradients (a frozen one, [lora],
+        takes no hook)."""
+        for param in module.parameters():
+            if param.requires_grad and param not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(self._count_grad),
+                    param.register_post_accumulate_grad_hook(lambda p: self._count_grad(p.grad)),
+                )
+
+    def _count_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
     def _update_peak_stats(self, peak_state) -> None:
         if self.moment is None:
@@ -268,7 +282,7 @@ def uniform_rows(args, cfg: Config) -> int:
 def context(args, cfg: Config, mesh: Mesh, meta, device: torch.device) -> Context:
     """What `fivecut.train.run.setup` builds, less the corpus and the tokenizer."""
     t = cfg.train
-    par = parallelize(meta, mesh, ParallelizeOptions.from_train(t, cfg.moe, t.seed, device))
+    par = parallelize(meta, mesh, ParallelizeOptions.from_train(t, cfg.moe, t.seed, device, lora=cfg.lora))
     kernel, _ = adamw_kernel(t.adamw, device)
     optimizer = build_optimizer(par.pieces, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps, kernel)
     metrics = mesh.group("dp_cp")
