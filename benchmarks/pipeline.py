@@ -491,7 +491,8 @@ def compare_1f1b(args, mesh: Mesh, torch_group, opts: dict, m: int) -> dict:
     rank = dist.get_rank()
     inputs, targets = batch(args, opts)
     micro = list(zip(inputs.chunk(m), targets.chunk(m)))
-    ours, theirs = Fivecut(args, mesh, opts, "1f1b", m), Torch(args, torch_group, opts, m)
+    layers = None if opts["even_layers"] else stage_layers(args, PP, opts["seq"], None)  # fivecut's cut, both sides
+    ours, theirs = Fivecut(args, mesh, opts, "1f1b", m), Torch(args, torch_group, opts, m, layers=layers)
 
     # Same work: one forward+backward each, then the loss and every gradient must agree.
     loss_a, loss_b = ours.forward_backward(micro), theirs.forward_backward(inputs, targets)
@@ -974,6 +975,10 @@ def parse(argv=None) -> dict:
         p.error(f"unknown schedules {unknown}; choose from {', '.join(LAYOUTS)}")
     if opts["even_layers"] and get_preset(opts["model"]).n_layers % 4:
         p.error(f"model {opts['model']} has {get_preset(opts['model']).n_layers} layers; 4 stages need a multiple of 4")
+    if opts["compare"] and not opts["untied"] and get_preset(opts["model"]).tie_embeddings:
+        # torch's stages each hold a copy of a tied weight and never sum their gradients; fivecut does
+        p.error(f"part 1 compares each stage's gradients; --model {opts['model']} ties its embedding and head, "
+                "whose copies torch's stages never sum: add --untied (or --no-compare)")  # fmt: skip
     for m in opts["microbatches"] + [opts["bubble_microbatches"]]:
         if opts["batch"] % m:
             p.error(f"--batch {opts['batch']} does not divide into {m} microbatches")
