@@ -210,6 +210,19 @@ def block_targets(args, layer: int, targets: tuple[str, ...]) -> tuple[tuple[str
     return tuple((p.removeprefix(prefix), m.in_features, m.out_features) for p, m in chosen.items())
 
 
+def adapter_cut(args, moe: bool, targets: list[str], rank: int, tp: int) -> tuple[int, int]:
+    """(elements of a dense or MoE block's adapters each tp rank holds a 1/tp slice of, elements
+    every rank holds whole): a column-parallel weight's B [out, r] is cut and its A [r, in] whole,
+    a row-parallel weight's (wo, w2) the other way round (`fivecut.parallel.tensor.cut_adapters`)."""
+    layer = next(i for i in range(args.n_layers) if args.moe_layer(i) == moe)
+    cut = whole = 0
+    for path, n_in, n_out in block_targets(args, layer, tuple(targets)):
+        a, b = rank * n_in, n_out * rank  # A [r, in], B [out, r]
+        row = path.endswith(("attention.wo", "feed_forward.w2"))
+        cut, whole = cut + (a if row else b) // tp, whole + (b if row else a)
+    return cut, whole
+
+
 def replicated_under_tp(paths: list[str], args, tp: int) -> list[str]:
     """Of the adapted linears `paths`, those tensor parallelism keeps whole on every rank: k and v
     with fewer kv heads than ranks, MLA's down projections, a MoE layer's shared experts."""

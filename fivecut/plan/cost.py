@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
-from fivecut.model.lora import block_targets
+from fivecut.model.lora import adapter_cut
 from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
@@ -831,14 +831,8 @@ def block_copies(args, cfg, precision: str, moe: bool) -> float:
 
 
 def adapter_elements(args, cfg, moe: bool) -> int:
-    """[lora]: one block's adapter elements on a tp rank (a column-parallel weight's B and a
-    row-parallel one's A cut by t, the other half whole)."""
-    t, layer = cfg.parallel.tp, next(i for i in range(args.n_layers) if args.moe_layer(i) == moe)
-    rows, r = ("attention.wo", "feed_forward.w2"), cfg.lora.rank
-    return sum(
-        r * n_in // (t if p.endswith(rows) else 1) + n_out * r // (1 if p.endswith(rows) else t)
-        for p, n_in, n_out in block_targets(args, layer, tuple(cfg.lora.targets))
-    )
+    """[lora]: one block's adapter elements on a tp rank (`adapter_cut`)."""
+    return sum(adapter_cut(args, moe, cfg.lora.targets, cfg.lora.rank, cfg.parallel.tp))
 
 
 def in_flight_of(args, cfg) -> list[int]:

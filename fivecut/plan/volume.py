@@ -15,7 +15,7 @@ import torch
 
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
-from fivecut.model.lora import nf4_bytes, target_linears
+from fivecut.model.lora import adapter_cut, nf4_bytes
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
@@ -164,7 +164,7 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
             # g after the embedding (stream) and each region (a); f's transposes (stream)
             per_micro += ar * (stream * (emb + regions + head) * e + a * regions * e + FP32 * loss + grads * kv)
             per_micro += ag * FP32 * moe * 2 * e  # MoE output gathered; input's gradient gathered
-        per_micro += lora_tensor_bytes(args, cfg, emb, L, head, kv, e) if cfg.lora.rank else 0.0
+        per_micro += lora_tensor_bytes(args, cfg, (emb, L, head, moe), kv, e) if cfg.lora.rank else 0.0
         calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
     total = train.accumulate * micro * per_micro + clip
@@ -176,13 +176,14 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     )
 
 
-def lora_tensor_bytes(args, cfg, emb: int, L: int, head: int, kv: int, e: int) -> float:
+def lora_tensor_bytes(args, cfg, stage: tuple[int, int, int, int], kv: int, e: int) -> float:
     """[lora] under TP, per microbatch (E = e, one [b, s, h] activation): a frozen embedding needs
     no gradient, so the first region's input gradient is never reduced (-E; SP: and the
     embedding's own backward all-gather, -2E); frozen norms and replicated attention weights have
     no gradient to all-reduce; each adapter's whole half (a column-parallel weight's A [r, in], a
     row-parallel one's B [out, r]) has its gradient all-reduced, in the dtype of its copy
-    (`tensor.cut_adapters`)."""
+    (`tensor.cut_adapters`). `stage`: (holds the embedding, blocks, holds the head, MoE blocks)."""
+    emb, L, head, moe = stage
     dims, lo = cfg.parallel, cfg.lora
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
@@ -196,14 +197,10 @@ def lora_tensor_bytes(args, cfg, emb: int, L: int, head: int, kv: int, e: int) -
         out -= ar * grads * (2 * L + head) * h
     out -= ar * grads * kv
     copies = 2 if precision != "fp32" else FP32  # the adapters' compute copies under bf16
-    return out + ar * copies * adapter_halves(args, lo)
-
-
-def adapter_halves(args, lora) -> int:
-    """Elements of the adapters' halves every tp rank holds whole, over the model's blocks."""
-    rows = ("attention.wo", "feed_forward.w2")
-    chosen = target_linears(build_model(args, device="meta"), lora.targets)
-    return sum(lora.rank * (m.out_features if p.endswith(rows) else m.in_features) for p, m in chosen.items())
+    whole = sum(
+        n * adapter_cut(args, kind, lo.targets, lo.rank, dims.tp)[1] for kind, n in ((False, L - moe), (True, moe)) if n
+    )
+    return out + ar * copies * whole
 
 
 def replicated_attention_weights(args, t: int) -> int:
