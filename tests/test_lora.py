@@ -112,6 +112,7 @@ def test_verify_passes_with_adapters(layout, capsys):
         ("tp=2,sp=true", "fp32"),
         ("dp=2,tp=2", "bf16"),
         ("dp=2,zero=3", "bf16"),
+        ("pp=2,tp=2,microbatches=2", "fp32"),  # each stage reduces its own blocks' adapters
     ],
 )
 def test_the_ledger_counts_the_adapters_gradients_and_the_frozen_weights(layout, dtype, capsys):
