@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivecut.model.transformer import Block, GroupedExperts, _name_seed, build_model
+from fivecut.model.transformer import Block, ExpertLowRank, GroupedExperts, _name_seed, build_model, grouped_swiglu
 
 # target group -> (the module holding the linears, their names): attention covers plain and
 # latent attention (MLA's down and up projections); mlp the dense feed-forward blocks
@@ -34,6 +34,7 @@ TARGET_GROUPS = {
     "mlp": ("feed_forward", ("w1", "w2", "w3")),
     "shared_experts": ("feed_forward.shared", ("w1", "w2", "w3")),
 }
+EXPERTS = "experts"  # the routed experts of every MoE layer: each expert's gate, up and down (`LoRAExperts`)
 # weights trained whole beside the adapters, when asked (lora.full): their names' endings
 FULL_GROUPS = {"embeddings": ("tok_embeddings.weight",), "head": ("output.weight",), "norms": ("norm.weight",)}
 ADAPTER_NAMES = ("lora_a", "lora_b")
@@ -65,6 +66,53 @@ class LoRALinear(nn.Linear):
             a, b = (summed(a), b) if half == "lora_a" else (a, summed(b))
         low = F.linear(F.linear(self.dropout(x), a), b)  # [..., r] -> [..., out]
         return y + low * self.scale
+
+
+class LoRAExperts(GroupedExperts):
+    """A MoE layer's routed experts (the same stacked weights, frozen) with one adapter per expert
+    and weight, run as grouped GEMMs like the experts themselves. Gate and up share an A (Hugging
+    Face fuses them into `gate_up_proj`, the weight peft adapts); each has its B; down has its own
+    A and B. Every adapter is stacked over the experts ([E, ...]), so the expert cuts slice, move
+    and copy it with its expert."""
+
+    EXPERT_TENSORS = GroupedExperts.EXPERT_TENSORS | {
+        "w13_lora_a": None,  # [E, dim, r]: whole under expert TP (its gradient summed over etp)
+        "w1_lora_b": 2,  # [E, r, hidden]: cut like w1's columns
+        "w3_lora_b": 2,  # [E, r, hidden]
+        "w2_lora_a": 1,  # [E, hidden, r]: cut like w2's rows
+        "w2_lora_b": None,  # [E, r, dim]: whole under expert TP (its gradient summed over etp)
+    }
+
+    def __init__(self, experts: GroupedExperts, rank: int, alpha: float, dropout: float):
+        nn.Module.__init__(self)  # the experts' own Parameters move over
+        self.w1, self.w3, self.w2 = experts.w1, experts.w3, experts.w2
+        n, dim, hidden = experts.w1.shape
+        shapes = {"w13_lora_a": (n, dim, rank), "w1_lora_b": (n, rank, hidden), "w3_lora_b": (n, rank, hidden),
+                  "w2_lora_a": (n, hidden, rank), "w2_lora_b": (n, rank, dim)}  # fmt: skip
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, device=experts.w1.device, dtype=torch.float32)))
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # expert tensor parallelism (`fivecut.parallel.expert.cut_expert_hidden`): the op that sums
+        # the gradient of the adapters it keeps whole over the etp ranks (identity forward)
+        self.grad_summed: Callable | None = None
+
+    def run(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], ends: torch.Tensor,
+            recompute_product: bool = False) -> torch.Tensor:  # fmt: skip
+        whole = self.grad_summed or (lambda t: t)
+        low_rank = ExpertLowRank(
+            whole(tensors["w13_lora_a"]), tensors["w1_lora_b"], tensors["w3_lora_b"], tensors["w2_lora_a"],
+            whole(tensors["w2_lora_b"]), self.scale, self.dropout,
+        )  # fmt: skip
+        return grouped_swiglu(x, tensors["w1"], tensors["w3"], tensors["w2"], ends, recompute_product, low_rank)
+
+
+# each expert weight's adapter: (its A, its B), stacked over the experts ([E, in, r], [E, r, out])
+EXPERT_ADAPTERS = {
+    "w1": ("w13_lora_a", "w1_lora_b"),
+    "w3": ("w13_lora_a", "w3_lora_b"),
+    "w2": ("w2_lora_a", "w2_lora_b"),
+}
 
 
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -127,6 +175,13 @@ def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]
     return out
 
 
+def target_experts(model: nn.Module, targets: list[str]) -> dict[str, GroupedExperts]:
+    """Module path -> routed experts, for every MoE layer of `model` when `targets` has "experts"."""
+    if EXPERTS not in targets:
+        return {}
+    return {p: m for p, m in model.named_modules() if type(m) is GroupedExperts}
+
+
 def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str], full: list[str],
                  frozen_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """Replace each target linear of `model` (a whole model, on any device, meta included) by a
@@ -136,6 +191,8 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     for path, linear in target_linears(model, targets).items():
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, LoRALinear(linear, rank, alpha, dropout))
+    for path, experts in target_experts(model, targets).items():
+        model.get_submodule(path.removesuffix(".experts")).experts = LoRAExperts(experts, rank, alpha, dropout)
     trained = tuple(end for group in full for end in FULL_GROUPS[group])
     looked_up = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     adapters = {name: tuple(p.shape) for name, p in model.named_parameters() if is_adapter(name)}
@@ -161,10 +218,10 @@ def target_problems(
     leaves whole on every rank (`replicated_under_tp`)."""
     names = {n for _, (_, ns) in TARGET_GROUPS.items() for n in ns}
     problems = [
-        f"lora.targets has {t!r}, neither a group ({', '.join(TARGET_GROUPS)}) nor a weight name "
+        f"lora.targets has {t!r}, neither a group ({', '.join([*TARGET_GROUPS, EXPERTS])}) nor a weight name "
         f"({', '.join(sorted(names))})"
         for t in targets
-        if t not in TARGET_GROUPS and t not in names
+        if t not in TARGET_GROUPS and t not in names and t != EXPERTS
     ]
     problems += [f"lora.full has {f!r}; use {', '.join(FULL_GROUPS)}" for f in full if f not in FULL_GROUPS]
     if problems:
@@ -173,8 +230,14 @@ def target_problems(
     problems = [
         f"lora.targets has {t!r}, which matches no weight of this model"
         for t in targets
-        if not target_linears(model, [t])
+        if not target_linears(model, [t]) and not target_experts(model, [t])
     ]
+    experts = target_experts(model, targets)
+    if quantize == "nf4" and experts:
+        problems.append(
+            "lora.quantize='nf4' quantizes linear layers, not the routed experts' stacked weights; drop "
+            f"{EXPERTS!r} from lora.targets, or leave lora.quantize unset"
+        )
     chosen = target_linears(model, targets)
     odd = [p for p, m in chosen.items() if m.weight.numel() % NF4_BLOCK]
     if quantize == "nf4" and odd:
@@ -188,12 +251,14 @@ def target_problems(
             f"lora on {whole[0]} is not carried through tensor parallelism yet (tp={tp} leaves it whole on every "
             "rank); drop it from lora.targets, or set parallel.tp=1"
         )
-    small = {p: m for p, m in chosen.items() if rank > min(m.in_features, m.out_features)}
+    sides = {p: (m.out_features, m.in_features) for p, m in chosen.items()}
+    sides |= {f"{p}.w2": tuple(m.w2.shape[1:]) for p, m in experts.items()}  # [hidden, dim]
+    small = {p: (out, n_in) for p, (out, n_in) in sides.items() if rank > min(out, n_in)}
     if small:
-        path, m = next(iter(small.items()))
-        most = min(min(m.in_features, m.out_features) for m in small.values())
+        path, (out, n_in) = next(iter(small.items()))
+        most = min(min(side) for side in small.values())
         problems.append(
-            f"lora.rank={rank} exceeds the smaller side of {path} [{m.out_features}, {m.in_features}] "
+            f"lora.rank={rank} exceeds the smaller side of {path} [{out}, {n_in}] "
             f"({len(small)} target weights alike); use lora.rank <= {most}"
         )
     return problems
@@ -242,7 +307,7 @@ def initial_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tenso
     as `peft` and `nn.Linear` draw it), B zero. Drawn from (seed, name) alone, as every weight is."""
     if name.endswith("lora_b"):
         return torch.zeros(shape)
-    bound = 1 / math.sqrt(shape[-1])
+    bound = 1 / math.sqrt(shape[-1] if len(shape) == 2 else shape[1])  # fan-in: A [r, in], an expert's [E, in, r]
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 

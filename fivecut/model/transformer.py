@@ -22,6 +22,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -401,6 +402,25 @@ def grouped_kernel(device: torch.device, dtype: torch.dtype, sizes: tuple[int, .
     return padded_grouped_mm
 
 
+@dataclass
+class ExpertLowRank:
+    """Low-rank updates of E experts' three weights (LoRA on the routed experts): the gate and up
+    projections share one A, as Hugging Face's fused `gate_up_proj` is one weight, each has its B;
+    down has its own A and B. Update of expert e: scale * dropout(x) A_e B_e."""
+
+    gate_up_a: torch.Tensor  # [E, dim, r]
+    gate_b: torch.Tensor  # [E, r, hidden]
+    up_b: torch.Tensor  # [E, r, hidden]
+    down_a: torch.Tensor  # [E, hidden, r]
+    down_b: torch.Tensor  # [E, r, dim]
+    scale: float
+    dropout: Callable[[torch.Tensor], torch.Tensor]
+
+    def to(self, dtype: torch.dtype) -> ExpertLowRank:
+        a, gb, ub, da, db = (t.to(dtype) for t in (self.gate_up_a, self.gate_b, self.up_b, self.down_a, self.down_b))
+        return ExpertLowRank(a, gb, ub, da, db, self.scale, self.dropout)
+
+
 def grouped_swiglu(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -408,28 +428,48 @@ def grouped_swiglu(
     w2: torch.Tensor,
     ends: torch.Tensor,
     recompute_product: bool = False,
+    low_rank: ExpertLowRank | None = None,
 ) -> torch.Tensor:
     """E SwiGLU experts on grouped rows: x [N, dim] (group e: rows ends[e-1]..ends[e]),
     w1/w3 [E, dim, hidden], w2 [E, hidden, dim] -> [N, dim], w2 e(silu(w1 e x) * w3 e x) for
     each group; rows past ends[-1] unspecified. `recompute_product`: keep the two matmul
-    outputs only and compute the SwiGLU product (and the down projection) again in backward."""
+    outputs only and compute the SwiGLU product (and the down projection) again in backward.
+    `low_rank`: each weight's LoRA update added to its product."""
     if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped kernels
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w3, w2 = x.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
+        low_rank = low_rank.to(dtype) if low_rank is not None else None
     mm = grouped_kernel(x.device, x.dtype, (w1.shape[1], w1.shape[2]))
     a, b = mm(x, w1, ends), mm(x, w3, ends)  # [N, hidden] each
-    if recompute_product:
-        return checkpoint(_swiglu_down, mm, a, b, w2, ends, use_reentrant=False, preserve_rng_state=False)
-    return _swiglu_down(mm, a, b, w2, ends)
+    if low_rank is not None:
+        lr = low_rank
+        low = grouped_kernel(x.device, x.dtype, lr.gate_up_a.shape[1:])(lr.dropout(x), lr.gate_up_a, ends)  # [N, r]
+        up = grouped_kernel(x.device, x.dtype, lr.gate_b.shape[1:])
+        a, b = a + lr.scale * up(low, lr.gate_b, ends), b + lr.scale * up(low, lr.up_b, ends)  # [N, hidden]
+    if recompute_product:  # a dropout mask drawn again in backward must be the same one
+        keep_rng = low_rank is not None and isinstance(low_rank.dropout, nn.Dropout)
+        return checkpoint(_swiglu_down, mm, a, b, w2, ends, low_rank, use_reentrant=False, preserve_rng_state=keep_rng)
+    return _swiglu_down(mm, a, b, w2, ends, low_rank)
 
 
-def _swiglu_down(mm: GroupedMM, a: torch.Tensor, b: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
-    return mm(F.silu(a) * b, w2, ends)  # [N, dim]
+def _swiglu_down(mm: GroupedMM, a: torch.Tensor, b: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor,
+                 low_rank: ExpertLowRank | None = None):  # fmt: skip
+    h = F.silu(a) * b  # [N, hidden]
+    y = mm(h, w2, ends)  # [N, dim]
+    if low_rank is None:
+        return y
+    lr = low_rank
+    low = grouped_kernel(h.device, h.dtype, lr.down_a.shape[1:])(lr.dropout(h), lr.down_a, ends)  # [N, r]
+    return y + lr.scale * grouped_kernel(h.device, h.dtype, lr.down_b.shape[1:])(low, lr.down_b, ends)
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights, computed as grouped GEMMs. The number of
     experts is read from the weights, so an expert-parallel rank can hold a slice."""
+
+    # every tensor held per expert ([E, ...]: the expert cuts slice, move and copy them alike) and
+    # the dimension expert tensor parallelism cuts it along (the hidden size); None: kept whole
+    EXPERT_TENSORS = {"w1": 2, "w3": 2, "w2": 1}
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -444,7 +484,17 @@ class GroupedExperts(nn.Module):
         counts = torch.as_tensor(counts, device=x_sorted.device)  # a tensor stays on its device
         if counts.shape[0] != self.w1.shape[0]:
             raise ValueError(f"got {counts.shape[0]} token counts for {self.w1.shape[0]} local experts")
-        return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, group_ends(counts))
+        return self.run(x_sorted, self.expert_tensors(), group_ends(counts))
+
+    def expert_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-expert tensor by name, as the matmuls read it (a cast module: its copy)."""
+        return {name: getattr(self, name) for name in self.EXPERT_TENSORS}
+
+    def run(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], ends: torch.Tensor,
+            recompute_product: bool = False) -> torch.Tensor:  # fmt: skip
+        """The experts whose tensors are `tensors` (this module's, or those of the slots an expert
+        parallel rank computes) on grouped rows x [N, dim] -> [N, dim]."""
+        return grouped_swiglu(x, tensors["w1"], tensors["w3"], tensors["w2"], ends, recompute_product)
 
 
 def limit_to_groups(scores: torch.Tensor, groups: int, limit: int) -> torch.Tensor:

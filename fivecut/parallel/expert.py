@@ -52,6 +52,7 @@ unplaced model's.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.layout import MoEOptions
-from fivecut.model.transformer import MoE, count_ids, group_ends, grouped_swiglu
+from fivecut.model.transformer import MoE, count_ids, group_ends
 from fivecut.parallel.placement import Change, Slice
 from fivecut.parallel.precision import master
 
@@ -493,7 +494,7 @@ class ExpertParallelMoE:
         inside = (torch.arange(x.shape[0], device=x.device) < ends[-1]).unsqueeze(1)  # [N, 1]
         if tail:  # rows past the last group are left undefined by the kernels: zero, with zero gradient
             x = torch.where(inside, x, 0)
-        y = grouped_swiglu(x, *self._slot_weights(), ends, self.recompute_product)  # [N_recv, dim]
+        y = self.moe.experts.run(x, self._slot_tensors(), ends, self.recompute_product)  # [N_recv, dim]
         if tail:
             y = torch.where(inside, y, 0)
         if by_slot is None:
@@ -501,24 +502,24 @@ class ExpertParallelMoE:
         inverse = torch.empty_like(by_slot).scatter_(0, by_slot, torch.arange(n, device=x.device))
         return y[inverse]  # back to (source, slot) blocks
 
-    def _slot_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """w1, w3 [slots, dim, hidden], w2 [slots, hidden, dim]: the owned experts, then the copies
-        sent by their owners (an empty slot: zeros; it receives no rows)."""
-        ex = self.moe.experts
-        owned = (ex.w1, ex.w3, ex.w2)
+    def _slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every expert tensor by name (w1, w3 [slots, dim, hidden], w2 [slots, hidden, dim], the
+        adapters of `LoRAExperts`): the owned experts, then the copies sent by their owners (an
+        empty slot: zeros; it receives no rows)."""
+        owned = self.moe.experts.expert_tensors()
         if self.placement.extra == 0:
             return owned
-        w1, w3, w2 = (torch.cat([w, copies]) for w, copies in zip(owned, self._fetch_copies()))
-        return w1, w3, w2
+        return {name: torch.cat([w, copies]) for (name, w), copies in zip(owned.items(), self._fetch_copies())}
 
-    def _fetch_copies(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """EPLB copies: every owner sends the weights of its experts that other ranks' extra
-        slots hold (a differentiable all-to-all: the copies' gradients come back to the owner).
-        Returns this rank's extra slots' w1, w3 [extra, dim, hidden] and w2 [extra, hidden, dim]."""
+    def _fetch_copies(self) -> list[torch.Tensor]:
+        """EPLB copies: every owner sends the tensors of its experts that other ranks' extra slots
+        hold, adapters included (a differentiable all-to-all: the copies' gradients come back to the
+        owner). Returns this rank's extra slots' tensors [extra, ...], in `expert_tensors` order."""
         p, me = self.placement, self.ep.rank
         ex = self.moe.experts
         # the fp32 masters travel (bf16: not the step's copies), as the ledger counts them
-        flat = torch.cat([master(ex, w).flatten(1) for w in EXPERT_WEIGHTS], 1)  # [n_local, 3*dim*hidden]
+        masters = [master(ex, name) for name in ex.EXPERT_TENSORS]
+        flat = torch.cat([w.flatten(1) for w in masters], 1)  # [n_local, elements of one expert]
         wanted = [[e for e in p.expert[r][p.n_local :] if e >= 0] for r in range(p.ep)]  # per rank, slot order
         rows = [p.home[e][1] for r in range(p.ep) for e in wanted[r] if p.owner(e) == me]  # my slots of those experts
         in_splits = [sum(p.owner(e) == me for e in wanted[r]) for r in range(p.ep)]
@@ -530,12 +531,11 @@ class ExpertParallelMoE:
                 dtype=torch.float32,
                 device=self.stats.copies.device,
             )
-        dim, hidden = ex.w1.shape[1], ex.w1.shape[2]
         row_of = {e: i for i, e in enumerate(sorted(wanted[me], key=lambda e: (p.owner(e), wanted[me].index(e))))}
         picks = [row_of[e] if e >= 0 else len(row_of) for e in p.expert[me][p.n_local :]]  # an empty slot: zeros
         recv = torch.cat([recv, recv.new_zeros(1, recv.shape[1])])[torch.tensor(picks, device=recv.device)]
-        w1, w3, w2 = recv.split([dim * hidden, dim * hidden, hidden * dim], 1)  # [extra, dim*hidden] each
-        return w1.view(-1, dim, hidden), w3.view(-1, dim, hidden), w2.view(-1, hidden, dim)
+        parts = recv.split([w[0].numel() for w in masters], 1)  # [extra, one expert's elements] each
+        return [part.view(-1, *w.shape[1:]) for part, w in zip(parts, masters)]
 
 
 # ---------------------------------------------------------------- moving experts between ranks (EPLB)
@@ -570,7 +570,7 @@ def slot_views(moe: MoE, j: int, optimizer: torch.optim.Optimizer, sync) -> list
     them, and the optimizer's per-element state (Adam's moments) of what it updates for them."""
     views = []
     with torch.no_grad():
-        for p in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
+        for p in (master(moe.experts, name) for name in moe.experts.EXPERT_TENSORS):
             row = p.shape[1:].numel()
             held = sync.held(p, j * row, (j + 1) * row)
             views += [v for v, _ in held.values] + [
@@ -592,9 +592,6 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-EXPERT_WEIGHTS = ("w1", "w3", "w2")
-
-
 def expert_slice(n_experts: int, ep: int, experts: list[int]) -> Slice:
     """Where a rank's expert weights sit in the logical [E, ...] tensor: the experts it owns, by slot."""
     return Slice("ep", 0, experts[0], n_experts // ep, n_experts, experts=tuple(experts))
@@ -606,8 +603,8 @@ def shard_experts(moe: MoE, ep: Group) -> Slice:
     n_experts = ex.w1.shape[0]
     n_local = n_experts // ep.size
     lo = ep.rank * n_local
-    for name in EXPERT_WEIGHTS:
-        full = getattr(ex, name)
+    for name in ex.EXPERT_TENSORS:  # the weights and their adapters ([lora])
+        full = master(ex, name)
         local = full.detach()[lo : lo + n_local].clone()
         setattr(ex, name, nn.Parameter(local, requires_grad=full.requires_grad))  # frozen ([lora]) stays frozen
     return expert_slice(n_experts, ep.size, list(range(lo, lo + n_local)))
@@ -616,15 +613,23 @@ def shard_experts(moe: MoE, ep: Group) -> Slice:
 def cut_expert_hidden(moe: MoE, etp: Group) -> dict[str, Change]:
     """Expert tensor parallelism: this rank keeps its etp slice of every local expert's hidden
     size -- w1, w3 [E_loc, dim, hidden/etp] (columns), w2 [E_loc, hidden/etp, dim] (rows) -- cut
-    from the (EP-cut) weights. Returns the slices, by path inside the MoE module."""
+    from the (EP-cut) weights. [lora]: the adapters' hidden sides are cut alike (w1's and w3's B,
+    w2's A); the others (the shared gate/up A, w2's B) stay whole, their gradients partial sums
+    that autograd adds over etp (`LoRAExperts.grad_summed`). Returns the slices and sums, by path
+    inside the MoE module."""
     ex, out = moe.experts, {}
     hidden = ex.w1.shape[2]
     length = hidden // etp.size
-    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
-        full = getattr(ex, name)
+    for name, dim in ex.EXPERT_TENSORS.items():
+        if dim is None:
+            out[f"experts.{name}"] = Change(summed_over="etp")
+            continue
+        full = master(ex, name)
         local = full.detach().narrow(dim, etp.rank * length, length).clone()
         setattr(ex, name, nn.Parameter(local, requires_grad=full.requires_grad))  # frozen ([lora]) stays frozen
         out[f"experts.{name}"] = Change(slice=Slice("etp", dim, etp.rank * length, length, hidden))
+    if hasattr(ex, "grad_summed"):
+        ex.grad_summed = functools.partial(comm.copy_to, group=etp)
     return out
 
 
@@ -634,7 +639,7 @@ def reduce_groups(moe: MoE, ep: int, tp: int, cut: Slice | None) -> dict[str, Ch
     dp x cp x tp under tp (each tp rank routes its own tokens)."""
     out = {}
     expert_group = "expert_dp" if ep > 1 or tp > 1 else None
-    for name in EXPERT_WEIGHTS:
+    for name in moe.experts.EXPERT_TENSORS:
         out[f"experts.{name}"] = Change(slice=cut, reduce=expert_group)
     if tp > 1:
         for prefix, module in (("router", moe.router), ("shared", moe.shared)):

@@ -48,12 +48,11 @@ from fivecut.comm import Group
 from fivecut.layout import MoEOptions
 from fivecut.mesh import Mesh
 from fivecut.model.lora import AdapterWeights, add_adapters, quantize_frozen
-from fivecut.model.transformer import Attention, LatentAttention, SeedWeights, build_model
+from fivecut.model.transformer import Attention, LatentAttention, MoE, SeedWeights, build_model
 from fivecut.parallel.compile import CompileRecord, compile_blocks, start_record
 from fivecut.parallel.context import apply_context_parallel
 from fivecut.parallel.data import DataParallel, GradSync, Kinds, Piece, SyncSet
 from fivecut.parallel.expert import (
-    EXPERT_WEIGHTS,
     ExpertBalancer,
     ExpertParallelMoE,
     SlotMap,
@@ -178,7 +177,8 @@ class Parallelized:
         """The experts' records follow the layer's placement: the logical experts this rank owns."""
         runtime = self.experts.runtimes[layer]
         cut = expert_slice(runtime.n_experts, runtime.ep.size, runtime.placement.owned()[runtime.ep.rank])
-        for name in (f"layers.{layer}.feed_forward.experts.{w}" for w in EXPERT_WEIGHTS):
+        experts = runtime.moe.experts
+        for name in (f"layers.{layer}.feed_forward.experts.{w}" for w in experts.EXPERT_TENSORS):
             pl = self.placements[name]
             self.placements[name] = dataclasses.replace(
                 pl, slices=tuple(cut if s.group == "ep" else s for s in pl.slices)
@@ -456,12 +456,23 @@ def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> St
         changes |= apply_expert_tensor_parallel(stage, mesh.group("etp"))
     suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ()) + TP_CUT_MLA
     expected = [path for path, _ in stage.named_parameters() if path.endswith(suffixes) and ".experts." not in path]
-    expected += [path for path, _ in stage.named_parameters() if ".experts." in path and dims.etp > 1]
+    expected += [path for path in expert_cuts(stage) if dims.etp > 1]
     expected += adapter_cuts(stage, expected)
     if stage.output is not None and not (args.tie_embeddings and stage.tok_embeddings is not None):
         expected.append("output.weight")
     require("tensor", sorted(p for p, c in changes.items() if c.slice is not None), sorted(expected))
     return changes
+
+
+def expert_cuts(stage: nn.Module) -> list[str]:
+    """The routed experts' tensors expert TP cuts along the hidden size (`GroupedExperts.EXPERT_TENSORS`)."""
+    return [
+        f"layers.{path}.feed_forward.experts.{name}"
+        for path, block in stage.layers.items()
+        if isinstance(block.feed_forward, MoE)
+        for name, dim in block.feed_forward.experts.EXPERT_TENSORS.items()
+        if dim is not None
+    ]
 
 
 def adapter_cuts(stage: nn.Module, cut: list[str]) -> list[str]:

@@ -50,13 +50,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fivecut.model.lora import LoRALinear
+from fivecut.model.lora import LoRAExperts, LoRALinear
 from fivecut.model.transformer import GroupedExperts
 
 CAST = (
     (LoRALinear, ("weight", "bias", "lora_a", "lora_b")),
     (nn.Linear, ("weight", "bias")),
-    (GroupedExperts, ("w1", "w3", "w2")),
+    (LoRAExperts, tuple(LoRAExperts.EXPERT_TENSORS)),
+    (GroupedExperts, tuple(GroupedExperts.EXPERT_TENSORS)),
 )  # module kinds and their matmul weights
 
 

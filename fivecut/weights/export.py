@@ -61,7 +61,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivecut.model.args import ModelArgs
-from fivecut.model.lora import is_adapter
+from fivecut.model.lora import EXPERT_ADAPTERS, is_adapter
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
@@ -284,11 +284,17 @@ def export_entries(path: Path, args: ModelArgs, arch: AnyArchitecture | None, la
 
 
 def with_adapter(entry: Entry, names: dict[str, tuple[int, ...]]) -> Entry:
-    """`entry` merged with its weight's adapters when the checkpoint holds them."""
+    """`entry` merged with its weight's adapters when the checkpoint holds them (a linear layer's
+    `.lora_a`, `.lora_b`; an expert weight's `EXPERT_ADAPTERS`)."""
     base = entry.key.removeprefix("model.").removesuffix(".weight")
-    if f"{base}.lora_a" not in names:
+    holder, _, leaf = base.rpartition(".")
+    if holder.endswith(".experts") and leaf in EXPERT_ADAPTERS:
+        a, b = (f"{holder}.{name}" for name in EXPERT_ADAPTERS[leaf])
+    else:
+        a, b = f"{base}.lora_a", f"{base}.lora_b"
+    if a not in names:
         return entry
-    return dataclasses.replace(entry, adapter=(f"model.{base}.lora_a", f"model.{base}.lora_b"))
+    return dataclasses.replace(entry, adapter=(f"model.{a}", f"model.{b}"))
 
 
 def plain_entries(saved: dict, weights: dict, args: ModelArgs, arch: AnyArchitecture | None) -> list[Entry]:
@@ -412,7 +418,13 @@ def adapter_values(path: Path, entries: list[Entry]) -> dict[str, torch.Tensor]:
 
 
 def merged(entry: Entry, value: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """`value` (the weight, or the box of it a MoE class's part holds) + scale B A over the same box."""
+    """`value` (the weight, or the box of it a MoE class's part holds) + its adapters' update over
+    the same box: scale B A for a linear layer, scale A_e B_e for each expert of a stack."""
+    if a.dim() == 3:  # experts [E, in, out]: A [E, in, r], B [E, r, out]; a part is a run of whole experts
+        if isinstance(entry.map, moe.Part):
+            first, n = entry.map.offsets[0], entry.map.sizes[0]
+            a, b = a[first : first + n], b[first : first + n]
+        return value + scale * (a @ b)  # [E, in, out]
     if isinstance(entry.map, moe.Part):  # a box [rows, columns] of the [out, in] weight
         (r0, c0), (nr, nc) = entry.map.offsets, entry.map.sizes
         b, a = b[r0 : r0 + nr], a[:, c0 : c0 + nc]

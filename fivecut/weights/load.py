@@ -75,7 +75,8 @@ class LayeredSource:
         return self.top.buffer_shapes()
 
     def read(self, name: str, box) -> torch.Tensor:
-        return (self.top if name in self.top.shapes() else self.base).read(name, box)
+        held = name in self.top.shapes() or name in self.top.buffer_shapes()  # a routing bias: the run's
+        return (self.top if held else self.base).read(name, box)
 
     def fill(self, requests) -> None:
         mine = self.top.shapes()

@@ -6,6 +6,12 @@
     adapter_model.safetensors    base_model.model.<module>.lora_A.weight [r, in] and .lora_B.weight
                                  [out, r], fp32, for each adapted module
 
+A MoE class's routed experts (transformers 5 keeps each layer's as two 3-D tensors) are adapted
+through peft's `target_parameters`: `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] and
+`.down_proj` [E, H, I], each with one A [r*E, in] and one B [out, r*E] (expert e: rows e*r.. of
+A, columns e, e+E, .. of B). peft nests the second parameter's wrapper around the first's, so the
+gate_up adapter is stored under `experts.base_layer.lora_A/B` and down's under `experts.lora_A/B`.
+
 `peft.PeftModel.from_pretrained(<the transformers model>, folder)` then computes what fivecut
 does: W x + (alpha / r) B A x. A module's Hugging Face path is its weight's name in the export of
 the model's class (`fivecut.weights.architectures`, `moe_architectures`), less ".weight". Only the
@@ -19,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from fivecut.model.lora import FULL_GROUPS, target_linears
-from fivecut.model.transformer import SeedWeights, build_model
+from fivecut.model.lora import FULL_GROUPS, is_adapter, target_experts, target_linears
+from fivecut.model.transformer import GroupedExperts, SeedWeights, build_model
 from fivecut.train import checkpoint as ckpt
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import TensorMap, for_args
@@ -59,8 +65,10 @@ def export_adapter(checkpoint: Path, out: Path, step: int | None = None, archite
         raise ExportError(f"checkpoint {source}: no Hugging Face class holds this model, so peft has no module names")
     modules = adapted_modules(source, args, arch)
     whole = trained_whole(source, args, arch)
-    tensors = adapter_tensors(source, modules) | whole_tensors(source, whole)
-    config = adapter_config(lora, sorted(modules.values()), meta, sorted(whole.values()))
+    layers = adapted_expert_layers(source)
+    tensors = adapter_tensors(source, modules, row_orders(args, arch)) | whole_tensors(source, whole)
+    tensors |= expert_adapter_tensors(source, layers)
+    config = adapter_config(lora, sorted(modules.values()), meta, sorted(whole.values()), expert_parameters(layers))
     written = write_atomically(out, lambda tmp: write_adapter(tmp, tensors, config))
     for file in written:
         print(f"wrote {out / file}")
@@ -87,14 +95,15 @@ def adapted_modules(source: Path, args, arch) -> dict[str, str]:
 
 def module_paths(args, arch) -> dict[str, str]:
     """fivecut weight (its name less ".weight") -> the Hugging Face module path, for each weight the
-    class `arch` stores whole and as it is (an adapter's A and B are that module's; a weight cut
-    into parts, transposed or with rows permuted has no module peft could adapt)."""
+    class `arch` stores whole, as it is or with its rows permuted (`row_orders`): an adapter's A
+    and B are that module's. A weight cut into parts or transposed has no module peft could adapt."""
     out = {}
     if isinstance(arch, moe.Architecture):
         shapes = expected_shapes(args)
         for name, stored in arch.tensors(args, set(), arch.config(args)).items():
             parts = stored.parts(shapes[name])
-            if len(parts) == 1 and parts[0].transform is moe._whole and not any(parts[0].offsets):
+            rows = parts[0].transform is moe._whole or isinstance(parts[0].transform, moe.Interleave)
+            if len(parts) == 1 and rows and not any(parts[0].offsets):
                 out[name.removesuffix(".weight")] = parts[0].hf_name.removesuffix(".weight")
         return out
     for m in arch.tensors(args):
@@ -107,7 +116,7 @@ def trained_whole(source: Path, args, arch) -> dict[str, str]:
     """lora.full: each weight the checkpoint trained whole -> its Hugging Face module path (peft's
     modules_to_save). A tied embedding is refused: peft would give the head the original weight."""
     names = [k.removeprefix("model.") for k in checkpoint_shapes(source) if k.startswith("model.")]
-    names = [n for n in names if not n.endswith((".lora_a", ".lora_b"))]
+    names = [n for n in names if not is_adapter(n)]
     if args.tie_embeddings and any(n.startswith("tok_embeddings.") for n in names):
         raise ExportError(
             f"checkpoint {source} trained a tied embedding whole; peft's modules_to_save would leave the head on the "
@@ -128,28 +137,114 @@ def whole_tensors(source: Path, whole: dict[str, str]) -> dict:
     return {f"base_model.model.{module}.weight": values[f"model.{name}"].contiguous() for name, module in whole.items()}
 
 
-def adapter_tensors(source: Path, modules: dict[str, str]) -> dict:
-    """peft's names -> A and B, fp32."""
+def row_orders(args, arch) -> dict[str, torch.Tensor]:
+    """fivecut weight (less ".weight") -> [out] the Hugging Face row of each of its rows, for the
+    weights `arch` stores with rows permuted (DeepSeek's interleaved RoPE rows): the update B A
+    of such a weight is theirs with B's rows permuted alike, A as it is."""
+    if not isinstance(arch, moe.Architecture):
+        return {}
+    shapes, out = expected_shapes(args), {}
+    for name, stored in arch.tensors(args, set(), arch.config(args)).items():
+        transform = stored.parts(shapes[name])[0].transform
+        if isinstance(transform, moe.Interleave):
+            out[name.removesuffix(".weight")] = transform.order
+    return out
+
+
+def adapter_tensors(source: Path, modules: dict[str, str], orders: dict[str, torch.Tensor]) -> dict:
+    """peft's names -> A and B, fp32 (B's rows in the class's order)."""
     shapes = checkpoint_shapes(source)
     keys = [f"model.{base}.lora_{x}" for base in modules for x in "ab"]
     values = read_entries(source, [Entry(k, shapes[k], TensorMap(k, (k,))) for k in keys])
     out = {}
     for base, module in modules.items():
+        b = values[f"model.{base}.lora_b"]
+        if base in orders:
+            b = moe.Interleave(orders[base])(b)
         out[f"base_model.model.{module}.lora_A.weight"] = values[f"model.{base}.lora_a"].contiguous()
-        out[f"base_model.model.{module}.lora_B.weight"] = values[f"model.{base}.lora_b"].contiguous()
+        out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
     return out
 
 
-def adapter_config(lora: dict, modules: list[str], meta: dict, whole: list[str]) -> dict:
+def adapted_expert_layers(source: Path) -> list[int]:
+    """The layers whose routed experts the checkpoint holds adapters of."""
+    keys = [k.split(".") for k in checkpoint_shapes(source) if k.startswith("model.") and k.endswith(".w13_lora_a")]
+    return sorted(int(parts[2]) for parts in keys)  # model.layers.N.feed_forward.experts.w13_lora_a
+
+
+def experts_module(layer: int) -> str:
+    """Where transformers 5 keeps a MoE layer's experts (Mixtral, Qwen3-MoE and DeepSeek-V3 alike)."""
+    return f"model.layers.{layer}.mlp.experts"
+
+
+def expert_parameters(layers: list[int]) -> list[str]:
+    """peft's target_parameters: per layer gate_up_proj, then down_proj (the order of the nesting)."""
+    return [f"{experts_module(n)}.{name}" for n in layers for name in ("gate_up_proj", "down_proj")]
+
+
+def expert_adapter_tensors(source: Path, layers: list[int]) -> dict:
+    """peft's names -> the experts' A and B (fp32) of `layers`, from fivecut's stacks."""
+    if not layers:
+        return {}
+    shapes = checkpoint_shapes(source)
+    ours = [f"model.layers.{n}.feed_forward.experts.{name}" for n in layers for name in EXPERT_ADAPTER_NAMES]
+    values = read_entries(source, [Entry(k, shapes[k], TensorMap(k, (k,))) for k in ours])
+    out = {}
+    for n in layers:
+        stack = {name: values[f"model.layers.{n}.feed_forward.experts.{name}"] for name in EXPERT_ADAPTER_NAMES}
+        for module, (a, b) in peft_expert_adapters(stack).items():
+            prefix = f"base_model.model.{experts_module(n)}{module}"
+            out[f"{prefix}.lora_A.weight"], out[f"{prefix}.lora_B.weight"] = a.contiguous(), b.contiguous()
+    return out
+
+
+EXPERT_ADAPTER_NAMES = ("w13_lora_a", "w1_lora_b", "w3_lora_b", "w2_lora_a", "w2_lora_b")
+
+
+def peft_expert_adapters(stack: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """fivecut's stacked expert adapters (`LoRAExperts`) -> peft's (A [r*E, in], B [out, r*E]) by
+    module suffix: gate_up's (the inner wrapper, `.base_layer`), down's."""
+    gate_up_b = torch.cat([stack["w1_lora_b"], stack["w3_lora_b"]], 2)  # [E, r, 2I]: gate rows, then up
+    return {
+        ".base_layer": (flat_a(stack["w13_lora_a"]), flat_b(gate_up_b)),
+        "": (flat_a(stack["w2_lora_a"]), flat_b(stack["w2_lora_b"])),
+    }
+
+
+def flat_a(a: torch.Tensor) -> torch.Tensor:
+    """[E, in, r] -> peft's [E*r, in] (expert e: rows e*r to (e+1)*r)."""
+    return a.transpose(1, 2).reshape(-1, a.shape[1])
+
+
+def flat_b(b: torch.Tensor) -> torch.Tensor:
+    """[E, r, out] -> peft's [out, r*E] (column j*E + e: rank j of expert e)."""
+    return b.permute(2, 1, 0).reshape(b.shape[2], -1)
+
+
+def stacked_a(a: torch.Tensor, experts: int) -> torch.Tensor:
+    """peft's [E*r, in] -> [E, in, r] (`flat_a` undone)."""
+    return a.view(experts, -1, a.shape[1]).transpose(1, 2)
+
+
+def stacked_b(b: torch.Tensor, experts: int) -> torch.Tensor:
+    """peft's [out, r*E] -> [E, r, out] (`flat_b` undone)."""
+    return b.view(b.shape[0], -1, experts).permute(2, 1, 0)
+
+
+def adapter_config(lora: dict, modules: list[str], meta: dict, whole: list[str], parameters: list[str]) -> dict:
     init_from = meta.get("config", {}).get("model", {}).get("init_from") or ""
+    if parameters and lora["dropout"]:
+        print(f"note: peft adapts expert parameters without dropout; {CONFIG_FILE} says lora_dropout 0 (the "
+              f"run's {lora['dropout']} changes training only, not the adapted model)")  # fmt: skip
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": init_from.removeprefix("hf:") or None,
         "r": lora["rank"],
         "lora_alpha": lora["alpha"],
-        "lora_dropout": lora["dropout"],
+        "lora_dropout": 0.0 if parameters else lora["dropout"],
         "target_modules": modules,
+        "target_parameters": parameters or None,  # the routed experts' 3-D weights
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -196,10 +291,15 @@ class PeftSource:
         self.path, self.args, self.folder = folder, args, folder
         self.config = read_json(folder / CONFIG_FILE)
         paths = {module: base for base, module in module_paths(args, arch).items()}
+        self.orders = {f"{base}.lora_b": order for base, order in row_orders(args, arch).items()}
         self.names: dict[str, str] = {}  # fivecut name -> peft's tensor name
         with safe_open(str(folder / ADAPTER_FILE), "pt") as f:
             self.stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            experts = expert_keys(self.config.get("target_parameters") or [], args, folder / CONFIG_FILE)
+            self.experts = expert_stacks(experts, {k: f.get_tensor(k) for k in experts if k in self.stored}, args)
         for key in self.stored:
+            if key in experts:
+                continue
             module, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
             if not module:  # a module trained whole (modules_to_save): base_model.model.<module>.weight
                 module, kind = key.removeprefix("base_model.model.").removesuffix(".weight"), "whole"
@@ -208,7 +308,8 @@ class PeftSource:
             self.names[f"{paths[module]}.{'weight' if kind == 'whole' else 'lora_' + kind[0].lower()}"] = key
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: self.stored[key] for name, key in self.names.items()}
+        stacks = {name: tuple(t.shape) for name, t in self.experts.items()}
+        return {name: self.stored[key] for name, key in self.names.items()} | stacks
 
     def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
         return {}
@@ -216,8 +317,13 @@ class PeftSource:
     def read(self, name: str, box) -> torch.Tensor:
         from safetensors import safe_open
 
+        if name in self.experts:
+            return self.experts[name][box].float()
         with safe_open(str(self.folder / ADAPTER_FILE), "pt") as f:
-            return f.get_tensor(self.names[name])[box].float()
+            value = f.get_tensor(self.names[name])
+        if name in self.orders:  # B of a weight stored with rows permuted: fivecut's row j is their order[j]
+            value = value[self.orders[name]]
+        return value[box].float()
 
     def fill(self, requests) -> None:
         for name, box, view in requests:
@@ -225,6 +331,46 @@ class PeftSource:
 
     def tokenizer(self):
         return None
+
+
+def expert_keys(parameters: list[str], args, where: Path) -> dict[str, tuple[int, str, str]]:
+    """peft's tensor names of the expert adapters `parameters` (its target_parameters) make ->
+    (layer, "gate_up_proj" or "down_proj", "A" or "B"). Of the parameters of one module, the first
+    is wrapped innermost: its adapter's names carry one ".base_layer" for each one after it."""
+    by_module: dict[str, list[str]] = {}
+    for full in parameters:
+        module, _, name = full.rpartition(".")
+        by_module.setdefault(module, []).append(name)
+    moe = {experts_module(n): n for n in range(args.n_layers) if args.moe_layer(n)}
+    out = {}
+    for module, names in by_module.items():
+        odd = [n for n in names if n not in ("gate_up_proj", "down_proj")]
+        if module not in moe or odd:
+            raise WeightsError(
+                f"{where}: target_parameters has {module}.{(odd or names)[0]}, no expert weight of this model "
+                "(fivecut adapts a MoE layer's experts.gate_up_proj and down_proj)"
+            )
+        for i, name in enumerate(names):
+            prefix = f"base_model.model.{module}" + ".base_layer" * (len(names) - 1 - i)
+            out |= {f"{prefix}.lora_{x}.weight": (moe[module], name, x) for x in "AB"}
+    return out
+
+
+def expert_stacks(keys: dict[str, tuple[int, str, str]], tensors: dict[str, torch.Tensor], args) -> dict:
+    """fivecut's stacked expert adapters (`LoRAExperts`, by name) from peft's `tensors`."""
+    out, experts, hidden = {}, args.n_experts, args.expert_dim
+    for key, (layer, param, x) in keys.items():
+        if key not in tensors:
+            continue
+        ours = f"layers.{layer}.feed_forward.experts."
+        t = tensors[key]
+        if x == "A":
+            out[ours + ("w13_lora_a" if param == "gate_up_proj" else "w2_lora_a")] = stacked_a(t, experts)
+        elif param == "down_proj":
+            out[ours + "w2_lora_b"] = stacked_b(t, experts)
+        else:  # [E, r, 2I]: gate's columns, then up's
+            out[ours + "w1_lora_b"], out[ours + "w3_lora_b"] = stacked_b(t, experts).split(hidden, 2)
+    return {name: t.contiguous() for name, t in out.items()}
 
 
 def adapter_problems(folder: Path, rank: int, alpha: float, adapted: dict, args, arch, full=()) -> list[str]:
@@ -266,10 +412,15 @@ def adapter_problems(folder: Path, rank: int, alpha: float, adapted: dict, args,
             f"adapter adapts"
         ]
     for path, layer in adapted.items():
-        want = {f"{path}.lora_a": (rank, layer.in_features), f"{path}.lora_b": (layer.out_features, rank)}
+        if isinstance(layer, GroupedExperts):  # [E, dim, hidden]: the stacks `LoRAExperts` holds
+            (n, dim, hidden), names = layer.w1.shape, EXPERT_ADAPTER_NAMES
+            want = dict(zip((f"{path}.{x}" for x in names), ((n, dim, rank), (n, rank, hidden), (n, rank, hidden),
+                                                            (n, hidden, rank), (n, rank, dim))))  # fmt: skip
+        else:
+            want = {f"{path}.lora_a": (rank, layer.in_features), f"{path}.lora_b": (layer.out_features, rank)}
         for name, shape in want.items():
-            if source.shapes()[name] != shape:
-                key = source.names[name]
+            if source.shapes().get(name) != shape:
+                key = source.names.get(name, name)
                 return [f"{folder / ADAPTER_FILE}: {key} is {list(source.shapes()[name])}, this model's is "
                         f"{list(shape)} (an adapter for another model?)"]  # fmt: skip
     return []
@@ -297,7 +448,8 @@ def lora_adapter_problems(lora, init_from: str | None, args) -> list[str]:
     arch = run_class(init_from, args)
     if arch is None:
         return ["lora.adapter: no Hugging Face class holds this model, so peft's module names mean nothing here"]
-    adapted = target_linears(build_model(args, device="meta"), lora.targets)
+    model = build_model(args, device="meta")
+    adapted = target_linears(model, lora.targets) | target_experts(model, lora.targets)
     return adapter_problems(resolve_path(lora.adapter), lora.rank, lora.alpha, adapted, args, arch, lora.full)
 
 
