@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_hf_dense import TOKENS, hf_model
+from test_hf_moe import TOKENS as MOE_TOKENS
+from test_hf_moe import save_hf as save_moe
 from test_import import import_config, logits_of
 
 from fivecut.cli import main
@@ -46,22 +48,49 @@ def train(sets: list[str]) -> None:
     assert main(["train", *[x for s in sets for x in ("--set", s)]]) == 0
 
 
-def fivecut_logits(byte_cache: str, folder: Path, out: Path, *extra: str) -> torch.Tensor:
+def fivecut_logits(byte_cache: str, folder: Path, out: Path, *extra: str, tokens=TOKENS) -> torch.Tensor:
     """fivecut's model with the run's adapters: its checkpoint as model.init_from, [lora] as the run's."""
     ckpt = next((out / "ckpt").glob("step-*"))
     cfg = import_config(byte_cache, folder, *LORA, f'model.init_from="dcp:{ckpt}"', 'train.dtype="fp32"', *extra)
-    (logits,) = spawn(logits_of, 1, [cfg], TOKENS)
+    (logits,) = spawn(logits_of, 1, [cfg], tokens)
     return logits[0]
 
 
-def test_the_adapters_peft_loads_and_the_merged_model_give_fivecuts_logits(llama, byte_cache, tmp_path, capsys):
+DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mistral": "MistralForCausalLM"}  # fmt: skip
+# every kind of weight a class has, adapted
+# (the dense MLP and shared experts of DeepSeek-V3: `test_an_adapter_peft_would_misread_is_not_exported`)
+TARGETS = {"qwen3_moe": '["attention", "experts"]', "mixtral": '["attention", "experts"]',
+           "deepseek_v3": '["attention", "experts"]'}  # fmt: skip
+ZOO = [
+    "llama",
+    "qwen3_moe",
+    *(pytest.param(kind, marks=pytest.mark.sweep) for kind in ("qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3")),
+]
+
+
+def zoo_model(kind: str, folder: Path) -> tuple[Path, torch.Tensor]:
+    """A tiny random transformers model of `kind` saved to `folder`; the tokens to compare logits on."""
+    if kind in DENSE:
+        hf_model(DENSE[kind]).save_pretrained(folder)
+        return folder, TOKENS
+    save_moe(kind, folder)
+    return folder, MOE_TOKENS
+
+
+@pytest.mark.parametrize("kind", ZOO)
+def test_the_adapters_peft_loads_and_the_merged_model_give_fivecuts_logits(kind, byte_cache, tmp_path, capsys):
+    """Every weight a class has adapted (attention with MLA's projections, dense MLPs, the routed
+    experts through peft's target_parameters, the shared experts), 3 steps, out both ways."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    train(run_sets(byte_cache, llama, tmp_path))
-    ours = fivecut_logits(byte_cache, llama, tmp_path)
-    base = transformers.AutoModelForCausalLM.from_pretrained(llama).float().eval()
+    folder, tokens = zoo_model(kind, tmp_path / "hf")
+    targets = "lora.targets=" + TARGETS.get(kind, '["attention", "mlp"]')
+    train(run_sets(byte_cache, folder, tmp_path, targets))
+    ours = fivecut_logits(byte_cache, folder, tmp_path, targets, tokens=tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
     with torch.no_grad():
-        before = base(TOKENS).logits
+        before = base(tokens).logits
     assert (ours - before).abs().max() > 1e-3  # the adapters trained
     ckpt = str(tmp_path / "ckpt")
     assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
@@ -69,8 +98,8 @@ def test_the_adapters_peft_loads_and_the_merged_model_give_fivecuts_logits(llama
     adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float().eval()
     with torch.no_grad():
-        torch.testing.assert_close(adapted(TOKENS).logits, ours, rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(merged(TOKENS).logits, ours, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(adapted(tokens).logits, ours, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(merged(tokens).logits, ours, rtol=RTOL, atol=ATOL)
 
 
 # ---------------------------------------------------------------- every cut carried, proven against one process
@@ -113,6 +142,8 @@ def test_verify_passes_with_adapters(layout, capsys):
         ("dp=2,tp=2", "bf16"),
         ("dp=2,zero=3", "bf16"),
         ("pp=2,tp=2,microbatches=2", "fp32"),  # each stage reduces its own blocks' adapters
+        ("tp=2,etp=2 moe", "fp32"),  # the expert adapters' whole halves all-reduced over etp
+        pytest.param("dp=2,ep=2 moe", "bf16", marks=pytest.mark.sweep),
     ],
 )
 def test_the_ledger_counts_the_adapters_gradients_and_the_frozen_weights(layout, dtype, capsys):
@@ -120,7 +151,10 @@ def test_the_ledger_counts_the_adapters_gradients_and_the_frozen_weights(layout,
     dtype; a frozen embedding's region and frozen norms reduce nothing), and the model states are
     the adapters' (fp32 masters, gradients, Adam) plus the frozen weights in their dtype: the
     plan's exactly."""
+    layout, _, moe = layout.partition(" ")
     sets = ["--set", "lora.rank=4", "--set", f'train.dtype="{dtype}"']
+    if moe:
+        sets += ["--model", "tiny-moe", "--set", 'lora.targets=["attention", "experts"]']
     assert main(["ledger", "--layout", layout, "--steps", "1", *sets]) == 0
     out = capsys.readouterr().out
     assert "\nratio=1.000" in out and "memory_ratio=1.000" in out, out
@@ -176,6 +210,15 @@ def test_adapters_start_as_the_model_and_only_they_train():
         (["lora.rank=500"], "lora.rank=500 exceeds the smaller side of"),
         (["lora.rank=4", 'lora.full=["bias"]'], "lora.full has 'bias'"),
         (["lora.rank=4", "lora.dropout=1.0"], "lora.dropout=1.0 must be in [0, 1)"),
+        (["lora.rank=4", 'lora.targets=["experts"]'], "'experts', which matches no weight"),  # tiny is dense
+        (
+            ["lora.rank=4", 'lora.targets=["experts"]', 'lora.quantize="nf4"', 'model.preset="tiny-moe"'],
+            "lora.quantize='nf4' quantizes linear layers, not the routed experts",
+        ),
+        (
+            ["lora.rank=200", 'lora.targets=["experts"]', 'model.preset="tiny-moe"'],
+            "lora.rank=200 exceeds the smaller side of layers.1.feed_forward.experts.w2",
+        ),
     ],
 )
 def test_bad_lora_options_are_refused_in_one_line(sets, said, capsys):
@@ -198,13 +241,30 @@ def test_a_layout_adapters_are_not_carried_through_yet_is_refused_by_name(layout
     assert said in err and len(err.strip().splitlines()) == 1, err
 
 
+EPLB = ("moe.eplb_slots=1", "moe.eplb_move=true", "moe.eplb_interval=2", "moe.eplb_window=2")
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["dp=2,ep=2", pytest.param("tp=2,etp=2", marks=pytest.mark.sweep)])
-def test_a_moe_models_adapters_under_its_expert_cuts(layout, capsys):
-    """The routed experts stay frozen when EP or expert TP cuts them (caught: the cut made new
-    Parameters that trained); the attention and dense-MLP adapters equal one process's."""
-    sets = ["--set", "lora.rank=4", "--set", 'train.dtype="fp32"']
-    assert main(["verify", "--model", "tiny-moe", "--layout", layout, "--steps", "3", *sets]) == 0
+@pytest.mark.parametrize(
+    "layout, extra",
+    [
+        ("dp=2,ep=2", ()),
+        ("tp=2,etp=2", ()),
+        pytest.param("dp=2,ep=2", EPLB, marks=pytest.mark.sweep),
+        pytest.param("dp=2,ep=2,zero=3", (), marks=pytest.mark.sweep),
+        pytest.param("dp=2,tp=2,sp=true,ep=2,etp=2", (), marks=pytest.mark.sweep),
+        pytest.param("pp=2,pp_schedule=zb1p,microbatches=4", (), marks=pytest.mark.sweep),
+    ],
+)
+def test_a_moe_models_adapters_under_its_expert_cuts(layout, extra, capsys):
+    """Adapters on every expert (sliced with it by EP, cut on the hidden side by expert TP with the
+    other half's gradient summed over etp -- caught: without the sum, grad norms off by 1e-3 --,
+    sent with the EPLB copies -- caught: copies without them, losses off by 6e-4 from step 3 --)
+    and on attention: losses and gradient norms equal one process's; the experts stay frozen."""
+    sets = ["lora.rank=4", 'lora.targets=["attention", "experts"]', 'train.dtype="fp32"', *extra]
+    steps = "6" if extra else "3"  # EPLB places copies after step 2
+    flags = [x for s in sets for x in ("--set", s)]
+    assert main(["verify", "--model", "tiny-moe", "--layout", layout, "--steps", steps, *flags]) == 0
     assert "PASS" in capsys.readouterr().out
 
 
@@ -267,7 +327,7 @@ def test_the_smollm2_lora_chat_config_trains_adapters_and_exports_them_for_peft(
 # ---------------------------------------------------------------- in: an adapter peft made
 
 
-def peft_adapter(folder: Path, base: Path, **config) -> Path:
+def peft_adapter(folder: Path, base: Path, tokens=TOKENS, **config) -> Path:
     """An adapter made by peft on `base`'s transformers model: A and B random (not peft's zero B),
     then a step of plain PyTorch, saved to `folder`."""
     peft = pytest.importorskip("peft")
@@ -278,7 +338,7 @@ def peft_adapter(folder: Path, base: Path, **config) -> Path:
     torch.manual_seed(3)
     adapted = peft.get_peft_model(model, peft.LoraConfig(**settings))
     optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
-    adapted(TOKENS, labels=TOKENS).loss.backward()
+    adapted(tokens, labels=tokens).loss.backward()
     optimizer.step()
     adapted.save_pretrained(folder)
     return folder
@@ -293,6 +353,38 @@ def test_an_adapter_peft_made_gives_pefts_logits_in_fivecut(llama, byte_cache, t
     base = transformers.AutoModelForCausalLM.from_pretrained(llama).float()
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(base, folder).eval()(TOKENS).logits
+    torch.testing.assert_close(ours[0], theirs, rtol=RTOL, atol=ATOL)
+
+
+def test_an_adapter_peft_would_misread_is_not_exported(byte_cache, tmp_path, capsys):
+    """peft 0.21 takes a DeepSeek-V3's `mlp.gate_proj` for a transformers-4 expert projection: the
+    adapter export is refused in one line naming the module; the merged export still goes out."""
+    folder, tokens = zoo_model("deepseek_v3", tmp_path / "hf")
+    train(run_sets(byte_cache, folder, tmp_path, 'lora.targets=["attention", "mlp", "experts", "shared_experts"]'))
+    ckpt = str(tmp_path / "ckpt")
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "adapter"), "--adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "peft takes model.layers.0.mlp.down_proj" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "adapter").exists()
+    assert main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "merged")]) == 0
+
+
+def test_a_moe_adapter_peft_made_on_the_experts_gives_pefts_logits_in_fivecut(byte_cache, tmp_path):
+    """peft's target_parameters on the fused 3-D experts (gate_up_proj, down_proj; nested wrappers)
+    read into fivecut's per-expert stacks: the logits peft's model gives."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    folder, tokens = zoo_model("qwen3_moe", tmp_path / "hf")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    adapter = peft_adapter(tmp_path / "adapter", folder, MOE_TOKENS, target_modules=["q_proj", "o_proj"],
+                           target_parameters=experts)  # fmt: skip
+    targets = 'lora.targets=["wq", "wo", "experts"]'
+    cfg = import_config(byte_cache, folder, *LORA, targets, f'lora.adapter="{adapter}"', 'train.dtype="fp32"')
+    (ours,) = spawn(logits_of, 1, [cfg], tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).float()
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
     torch.testing.assert_close(ours[0], theirs, rtol=RTOL, atol=ATOL)
 
 

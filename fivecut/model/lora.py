@@ -288,6 +288,13 @@ def adapter_cut(args, moe: bool, targets: list[str], rank: int, tp: int) -> tupl
     return cut, whole
 
 
+def expert_adapter_elements(args, rank: int, slots: int, etp: int) -> int:
+    """Elements of one MoE layer's expert adapters (`LoRAExperts`) on a rank holding `slots` experts
+    cut `etp` ways: the hidden sides (w1's and w3's B [r, hidden], w2's A [hidden, r]) cut, the
+    shared gate/up A [dim, r] and down's B [r, dim] whole."""
+    return slots * (3 * rank * args.expert_dim // etp + 2 * args.dim * rank)
+
+
 def replicated_under_tp(paths: list[str], args, tp: int) -> list[str]:
     """Of the adapted linears `paths`, those tensor parallelism keeps whole on every rank: k and v
     with fewer kv heads than ranks, MLA's down projections, a MoE layer's shared experts."""

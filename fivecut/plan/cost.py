@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
-from fivecut.model.lora import adapter_cut
+from fivecut.model.lora import EXPERTS, adapter_cut, expert_adapter_elements
 from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
@@ -831,8 +831,14 @@ def block_copies(args, cfg, precision: str, moe: bool) -> float:
 
 
 def adapter_elements(args, cfg, moe: bool) -> int:
-    """[lora]: one block's adapter elements on a tp rank (`adapter_cut`)."""
-    return sum(adapter_cut(args, moe, cfg.lora.targets, cfg.lora.rank, cfg.parallel.tp))
+    """[lora]: one block's adapter elements on a tp rank (`adapter_cut`), a MoE block's experts'
+    included (this rank's slots, EPLB's copies among them: `expert_adapter_elements`)."""
+    lo, dims = cfg.lora, cfg.parallel
+    linears = sum(adapter_cut(args, moe, lo.targets, lo.rank, dims.tp))
+    if not moe or EXPERTS not in lo.targets:
+        return linears
+    slots = args.n_experts // dims.ep + cfg.moe.eplb_slots
+    return linears + expert_adapter_elements(args, lo.rank, slots, dims.etp)
 
 
 def in_flight_of(args, cfg) -> list[int]:

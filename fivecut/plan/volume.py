@@ -15,7 +15,7 @@ import torch
 
 from fivecut.ledger import ring_factor
 from fivecut.mesh import Mesh
-from fivecut.model.lora import adapter_cut, nf4_bytes
+from fivecut.model.lora import EXPERTS, adapter_cut, nf4_bytes
 from fivecut.model.transformer import build_model
 from fivecut.parallel.parallelize import ParallelizeOptions, parallelize
 from fivecut.parallel.pipeline.schedule import build_schedule
@@ -395,7 +395,9 @@ def expert_tensor_volume(args, cfg) -> tuple[float, str]:
                   gradient of the tokens and weights [n*T, dim + k]
     each (n-1)/n of the full tensor. Under bf16 the tokens stay in the stream's dtype, the
     outputs (and their gradient) are bf16 (`message_bytes`). A fully recomputed layer runs its
-    forward part again."""
+    forward part again. [lora] on the experts: the gradient of the adapter halves every etp rank
+    holds whole (the shared gate/up A [E, dim, r], down's B [E, r, dim], over this rank's slots)
+    all-reduced in backward, in their copies' dtype (`LoRAExperts.grad_summed`)."""
     dims, train = cfg.parallel, cfg.train
     n, k, h = dims.etp, args.top_k, args.dim
     micro = dims.microbatches if dims.pp > 1 else 1
@@ -405,6 +407,10 @@ def expert_tensor_volume(args, cfg) -> tuple[float, str]:
     stream, a = message_bytes(cfg)  # tokens (and their gradient): the stream's dtype; partial outputs: a
     forward = ring * rows * (h * stream + k * FP32 + choice * 8 + h * a)
     backward = ring * rows * (h * a + h * stream + k * FP32)
+    if cfg.lora.rank is not None and EXPERTS in cfg.lora.targets:
+        slots = args.n_experts // dims.ep + cfg.moe.eplb_slots
+        copies = 2 if precision_of(train.dtype, dims.zero) != "fp32" else FP32
+        backward += ring_factor("all_reduce", n) * copies * slots * 2 * h * cfg.lora.rank
     layers = [i for i in rank_layer_ids(args, cfg) if args.moe_layer(i)]
     again = recomputed_moe_layers(args, cfg)
     volume = train.accumulate * micro * sum(forward + backward + (i in again) * forward for i in layers)

@@ -64,6 +64,7 @@ def export_adapter(checkpoint: Path, out: Path, step: int | None = None, archite
     if arch is None:
         raise ExportError(f"checkpoint {source}: no Hugging Face class holds this model, so peft has no module names")
     modules = adapted_modules(source, args, arch)
+    refuse_renamed_by_peft(source, arch, modules)
     whole = trained_whole(source, args, arch)
     layers = adapted_expert_layers(source)
     tensors = adapter_tensors(source, modules, row_orders(args, arch)) | whole_tensors(source, whole)
@@ -91,6 +92,24 @@ def adapted_modules(source: Path, args, arch) -> dict[str, str]:
             "module for its adapter: export the merged model (without --adapter)"
         )
     return {base: paths[base] for base in adapted}
+
+
+# peft (0.21) reads an adapter of these model types as one made for transformers 4: a target module
+# ending in one of these names is taken for an expert's projection and moved to the fused experts
+PEFT_V4_EXPERT_NAMES = {"deepseek_v3": (".gate_proj", ".up_proj", ".down_proj"),
+                        "qwen3_moe": (".gate_proj", ".up_proj", ".down_proj")}  # fmt: skip
+
+
+def refuse_renamed_by_peft(source: Path, arch, modules: dict[str, str]) -> None:
+    """An adapter peft would load onto other weights than it adapts is not written."""
+    endings = PEFT_V4_EXPERT_NAMES.get(getattr(arch, "model_type", None), ())
+    renamed = sorted(m for m in modules.values() if m.endswith(endings))
+    if renamed:
+        raise ExportError(
+            f"checkpoint {source}: peft takes {renamed[0]} of a {arch.model_type} model for an expert's projection "
+            "(a transformers 4 name) and would load its adapter onto the experts; export the merged model "
+            "(without --adapter), or train without the dense MLP and shared-expert adapters"
+        )
 
 
 def module_paths(args, arch) -> dict[str, str]:
@@ -334,25 +353,29 @@ class PeftSource:
 
 
 def expert_keys(parameters: list[str], args, where: Path) -> dict[str, tuple[int, str, str]]:
-    """peft's tensor names of the expert adapters `parameters` (its target_parameters) make ->
-    (layer, "gate_up_proj" or "down_proj", "A" or "B"). Of the parameters of one module, the first
-    is wrapped innermost: its adapter's names carry one ".base_layer" for each one after it."""
-    by_module: dict[str, list[str]] = {}
-    for full in parameters:
-        module, _, name = full.rpartition(".")
-        by_module.setdefault(module, []).append(name)
-    moe = {experts_module(n): n for n in range(args.n_layers) if args.moe_layer(n)}
-    out = {}
-    for module, names in by_module.items():
-        odd = [n for n in names if n not in ("gate_up_proj", "down_proj")]
-        if module not in moe or odd:
-            raise WeightsError(
-                f"{where}: target_parameters has {module}.{(odd or names)[0]}, no expert weight of this model "
-                "(fivecut adapts a MoE layer's experts.gate_up_proj and down_proj)"
-            )
+    """peft's tensor names of the expert adapters its target_parameters `parameters` make (each a
+    parameter's full name or its ending, as peft matches them) -> (layer, "gate_up_proj" or
+    "down_proj", "A" or "B"). peft wraps a module's parameters in the order the module holds them
+    (gate_up_proj, then down_proj), each around the last: the first one's adapter is stored one
+    ".base_layer" deeper for each targeted after it."""
+
+    def matches(name: str) -> bool:
+        return any(name == t or name.endswith(f".{t}") for t in parameters)
+
+    out, used = {}, set()
+    for layer in (n for n in range(args.n_layers) if args.moe_layer(n)):
+        module = experts_module(layer)
+        names = [p for p in ("gate_up_proj", "down_proj") if matches(f"{module}.{p}")]
+        used |= {t for t in parameters for p in names if f"{module}.{p}" == t or f"{module}.{p}".endswith(f".{t}")}
         for i, name in enumerate(names):
             prefix = f"base_model.model.{module}" + ".base_layer" * (len(names) - 1 - i)
-            out |= {f"{prefix}.lora_{x}.weight": (moe[module], name, x) for x in "AB"}
+            out |= {f"{prefix}.lora_{x}.weight": (layer, name, x) for x in "AB"}
+    odd = [t for t in parameters if t not in used]
+    if odd:
+        raise WeightsError(
+            f"{where}: target_parameters has {odd[0]!r}, no expert weight of this model (fivecut adapts a MoE "
+            "layer's experts.gate_up_proj and down_proj)"
+        )
     return out
 
 
