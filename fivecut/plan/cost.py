@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
-from fivecut.model.lora import EXPERTS, adapter_cut, expert_adapter_elements
+from fivecut.model.lora import EXPERTS, adapter_cut, block_targets, expert_adapter_elements
 from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
@@ -189,6 +189,7 @@ def stage_compute(
     recompute: tuple[str, int],
     embedding: bool = False,
     loss_chunks: int = 0,
+    lora: LoraWork | None = None,
 ) -> dict:
     """FLOPs of `tokens` tokens through a stage: F and B of the matmuls (backward 2x forward,
     with the forward a recomputation repeats) and of the attention core (`attention_F`,
@@ -198,7 +199,9 @@ def stage_compute(
     moves over its dense [V, h] gradient (`embedding_B`: `EMBEDDING_GRAD_BYTES` an element, each
     microbatch, at `Device.memory_gbps`); a loss in `loss_chunks` chunks (the chunked loss, 0: the
     full logits) adds each chunk's [V, h] head gradient into the fp32 one (`head_B`: `CHUNK_GRAD_BYTES`
-    an element, at `Device.memory_gbps`)."""
+    an element, at `Device.memory_gbps`). With `lora` ([lora]) the frozen weights make no dW: their
+    backward is their dx alone (1x forward), the adapters' products add 1x forward and 2x backward,
+    a frozen head's dW is skipped too."""
     matmuls = sum(layer_matmul_flops(args, i) for i in layers) * tokens
     core = attention_flops(args, seq) * tokens * len(layers)
     mode, every = recompute
@@ -211,9 +214,15 @@ def stage_compute(
             repeated_core += attention_flops(args, seq) * tokens
     logits = args.vocab_size * tokens if last else 0
     matmuls += 2 * args.dim * logits
+    backward = 2 * matmuls
+    if lora is not None:
+        adapters = sum(lora.flops[i] for i in layers) * tokens
+        head_dw = 2 * args.dim * logits if lora.head_trained else 0
+        repeated += sum(lora.flops[i] for i in layers if layer_mode(i, mode, every) == "full") * tokens
+        matmuls, backward = matmuls + adapters, matmuls + 2 * adapters + head_dw
     return {
         "F": matmuls,
-        "B": 2 * matmuls + repeated,
+        "B": backward + repeated,
         "attention_F": core,
         "attention_B": 2 * core + repeated_core,
         "loss_F": LOSS_BYTES * logits / 3,  # the loss's passes over the logits: a third forward
@@ -224,6 +233,33 @@ def stage_compute(
         "head_B": CHUNK_GRAD_BYTES * args.vocab_size * args.dim * loss_chunks if last else 0.0,
         "recomputed": repeated + repeated_core,
     }
+
+
+@dataclass(frozen=True)
+class LoraWork:
+    """[lora] as the step's FLOPs see it: each block's adapter FLOPs a token (forward), and whether
+    the head trains (its dW)."""
+
+    flops: tuple[float, ...]  # by layer id
+    head_trained: bool
+
+    @staticmethod
+    def of(args, cfg) -> LoraWork | None:
+        lo = cfg.lora
+        if lo.rank is None:
+            return None
+        flops = tuple(adapter_flops(args, i, lo.targets, lo.rank) for i in range(args.n_layers))
+        return LoraWork(flops, head_training(args, cfg)[0])
+
+
+def adapter_flops(args, layer_id: int, targets: list[str], rank: int) -> float:
+    """Forward FLOPs a token of block `layer_id`'s adapters: x A then (x A) B, 2 r (in + out) for
+    each adapted linear; for each of the top_k experts a token visits, its gate/up A, the two B's
+    and down's A and B (`LoRAExperts`)."""
+    linears = sum(2 * rank * (n_in + n_out) for _, n_in, n_out in block_targets(args, layer_id, tuple(targets)))
+    if not (args.moe_layer(layer_id) and EXPERTS in targets):
+        return linears
+    return linears + args.top_k * 2 * rank * (2 * args.dim + 3 * args.expert_dim)
 
 
 def block_forward_kernels(args, layer_id: int, experts: int = 0) -> int:
@@ -462,6 +498,7 @@ def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int
     d, t = cfg.parallel, cfg.train
     key = (model_token(args), layers.start, layers.stop, first, last, tokens_mb, t.seq_len, t.dtype, d.zero >= 3)
     key += (t.recompute, t.recompute_every, d.tp, d.sp, d.cp, d.cp_mode, d.cp_ulysses, d.etp, d.ep, t.loss_chunk_tokens)
+    key += (repr(cfg.lora),)
     if key not in STAGE_WORK:
         recompute = (t.recompute, t.recompute_every)
         rows = tokens_mb // (t.seq_len // d.cp)  # sequences per microbatch
@@ -474,7 +511,8 @@ def stage_work(args, cfg, layers: range, first: bool, last: bool, tokens_mb: int
                 t.seq_len,
                 recompute,
                 first and dense_embedding(args, cfg),
-                chunks_of(t.loss_chunk_tokens, tokens_mb),
+                chunks_of(t.loss_chunk_tokens, tokens_mb) if head_training(args, cfg)[0] else 0,
+                LoraWork.of(args, cfg),
             ),
             stage_kernels(args, layers, first, last, recompute, args.n_experts // d.ep),
             stage_traffic(args, cfg, layers, rows),
@@ -490,7 +528,10 @@ def chunks_of(chunk_tokens: int, tokens_mb: int) -> int:
 
 def dense_embedding(args, cfg) -> bool:
     """Whether the embedding's backward writes a dense [V, h] gradient each microbatch: not under a
-    split backward (zero-bubble schedules: W adds the rows a microbatch looked up, `wgrad`)."""
+    split backward (zero-bubble schedules: W adds the rows a microbatch looked up, `wgrad`), nor
+    for a frozen embedding ([lora] without "embeddings" in lora.full)."""
+    if cfg.lora.rank is not None and "embeddings" not in cfg.lora.full:
+        return False
     return cfg.parallel.pp == 1 or not pipeline_plan(args, cfg)[0].split_backward
 
 
