@@ -74,6 +74,7 @@ def activation_bytes_per_layer(
     documents: bool = False,
     fused_norm: bool = False,
     split: bool = False,
+    idle: frozenset[str] = frozenset(),
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -95,7 +96,10 @@ def activation_bytes_per_layer(
     backward and keeps none. `fused_norm`: the norms run CUDA's fused kernel (`norm_bytes`).
     `split`: the zero-bubble split of backward (`fivecut.parallel.pipeline.wgrad`): its linears
     keep their input as it comes, so under autocast over fp32 weights each norm's fp32 output is
-    kept once (this rank's slice under SP) instead of each reader's bf16 cast of it."""
+    kept once (this rank's slice under SP) instead of each reader's bf16 cast of it. `idle`: the
+    block's linears (paths inside it: "attention.wq", "feed_forward.router") that keep no input,
+    frozen without an adapter ([lora]): no bf16 cast of it under autocast, the norm's output not
+    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -109,9 +113,12 @@ def activation_bytes_per_layer(
     kv_heads_per_rank = max(args.n_kv_heads // tp, 1)
     if u > 1 and kv_heads_per_rank % u:
         kv_heads_per_rank = args.n_heads // tp
-    readers = 2 if args.is_mla else 3  # the linears reading the attention's norm: wq_a (or wq), wkv_a; wq, wk, wv
-    norms = read_norm_bytes(precision, h, cut, readers, fused_norm, split)
-    norms += read_norm_bytes(precision, h, cut, 0 if moe_rows is not None else 2, fused_norm, split)
+    # the linears reading the attention's norm: wq_a (or wq), wkv_a; wq, wk, wv; the MLP's: w1, w3
+    first = ("wq_a" if args.q_lora_rank else "wq", "wkv_a") if args.is_mla else ("wq", "wk", "wv")
+    readers = sum(f"attention.{n}" not in idle for n in first)
+    mlp_readers = sum(f"feed_forward.{n}" not in idle for n in ("w1", "w3")) if moe_rows is None else 0
+    norms = kept_norm_bytes(precision, h, cut, readers, fused_norm, split, readers > 0)
+    norms += kept_norm_bytes(precision, h, cut, mlp_readers, fused_norm, split, moe_rows is None or moe_reads(idle))
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
@@ -123,7 +130,8 @@ def activation_bytes_per_layer(
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
         attention += head_norm_bytes(args, tp, kv_heads_per_rank, precision, u > 1, fused_norm)
-    mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
+    product = plain and "feed_forward.w2" in idle  # the SwiGLU product w2 would keep for its dW
+    mlp = a * (swiglu - product) * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
@@ -133,7 +141,23 @@ def activation_bytes_per_layer(
         dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
-    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots, split)
+    return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots, split, idle)
+
+
+def kept_norm_bytes(precision: str, h: int, cut: int, readers: int, fused: bool, split: bool,
+                    read: bool = True) -> float:  # fmt: skip
+    """`read_norm_bytes` of a norm whose output `readers` linears keep (casts under autocast); when
+    nothing keeps the output (`read` false: every reader idle, [lora]), fp32 and bf16-params leave
+    it out too (the frozen norm weight's product keeps nothing of it)."""
+    out = read_norm_bytes(precision, h, cut, readers, fused, split)
+    if read or precision == "bf16":
+        return out
+    return out - (FP32 if precision == "fp32" else 2) * h / cut
+
+
+def moe_reads(idle: frozenset[str]) -> bool:
+    """Whether a MoE layer's router or shared experts keep the normalized input (not all idle)."""
+    return not {"feed_forward.router", "feed_forward.shared.w1", "feed_forward.shared.w3"} <= idle
 
 
 def read_norm_bytes(precision: str, h: int, cut: int, readers: int, fused: bool, split: bool) -> float:
@@ -334,6 +358,7 @@ def moe_bytes(
     ep: int = 1,
     eplb_slots: int = 0,
     split: bool = False,
+    idle: frozenset[str] = frozenset(),
 ) -> float:
     """What a MoE feed-forward keeps for backward on one rank, dropless and without the auxiliary
     loss (its input, the normalized residual, is counted with the norms). T = this rank's tokens
@@ -360,7 +385,8 @@ def moe_bytes(
     (the router's and the shared experts' two; the routed experts' one grouped GEMM reads its
     rows once, in the matmuls' dtype: R*h); under the zero-bubble split (`split`) the router and
     the shared experts keep the fp32 input itself instead, once: 4*T*h
-    (its weights are the step's compute copies, held once: `weight_copies`)."""
+    (its weights are the step's compute copies, held once: `weight_copies`). `idle` ([lora]): the
+    router and shared experts' linears that keep no input (`activation_bytes_per_layer`)."""
     t, k, h, e = tokens, args.top_k, args.dim, args.n_experts
     gathered = etp * t  # the tokens the dispatch and the combine see
     a, casts = BYTES[precision], precision == "bf16"
@@ -368,8 +394,11 @@ def moe_bytes(
     stats = FP32 * (t * e + renormalize)
     shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
     rows = received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
-    casts_kept = (FP32 / a if split else 1 + 2 * (shared > 0)) if casts else 0  # router's, shared's
-    rows += swiglu * t * shared + t * h * casts_kept
+    readers = ("router",) + (("shared.w1", "shared.w3") if shared > 0 else ())
+    reading = sum(f"feed_forward.{n}" not in idle for n in readers)
+    casts_kept = (FP32 / a * (reading > 0) if split else reading) if casts else 0  # router's, shared's
+    product = swiglu == 4 and "feed_forward.shared.w2" in idle  # the shared SwiGLU's product, unread
+    rows += (swiglu - product) * t * shared + t * h * casts_kept
     local = e // ep + eplb_slots
     grouped = 4 * local + (8 * 2 * received if ep > 1 else 0)  # group ends; the slot-major reorder
     stacked = a * 3 * local * h * args.expert_dim // etp + 8 * eplb_slots if eplb_slots else 0

@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivecut.mesh import Mesh
-from fivecut.model.lora import EXPERTS, adapter_cut, block_targets, expert_adapter_elements
+from fivecut.model.lora import EXPERTS, TARGET_GROUPS, adapter_cut, block_targets, expert_adapter_elements
 from fivecut.parallel.pipeline.schedule import boundary_frontier, peak_in_flight
 from fivecut.parallel.pipeline.simulate import compiled, timed
 from fivecut.plan.activations import (
@@ -835,7 +835,8 @@ def block_bytes(
     moe = args.moe_layer(layer)
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
-    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg))
+    idle = idle_linears(args, cfg, layer)
+    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg), idle)
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -854,8 +855,21 @@ def block_bytes(
             eplb_slots=cfg.moe.eplb_slots,
             fused_norm=fused_norm,
             split=split_backward(args, cfg),
+            idle=idle,
         )
     return BLOCK_BYTES[key]
+
+
+def idle_linears(args, cfg, layer: int) -> frozenset[str]:
+    """[lora]: block `layer`'s linears frozen without an adapter (they keep no input for a weight
+    gradient): those `lora.targets` leave out, and a MoE layer's router."""
+    lo = cfg.lora
+    if lo.rank is None:
+        return frozenset()
+    every = {path for path, _, _ in block_targets(args, layer, tuple(TARGET_GROUPS))}
+    adapted = {path for path, _, _ in block_targets(args, layer, tuple(lo.targets))}
+    router = {"feed_forward.router"} if args.moe_layer(layer) else set()
+    return frozenset(every - adapted | router)
 
 
 BLOCK_BYTES: dict[tuple, float] = {}
