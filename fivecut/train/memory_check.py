@@ -123,7 +123,9 @@ class StepTracker(MemTracker):
     def _update_peak_stats(self, peak_state) -> None:
         if self.moment is None:
             return  # the module-wise and global peaks of MemTracker are not read: skip their cost
-        for snap in self._curr_mem_snap.values():
+        for device, snap in self._curr_mem_snap.items():
+            if str(device) == "meta":
+                continue
             total = snap["Total"]
             if total > self.peaks.get(self.moment, -1):
                 self.peaks[self.moment] = total
@@ -155,7 +157,10 @@ class StepTracker(MemTracker):
         self.peaks[moment] = self.snaps[moment]["Total"]
 
     def now(self) -> dict:
-        return dict(next(iter(self._curr_mem_snap.values()), {"Total": 0}))
+        """What is live now on the step's device. A meta tensor holds no memory but gets an entry of
+        its own (a frozen weight's meta shell, [lora]), which may come first."""
+        held = [snap for device, snap in self._curr_mem_snap.items() if str(device) != "meta"]
+        return dict(held[0]) if held else {"Total": 0}
 
 
 def dense_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
