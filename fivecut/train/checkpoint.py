@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -43,7 +44,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -69,6 +72,77 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message names the file and what does not match."""
+
+
+# ---------------------------------------------------------------- .metadata read without running code
+
+DCP_METADATA = ".metadata"  # DCP's index of the checkpoint: a pickle
+# what DCP's metadata is made of (torch 2.13; `torch.save`-free): its records, the filesystem's
+# storage records, and the torch and pathlib values they hold. Nothing else may be created.
+METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib._local", "PosixPath"),  # the same class on Python >= 3.13
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata only: a global outside `METADATA_CLASSES` (or a dtype) is refused
+    before it is looked up, so a crafted file cannot call anything (as `torch.load(weights_only=True)`)."""
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in METADATA_CLASSES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which is not part of DCP's metadata")
+
+
+def dcp_metadata(path: Path) -> Metadata:
+    """The DCP metadata of the checkpoint at `path`, unpickled by `MetadataUnpickler`; anything else
+    in it is refused with a `CheckpointError` naming the file."""
+    file = Path(path) / DCP_METADATA
+    try:
+        with file.open("rb") as stream:
+            metadata = MetadataUnpickler(stream).load()
+    except OSError as err:
+        raise CheckpointError(f"{file} cannot be read ({err.strerror or err})") from None
+    except Exception as err:  # noqa: BLE001 -- whatever a crafted or broken pickle raises: refused, never run
+        raise CheckpointError(
+            f"{file} is refused: {err}. A DCP checkpoint's .metadata holds only DCP's records; this one could run "
+            "code when opened, so fivecut does not open it; get the checkpoint again from a source you trust"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP's Metadata; it is not a checkpoint")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's filesystem reader whose `.metadata` is read by `dcp_metadata`: every door fivecut opens a
+    checkpoint through (resume, `dcp:` weights, export, convert, `fivecut checkpoint`) uses it."""
+
+    def __init__(self, path: Path | str):
+        super().__init__(str(path))
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as DCP's own reader
+        return metadata
 
 
 # ---------------------------------------------------------------- chunks of global tensors
@@ -534,6 +608,7 @@ def to_resume(root: str | None, resume: str) -> Path | None:
         path = Path(resume).expanduser()
     if path is not None:
         refuse_weights_only(path, read_meta(path))  # and what is not a complete checkpoint
+        dcp_metadata(path)  # a .metadata that is more than DCP's records: refused before any process starts
     return path
 
 
@@ -571,11 +646,12 @@ def load(path: Path, par, optimizer, model: dict, accepted: set[str] = frozenset
     refuse_weights_only(path, meta)
     check_model(path, meta, model, accepted)
     verify_files(path, meta)
+    dcp_metadata(path)  # every rank alike, before DCP (which would turn the refusal into a failed collective)
     restore_moe(par, meta.get("moe", {}))
     ensure_optimizer_state(optimizer)
     table = state_table(par, optimizer)
     with collectives(f"load of {path}"):
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=TableLoadPlanner(table, path))
+        dcp.load({}, storage_reader=SafeReader(path), planner=TableLoadPlanner(table, path))
     step = float(table["optim.step"].chunks[0].view)
     for state in optimizer.state.values():
         state["step"].fill_(step)
@@ -588,6 +664,7 @@ def info(path: Path) -> list[str]:
     if not complete(path) and newest(path) is not None:
         path = newest(path)
     meta = read_meta(path)
+    dcp_metadata(path)  # refused before anything else is said of it
     problems = file_problems(path, meta)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return [
@@ -609,7 +686,7 @@ def full_state(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     problems = file_problems(path, meta)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
-    reader = dcp.FileSystemReader(str(path))
+    reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)

@@ -49,7 +49,7 @@ class DCPSource:
             raise WeightsError(f"checkpoint {self.path} is damaged: " + "; ".join(damaged))
         self.meta = meta
         self.args = ModelArgs(**meta["model"])
-        saved = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        saved = ckpt.dcp_metadata(self.path).state_dict_metadata
         self.saved = {key: tuple(m.size) for key, m in saved.items() if isinstance(m, TensorStorageMetadata)}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -77,7 +77,7 @@ class DCPSource:
             entry.chunks.append(Chunk(tuple(b.start for b in box), view))
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            reader = dcp.FileSystemReader(str(self.path))
+            reader = ckpt.SafeReader(self.path)
             dcp.load({}, storage_reader=reader, planner=TableLoadPlanner(table, self.path), no_dist=True)
 
     def tokenizer(self):
