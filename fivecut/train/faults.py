@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from fivecut import comm
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 NONFINITE_EXIT = 3  # exit status of a run stopped by a non-finite loss or gradient
 COLLECTIVE_EXIT = 1  # exit status of a rank whose collective failed or timed out
+SAVES_FAILED_EXIT = 2  # exit status of a run stopped by checkpoint.max_failures failed saves in a row
 
 
 class TrainingStopped(Exception):
@@ -111,6 +113,37 @@ class NonFiniteGuard:
             f"{self.in_a_row} non-finite {steps} in a row up to step {step} (train.max_skipped={self.max_skipped}); "
             "stopped",
             NONFINITE_EXIT,
+        )
+
+
+@dataclass
+class SaveFailures:
+    """`checkpoint.on_error = "continue"` applied save by save: a failed save (abandoned on every
+    rank, `checkpoint.SaveFailed`) is said in one line and recorded by `report(line, record)` (rank
+    0's log and metrics.jsonl), and training goes on; `max_failures` in a row stop the run."""
+
+    max_failures: int
+    report: Callable[[str | None, dict], None]
+    in_a_row: int = 0
+
+    def saved(self) -> None:
+        self.in_a_row = 0
+
+    def failed(self, step: int, error: Exception) -> None:
+        """Say and record the failed save of `step`; raises `TrainingStopped` (exit 2) at the limit."""
+        self.in_a_row += 1
+        record = {"step": step, "checkpoint_failed": str(error), "failures_in_a_row": self.in_a_row}
+        if self.in_a_row >= self.max_failures:
+            self.report(None, record)
+            raise TrainingStopped(
+                f"{self.in_a_row} checkpoint saves in a row failed, the last of step {step} "
+                f"(checkpoint.max_failures={self.max_failures}): {error}",
+                SAVES_FAILED_EXIT,
+            )
+        self.report(
+            f"fivecut: the checkpoint of step {step} was not saved, training goes on "
+            f"({self.in_a_row} of checkpoint.max_failures={self.max_failures} in a row): {error}",
+            record,
         )
 
 

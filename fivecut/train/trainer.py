@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fivecut.config import Config, lr_floor, model_label, settle_min_lr
 from fivecut.ledger import Row
 from fivecut.train import checkpoint
-from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, signal_stop
+from fivecut.train.faults import NonFiniteGuard, SaveFailures, SignalFlag, Verdict, agree, signal_stop
 from fivecut.train.infer import greedy_sample
 from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
@@ -85,6 +85,7 @@ def train(
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped)
     start = resume_from(ctx, resume, guard, accept)
     log = Logger(ctx, quiet, resumed=start > 0)
+    saves = SaveFailures(cfg.checkpoint.max_failures, log.report) if cfg.checkpoint.on_error == "continue" else None
     log.record(ctx.start.record())
     result = RunResult()
     if start == 0 and ctx.val_batches and cfg.model.init_from is not None:  # fine-tuning: where it starts
@@ -94,9 +95,9 @@ def train(
         with SignalFlag() as signals:
             last = launch_end(cfg, start)
             for step in range(start + 1, last + 1):
-                run_step(ctx, step, result, log, guard, signals, measure_activations)
+                run_step(ctx, step, result, log, guard, signals, measure_activations, saves)
         if last < cfg.train.steps:
-            end_launch(ctx, last, guard, log)
+            end_launch(ctx, last, guard, log, saves)
     except BaseException:
         log.abort()
         raise
@@ -114,10 +115,10 @@ def launch_end(cfg: Config, start: int) -> int:
     return min(t.steps, start + t.launch_steps) if t.launch_steps else t.steps
 
 
-def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log) -> None:
+def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log, saves: SaveFailures | None = None) -> None:
     """train.launch_steps are done: the checkpoint at `step` (when not saved already) and one line."""
     if not checkpoint_due(ctx.cfg, step):
-        save_checkpoint(ctx, step, guard)
+        save_checkpoint(ctx, step, guard, saves)
     t = ctx.cfg.train
     log.print(
         f"fivecut: this launch ran its train.launch_steps={t.launch_steps} steps and stopped at step {step} of "
@@ -139,7 +140,7 @@ def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, 
     root = ctx.cfg.checkpoint.dir
     if root is not None and ctx.is_logger:
         checkpoint.clean_partial(Path(root).expanduser())  # what a killed save left behind
-    path = checkpoint.to_resume(root, resume)
+    path = checkpoint.to_resume(root, resume, hashed=True)  # "auto": damaged newer ones set aside
     saved = checkpoint.read_meta(path) if path is not None else None
     settle_min_lr(ctx.cfg.train, saved and saved["config"])
     ctx.start = resume_changes(path, saved, ctx.cfg, accept)
@@ -149,7 +150,7 @@ def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, 
         print_lines(ctx, ctx.start.lines())
         return 0
     model = dataclasses.asdict(model_args(ctx.cfg.model))
-    meta = checkpoint.load(path, ctx.par, ctx.optimizer, model, {c.key for c in ctx.start.accepted})
+    meta = checkpoint.load(path, ctx.par, ctx.optimizer, model, {c.key for c in ctx.start.accepted}, resume == "auto")
     if guard is not None:  # the learning rate counts applied updates: step - skipped
         guard.total = meta.get("skipped_total", 0)
     ctx.overrides = meta.get("overrides", []) + ([ctx.start.record()] if ctx.start.accepted else [])
@@ -172,9 +173,12 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
     return c.dir is not None and (step == cfg.train.steps or (c.every > 0 and step % c.every == 0))
 
 
-def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None) -> Path | None:
+def save_checkpoint(
+    ctx: Context, step: int, guard: NonFiniteGuard | None = None, saves: SaveFailures | None = None
+) -> Path | None:
     """Every rank writes its part of the state at `step` (see `fivecut.train.checkpoint`), when a
-    checkpoint.dir is set."""
+    checkpoint.dir is set. A save that fails on any rank fails on every rank: the run stops (exit 2),
+    or with `saves` (checkpoint.on_error = "continue") goes on without it; returns None then."""
     cfg = ctx.cfg
     if cfg.checkpoint.dir is None:
         return None
@@ -191,12 +195,22 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
         "data": ctx.sampler.position(step),  # (epoch, index) and the stores read: compared on resume
         "base": frozen_base(cfg),  # [lora]: the frozen weights the checkpoint does not hold, compared on resume
     }
-    return checkpoint.save(
-        Path(cfg.checkpoint.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, cfg.checkpoint.keep
-    )
+    c = cfg.checkpoint
+    try:
+        path = checkpoint.save(Path(c.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, c.keep, c.verify)
+    except checkpoint.SaveFailed as err:
+        if saves is None:
+            raise
+        saves.failed(step, err)
+        return None
+    if saves is not None:
+        saves.saved()
+    return path
 
 
-def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, signals: SignalFlag, measure) -> None:
+def run_step(
+    ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, signals: SignalFlag, measure, saves=None
+) -> None:
     """One optimizer step, logged (and saved when due); raises `TrainingStopped` when every rank agreed to stop here."""
     cfg = ctx.cfg
     ctx.mesh.ledger.begin_step(step)
@@ -236,20 +250,20 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
     if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
         record["val_loss"] = result.val_losses[step] = evaluate(ctx)
     log.step(record, elapsed)
-    stop_after(ctx, step, verdict, guard)
+    stop_after(ctx, step, verdict, guard, saves)
 
 
-def stop_after(ctx: Context, step: int, verdict: Verdict, guard: NonFiniteGuard) -> None:
+def stop_after(ctx: Context, step: int, verdict: Verdict, guard: NonFiniteGuard, saves=None) -> None:
     """A signal: save (when a checkpoint.dir is set), then stop; too many skipped steps: stop
     without saving; otherwise save when due."""
     if verdict.signal:
-        save_checkpoint(ctx, step, guard)
+        save_checkpoint(ctx, step, guard, saves)
         raise signal_stop(verdict.signal, step)
     exhausted = guard.exhausted(step)
     if exhausted is not None:
         raise exhausted
     if checkpoint_due(ctx.cfg, step):
-        save_checkpoint(ctx, step, guard)
+        save_checkpoint(ctx, step, guard, saves)
 
 
 class Logger:
@@ -290,6 +304,12 @@ class Logger:
         """A record of metrics.jsonl that is not a step's (the config changes a resume accepted)."""
         if self.active and record is not None:
             self.sink.write(record)
+
+    def report(self, line: str | None, record: dict) -> None:
+        """A line for the log (None: none) and a record for metrics.jsonl (a failed save's)."""
+        if line is not None:
+            self.print(line)
+        self.record(record)
 
     def before_training(self, val_loss: float) -> None:
         """The imported model's validation loss, as step 0 (in the log and metrics.jsonl)."""
