@@ -192,6 +192,7 @@ class CheckpointConfig:
     verify: bool = True  # re-read a finished save's files against their sha256 before older ones are deleted
     on_error: str = "stop"  # a save that fails on any rank: "stop" the run (exit 2), or "continue" without it
     max_failures: int = 3  # on_error="continue": this many failed saves in a row stop the run (exit 2)
+    async_mode: str = "off"  # "off": a save blocks the step; "thread" / "process": written in the background
 
 
 @dataclass

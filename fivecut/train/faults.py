@@ -10,8 +10,9 @@ Three things end a run before its last step:
   `CollectiveError`, which the CLI reports in one line.
 
 Signals arrive at different ranks at different moments, so each step ends with one small
-all-reduce (max) over every rank of [signal number, non-finite flag] on the `control` cut:
-all ranks see the same two numbers and take the same decision.
+all-reduce (max) over every rank of [signal number, non-finite flag, writing flag] on the
+`control` cut: all ranks see the same three numbers and take the same decision (the writing flag:
+a background checkpoint save still writing on some rank, `fivecut.train.saving`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Verdict:
 
     signal: int  # 0: none received on any rank
     nonfinite: bool
+    writing: bool = False  # a background save still writing on some rank
 
 
 class SignalFlag:
@@ -68,12 +70,12 @@ class SignalFlag:
         self.received = self.received or signum
 
 
-def agree(group: comm.Group, received: int, loss: float, norm: float) -> Verdict:
-    """Combine every rank's [signal, non-finite] by max over `group` (all ranks)."""
+def agree(group: comm.Group, received: int, loss: float, norm: float, writing: bool = False) -> Verdict:
+    """Combine every rank's [signal, non-finite, writing] by max over `group` (all ranks)."""
     nonfinite = not (math.isfinite(loss) and math.isfinite(norm))
-    flags = torch.tensor([received, int(nonfinite)], dtype=torch.int32)
+    flags = torch.tensor([received, int(nonfinite), int(writing)], dtype=torch.int32)
     comm.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
-    return Verdict(int(flags[0]), bool(flags[1]))
+    return Verdict(int(flags[0]), bool(flags[1]), bool(flags[2]))
 
 
 def signal_stop(signum: int, step: int) -> TrainingStopped:

@@ -15,13 +15,14 @@ import torch.distributed as dist
 from fivecut.config import Config, lr_floor, model_label, settle_min_lr
 from fivecut.ledger import Row
 from fivecut.train import checkpoint
-from fivecut.train.faults import NonFiniteGuard, SaveFailures, SignalFlag, Verdict, agree, signal_stop
+from fivecut.train.faults import NonFiniteGuard, SignalFlag, TrainingStopped, Verdict, agree, signal_stop
 from fivecut.train.infer import greedy_sample
 from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
 from fivecut.train.resume import check_data_position, frozen_base, resume_changes
 from fivecut.train.run import Context, evaluate, forward_backward, global_mean, measuring_loss_peak, setup
+from fivecut.train.saving import Saves
 from fivecut.weights.load import model_args
 
 
@@ -85,19 +86,14 @@ def train(
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped)
     start = resume_from(ctx, resume, guard, accept)
     log = Logger(ctx, quiet, resumed=start > 0)
-    saves = SaveFailures(cfg.checkpoint.max_failures, log.report) if cfg.checkpoint.on_error == "continue" else None
+    saves = Saves(cfg.checkpoint, log.report, cfg.train.collective_timeout)
     log.record(ctx.start.record())
     result = RunResult()
     if start == 0 and ctx.val_batches and cfg.model.init_from is not None:  # fine-tuning: where it starts
         result.val_losses[0] = evaluate(ctx)
         log.before_training(result.val_losses[0])
     try:
-        with SignalFlag() as signals:
-            last = launch_end(cfg, start)
-            for step in range(start + 1, last + 1):
-                run_step(ctx, step, result, log, guard, signals, measure_activations, saves)
-        if last < cfg.train.steps:
-            end_launch(ctx, last, guard, log, saves)
+        run_steps(ctx, start, result, log, guard, measure_activations, saves)
     except BaseException:
         log.abort()
         raise
@@ -109,13 +105,30 @@ def train(
     return result
 
 
+def run_steps(ctx: Context, start: int, result: RunResult, log, guard: NonFiniteGuard, measure, saves: Saves) -> None:
+    """This launch's steps after `start`; a save still writing in the background is finished
+    before it returns, and before an early stop leaves."""
+    cfg = ctx.cfg
+    try:
+        with SignalFlag() as signals:
+            last = launch_end(cfg, start)
+            for step in range(start + 1, last + 1):
+                run_step(ctx, step, result, log, guard, signals, measure, saves)
+        if last < cfg.train.steps:
+            end_launch(ctx, last, guard, log, saves)
+    except TrainingStopped:  # every rank stops after the same step: the save in flight completes
+        saves.close()
+        raise
+    saves.close()
+
+
 def launch_end(cfg: Config, start: int) -> int:
     """The last step this launch runs: train.steps, or train.launch_steps after where it started."""
     t = cfg.train
     return min(t.steps, start + t.launch_steps) if t.launch_steps else t.steps
 
 
-def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log, saves: SaveFailures | None = None) -> None:
+def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log, saves: Saves | None = None) -> None:
     """train.launch_steps are done: the checkpoint at `step` (when not saved already) and one line."""
     if not checkpoint_due(ctx.cfg, step):
         save_checkpoint(ctx, step, guard, saves)
@@ -174,11 +187,11 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
 
 
 def save_checkpoint(
-    ctx: Context, step: int, guard: NonFiniteGuard | None = None, saves: SaveFailures | None = None
+    ctx: Context, step: int, guard: NonFiniteGuard | None = None, saves: Saves | None = None
 ) -> Path | None:
     """Every rank writes its part of the state at `step` (see `fivecut.train.checkpoint`), when a
-    checkpoint.dir is set. A save that fails on any rank fails on every rank: the run stops (exit 2),
-    or with `saves` (checkpoint.on_error = "continue") goes on without it; returns None then."""
+    checkpoint.dir is set: blocking, returning its folder; or through the run's `saves`
+    (`fivecut.train.saving`: in the background, a failed save per checkpoint.on_error), returning None."""
     cfg = ctx.cfg
     if cfg.checkpoint.dir is None:
         return None
@@ -195,17 +208,11 @@ def save_checkpoint(
         "data": ctx.sampler.position(step),  # (epoch, index) and the stores read: compared on resume
         "base": frozen_base(cfg),  # [lora]: the frozen weights the checkpoint does not hold, compared on resume
     }
-    c = cfg.checkpoint
-    try:
-        path = checkpoint.save(Path(c.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, c.keep, c.verify)
-    except checkpoint.SaveFailed as err:
-        if saves is None:
-            raise
-        saves.failed(step, err)
-        return None
-    if saves is not None:
-        saves.saved()
-    return path
+    c, root = cfg.checkpoint, Path(cfg.checkpoint.dir).expanduser()
+    if saves is None:
+        return checkpoint.save(root, step, ctx.par, ctx.optimizer, meta, c.keep, c.verify)
+    saves.save(root, step, ctx.par, ctx.optimizer, meta)
+    return None
 
 
 def run_step(
@@ -225,7 +232,7 @@ def run_step(
     loss = global_mean(ctx, local)
     norm = clip(ctx)
     with ctx.mesh.ledger.phase("optimizer"):
-        verdict = agree(ctx.control_group, signals.received, loss, norm)
+        verdict = agree(ctx.control_group, signals.received, loss, norm, saves is not None and saves.writing())
     skipped = guard.skips(step, verdict.nonfinite, loss, norm)
     if not skipped:
         optimizer_step(ctx, step - guard.total, moe)
@@ -254,8 +261,11 @@ def run_step(
 
 
 def stop_after(ctx: Context, step: int, verdict: Verdict, guard: NonFiniteGuard, saves=None) -> None:
-    """A signal: save (when a checkpoint.dir is set), then stop; too many skipped steps: stop
-    without saving; otherwise save when due."""
+    """A background save that no rank is writing any more: checked and put in place. Then a signal:
+    save (when a checkpoint.dir is set), then stop; too many skipped steps: stop without saving;
+    otherwise save when due."""
+    if saves is not None and not verdict.writing:
+        saves.finish()
     if verdict.signal:
         save_checkpoint(ctx, step, guard, saves)
         raise signal_stop(verdict.signal, step)

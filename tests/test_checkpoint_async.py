@@ -1,0 +1,65 @@
+"""Background saves (`checkpoint.async_mode`): the state staged into host memory is what the step
+saved, whatever the steps after it do while the writer writes; a resume from it is bitwise the
+uninterrupted run on the same layout.
+
+The run saves step 3 in the background while step 4 trains (its writer made slow, so that step 4's
+optimizer step surely mutates the live state before the files are written), ends its launch after
+step 4, and loses the checkpoint of step 4 (as a run killed then would); the next launch resumes
+from step 3 and its losses of steps 4-6 equal the uninterrupted run's (==).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fivecut.config import load_config
+from fivecut.launch import spawn
+from fivecut.train import checkpoint
+from fivecut.train.trainer import train
+
+pytestmark = pytest.mark.multirank
+QUICK = ["train.seq_len=32", "train.global_batch=4", "train.warmup=1", "train.eval_every=0", "log.peak_tflops=1.0"]
+QUIET = ["log.progress=false", "log.plot=false"]
+
+
+class SlowWriter(dcp.FileSystemWriter):
+    """DCP's writer, which waits before it writes: the steps after the save train meanwhile."""
+
+    def write_data(self, plan, planner):
+        time.sleep(1.0)
+        return super().write_data(plan, planner)
+
+
+def run_rank(cfg, resume: str, slow: bool) -> list[float]:
+    if slow:
+        dcp.FileSystemWriter = SlowWriter
+    return train(cfg, quiet=dist.get_rank() != 0, resume=resume).losses
+
+
+def config(cache: str, out: Path, *extra: str):
+    return load_config(None, [*QUICK, *QUIET, f'data.cache_dir="{cache}"', f'log.out_dir="{out}"', *extra])
+
+
+@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.sweep)])
+def test_a_background_save_resumes_bitwise(byte_cache, tmp_path, mode):
+    layout = ("train.steps=6", "parallel.dp=2", "parallel.zero=1")
+    reference = spawn(run_rank, 2, config(byte_cache, tmp_path / "ref", *layout), "never", False)[0]
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    saving = (f'checkpoint.dir="{ck}"', "checkpoint.every=3", f'checkpoint.async_mode="{mode}"', "train.launch_steps=4")
+    cfg = config(byte_cache, out, *layout, *saving)
+    first = spawn(run_rank, 2, cfg, "never", mode == "thread")[0]
+    assert [p.name for p in checkpoint.checkpoints(ck)] == ["step-00000003", "step-00000004"]
+    saves = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"checkpoint"' in line]
+    assert [s["step"] for s in saves] == [3, 4], saves
+    if mode == "thread":  # the writer slept 1 s after the step went on
+        assert saves[0]["checkpoint"]["total_s"] > 1.0 > saves[0]["checkpoint"]["staging_s"], saves
+    shutil.rmtree(ck / "step-00000004")  # the run was killed before step 4's save
+    resumed = spawn(run_rank, 2, cfg, "auto", False)[0]
+    assert first == reference[:4] and resumed == reference[3:]  # bitwise
