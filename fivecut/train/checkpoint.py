@@ -554,7 +554,11 @@ def check_written(path: Path) -> None:
             f"the save of {path} did not read back intact ({problems[0]}); it was moved aside to "
             f"{path.name}{DAMAGED}, the earlier checkpoints are kept"
         )
-    agree(rank_zero(lambda: (path / VERIFIED).write_text("")))
+    agree(rank_zero(lambda: mark_verified(path)))
+
+
+def mark_verified(path: Path) -> None:
+    (path / VERIFIED).write_text("")
 
 
 def fresh_folder(tmp: Path) -> None:

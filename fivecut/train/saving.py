@@ -53,7 +53,7 @@ class InFlight:
     root: Path
     meta: dict
     moe: dict  # this rank's MoE state as it was staged
-    hashed: Future  # this rank's files' checksums (`own_checksums`), once DCP's writer is done
+    hashed: Future  # (this rank's files' checksums, problems reading them back), once DCP's writer is done
     started: float  # time.perf_counter() at its start
     blocking: float  # seconds the training loop waited for it so far
 
@@ -107,7 +107,7 @@ class Saves:
                 async_checkpointer_type=WRITERS[self.config.async_mode],
             )
         blocking = time.perf_counter() - started
-        moe, hashed = checkpoint.moe_state(par), checksums_after(upload, tmp)
+        moe, hashed = checkpoint.moe_state(par), checksums_after(upload, tmp, self.config.verify)
         self.in_flight = InFlight(step, root, meta | {"step": step}, moe, hashed, started, blocking)
 
     def writing(self) -> bool:
@@ -127,10 +127,17 @@ class Saves:
         final = checkpoint.step_dir(flight.root, flight.step)
         with checkpoint.collectives(f"save of step {flight.step}"), checkpoint.removed_if_failed(flight.tmp), \
                 checkpoint.unwritable(flight.root, flight.step):  # fmt: skip
-            every = checkpoint.gathered(lambda: (flight.hashed.result(), flight.moe))  # DCP's error: on every rank
-            checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.finish(flight.tmp, final, flight.meta, every)))
-            if self.config.verify:
-                checkpoint.check_written(final)
+            every = checkpoint.gathered(lambda: (*flight.hashed.result(), flight.moe))  # DCP's error: on every rank
+            problems = [problem for _, found, _ in every for problem in found]
+            if problems:
+                raise checkpoint.SaveFailed(
+                    f"the save of step {flight.step} did not read back intact ({problems[0]}); it was abandoned, "
+                    "the earlier checkpoints are kept"
+                )
+            written = [(sums, moe) for sums, _, moe in every]
+            checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.finish(flight.tmp, final, flight.meta, written)))
+            if self.config.verify:  # every rank read its files back in the background: all intact
+                checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.mark_verified(final)))
             checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.prune(flight.root, self.config.keep)))
 
     def guarded(self, step: int, work: Callable[[], None]) -> None:
@@ -171,15 +178,18 @@ class Saves:
             self.stager = None
 
 
-def checksums_after(upload: Future, tmp: Path) -> Future:
-    """The sha256 and size of this rank's files, computed in a thread of its own once DCP's writer
-    (`upload`) is done; its error, if it failed."""
+def checksums_after(upload: Future, tmp: Path, verify: bool) -> Future:
+    """(the sha256 and size of this rank's files, what reading them back found wrong), computed in a
+    thread of its own once DCP's writer (`upload`) is done (`verify`: each file read a second time
+    against the first); its error, if it failed."""
     out: Future = Future()
 
     def run() -> None:
         try:
             upload.result()
-            out.set_result(checkpoint.own_checksums(tmp))
+            sums = checkpoint.own_checksums(tmp)
+            found = [checkpoint.file_problem(tmp, name, record) for name, record in sums.items()] if verify else []
+            out.set_result((sums, [problem for problem in found if problem is not None]))
         except BaseException as err:  # noqa: BLE001 -- handed to the training thread, which raises it
             out.set_exception(err)
 
