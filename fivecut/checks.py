@@ -238,6 +238,8 @@ def checkpoint_problems(c) -> list[str]:
         out.append(f"checkpoint.on_error={c.on_error!r}; choose {' or '.join(SAVE_ERROR_POLICIES)}")
     if c.async_mode not in ASYNC_MODES:
         out.append(f"checkpoint.async_mode={c.async_mode!r}; choose {', '.join(ASYNC_MODES)}")
+    elif c.async_mode != "off" and c.dir is None:
+        out.append(f"checkpoint.async_mode={c.async_mode!r} saves nowhere: set checkpoint.dir, or leave it 'off'")
     if c.every and c.dir is None:
         out.append(f"checkpoint.every={c.every} saves nowhere: set checkpoint.dir, or checkpoint.every=0")
     return out

@@ -51,21 +51,35 @@ def config(cache: str, out: Path, *extra: str):
     return load_config(None, [*QUICK, *QUIET, f'data.cache_dir="{cache}"', f'log.out_dir="{out}"', *extra])
 
 
-@pytest.mark.parametrize("mode", ["thread"])  # "process": under torchrun (spawn's ranks are daemons), below
-def test_a_background_save_resumes_bitwise(byte_cache, tmp_path, mode):
-    layout = ("train.steps=6", "parallel.dp=2", "parallel.zero=1")
-    reference = spawn(run_rank, 2, config(byte_cache, tmp_path / "ref", *layout), "never", False)[0]
+MOE = ('model.preset="tiny-moe"', "moe.bias_update_rate=0.01", "moe.eplb_slots=1", "moe.eplb_interval=2")
+LAYOUTS = {  # each on 2 ranks but hybrid sharding (4); "dp=2,zero=1" runs by default, the others under sweep
+    "dp=2,zero=1": ("parallel.dp=2", "parallel.zero=1"),
+    "dp=2,zero=3": ("parallel.dp=2", "parallel.zero=3"),
+    "tp=2,sp": ("parallel.tp=2", "parallel.sp=true"),
+    "pp=2 1f1b": ("parallel.pp=2", "parallel.microbatches=2"),
+    "moe dp=2,ep=2": ("parallel.dp=2", "parallel.ep=2", *MOE),
+    "hybrid dp=4,zero=3,zero_shard=2": ("parallel.dp=4", "parallel.zero=3", "parallel.zero_shard=2"),
+}
+
+
+@pytest.mark.parametrize(
+    "case", [c if c == "dp=2,zero=1" else pytest.param(c, marks=pytest.mark.sweep) for c in LAYOUTS]
+)
+def test_a_background_save_resumes_bitwise(byte_cache, tmp_path, case):
+    """Thread writers ("process": under torchrun, below: spawn's ranks are daemons)."""
+    mode, layout = "thread", ("train.steps=6", *LAYOUTS[case])
+    world = 4 if case.startswith("hybrid") else 2
+    reference = spawn(run_rank, world, config(byte_cache, tmp_path / "ref", *layout), "never", False)[0]
     ck, out = tmp_path / "ck", tmp_path / "run"
     saving = (f'checkpoint.dir="{ck}"', "checkpoint.every=3", f'checkpoint.async_mode="{mode}"', "train.launch_steps=4")
     cfg = config(byte_cache, out, *layout, *saving)
-    first = spawn(run_rank, 2, cfg, "never", mode == "thread")[0]
+    first = spawn(run_rank, world, cfg, "never", True)[0]
     assert [p.name for p in checkpoint.checkpoints(ck)] == ["step-00000003", "step-00000004"]
     saves = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"checkpoint"' in line]
     assert [s["step"] for s in saves] == [3, 4], saves
-    if mode == "thread":  # the writer slept 1 s after the step went on
-        assert saves[0]["checkpoint"]["total_s"] > 1.0 > saves[0]["checkpoint"]["staging_s"], saves
+    assert saves[0]["checkpoint"]["total_s"] > 1.0 > saves[0]["checkpoint"]["staging_s"], saves  # the writer slept
     shutil.rmtree(ck / "step-00000004")  # the run was killed before step 4's save
-    resumed = spawn(run_rank, 2, cfg, "auto", False)[0]
+    resumed = spawn(run_rank, world, cfg, "auto", False)[0]
     assert first == reference[:4] and resumed == reference[3:]  # bitwise
 
 

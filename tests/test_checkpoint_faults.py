@@ -260,7 +260,12 @@ def test_a_folder_read_only_for_one_save_costs_that_save_only(byte_cache, tmp_pa
 
 @pytest.mark.parametrize(
     "setting, words",
-    [('checkpoint.on_error="ignore"', "checkpoint.on_error='ignore'"), ("checkpoint.max_failures=0", "max_failures")],
+    [
+        ('checkpoint.on_error="ignore"', "checkpoint.on_error='ignore'"),
+        ("checkpoint.max_failures=0", "checkpoint.max_failures=0 must be >= 1"),
+        ('checkpoint.async_mode="yes"', "checkpoint.async_mode='yes'; choose off, thread, process"),
+        ('checkpoint.async_mode="thread"', "saves nowhere: set checkpoint.dir"),
+    ],
 )
 def test_bad_save_policies_are_refused_naming_the_key(setting, words, tmp_path, capsys):
     assert main(["train", *sets(f'log.out_dir="{tmp_path}"', setting)]) == 2

@@ -24,6 +24,7 @@ save's time is its step's: it adds no record.)
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -96,6 +97,11 @@ class Saves:
     def start(self, root: Path, step: int, par, optimizer, meta: dict, started: float) -> None:
         """Stage this rank's chunks into host memory and hand them to DCP's background writer."""
         tmp = root / f".tmp-step-{step:08d}"
+        if self.config.async_mode == "process" and multiprocessing.current_process().daemon:
+            raise checkpoint.CheckpointError(
+                "checkpoint.async_mode='process' starts a writer process from each rank, but these ranks are "
+                "daemonic processes, which may not have children (fivecut.launch.spawn's); use 'thread', or torchrun"
+            )
         with checkpoint.collectives(f"save of step {step}"), checkpoint.unwritable(root, step):
             checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.fresh_folder(tmp)))
             staged = staged_table(self.stager_for(), checkpoint.state_table(par, optimizer))
