@@ -23,7 +23,17 @@ A save goes to `.tmp-step-N`, and only when every rank has written, the checksum
 and a COMPLETE marker is in place, is it renamed to `step-N` (atomic on one filesystem): a
 save killed half-way leaves the previous checkpoint intact and the partial one is ignored and
 cleaned up at the next start. A folder that cannot be written (any more) ends the save on every
-rank with one `CheckpointError` naming it and the step still intact.
+rank with one `SaveFailed` naming it and the step still intact (`checkpoint.on_error` decides
+whether the run goes on, `fivecut.train.saving`).
+
+After the rename every rank re-reads its share of the files against the recorded sha256
+(`checkpoint.verify`); a checkpoint that reads back whole is marked VERIFIED before older ones are
+pruned, and pruning never deletes the newest verified one. `--resume auto` takes the newest
+checkpoint that is whole: a damaged newer one is renamed `step-N.damaged` (never deleted, never
+listed again) with one line naming the damaged file.
+
+DCP's `.metadata` is a pickle: fivecut reads it only through `MetadataUnpickler` (`SafeReader`,
+`dcp_metadata`), which admits DCP's own records and nothing that could run code.
 """
 
 from __future__ import annotations
