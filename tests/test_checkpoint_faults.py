@@ -181,6 +181,19 @@ def test_a_save_that_fails_on_one_rank_is_abandoned_on_every_rank(byte_cache, tm
     assert not list(ck.glob(".tmp-*"))  # nothing of a failed save stays
 
 
+@pytest.mark.multirank
+def test_a_background_save_that_fails_on_one_rank_is_abandoned_on_every_rank(byte_cache, tmp_path):
+    """The same with DCP's writer in a thread (`checkpoint.async_mode = "thread"`): its error comes
+    back to every rank when the save ends, and the next save is in place."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    run = items(byte_cache, out, ck, "train.steps=4", "parallel.dp=2", "checkpoint.every=1", "checkpoint.keep=10")
+    cfg = load_config(None, [*run, 'checkpoint.on_error="continue"', 'checkpoint.async_mode="thread"'])
+    assert spawn(train_on_a_full_disk, 2, cfg, (2,), (1,)) == [None, None]
+    records = failures(out)
+    assert [r["step"] for r in records] == [2] and "No space left on device" in records[0]["checkpoint_failed"]
+    assert steps_in(ck) == [1, 3, 4] and not list(ck.glob(".tmp-*"))
+
+
 def test_on_error_stop_ends_the_run_in_one_line_with_the_earlier_checkpoint_intact(
     byte_cache, tmp_path, monkeypatch, capsys
 ):
