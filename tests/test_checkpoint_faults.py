@@ -251,6 +251,7 @@ READ_ONLY_FOR_ONE_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.sweep  # a fresh Python process: ~17 s on the loaded 2-core machine; ENOSPC above is the default case
 def test_a_folder_read_only_for_one_save_costs_that_save_only(byte_cache, tmp_path):
     ck, out = tmp_path / "ck", tmp_path / "out"
     run = items(byte_cache, out, ck, "train.steps=6", "checkpoint.every=2", 'checkpoint.on_error="continue"')
