@@ -63,6 +63,7 @@ def arguments(argv: list[str]) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="checkpoint.verify")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a mode: run as one of torchrun's ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return vars(parser.parse_args(argv))
@@ -74,6 +75,7 @@ def config(opts: dict, mode: str, root: Path):
         "train.eval_every=0", f"train.seq_len={opts['seq']}", f"train.global_batch={opts['batch']}",
         f"parallel.dp={opts['dp']}", f'checkpoint.dir="{root / "ck"}"', "checkpoint.keep=1",
         f'checkpoint.async_mode="{mode}"', f'log.out_dir="{root / "run"}"', "log.progress=false", "log.plot=false",
+        f"checkpoint.verify={str(opts['verify']).lower()}",
     ])  # fmt: skip
 
 
@@ -122,6 +124,7 @@ def job(opts: dict, mode: str, folder: Path) -> dict:
                __file__, "--worker", mode, "--out", str(out)]  # fmt: skip
     for key in ("model", "saves", "every", "seq", "batch", "dp"):
         command += [f"--{key}", str(opts[key])]
+    command.append("--verify" if opts["verify"] else "--no-verify")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -166,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     header = ["async_mode", "blocking (median)", "staging", "total", "blocking of each save", "steps after / before",
               "staged per rank"]  # fmt: skip
     print(f"checkpoint saves of {opts['model']}, dp={opts['dp']}, {opts['batch']}x{opts['seq']} tokens per step, "
-          f"a save every {opts['every']} steps, {opts['saves']} saves; {machine()}")  # fmt: skip
+          f"a save every {opts['every']} steps, {opts['saves']} saves, checkpoint.verify={opts['verify']}; "
+          f"{machine()}")  # fmt: skip
     print(markdown_table(header, [row(r) for r in results]))
     print(f"load average before: {before}; after: {load_average()}")
     sync = next((r for r in results if r["mode"] == "off"), None)
