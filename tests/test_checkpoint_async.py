@@ -11,6 +11,7 @@ from step 3 and its losses of steps 4-6 equal the uninterrupted run's (==).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from test_faults import children, rank_of, wait_for_step
 
 from fivecut.cli import main
 from fivecut.config import load_config
@@ -131,3 +133,41 @@ def test_a_save_by_a_writer_process_resumes_bitwise(byte_cache, tmp_path):
     shutil.rmtree(ck / "step-00000004")  # the run was killed before step 4's save
     resumed = torchrun(byte_cache, out, *layout, *saving)
     assert first == {s: reference[s] for s in range(1, 5)} and resumed == {s: reference[s] for s in range(1, 7)}
+
+
+def writer_of(rank_pid: int) -> int | None:
+    """DCP's writer process of the rank process `rank_pid` (a multiprocessing child, spawned)."""
+    for pid in children(rank_pid):
+        try:
+            if b"spawn_main" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.sweep
+@pytest.mark.e2e
+def test_a_killed_writer_process_costs_its_save_only(byte_cache, tmp_path):
+    """SIGKILL of rank 1's writer process: that save fails on every rank (checkpoint.on_error =
+    "continue": said and recorded), new writers start, and the later saves are in place."""
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    items = [*QUICK, *QUIET, "log.log_every=1", f'data.cache_dir="{byte_cache}"', f'log.out_dir="{out}"']
+    items += ["train.steps=80", "parallel.dp=2", f'checkpoint.dir="{ck}"', "checkpoint.every=2", "checkpoint.keep=100"]
+    items += ['checkpoint.async_mode="process"', 'checkpoint.on_error="continue"']
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    command += ["-m", "fivecut", "train", *(arg for item in items for arg in ("--set", item))]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(out, 10, proc, limit=240)  # the writers run (the first save is at step 2)
+    ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+    os.kill(writer_of(ranks[1]), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    failed = [
+        json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "checkpoint_failed" in line
+    ]
+    assert len(failed) == 1 and "the writer failed" in failed[0]["checkpoint_failed"], failed
+    said = [line for line in stdout.splitlines() if "was not saved" in line]
+    assert len(said) == 1 and f"checkpoint of step {failed[0]['step']}" in said[0], stdout[-2000:]
+    saved = [int(p.name.split("-")[1]) for p in checkpoint.checkpoints(ck)]
+    assert failed[0]["step"] not in saved and saved[-1] == 80 and saved[-2] > failed[0]["step"]

@@ -36,14 +36,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor as process_executor  # its writer, to replace
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from fivecut.comm import backend_reason
 from fivecut.config import CheckpointConfig
 from fivecut.train import checkpoint
 from fivecut.train.faults import SaveFailures
 
 WRITERS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+WRITER_FAILED = "the writer failed"
 
 
 @dataclass
@@ -133,12 +137,14 @@ class Saves:
         final = checkpoint.step_dir(flight.root, flight.step)
         with checkpoint.collectives(f"save of step {flight.step}"), checkpoint.removed_if_failed(flight.tmp), \
                 checkpoint.unwritable(flight.root, flight.step):  # fmt: skip
-            every = checkpoint.gathered(lambda: (*flight.hashed.result(), flight.moe))  # DCP's error: on every rank
+            every = checkpoint.gathered(lambda: (*written_files(flight.hashed), flight.moe))
             problems = [problem for _, found, _ in every for problem in found]
             if problems:
+                if any(problem.startswith(WRITER_FAILED) for problem in problems):
+                    self.new_writers()
                 raise checkpoint.SaveFailed(
-                    f"the save of step {flight.step} did not read back intact ({problems[0]}); it was abandoned, "
-                    "the earlier checkpoints are kept"
+                    f"the save of step {flight.step} failed ({problems[0]}); it was abandoned, the earlier "
+                    "checkpoints are kept"
                 )
             written = [(sums, moe) for sums, _, moe in every]
             checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.finish(flight.tmp, final, flight.meta, written)))
@@ -176,12 +182,32 @@ class Saves:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
         return self.group
 
+    def new_writers(self) -> None:
+        """After a writer failed (a writer process killed: its gloo group is broken on every rank),
+        the next save starts new writer processes on every rank (DCP keeps one for the process's
+        life, in `_async_process_executor._CHECKPOINT_PROCESS`, and would reuse the broken one)."""
+        if self.config.async_mode == "process":
+            process_executor._CHECKPOINT_PROCESS = None  # the old one is terminated as it is collected
+
     def close(self) -> None:
         """Finish the save in flight, then free the stager's memory (the end of a run, or a stop)."""
         self.finish()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+def written_files(hashed: Future) -> tuple[dict, list[str]]:
+    """(this rank's checksums, problems) of a background write; a writer that failed (a writer
+    process killed, DCP's error from another rank) is a problem; a folder that cannot be written
+    is raised (`checkpoint.unwritable` names it, on every rank)."""
+    try:
+        return hashed.result()
+    except Exception as err:  # noqa: BLE001 -- any writer failure is this save's, said in its one line
+        failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+        if isinstance(err, OSError) or any(isinstance(e, OSError) for e, _ in failures):
+            raise
+        return {}, [f"{WRITER_FAILED} on rank {dist.get_rank()}: {backend_reason(err)}"]
 
 
 def checksums_after(upload: Future, tmp: Path, verify: bool) -> Future:
