@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -79,7 +79,6 @@ class Saves:
     in_flight: InFlight | None = None
     group: object = None  # the gloo group of DCP's background collectives
     stager: DefaultStager | None = None
-    waited: float = field(default=0.0)  # seconds waited for a save in flight, charged to it
 
     def __post_init__(self):
         if self.config.on_error == "continue":
@@ -109,6 +108,7 @@ class Saves:
         with checkpoint.collectives(f"save of step {step}"), checkpoint.unwritable(root, step):
             checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.fresh_folder(tmp)))
             staged = staged_table(self.stager_for(), checkpoint.state_table(par, optimizer))
+            moe = checkpoint.moe_state(par)  # as staged: the EPLB window and placement of this step
             upload = dcp.async_save(
                 {},
                 storage_writer=dcp.FileSystemWriter(str(tmp)),
@@ -117,7 +117,7 @@ class Saves:
                 async_checkpointer_type=WRITERS[self.config.async_mode],
             )
         blocking = time.perf_counter() - started
-        moe, hashed = checkpoint.moe_state(par), checksums_after(upload, tmp, self.config.verify)
+        hashed = checksums_after(upload, tmp, self.config.verify)
         self.in_flight = InFlight(step, root, meta | {"step": step}, moe, hashed, started, blocking)
 
     def writing(self) -> bool:
