@@ -171,3 +171,34 @@ def test_a_killed_writer_process_costs_its_save_only(byte_cache, tmp_path):
     assert len(said) == 1 and f"checkpoint of step {failed[0]['step']}" in said[0], stdout[-2000:]
     saved = [int(p.name.split("-")[1]) for p in checkpoint.checkpoints(ck)]
     assert failed[0]["step"] not in saved and saved[-1] == 80 and saved[-2] > failed[0]["step"]
+
+
+@pytest.mark.sweep
+@pytest.mark.e2e
+def test_a_rank_killed_while_saves_write_leaves_the_previous_checkpoint(byte_cache, tmp_path):
+    """SIGKILL of rank 1 while a background save is in flight (one is every step): the run ends,
+    the newest complete checkpoint is whole, and the next launch resumes from it bitwise."""
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    layout = ("train.steps=30", "parallel.dp=2")
+    saving = (f'checkpoint.dir="{ck}"', "checkpoint.every=1", 'checkpoint.async_mode="thread"', "log.log_every=1")
+    items = [*QUICK, *QUIET, f'data.cache_dir="{byte_cache}"', f'log.out_dir="{out}"', *layout, *saving]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    command += ["-m", "fivecut", "train", *(arg for item in items for arg in ("--set", item))]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(out, 12, proc, limit=240)
+    os.kill({rank_of(pid): pid for pid in children(proc.pid)}[1], signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    newest = checkpoint.newest(ck)
+    assert newest is not None and checkpoint.quick_problem(newest) is None
+    assert main(["checkpoint", "info", str(newest)]) == 0  # every file against its sha256
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"resumed at step {int(newest.name[5:])}" in resumed.stdout, resumed.stderr
+    reference = torchrun(byte_cache, tmp_path / "ref", *layout)
+    after = {s: v for s, v in torchrun_losses(out).items() if s > int(newest.name[5:])}
+    assert after == {s: v for s, v in reference.items() if s > int(newest.name[5:])}
+
+
+def torchrun_losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
