@@ -49,6 +49,8 @@ from fivecut.train.tokenizer import AUTO_TOKENIZER, TOKENIZERS
 
 DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")  # train.on_nonfinite
+SAVE_ERROR_POLICIES = ("stop", "continue")  # checkpoint.on_error
+ASYNC_MODES = ("off", "thread", "process")  # checkpoint.async_mode
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (fivecut.parallel.recompute)
 RUN_FILES = ("metrics.jsonl", "config.json", "loss.png")  # what a training run leaves in log.out_dir
 
@@ -231,7 +233,13 @@ def path_problems(cfg: Config) -> list[str]:
 
 
 def checkpoint_problems(c) -> list[str]:
-    out = at_least("checkpoint", c, ("every",), 0) + at_least("checkpoint", c, ("keep",), 1)
+    out = at_least("checkpoint", c, ("every",), 0) + at_least("checkpoint", c, ("keep", "max_failures"), 1)
+    if c.on_error not in SAVE_ERROR_POLICIES:
+        out.append(f"checkpoint.on_error={c.on_error!r}; choose {' or '.join(SAVE_ERROR_POLICIES)}")
+    if c.async_mode not in ASYNC_MODES:
+        out.append(f"checkpoint.async_mode={c.async_mode!r}; choose {', '.join(ASYNC_MODES)}")
+    elif c.async_mode != "off" and c.dir is None:
+        out.append(f"checkpoint.async_mode={c.async_mode!r} saves nowhere: set checkpoint.dir, or leave it 'off'")
     if c.every and c.dir is None:
         out.append(f"checkpoint.every={c.every} saves nowhere: set checkpoint.dir, or checkpoint.every=0")
     return out

@@ -188,7 +188,11 @@ class CheckpointConfig:
 
     dir: str | None = None  # None: no checkpoints
     every: int = 0  # save every N steps (0: only at the end of the run)
-    keep: int = 2  # complete checkpoints kept (the newest; never fewer than 1)
+    keep: int = 2  # complete checkpoints kept (the newest; never fewer than 1, and never the newest verified one)
+    verify: bool = True  # re-read a finished save's files against their sha256 before older ones are deleted
+    on_error: str = "stop"  # a save that fails on any rank: "stop" the run (exit 2), or "continue" without it
+    max_failures: int = 3  # on_error="continue": this many failed saves in a row stop the run (exit 2)
+    async_mode: str = "off"  # "off": a save blocks the step; "thread" / "process": written in the background
 
 
 @dataclass

@@ -127,6 +127,13 @@ def test_checkpoint_benchmark_reports(tmp_path):
     assert "| torch.save / torch.load, 1 process |" in out and "seconds per repeat: single:" in out
 
 
+@pytest.mark.sweep  # three torchrun jobs (~45 s on the 2-core machine)
+def test_checkpoint_async_benchmark_reports(tmp_path):
+    args = ["--model", "tiny", "--saves", "2", "--every", "1", "--seq", "16", "--batch", "2", "--dir", str(tmp_path)]
+    out = run_script("benchmarks/checkpoint_async.py", *args, cwd=tmp_path)
+    assert "| async_mode | blocking (median) |" in out and out.rstrip().splitlines()[-1].startswith("blocking_process")
+
+
 def test_generate_benchmark_reports(tmp_path):
     args = ["--models", "small", "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1", "--steps", "1"]
     out = run_script("benchmarks/generate.py", *args, "--warmup", "0", cwd=tmp_path)

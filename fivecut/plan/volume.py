@@ -60,8 +60,8 @@ def predict(args, cfg, routing: dict | None = None, records=None) -> dict[str, t
         )
     if dims.world_size > 1:
         out["control"] = (
-            ring_factor("all_reduce", dims.world_size) * 2 * 4,
-            "all-reduce (max) over all ranks of the stop flags: signal, non-finite (two int32)",
+            ring_factor("all_reduce", dims.world_size) * 3 * 4,
+            "all-reduce (max) over all ranks of the step's flags: signal, non-finite, a save writing (three int32)",
         )
     return out
 

@@ -23,13 +23,24 @@ A save goes to `.tmp-step-N`, and only when every rank has written, the checksum
 and a COMPLETE marker is in place, is it renamed to `step-N` (atomic on one filesystem): a
 save killed half-way leaves the previous checkpoint intact and the partial one is ignored and
 cleaned up at the next start. A folder that cannot be written (any more) ends the save on every
-rank with one `CheckpointError` naming it and the step still intact.
+rank with one `SaveFailed` naming it and the step still intact (`checkpoint.on_error` decides
+whether the run goes on, `fivecut.train.saving`).
+
+After the rename every rank re-reads its share of the files against the recorded sha256
+(`checkpoint.verify`); a checkpoint that reads back whole is marked VERIFIED before older ones are
+pruned, and pruning never deletes the newest verified one. `--resume auto` takes the newest
+checkpoint that is whole: a damaged newer one is renamed `step-N.damaged` (never deleted, never
+listed again) with one line naming the damaged file.
+
+DCP's `.metadata` is a pickle: fivecut reads it only through `MetadataUnpickler` (`SafeReader`,
+`dcp_metadata`), which admits DCP's own records and nothing that could run code.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -43,7 +54,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -64,11 +77,89 @@ from fivecut.train.resume import check_new_run
 VERSION = 1
 META = "fivecut.json"
 COMPLETE = "COMPLETE"
+VERIFIED = "VERIFIED"  # written once every file of a finished save was re-read against its sha256 (checkpoint.verify)
+DAMAGED = ".damaged"  # the suffix a damaged checkpoint that `--resume auto` passed over gets (kept, never deleted)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message names the file and what does not match."""
+
+
+class SaveFailed(CheckpointError):
+    """A save that failed on some rank and was abandoned on every rank alike; the checkpoints saved
+    before it are intact (`checkpoint.on_error` decides whether the run goes on)."""
+
+
+# ---------------------------------------------------------------- .metadata read without running code
+
+DCP_METADATA = ".metadata"  # DCP's index of the checkpoint: a pickle
+# what DCP's metadata is made of (torch 2.13; `torch.save`-free): its records, the filesystem's
+# storage records, and the torch and pathlib values they hold. Nothing else may be created.
+METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib._local", "PosixPath"),  # the same class on Python >= 3.13
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata only: a global outside `METADATA_CLASSES` (or a dtype) is refused
+    before it is looked up, so a crafted file cannot call anything (as `torch.load(weights_only=True)`)."""
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in METADATA_CLASSES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which is not part of DCP's metadata")
+
+
+def dcp_metadata(path: Path) -> Metadata:
+    """The DCP metadata of the checkpoint at `path`, unpickled by `MetadataUnpickler`; anything else
+    in it is refused with a `CheckpointError` naming the file."""
+    file = Path(path) / DCP_METADATA
+    try:
+        with file.open("rb") as stream:
+            metadata = MetadataUnpickler(stream).load()
+    except OSError as err:
+        raise CheckpointError(f"{file} cannot be read ({err.strerror or err})") from None
+    except Exception as err:  # noqa: BLE001 -- whatever a crafted or broken pickle raises: refused, never run
+        raise CheckpointError(
+            f"{file} is refused: {err}. A DCP checkpoint's .metadata holds only DCP's records; this one could run "
+            "code when opened, so fivecut does not open it; get the checkpoint again from a source you trust"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP's Metadata; it is not a checkpoint")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's filesystem reader whose `.metadata` is read by `dcp_metadata`: every door fivecut opens a
+    checkpoint through (resume, `dcp:` weights, export, convert, `fivecut checkpoint`) uses it."""
+
+    def __init__(self, path: Path | str):
+        super().__init__(str(path))
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as DCP's own reader
+        return metadata
 
 
 # ---------------------------------------------------------------- chunks of global tensors
@@ -309,10 +400,14 @@ def complete(path: Path) -> bool:
 
 
 def checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints under `root`, oldest first."""
+    """The complete checkpoints under `root`, oldest first (not those set aside as damaged)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and complete(p))
+    return sorted(p for p in root.glob("step-*") if p.name[5:].isdigit() and p.is_dir() and complete(p))
+
+
+def verified(path: Path) -> bool:
+    return (path / VERIFIED).is_file()
 
 
 def newest(root: Path) -> Path | None:
@@ -370,9 +465,29 @@ def clean_partial(root: Path) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints (never fewer than one)."""
-    for old in checkpoints(root)[: -max(keep, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Keep the newest `keep` complete checkpoints (never fewer than one), and the newest verified one."""
+    found = checkpoints(root)
+    kept = set(found[-max(keep, 1) :]) | set([p for p in found if verified(p)][-1:])
+    for old in found:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to step-N.damaged (step-N.damaged-2, ... if taken); never deleted."""
+    aside, n = path.with_name(path.name + DAMAGED), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{DAMAGED}-{n}")
+    path.rename(aside)
+    return aside
+
+
+def pass_over(path: Path, problem: str) -> None:
+    """A resume's damaged newest checkpoint set aside, said in one line naming the damaged file."""
+    aside = set_aside(path)
+    print(f"fivecut: checkpoint {path} is damaged: {problem}; moved aside to {aside.name} (kept), resuming from "
+          "the newest intact one", flush=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------- save
@@ -396,19 +511,64 @@ def collectives(what: str):
         raise CollectiveError(f"rank {dist.get_rank()}: checkpoint {what} failed among all ranks: {reason}") from err
 
 
-def save(root: Path, step: int, par, optimizer, meta: dict, keep: int) -> Path:
+def save(root: Path, step: int, par, optimizer, meta: dict, keep: int, verify: bool = False) -> Path:
     """Write this step's checkpoint from every rank in parallel; visible only once complete
-    (`optimizer` None: the weights alone, `meta["weights_only"]`)."""
+    (`optimizer` None: the weights alone, `meta["weights_only"]`). `verify`: every file re-read
+    against its sha256 once in place, before older checkpoints are pruned. A failure on any rank
+    raises `SaveFailed` on every rank, the earlier checkpoints intact."""
     root = Path(root)
     tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
-    with collectives(f"save of step {step}"), unwritable(root, step):
+    with collectives(f"save of step {step}"), removed_if_failed(tmp), unwritable(root, step):
         agree(rank_zero(lambda: fresh_folder(tmp)))  # every rank waits for the folder, or stops with rank 0
         writer = dcp.FileSystemWriter(str(tmp))
         dcp.save({}, storage_writer=writer, planner=TableSavePlanner(state_table(par, optimizer)))
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (own_checksums(tmp), moe_state(par)))
-        agree(rank_zero(lambda: finish(tmp, final, meta | {"step": step}, every, root, keep)))
+        every = gathered(lambda: (own_checksums(tmp), moe_state(par)))
+        agree(rank_zero(lambda: finish(tmp, final, meta | {"step": step}, every)))
+        if verify:
+            check_written(final)
+        agree(rank_zero(lambda: prune(root, keep)))
     return final
+
+
+@contextmanager
+def removed_if_failed(tmp: Path):
+    """A failed save's partial folder removed (rank 0; where it can be) so that nothing of it stays."""
+    try:
+        yield
+    except SaveFailed:
+        rank_zero(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        raise
+
+
+def gathered(work) -> list:
+    """`work`'s answer from every rank; an OSError on any rank is raised on every rank."""
+    try:
+        answer, error = work(), None
+    except OSError as err:
+        answer, error = None, err
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (answer, error))
+    errors = [e for _, e in every if e is not None]
+    if errors:
+        raise errors[0]
+    return [a for a, _ in every]
+
+
+def check_written(path: Path) -> None:
+    """Every file of the save just put in place re-read against its recorded sha256, shared out
+    over the ranks; intact: marked VERIFIED; damaged: set aside by rank 0 and `SaveFailed` everywhere."""
+    problems = shared_problems(path, read_meta(path))
+    if problems:
+        agree(rank_zero(lambda: set_aside(path)))
+        raise SaveFailed(
+            f"the save of {path} did not read back intact ({problems[0]}); it was moved aside to "
+            f"{path.name}{DAMAGED}, the earlier checkpoints are kept"
+        )
+    agree(rank_zero(lambda: mark_verified(path)))
+
+
+def mark_verified(path: Path) -> None:
+    (path / VERIFIED).write_text("")
 
 
 def fresh_folder(tmp: Path) -> None:
@@ -416,13 +576,12 @@ def fresh_folder(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def finish(tmp: Path, final: Path, meta: dict, every: list, root: Path, keep: int) -> None:
-    """Rank 0: the checksums and MoE state every rank reported, the meta, the rename; old ones pruned."""
+def finish(tmp: Path, final: Path, meta: dict, every: list) -> None:
+    """Rank 0: the checksums and MoE state every rank reported, the meta, the rename."""
     files = {name: record for sums, _ in every for name, record in sums.items()}
     files[".metadata"] = [file_sha256(tmp / ".metadata"), (tmp / ".metadata").stat().st_size]
     moe = {layer: record for _, state in every for layer, record in state.items()}
     publish(tmp, final, meta | {"version": VERSION, "files": files, "moe": moe})
-    prune(root, keep)
 
 
 def rank_zero(work) -> OSError | None:
@@ -459,10 +618,10 @@ def unwritable(root: Path, step: int):
         raise save_failed(root, step, err) from None
 
 
-def save_failed(root: Path, step: int, err: OSError) -> CheckpointError:
+def save_failed(root: Path, step: int, err: OSError) -> SaveFailed:
     earlier = newest(root)
     intact = f"step {read_meta(earlier)['step']} is intact in {earlier}" if earlier else "no earlier checkpoint"
-    return CheckpointError(
+    return SaveFailed(
         f"checkpoint.dir={str(root)!r} cannot be written ({err.strerror or err}): step {step} was not saved; "
         f"{intact}; make the folder writable and start the run again (it resumes from there), or give "
         "another checkpoint.dir"
@@ -503,37 +662,87 @@ def file_problems(path: Path, meta: dict, rank: int = 0, world: int = 1) -> list
 
 def verify_files(path: Path, meta: dict) -> None:
     """Every file's sha256 against the record, the files shared out over the ranks; raises naming the file."""
-    problems = file_problems(path, meta, dist.get_rank(), dist.get_world_size())
-    every = [None] * dist.get_world_size()
-    with collectives(f"check of {path}"):
-        dist.all_gather_object(every, problems)
-    found = [p for part in every for p in part]
+    found = shared_problems(path, meta)
     if found:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(found))
 
 
+def shared_problems(path: Path, meta: dict) -> list[str]:
+    """`file_problems` of every file, each rank checking its share; every rank gets the whole list."""
+    problems = file_problems(path, meta, dist.get_rank(), dist.get_world_size())
+    every = [None] * dist.get_world_size()
+    with collectives(f"check of {path}"):
+        dist.all_gather_object(every, problems)
+    return [p for part in every for p in part]
+
+
 def file_problem(path: Path, name: str, record: list) -> str | None:
-    digest, size = record
+    problem = size_problem(path, name, record)
+    if problem is None and file_sha256(path / name) != record[0]:
+        return f"{path / name} does not match its sha256 (a changed byte)"
+    return problem
+
+
+def size_problem(path: Path, name: str, record: list) -> str | None:
+    """A file the checkpoint recorded that is missing or of another size (no byte read)."""
     file = path / name
     if not file.is_file():
         return f"{file} is missing"
-    if file.stat().st_size != size:
-        return f"{file} has {file.stat().st_size} bytes, {size} were written (truncated?)"
-    if file_sha256(file) != digest:
-        return f"{file} does not match its sha256 (a changed byte)"
+    if file.stat().st_size != record[1]:
+        return f"{file} has {file.stat().st_size} bytes, {record[1]} were written (truncated?)"
     return None
 
 
-def to_resume(root: str | None, resume: str) -> Path | None:
-    """The checkpoint a run starts from: `resume` is "never", "auto" (the newest complete one under
-    `root`, if any) or a checkpoint's path."""
+def quick_problem(path: Path) -> str | None:
+    """What makes a complete checkpoint unusable without reading its tensors: an unreadable
+    `fivecut.json`, a file missing or of another size."""
+    try:
+        files = read_meta(path).get("files", {})
+    except CheckpointError as err:
+        return str(err)
+    return next((p for name in sorted(files) if (p := size_problem(path, name, files[name]))), None)
+
+
+def newest_intact(root: Path) -> Path | None:
+    """The newest checkpoint under `root` that `quick_problem` finds nothing wrong with (before any
+    process group: the ranks' `newest_verified_intact` sets the damaged newer ones aside)."""
+    return next((path for path in reversed(checkpoints(root)) if quick_problem(path) is None), None)
+
+
+def newest_verified_intact(root: Path) -> Path | None:
+    """(every rank) `newest_intact`, and every file's sha256 checked, shared out over the ranks: the
+    newest checkpoint that is whole; rank 0 sets the damaged newer ones aside."""
+    for path in reversed(checkpoints(root)):  # every rank's list: read before rank 0 renames any
+        if intact_else_set_aside(path):
+            return path
+    return None
+
+
+def intact_else_set_aside(path: Path) -> bool:
+    """(every rank) Whether every file of `path` is whole; if not, rank 0 sets it aside."""
+    problems = [p for p in gathered(lambda: quick_problem(path)) if p is not None]  # every rank's verdict, the same
+    problems = problems or shared_problems(path, read_meta(path))
+    if problems:
+        agree(rank_zero(lambda: pass_over(path, problems[0])))
+    return not problems
+
+
+def to_resume(root: str | None, resume: str, hashed: bool = False) -> Path | None:
+    """The checkpoint a run starts from: `resume` is "never", "auto" (the newest intact one under
+    `root`, if any; `hashed`: on every rank, each file's sha256 checked too and the damaged newer
+    ones set aside) or a checkpoint's path (refused if damaged, by `load`)."""
     if resume == "never":
         return None
-    path = newest(Path(root).expanduser()) if root is not None else None
+    path = None
     if resume != "auto":
         path = Path(resume).expanduser()
+    elif root is not None and hashed:
+        path = newest_verified_intact(Path(root).expanduser())
+    elif root is not None:
+        path = newest_intact(Path(root).expanduser())
     if path is not None:
         refuse_weights_only(path, read_meta(path))  # and what is not a complete checkpoint
+        dcp_metadata(path)  # a .metadata that is more than DCP's records: refused before any process starts
     return path
 
 
@@ -560,22 +769,24 @@ def check_model(path: Path, meta: dict, model: dict, accepted: set[str] = frozen
         )
 
 
-def load(path: Path, par, optimizer, model: dict, accepted: set[str] = frozenset()) -> dict:
+def load(path: Path, par, optimizer, model: dict, accepted: set[str] = frozenset(), checked: bool = False) -> dict:
     """Fill this rank's part of the training state from the checkpoint at `path` (saved under any
     layout) into a model of shape `model` (ModelArgs as a dict; `accepted`: see `check_model`);
-    returns the checkpoint's meta."""
+    returns the checkpoint's meta. `checked`: its files' sha256s were just checked (`to_resume`)."""
     path = Path(path)
     meta = read_meta(path)
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path / META}: format version {meta.get('version')}, this fivecut reads {VERSION}")
     refuse_weights_only(path, meta)
     check_model(path, meta, model, accepted)
-    verify_files(path, meta)
+    if not checked:
+        verify_files(path, meta)
+    dcp_metadata(path)  # every rank alike, before DCP (which would turn the refusal into a failed collective)
     restore_moe(par, meta.get("moe", {}))
     ensure_optimizer_state(optimizer)
     table = state_table(par, optimizer)
     with collectives(f"load of {path}"):
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=TableLoadPlanner(table, path))
+        dcp.load({}, storage_reader=SafeReader(path), planner=TableLoadPlanner(table, path))
     step = float(table["optim.step"].chunks[0].view)
     for state in optimizer.state.values():
         state["step"].fill_(step)
@@ -588,6 +799,7 @@ def info(path: Path) -> list[str]:
     if not complete(path) and newest(path) is not None:
         path = newest(path)
     meta = read_meta(path)
+    dcp_metadata(path)  # refused before anything else is said of it
     problems = file_problems(path, meta)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return [
@@ -609,7 +821,7 @@ def full_state(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     problems = file_problems(path, meta)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
-    reader = dcp.FileSystemReader(str(path))
+    reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)

@@ -10,14 +10,16 @@ Three things end a run before its last step:
   `CollectiveError`, which the CLI reports in one line.
 
 Signals arrive at different ranks at different moments, so each step ends with one small
-all-reduce (max) over every rank of [signal number, non-finite flag] on the `control` cut:
-all ranks see the same two numbers and take the same decision.
+all-reduce (max) over every rank of [signal number, non-finite flag, writing flag] on the
+`control` cut: all ranks see the same three numbers and take the same decision (the writing flag:
+a background checkpoint save still writing on some rank, `fivecut.train.saving`).
 """
 
 from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ from fivecut import comm
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 NONFINITE_EXIT = 3  # exit status of a run stopped by a non-finite loss or gradient
 COLLECTIVE_EXIT = 1  # exit status of a rank whose collective failed or timed out
+SAVES_FAILED_EXIT = 2  # exit status of a run stopped by checkpoint.max_failures failed saves in a row
 
 
 class TrainingStopped(Exception):
@@ -44,6 +47,7 @@ class Verdict:
 
     signal: int  # 0: none received on any rank
     nonfinite: bool
+    writing: bool = False  # a background save still writing on some rank
 
 
 class SignalFlag:
@@ -66,12 +70,12 @@ class SignalFlag:
         self.received = self.received or signum
 
 
-def agree(group: comm.Group, received: int, loss: float, norm: float) -> Verdict:
-    """Combine every rank's [signal, non-finite] by max over `group` (all ranks)."""
+def agree(group: comm.Group, received: int, loss: float, norm: float, writing: bool = False) -> Verdict:
+    """Combine every rank's [signal, non-finite, writing] by max over `group` (all ranks)."""
     nonfinite = not (math.isfinite(loss) and math.isfinite(norm))
-    flags = torch.tensor([received, int(nonfinite)], dtype=torch.int32)
+    flags = torch.tensor([received, int(nonfinite), int(writing)], dtype=torch.int32)
     comm.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
-    return Verdict(int(flags[0]), bool(flags[1]))
+    return Verdict(int(flags[0]), bool(flags[1]), bool(flags[2]))
 
 
 def signal_stop(signum: int, step: int) -> TrainingStopped:
@@ -111,6 +115,37 @@ class NonFiniteGuard:
             f"{self.in_a_row} non-finite {steps} in a row up to step {step} (train.max_skipped={self.max_skipped}); "
             "stopped",
             NONFINITE_EXIT,
+        )
+
+
+@dataclass
+class SaveFailures:
+    """`checkpoint.on_error = "continue"` applied save by save: a failed save (abandoned on every
+    rank, `checkpoint.SaveFailed`) is said in one line and recorded by `report(line, record)` (rank
+    0's log and metrics.jsonl), and training goes on; `max_failures` in a row stop the run."""
+
+    max_failures: int
+    report: Callable[[str | None, dict], None]
+    in_a_row: int = 0
+
+    def saved(self) -> None:
+        self.in_a_row = 0
+
+    def failed(self, step: int, error: Exception) -> None:
+        """Say and record the failed save of `step`; raises `TrainingStopped` (exit 2) at the limit."""
+        self.in_a_row += 1
+        record = {"step": step, "checkpoint_failed": str(error), "failures_in_a_row": self.in_a_row}
+        if self.in_a_row >= self.max_failures:
+            self.report(None, record)
+            raise TrainingStopped(
+                f"{self.in_a_row} checkpoint saves in a row failed, the last of step {step} "
+                f"(checkpoint.max_failures={self.max_failures}): {error}",
+                SAVES_FAILED_EXIT,
+            )
+        self.report(
+            f"fivecut: the checkpoint of step {step} was not saved, training goes on "
+            f"({self.in_a_row} of checkpoint.max_failures={self.max_failures} in a row): {error}",
+            record,
         )
 
 

@@ -43,7 +43,7 @@ FREE_ON_RESUME = {
     # the token store is keyed and checked by its tokenizer and sha256; its shard size and builders change no id
     "data": "cache_dir shard_tokens workers record_ids",
     "log": "out_dir progress log_every peak_tflops plot sample_prompt sample_tokens",
-    "checkpoint": "dir every keep",
+    "checkpoint": "dir every keep verify on_error max_failures async_mode",
     "lora": "adapter",  # where the adapters started: a resume takes the checkpoint's
 }
 REFUSED_ON_RESUME = {

@@ -15,13 +15,14 @@ import torch.distributed as dist
 from fivecut.config import Config, lr_floor, model_label, settle_min_lr
 from fivecut.ledger import Row
 from fivecut.train import checkpoint
-from fivecut.train.faults import NonFiniteGuard, SignalFlag, Verdict, agree, signal_stop
+from fivecut.train.faults import NonFiniteGuard, SignalFlag, TrainingStopped, Verdict, agree, signal_stop
 from fivecut.train.infer import greedy_sample
 from fivecut.train.memory import format_bytes, model_state_bytes, step_peak_bytes
 from fivecut.train.metrics import MetricsSink, peak_tflops, plot_losses
 from fivecut.train.optim import clip_gradients, lr_at, set_lr
 from fivecut.train.resume import check_data_position, frozen_base, resume_changes
 from fivecut.train.run import Context, evaluate, forward_backward, global_mean, measuring_loss_peak, setup
+from fivecut.train.saving import Saves
 from fivecut.weights.load import model_args
 
 
@@ -85,18 +86,14 @@ def train(
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skipped)
     start = resume_from(ctx, resume, guard, accept)
     log = Logger(ctx, quiet, resumed=start > 0)
+    saves = Saves(cfg.checkpoint, log.report, cfg.train.collective_timeout)
     log.record(ctx.start.record())
     result = RunResult()
     if start == 0 and ctx.val_batches and cfg.model.init_from is not None:  # fine-tuning: where it starts
         result.val_losses[0] = evaluate(ctx)
         log.before_training(result.val_losses[0])
     try:
-        with SignalFlag() as signals:
-            last = launch_end(cfg, start)
-            for step in range(start + 1, last + 1):
-                run_step(ctx, step, result, log, guard, signals, measure_activations)
-        if last < cfg.train.steps:
-            end_launch(ctx, last, guard, log)
+        run_steps(ctx, start, result, log, guard, measure_activations, saves)
     except BaseException:
         log.abort()
         raise
@@ -108,16 +105,33 @@ def train(
     return result
 
 
+def run_steps(ctx: Context, start: int, result: RunResult, log, guard: NonFiniteGuard, measure, saves: Saves) -> None:
+    """This launch's steps after `start`; a save still writing in the background is finished
+    before it returns, and before an early stop leaves."""
+    cfg = ctx.cfg
+    try:
+        with SignalFlag() as signals:
+            last = launch_end(cfg, start)
+            for step in range(start + 1, last + 1):
+                run_step(ctx, step, result, log, guard, signals, measure, saves)
+        if last < cfg.train.steps:
+            end_launch(ctx, last, guard, log, saves)
+    except TrainingStopped:  # every rank stops after the same step: the save in flight completes
+        saves.close()
+        raise
+    saves.close()
+
+
 def launch_end(cfg: Config, start: int) -> int:
     """The last step this launch runs: train.steps, or train.launch_steps after where it started."""
     t = cfg.train
     return min(t.steps, start + t.launch_steps) if t.launch_steps else t.steps
 
 
-def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log) -> None:
+def end_launch(ctx: Context, step: int, guard: NonFiniteGuard, log, saves: Saves | None = None) -> None:
     """train.launch_steps are done: the checkpoint at `step` (when not saved already) and one line."""
     if not checkpoint_due(ctx.cfg, step):
-        save_checkpoint(ctx, step, guard)
+        save_checkpoint(ctx, step, guard, saves)
     t = ctx.cfg.train
     log.print(
         f"fivecut: this launch ran its train.launch_steps={t.launch_steps} steps and stopped at step {step} of "
@@ -139,7 +153,7 @@ def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, 
     root = ctx.cfg.checkpoint.dir
     if root is not None and ctx.is_logger:
         checkpoint.clean_partial(Path(root).expanduser())  # what a killed save left behind
-    path = checkpoint.to_resume(root, resume)
+    path = checkpoint.to_resume(root, resume, hashed=True)  # "auto": damaged newer ones set aside
     saved = checkpoint.read_meta(path) if path is not None else None
     settle_min_lr(ctx.cfg.train, saved and saved["config"])
     ctx.start = resume_changes(path, saved, ctx.cfg, accept)
@@ -149,7 +163,7 @@ def resume_from(ctx: Context, resume: str, guard: NonFiniteGuard | None = None, 
         print_lines(ctx, ctx.start.lines())
         return 0
     model = dataclasses.asdict(model_args(ctx.cfg.model))
-    meta = checkpoint.load(path, ctx.par, ctx.optimizer, model, {c.key for c in ctx.start.accepted})
+    meta = checkpoint.load(path, ctx.par, ctx.optimizer, model, {c.key for c in ctx.start.accepted}, resume == "auto")
     if guard is not None:  # the learning rate counts applied updates: step - skipped
         guard.total = meta.get("skipped_total", 0)
     ctx.overrides = meta.get("overrides", []) + ([ctx.start.record()] if ctx.start.accepted else [])
@@ -172,9 +186,12 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
     return c.dir is not None and (step == cfg.train.steps or (c.every > 0 and step % c.every == 0))
 
 
-def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None) -> Path | None:
+def save_checkpoint(
+    ctx: Context, step: int, guard: NonFiniteGuard | None = None, saves: Saves | None = None
+) -> Path | None:
     """Every rank writes its part of the state at `step` (see `fivecut.train.checkpoint`), when a
-    checkpoint.dir is set."""
+    checkpoint.dir is set: blocking, returning its folder; or through the run's `saves`
+    (`fivecut.train.saving`: in the background, a failed save per checkpoint.on_error), returning None."""
     cfg = ctx.cfg
     if cfg.checkpoint.dir is None:
         return None
@@ -191,12 +208,16 @@ def save_checkpoint(ctx: Context, step: int, guard: NonFiniteGuard | None = None
         "data": ctx.sampler.position(step),  # (epoch, index) and the stores read: compared on resume
         "base": frozen_base(cfg),  # [lora]: the frozen weights the checkpoint does not hold, compared on resume
     }
-    return checkpoint.save(
-        Path(cfg.checkpoint.dir).expanduser(), step, ctx.par, ctx.optimizer, meta, cfg.checkpoint.keep
-    )
+    c, root = cfg.checkpoint, Path(cfg.checkpoint.dir).expanduser()
+    if saves is None:
+        return checkpoint.save(root, step, ctx.par, ctx.optimizer, meta, c.keep, c.verify)
+    saves.save(root, step, ctx.par, ctx.optimizer, meta)
+    return None
 
 
-def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, signals: SignalFlag, measure) -> None:
+def run_step(
+    ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, signals: SignalFlag, measure, saves=None
+) -> None:
     """One optimizer step, logged (and saved when due); raises `TrainingStopped` when every rank agreed to stop here."""
     cfg = ctx.cfg
     ctx.mesh.ledger.begin_step(step)
@@ -211,7 +232,7 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
     loss = global_mean(ctx, local)
     norm = clip(ctx)
     with ctx.mesh.ledger.phase("optimizer"):
-        verdict = agree(ctx.control_group, signals.received, loss, norm)
+        verdict = agree(ctx.control_group, signals.received, loss, norm, saves is not None and saves.writing())
     skipped = guard.skips(step, verdict.nonfinite, loss, norm)
     if not skipped:
         optimizer_step(ctx, step - guard.total, moe)
@@ -236,20 +257,23 @@ def run_step(ctx, step: int, result: RunResult, log, guard: NonFiniteGuard, sign
     if ctx.val_batches and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
         record["val_loss"] = result.val_losses[step] = evaluate(ctx)
     log.step(record, elapsed)
-    stop_after(ctx, step, verdict, guard)
+    stop_after(ctx, step, verdict, guard, saves)
 
 
-def stop_after(ctx: Context, step: int, verdict: Verdict, guard: NonFiniteGuard) -> None:
-    """A signal: save (when a checkpoint.dir is set), then stop; too many skipped steps: stop
-    without saving; otherwise save when due."""
+def stop_after(ctx: Context, step: int, verdict: Verdict, guard: NonFiniteGuard, saves=None) -> None:
+    """A background save that no rank is writing any more: checked and put in place. Then a signal:
+    save (when a checkpoint.dir is set), then stop; too many skipped steps: stop without saving;
+    otherwise save when due."""
+    if saves is not None and not verdict.writing:
+        saves.finish()
     if verdict.signal:
-        save_checkpoint(ctx, step, guard)
+        save_checkpoint(ctx, step, guard, saves)
         raise signal_stop(verdict.signal, step)
     exhausted = guard.exhausted(step)
     if exhausted is not None:
         raise exhausted
     if checkpoint_due(ctx.cfg, step):
-        save_checkpoint(ctx, step, guard)
+        save_checkpoint(ctx, step, guard, saves)
 
 
 class Logger:
@@ -290,6 +314,12 @@ class Logger:
         """A record of metrics.jsonl that is not a step's (the config changes a resume accepted)."""
         if self.active and record is not None:
             self.sink.write(record)
+
+    def report(self, line: str | None, record: dict) -> None:
+        """A line for the log (None: none) and a record for metrics.jsonl (a failed save's)."""
+        if line is not None:
+            self.print(line)
+        self.record(record)
 
     def before_training(self, val_loss: float) -> None:
         """The imported model's validation loss, as step 0 (in the log and metrics.jsonl)."""

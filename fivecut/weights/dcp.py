@@ -44,12 +44,12 @@ class DCPSource:
             raise WeightsError(
                 f"{self.path / ckpt.META}: format version {meta.get('version')}, this fivecut reads {ckpt.VERSION}"
             )
-        damaged = [p for name, record in meta["files"].items() if (p := size_problem(self.path, name, record))]
+        damaged = [p for name, record in meta["files"].items() if (p := ckpt.size_problem(self.path, name, record))]
         if damaged:
             raise WeightsError(f"checkpoint {self.path} is damaged: " + "; ".join(damaged))
         self.meta = meta
         self.args = ModelArgs(**meta["model"])
-        saved = dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        saved = ckpt.dcp_metadata(self.path).state_dict_metadata
         self.saved = {key: tuple(m.size) for key, m in saved.items() if isinstance(m, TensorStorageMetadata)}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -77,7 +77,7 @@ class DCPSource:
             entry.chunks.append(Chunk(tuple(b.start for b in box), view))
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            reader = dcp.FileSystemReader(str(self.path))
+            reader = ckpt.SafeReader(self.path)
             dcp.load({}, storage_reader=reader, planner=TableLoadPlanner(table, self.path), no_dist=True)
 
     def tokenizer(self):
@@ -100,14 +100,3 @@ def checkpoint_key(name: str) -> str:
 def bias_name(key: str) -> str:
     """fivecut's name of the routing bias at checkpoint key moe.<layer>.expert_bias."""
     return f"layers.{key.split('.')[1]}.feed_forward.expert_bias"
-
-
-def size_problem(path: Path, name: str, record: list) -> str | None:
-    """A file the checkpoint recorded that is missing or of another size (its sha256 is left to a
-    resume, which reads every byte anyway)."""
-    file = path / name
-    if not file.is_file():
-        return f"{file} is missing"
-    if file.stat().st_size != record[1]:
-        return f"{file} has {file.stat().st_size} bytes, {record[1]} were written (truncated?)"
-    return None

@@ -313,7 +313,7 @@ def plain_entries(saved: dict, weights: dict, args: ModelArgs, arch: AnyArchitec
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """DCP key -> global shape of every tensor the checkpoint holds, from its metadata (no tensor read)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = ckpt.dcp_metadata(path).state_dict_metadata
     return {key: tuple(e.size) for key, e in saved.items() if isinstance(e, TensorStorageMetadata)}
 
 
@@ -335,7 +335,7 @@ def read_entries(path: Path, entries: list[Entry]) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+        dcp.load(state, storage_reader=ckpt.SafeReader(path), planner=planner, no_dist=True)
     return state
 
 
@@ -352,7 +352,7 @@ def read_boxes(path: Path, entries: list[Entry]) -> list[torch.Tensor]:
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             planner = ckpt.TableLoadPlanner(table, path)
-            dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+            dcp.load({}, storage_reader=ckpt.SafeReader(path), planner=planner, no_dist=True)
     return views
 
 

@@ -1,0 +1,241 @@
+"""How a run saves: blocking, or in the background (`checkpoint.async_mode`); what a failed save
+does (`checkpoint.on_error`, `fivecut.train.faults.SaveFailures`); each save's times in metrics.jsonl.
+
+A background save ("thread": DCP's writer in a thread of each rank; "process": in a writer process
+per rank, DCP's `AsyncCheckpointerType.PROCESS`) blocks the step only while each rank copies its
+chunks into host memory with DCP's `DefaultStager` (pinned where a GPU is, shared memory for a
+writer process). The copy is complete when `dcp.async_save` returns, so the next optimizer step
+can mutate the live state at once. DCP's own collectives of that save (the plans, the write
+results) run on a gloo group of their own, made for it. Then training goes on while the writer
+writes `.tmp-step-N`. At most one save is in flight: a save that comes due while the previous one
+is still writing first waits for it. At every step's end the control all-reduce tells every rank
+whether any rank is still writing (`faults.agree`); once none is, every rank finishes the save
+together as a blocking save does: the checksums of each rank's files are gathered, rank 0 records
+them and renames the folder into place, the files are read back (`checkpoint.verify`) and older
+checkpoints pruned. The last save of a run, and one on SIGTERM/SIGINT, are finished before the
+process exits. A process killed while a save writes leaves `.tmp-step-N`, removed at the next start.
+
+Each background save adds `{"step": N, "checkpoint": {"async_mode", "staging_s", "blocking_s",
+"total_s"}}` to metrics.jsonl once in place: the seconds its start took (staging), all the seconds
+the training loop waited for it (staging, a wait for it before the next save or the run's end, the
+check and rename at its end), and the seconds from its start to its rename. (A blocking
+save's time is its step's: it adds no record.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor as process_executor  # its writer, to replace
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from fivecut.comm import backend_reason
+from fivecut.config import CheckpointConfig
+from fivecut.train import checkpoint
+from fivecut.train.faults import SaveFailures
+
+WRITERS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+WRITER_FAILED = "the writer failed"
+
+
+@dataclass
+class InFlight:
+    """A background save that is writing: where, and what rank 0 records once every rank is done."""
+
+    step: int
+    root: Path
+    meta: dict
+    moe: dict  # this rank's MoE state as it was staged
+    hashed: Future  # (this rank's files' checksums, problems reading them back), once DCP's writer is done
+    started: float  # time.perf_counter() at its start
+    blocking: float  # seconds the training loop waited for it so far
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f".tmp-step-{self.step:08d}"
+
+
+@dataclass
+class Saves:
+    """Every save of one run, on every rank alike. `report(line, record)`: rank 0's log line (None:
+    none) and metrics.jsonl record."""
+
+    config: CheckpointConfig
+    report: Callable[[str | None, dict], None]
+    timeout: float = 300.0  # seconds a checkpoint collective waits (train.collective_timeout)
+    failures: SaveFailures | None = None
+    in_flight: InFlight | None = None
+    group: object = None  # the gloo group of DCP's background collectives
+    stager: DefaultStager | None = None
+
+    def __post_init__(self):
+        if self.config.on_error == "continue":
+            self.failures = SaveFailures(self.config.max_failures, self.report)
+
+    @property
+    def background(self) -> bool:
+        return self.config.async_mode != "off"
+
+    def save(self, root: Path, step: int, par, optimizer, meta: dict) -> None:
+        """A blocking save, or the start of a background one (after the one in flight, if any, finished)."""
+        self.finish()
+        if not self.background:
+            c = self.config
+            self.guarded(step, lambda: checkpoint.save(root, step, par, optimizer, meta, c.keep, c.verify))
+            return
+        self.guarded(step, lambda: self.start(root, step, par, optimizer, meta, time.perf_counter()))
+
+    def start(self, root: Path, step: int, par, optimizer, meta: dict, started: float) -> None:
+        """Stage this rank's chunks into host memory and hand them to DCP's background writer."""
+        tmp = root / f".tmp-step-{step:08d}"
+        if self.config.async_mode == "process" and multiprocessing.current_process().daemon:
+            raise checkpoint.CheckpointError(
+                "checkpoint.async_mode='process' starts a writer process from each rank, but these ranks are "
+                "daemonic processes, which may not have children (fivecut.launch.spawn's); use 'thread', or torchrun"
+            )
+        with checkpoint.collectives(f"save of step {step}"), checkpoint.unwritable(root, step):
+            checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.fresh_folder(tmp)))
+            staged = staged_table(self.stager_for(), checkpoint.state_table(par, optimizer))
+            moe = checkpoint.moe_state(par)  # as staged: the EPLB window and placement of this step
+            upload = dcp.async_save(
+                {},
+                storage_writer=dcp.FileSystemWriter(str(tmp)),
+                planner=checkpoint.TableSavePlanner(staged),
+                process_group=self.checkpoint_group(),
+                async_checkpointer_type=WRITERS[self.config.async_mode],
+            )
+        blocking = time.perf_counter() - started
+        hashed = checksums_after(upload, tmp, self.config.verify)
+        self.in_flight = InFlight(step, root, meta | {"step": step}, moe, hashed, started, blocking)
+
+    def writing(self) -> bool:
+        """Whether this rank's writer is still writing (the step's control all-reduce shares it)."""
+        return self.in_flight is not None and not self.in_flight.hashed.done()
+
+    def finish(self) -> None:
+        """(every rank) Wait for the save in flight, then check, record and rename it as a blocking save does."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return
+        waiting = time.perf_counter()
+        self.guarded(flight.step, lambda: self.complete(flight))
+        self.record(flight, flight.blocking + time.perf_counter() - waiting)
+
+    def complete(self, flight: InFlight) -> None:
+        final = checkpoint.step_dir(flight.root, flight.step)
+        with checkpoint.collectives(f"save of step {flight.step}"), checkpoint.removed_if_failed(flight.tmp), \
+                checkpoint.unwritable(flight.root, flight.step):  # fmt: skip
+            every = checkpoint.gathered(lambda: (*written_files(flight.hashed), flight.moe))
+            problems = [problem for _, found, _ in every for problem in found]
+            if problems:
+                if any(problem.startswith(WRITER_FAILED) for problem in problems):
+                    self.new_writers()
+                raise checkpoint.SaveFailed(
+                    f"the save of step {flight.step} failed ({problems[0]}); it was abandoned, the earlier "
+                    "checkpoints are kept"
+                )
+            written = [(sums, moe) for sums, _, moe in every]
+            checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.finish(flight.tmp, final, flight.meta, written)))
+            if self.config.verify:  # every rank read its files back in the background: all intact
+                checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.mark_verified(final)))
+            checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.prune(flight.root, self.config.keep)))
+
+    def guarded(self, step: int, work: Callable[[], None]) -> None:
+        """`work` (a save or its end); a failed save stops the run, or (on_error="continue") is said and recorded."""
+        try:
+            work()
+        except checkpoint.SaveFailed as err:
+            if self.failures is None:
+                raise
+            self.failures.failed(step, err)
+            return
+        if self.failures is not None and not (self.background and self.in_flight is not None):
+            self.failures.saved()
+
+    def record(self, flight: InFlight, blocking: float) -> None:
+        total = time.perf_counter() - flight.started
+        times = {"async_mode": self.config.async_mode, "staging_s": flight.blocking, "blocking_s": blocking}
+        self.report(None, {"step": flight.step, "checkpoint": times | {"total_s": total}})
+
+    def stager_for(self) -> DefaultStager:
+        if self.stager is None:
+            gpu = torch.cuda.is_available()
+            shared = self.config.async_mode == "process"
+            self.stager = DefaultStager(StagingOptions(gpu, shared, False, False))  # pinned, shared, sync copy
+        return self.stager
+
+    def checkpoint_group(self):
+        """The gloo group of DCP's background collectives: every rank, made at the first save."""
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        return self.group
+
+    def new_writers(self) -> None:
+        """After a writer failed (a writer process killed: its gloo group is broken on every rank),
+        the next save starts new writer processes on every rank (DCP keeps one for the process's
+        life, in `_async_process_executor._CHECKPOINT_PROCESS`, and would reuse the broken one)."""
+        if self.config.async_mode == "process":
+            process_executor._CHECKPOINT_PROCESS = None  # the old one is terminated as it is collected
+
+    def close(self) -> None:
+        """Finish the save in flight, then free the stager's memory (the end of a run, or a stop)."""
+        self.finish()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+
+def written_files(hashed: Future) -> tuple[dict, list[str]]:
+    """(this rank's checksums, problems) of a background write; a writer that failed (a writer
+    process killed, DCP's error from another rank) is a problem; a folder that cannot be written
+    is raised (`checkpoint.unwritable` names it, on every rank)."""
+    try:
+        return hashed.result()
+    except Exception as err:  # noqa: BLE001 -- any writer failure is this save's, said in its one line
+        failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+        if isinstance(err, OSError) or any(isinstance(e, OSError) for e, _ in failures):
+            raise
+        return {}, [f"{WRITER_FAILED} on rank {dist.get_rank()}: {backend_reason(err)}"]
+
+
+def checksums_after(upload: Future, tmp: Path, verify: bool) -> Future:
+    """(the sha256 and size of this rank's files, what reading them back found wrong), computed in a
+    thread of its own once DCP's writer (`upload`) is done (`verify`: each file read a second time
+    against the first); its error, if it failed."""
+    out: Future = Future()
+
+    def run() -> None:
+        try:
+            upload.result()
+            sums = checkpoint.own_checksums(tmp)
+            found = [checkpoint.file_problem(tmp, name, record) for name, record in sums.items()] if verify else []
+            out.set_result((sums, [problem for problem in found if problem is not None]))
+        except BaseException as err:  # noqa: BLE001 -- handed to the training thread, which raises it
+            out.set_exception(err)
+
+    threading.Thread(target=run, name=f"fivecut-checksums-{tmp.name}", daemon=True).start()
+    return out
+
+
+def staged_table(stager: DefaultStager, table: checkpoint.Table) -> checkpoint.Table:
+    """`table` with every chunk's view replaced by its copy in host memory (DCP's stager)."""
+    views = {(key, i): chunk.view.detach() for key, entry in table.items() for i, chunk in enumerate(entry.chunks)}
+    staged = stager.stage(views)
+    return {
+        key: checkpoint.Entry(entry.shape, entry.dtype, [
+            checkpoint.Chunk(chunk.offsets, staged[(key, i)]) for i, chunk in enumerate(entry.chunks)
+        ])
+        for key, entry in table.items()
+    }  # fmt: skip
