@@ -142,7 +142,7 @@ def test_verify_passes_with_adapters(layout, capsys):
         ("dp=2,tp=2", "bf16"),
         ("dp=2,zero=3", "bf16"),
         ("pp=2,tp=2,microbatches=2", "fp32"),  # each stage reduces its own blocks' adapters
-        ("tp=2,etp=2 moe", "fp32"),  # the expert adapters' whole halves all-reduced over etp
+        ("tp=2,etp=2 moe", "bf16"),  # the expert adapters' halves all-reduced over etp; the MoE output gathered in bf16
         pytest.param("dp=2,ep=2 moe", "bf16", marks=pytest.mark.sweep),
     ],
 )

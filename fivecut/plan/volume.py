@@ -123,8 +123,9 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
            replicated attention weights' gradients (k/v when t > kv heads; MLA's latent
            projections and norms, `replicated_attention_weights`), and the clip norm (1 element).
     A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
-    without SP its input is sliced (backward: all-gather of E) and its output all-gathered
-    (E); with capacity or the auxiliary loss, each chunk's slots per (sequence, expert) are
+    without SP its input is sliced (backward: all-gather of E, in the stream's dtype) and its
+    output all-gathered (in the matmuls' dtype: bf16 under autocast);
+    with capacity or the auxiliary loss, each chunk's slots per (sequence, expert) are
     all-gathered (t*b*E_experts int64).
     Under pipeline parallelism the embedding and the head count only on the ranks holding them.
     Full recomputation: each backward pass runs a recomputed block's forward again up to its last
@@ -163,7 +164,7 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         else:
             # g after the embedding (stream) and each region (a); f's transposes (stream)
             per_micro += ar * (stream * (emb + regions + head) * e + a * regions * e + FP32 * loss + grads * kv)
-            per_micro += ag * FP32 * moe * 2 * e  # MoE output gathered; input's gradient gathered
+            per_micro += ag * moe * (a + stream) * e  # MoE output gathered (matmul dtype), input's gradient (stream)
         per_micro += lora_tensor_bytes(args, cfg, (emb, L, head, moe), kv, e) if cfg.lora.rank else 0.0
         calls.append(f"L={L}{' +emb' if emb else ''}{' +head' if head else ''}")
     clip = ar * FP32 if train.grad_clip > 0 else 0.0
