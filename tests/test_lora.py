@@ -499,3 +499,34 @@ def test_weights_trained_whole_go_out_and_in_as_pefts_modules_to_save(untied, by
     cfg = import_config(byte_cache, untied, *LORA, full, f'lora.adapter="{tmp_path / "a"}"', 'train.dtype="fp32"')
     (again,) = spawn(logits_of, 1, [cfg], TOKENS)
     torch.testing.assert_close(again[0], ours, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.multirank
+@pytest.mark.sweep
+def test_expert_adapters_reshard_between_expert_layouts(byte_cache, tmp_path):
+    """A checkpoint of adapters on every expert saved under dp=2 x ep=2 x tp=2 x etp=2 (stacks cut
+    by expert and by hidden size) loads into one process and saves again bit for bit, and the run
+    continues from it as under the first layout."""
+    import copy
+
+    import numpy as np
+    from test_checkpoint import RTOL, config, full_state, resave, run, world
+
+    from fivecut.train import checkpoint
+
+    lora = ("lora.rank=4", 'lora.targets=["attention", "experts"]', 'train.dtype="fp32"')
+    saved_under = ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "parallel.sp=true", *lora)
+    a = config(byte_cache, tmp_path, saved_under, "tiny-moe", steps=8, dir=str(tmp_path / "a"), every=4)
+    b = config(byte_cache, tmp_path, lora, "tiny-moe", steps=8)
+    under_a = spawn(run, world(a), a)[0]
+    source = checkpoint.step_dir(tmp_path / "a", 4)
+    spawn(resave, 1, copy.deepcopy(b), str(source), str(tmp_path / "b"))
+    saved, loaded = (
+        full_state(source, tmp_path / "a.pt"),
+        full_state(checkpoint.step_dir(tmp_path / "b", 4), tmp_path / "b.pt"),
+    )
+    assert saved.keys() == loaded.keys() and any(k.endswith("experts.w13_lora_a") for k in saved)
+    for key in saved:
+        assert torch.equal(saved[key], loaded[key]), key
+    resumed = spawn(run, 1, b, str(source))[0]
+    np.testing.assert_allclose(resumed[0], under_a[0][4:], rtol=RTOL)
