@@ -121,7 +121,9 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced, in
            as many pairs of calls as the head has chunks),
            replicated attention weights' gradients (k/v when t > kv heads; MLA's latent
-           projections and norms, `replicated_attention_weights`), and the clip norm (1 element).
+           projections and norms, `replicated_attention_weights`), and the clip norm (1 element);
+           whole-projection q/k norms (OLMo 2): per block the q and k sums of squares (2*b*s, fp32)
+           all-reduced forward and their gradients backward (again in a recomputed forward).
     A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
     without SP its input is sliced (backward: all-gather of E) and its output all-gathered
     (E); with capacity or the auxiliary loss, each chunk's slots per (sequence, expert) are
@@ -154,6 +156,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
         kv = L * replicated_attention_weights(args, t)
         regions = 2 * L - moe
         per_micro += moe * counts
+        # whole-projection q/k norms (OLMo 2): each sum of squares [b, s] and its gradient, fp32, for q and for k
+        per_micro += ar * FP32 * b * s * (4 * L + 2 * full) * args.qk_norm_whole
         if dims.sp:
             # embedding's reduce-scatter, regions' and head's all-gathers (stream); regions' reduce-scatters (a)
             forward = stream * (emb + regions + head) + a * regions
@@ -211,7 +215,7 @@ def replicated_attention_weights(args, t: int) -> int:
     if args.is_mla:
         shapes = args.mla_shapes()
         return sum(shapes.get(name, 0) for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
-    head_norms = 2 * args.head_dim if args.qk_norm else 0
+    head_norms = 2 * args.head_dim if args.qk_norm and not args.qk_norm_whole else 0  # whole ones: cut with wq, wk
     return head_norms + (2 * args.n_kv_heads * args.head_dim * args.dim if args.n_kv_heads % t else 0)
 
 

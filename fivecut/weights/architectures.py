@@ -227,6 +227,51 @@ def qwen3_args(cfg: HFConfig) -> ModelArgs:
     return dense_args(cfg, qk_norm=True, **qwen_window(cfg))
 
 
+def smollm3_args(cfg: HFConfig) -> ModelArgs:
+    """SmolLM3: Llama with no RoPE on every no_rope_layer_interval-th layer (its NoPE layers), tied embeddings."""
+    cfg.expect("attention_bias", False, "SmolLM3 attention (no biases)")
+    cfg.expect("use_sliding_window", False, "SmolLM3 attention (full causal attention on every layer)")
+    window = cfg.get("sliding_window")  # transformers keeps it (and may mask with it) even without use_sliding_window
+    if window is not None:
+        raise ArchitectureError(
+            f"{cfg.path}: sliding_window = {window} is not implemented; fivecut's SmolLM3 attends fully on every "
+            "layer: set sliding_window to null"
+        )
+    n_layers = cfg.need("num_hidden_layers")
+    types = cfg.get("layer_types", list)
+    if types and set(types[:n_layers]) != {"full_attention"}:
+        raise ArchitectureError(
+            f"{cfg.path}: layer_types {types} is not implemented; fivecut's SmolLM3 attends fully on every layer "
+            "(a sliding_attention layer gets a window mask): drop layer_types or make each 'full_attention'"
+        )
+    return dense_args(cfg, nope_interval=nope_interval(cfg, n_layers))
+
+
+def nope_interval(cfg: HFConfig, n_layers: int) -> int:
+    """ModelArgs.nope_interval of SmolLM3's no_rope_layers (layer i rotates where it holds 1; transformers
+    derives it from no_rope_layer_interval k when absent: 0 on layers k-1, 2k-1, ...)."""
+    interval = cfg.get("no_rope_layer_interval", default=4)
+    flags = cfg.get("no_rope_layers", list)
+    if flags is None:
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    flags = flags[:n_layers]  # transformers reads the first n_layers entries
+    k = flags.index(0) + 1 if 0 in flags else 0
+    if len(flags) < n_layers or flags != [int(not k or (i + 1) % k != 0) for i in range(n_layers)]:
+        raise ArchitectureError(
+            f"{cfg.path}: no_rope_layers {flags} is not implemented; fivecut's NoPE layers are every k-th layer "
+            f"(k-1, 2k-1, ...; SmolLM3's pattern) over all {n_layers} layers: write that pattern, or drop "
+            "no_rope_layers and set no_rope_layer_interval"
+        )
+    return k
+
+
+def olmo2_args(cfg: HFConfig) -> ModelArgs:
+    """OLMo 2: each block's norms after attention and after the MLP (on the sublayer's output, before the
+    residual add), RMSNorms over the whole q and k projections; no biases."""
+    cfg.expect("attention_bias", False, "OLMo 2 attention (no biases)")
+    return dense_args(cfg, qk_norm=True, qk_norm_whole=True, norm_after=True)
+
+
 # ---------------------------------------------------------------- ModelArgs -> config.json
 
 
@@ -278,15 +323,42 @@ def qwen3_config(args: ModelArgs) -> dict:
     return dense_config(args, "Qwen3ForCausalLM", "qwen3") | {"attention_bias": False} | qwen_window_config(args)
 
 
+# the class's default pad id (SmolLM3's 128004, OLMo 2's 1) names no row of a smaller vocabulary, and
+# transformers then refuses to build the embedding; fivecut trains no padding row, so none is named
+NO_PAD = None
+
+
+def smollm3_config(args: ModelArgs) -> dict:
+    flags = [int(args.layer_rope(i)) for i in range(args.n_layers)]
+    return dense_config(args, "SmolLM3ForCausalLM", "smollm3") | {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "no_rope_layers": flags,  # 1: the layer rotates
+        "no_rope_layer_interval": args.nope_interval or args.n_layers + 1,  # (no_rope_layers says it all)
+        "layer_types": ["full_attention"] * args.n_layers,
+        "pad_token_id": NO_PAD,
+    }
+
+
+def olmo2_config(args: ModelArgs) -> dict:
+    return dense_config(args, "Olmo2ForCausalLM", "olmo2") | {"attention_bias": False, "pad_token_id": NO_PAD}
+
+
 # ---------------------------------------------------------------- which shapes each class holds
 
+# the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
+VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after")
 
-def dense_problem(args: ModelArgs) -> str | None:
+
+def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:
     if args.is_moe:
         return "it has mixture-of-experts layers"
     if args.is_mla:
         return "it has multi-head latent attention"
-    return None
+    extra = [name for name in VARIANTS if getattr(args, name) and name not in own]
+    return f"it has {', '.join(extra)}" if extra else None
 
 
 def holds_llama(args: ModelArgs) -> str | None:
@@ -312,6 +384,18 @@ def holds_qwen3(args: ModelArgs) -> str | None:
     if args.qkv_bias or not args.qk_norm:
         return "Qwen3 has q/k norms and no q/k/v biases"
     return dense_problem(args)
+
+
+def holds_smollm3(args: ModelArgs) -> str | None:
+    if args.qkv_bias or args.qk_norm or args.has_window:
+        return "SmolLM3 has no q/k/v biases, q/k norms or sliding window"
+    return dense_problem(args, own=("nope_interval",))
+
+
+def holds_olmo2(args: ModelArgs) -> str | None:
+    if not (args.norm_after and args.qk_norm_whole) or args.qkv_bias or args.has_window:
+        return "OLMo 2 has norms after each sublayer, q/k norms over the whole projections, no biases or window"
+    return dense_problem(args, own=("qk_norm_whole", "norm_after"))
 
 
 # ---------------------------------------------------------------- tensor names
@@ -354,6 +438,17 @@ def dense_tensors(args: ModelArgs) -> list[TensorMap]:
     return global_tensors(args) + layer_tensors(args, suffixes)
 
 
+# OLMo 2's norms sit after their sublayers: fivecut's attention_norm and ffn_norm under their names
+OLMO2_NORMS = {
+    "attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def olmo2_tensors(args: ModelArgs) -> list[TensorMap]:
+    return global_tensors(args) + layer_tensors(args, DENSE_LAYER | QK_NORM | OLMO2_NORMS)
+
+
 # ---------------------------------------------------------------- the registry
 
 # the config.json keys every dense reader reads (`dense_args`), and each class's own
@@ -378,6 +473,14 @@ QWEN3 = Architecture(
     "Qwen3ForCausalLM", "qwen3", qwen3_args, qwen3_config, holds_qwen3, dense_tensors,
     DENSE_KEYS | QWEN_WINDOW_KEYS | {"attention_bias"},
 )  # fmt: skip
+SMOLLM3 = Architecture(
+    "SmolLM3ForCausalLM", "smollm3", smollm3_args, smollm3_config, holds_smollm3, dense_tensors,
+    DENSE_KEYS | {"attention_bias", "use_sliding_window", "sliding_window", "layer_types", "no_rope_layers",
+                  "no_rope_layer_interval"},
+)  # fmt: skip
+OLMO2 = Architecture(
+    "Olmo2ForCausalLM", "olmo2", olmo2_args, olmo2_config, holds_olmo2, olmo2_tensors, DENSE_KEYS | {"attention_bias"}
+)
 
 # transformers' defaults for keys a config.json may leave out, by model_type (where they differ from
 # the readers' own: Qwen3's head_dim is its own, Mistral v0.1's window is the class default)
@@ -385,10 +488,12 @@ DEFAULTS = {
     "mistral": {"sliding_window": 4096},
     "qwen2": {"max_window_layers": 28, "sliding_window": 4096},
     "qwen3": {"head_dim": 128, "max_window_layers": 28, "sliding_window": 4096},
+    "smollm3": {"rope_theta": 2e6, "tie_word_embeddings": True},
+    "olmo2": {"rms_norm_eps": 1e-5},
 }
 
 AnyArchitecture = Architecture | moe.Architecture
-ARCHITECTURES: dict[str, AnyArchitecture] = {a.hf_class: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+ARCHITECTURES: dict[str, AnyArchitecture] = {a.hf_class: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, OLMO2)}
 
 
 def register(architecture: AnyArchitecture, defaults: dict | None = None) -> None:
