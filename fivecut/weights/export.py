@@ -1,7 +1,7 @@
 """`fivecut export`: a checkpoint as a folder that Hugging Face `from_pretrained` reads.
 
-The Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral, Qwen2, Qwen3, Mixtral,
-Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was imported from (the run's
+The Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral, Qwen2, Qwen3, SmolLM3,
+OLMo 2, Mixtral, Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was imported from (the run's
 model.init_from, `export_class`: a Mistral without a window goes back out a Mistral, though Llama
 holds it too), else the first that holds the model's shape; the checkpoint's tensor shapes, read
 from DCP's metadata alone, are checked against the shapes its `ModelArgs` imply. The weights are
