@@ -1,10 +1,13 @@
-"""SmolLM3 (NoPE layers) and OLMo 2 (norms after the sublayers, q/k norms over the whole
-projections) in and out of Hugging Face, one process and under the cuts.
+"""SmolLM3 (NoPE layers), OLMo 2 (norms after the sublayers, q/k norms over the whole
+projections) and Phi-3 (fused qkv_proj and gate_up_proj, partial rotary, a window on every layer)
+in and out of Hugging Face, one process and under the cuts.
 
 Each model is a tiny random one built by `transformers` from its config class (no download), its
 norms drawn at random (ones would hide a norm applied in the wrong place or sliced wrongly), saved
 in shards with an index. SmolLM3's no_rope_layer_interval is 2, so of its 2 layers the second has
-no RoPE; OLMo 2's q norm [4 heads x 16] and k norm [2 kv heads x 16] are cut by tp=2 with wq and wk.
+no RoPE; OLMo 2's q norm [4 heads x 16] and k norm [2 kv heads x 16] are cut by tp=2 with wq and wk;
+Phi-3's RoPE turns 8 of each head's 16 channels, and tp=2 reads each rank's rows of wq, wk, wv out of
+qkv_proj and of w1, w3 out of gate_up_proj (export fuses them back).
 
 Tolerances as in tests/test_hf_dense.py: fp32 logits of 2-layer models (values ~0.1-1); fivecut
 and transformers differ only in the order of floating-point operations: 1e-5 absolute and
@@ -43,6 +46,8 @@ COMMON = dict(
 MODELS = {
     "SmolLM3ForCausalLM": ("SmolLM3Config", dict(no_rope_layer_interval=2, rope_theta=5000.0)),
     "Olmo2ForCausalLM": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    # RoPE turns 8 of a head's 16 channels; a window of 6 on every layer (13 tokens)
+    "Phi3ForCausalLM": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=6)),
 }
 
 
@@ -94,6 +99,9 @@ def test_the_config_becomes_the_right_fields(saved):
     olmo = source_of(f"hf:{saved['Olmo2ForCausalLM'][0]}").args
     assert olmo.norm_after and olmo.qk_norm and olmo.qk_norm_whole and not olmo.tie_embeddings
     assert olmo.nope_interval == 0
+    phi = source_of(f"hf:{saved['Phi3ForCausalLM'][0]}").args
+    assert phi.rope_partial_dim == 8 and phi.head_dim == 16 and phi.rope_dim == 8
+    assert [phi.layer_window(i) for i in range(2)] == [6, 6] and not phi.qkv_bias
 
 
 LAYOUTS = {
@@ -155,18 +163,22 @@ def verify(capsys, folder: Path, layout: str) -> str:
         ("Olmo2ForCausalLM", "dp=2"),
         ("SmolLM3ForCausalLM", "cp=2,cp_mode=ring"),
         ("SmolLM3ForCausalLM", "pp=2,microbatches=2"),
+        ("Phi3ForCausalLM", "cp=2,cp_mode=ulysses"),
     ],
 )
 def test_verify_passes(saved, capsys, name, layout):
     verify(capsys, saved[name][0], layout)
 
 
+SWEEP = ["dp=2", "dp=2,zero=3", "tp=2", "tp=2,sp=true", "pp=2,microbatches=2", "cp=2,cp_mode=ulysses"]
+
+
 @pytest.mark.sweep
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize(
-    "layout",
-    ["dp=2", "dp=2,zero=3", "tp=2", "tp=2,sp=true", "pp=2,microbatches=2", "cp=2,cp_mode=ulysses", "cp=2,cp_mode=ring"],
+    "name,layout",
+    [(name, layout) for name in MODELS for layout in SWEEP]
+    + [(name, "cp=2,cp_mode=ring") for name in MODELS if name != "Phi3ForCausalLM"],  # Phi-3's window: ring refused
 )
 def test_verify_passes_on_each_family(saved, capsys, name, layout):
     verify(capsys, saved[name][0], layout)
@@ -239,6 +251,22 @@ def test_what_the_families_cannot_carry_is_refused_in_one_line(saved, tmp_path, 
         ),
         "attention_bias = True is not implemented; fivecut's OLMo 2": edited(
             olmo, tmp_path / "bias", {"attention_bias": True}
+        ),
+    }
+    phi = saved["Phi3ForCausalLM"][0]
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [1.0] * 4}
+    cases |= {
+        "rope_parameters.rope_type = 'longrope' is Phi-3's longrope": edited(
+            phi, tmp_path / "longrope", {"rope_parameters": longrope}
+        ),
+        "rope_scaling.rope_type = 'yarn' is Phi-3's longrope": edited(
+            phi, tmp_path / "yarn", {"rope_scaling": {"type": "yarn", "factor": 2.0}}
+        ),
+        "resid_pdrop = 0.1 is not implemented; fivecut's Phi-3 (no dropout)": edited(
+            phi, tmp_path / "dropout", {"resid_pdrop": 0.1}
+        ),
+        "partial_rotary_factor = 0.2 turns 3 of a head's 16 channels": edited(
+            phi, tmp_path / "odd", {"partial_rotary_factor": 0.2, "rope_parameters": {"rope_theta": 1e4}}
         ),
     }
     for needle, spec in cases.items():

@@ -47,9 +47,10 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
                 "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps",
-                "nope_interval")  # fmt: skip
+                "nope_interval", "rope_partial_dim")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
-GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_whole", "sliding_window", "nope_interval")
+GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_whole", "sliding_window", "nope_interval",
+            "rope_partial_dim")  # fmt: skip
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -120,6 +121,9 @@ class ModelArgs:
     # with qk_norm: one RMSNorm over the whole query projection [n_heads * hd] and one over the whole key
     # projection [n_kv_heads * hd], each with a weight of that size, instead of one per head (OLMo 2)
     qk_norm_whole: bool = False
+    # partial rotary (Phi-3's partial_rotary_factor): RoPE turns the first k channels of each query and key
+    # head and passes the others through; 0: every channel turns
+    rope_partial_dim: int = 0
     # layers without RoPE (SmolLM3's NoPE layers): with k > 0, every k-th layer (k-1, 2k-1, ...) rotates no
     # channel of its queries and keys; 0: every layer rotates
     nope_interval: int = 0
@@ -227,6 +231,11 @@ class ModelArgs:
     def _check_variants(self) -> None:
         if self.qk_norm_whole and not self.qk_norm:
             raise ValueError("qk_norm_whole says how wide the q/k norms are, but qk_norm is false; set qk_norm = true")
+        if self.rope_partial_dim % 2 or self.rope_partial_dim > self.head_dim:
+            raise ValueError(
+                f"rope_partial_dim ({self.rope_partial_dim}) must be even (RoPE turns pairs of channels) and at most "
+                f"head_dim ({self.head_dim}); 0 turns every channel"
+            )
 
     def _check_window(self) -> None:
         if self.full_attention_layers and not self.sliding_window:
@@ -324,7 +333,7 @@ class ModelArgs:
     @property
     def rope_dim(self) -> int:
         """Channels RoPE rotates in each query and key head: the decoupled part under MLA, else all."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        return self.qk_rope_head_dim if self.is_mla else self.rope_partial_dim or self.head_dim
 
     @property
     def qk_head_dim(self) -> int:

@@ -132,7 +132,11 @@ def yarn_attention_factor(args: ModelArgs) -> float:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, heads, s, hd] by position (rotate-half form, as in Hugging
     Face Llama checkpoints; Meta's original checkpoints use interleaved pairs
-    and need a permutation of wq/wk rows on import). Computed in fp32."""
+    and need a permutation of wq/wk rows on import). Computed in fp32. Tables
+    narrower than hd (partial rotary, Phi-3) turn the first channels, the rest pass."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)  # [b, heads, s, hd]
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # [1, s, hd] or [b, 1, s, hd]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)  # [b, heads, s, hd/2] each

@@ -261,12 +261,18 @@ class Plan:
         size = 0
         for entry in self.entries:
             nbytes = entry.nbytes(self.dtype)
-            if out[-1] and size + nbytes > self.max_bytes:
+            if out[-1] and size + nbytes > self.max_bytes and not fused_with(out[-1][-1], entry):
                 out.append([])
                 size = 0
             out[-1].append(entry)
             size += nbytes
         return out
+
+
+def fused_with(before: Entry, entry: Entry) -> bool:
+    """Whether `entry` is a later row block of the fused tensor `before` writes (one shard holds them all)."""
+    maps = (before.map, entry.map)
+    return all(isinstance(m, TensorMap) and m.rows for m in maps) and maps[0].theirs == maps[1].theirs
 
 
 def export_entries(path: Path, args: ModelArgs, arch: AnyArchitecture | None, layered: bool = False) -> list[Entry]:
@@ -376,11 +382,16 @@ def write_shard(
         boxes = read_boxes(path, [e for e in entries if isinstance(e.map, moe.Part)])
     adapters = adapter_values(path, entries)
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, list[torch.Tensor]] = {}  # a fused tensor's row blocks, in row order (Phi-3's qkv_proj)
     for entry in entries:
         value = boxes.pop(0) if isinstance(entry.map, moe.Part) else values.pop(entry.key)
         if entry.adapter is not None:
             value = merged(entry, value, *(adapters[k] for k in entry.adapter), scale)
-        tensors |= hf_tensors(entry, value, dtype)
+        if isinstance(entry.map, TensorMap) and entry.map.rows:
+            blocks.setdefault(entry.map.theirs[0], []).append(value.to(dtype))
+        else:
+            tensors |= hf_tensors(entry, value, dtype)
+    tensors |= {name: torch.cat(parts) for name, parts in blocks.items()}  # [total rows, in]
     save_file(tensors, str(file), metadata={"format": "pt"})
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
