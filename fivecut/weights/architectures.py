@@ -29,7 +29,7 @@ themselves. Import (`fivecut.weights.hf`) finds a folder's record by its config'
 record that holds the checkpoint's shape (`for_args`): a MoE shape picks its MoE class, a shape
 no class holds gets fivecut's own format.
 
-    fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2)
+    fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3)
     tok_embeddings.weight                 model.embed_tokens.weight
     layers.N.attention_norm.weight        model.layers.N.input_layernorm.weight
     layers.N.attention.wq.weight          model.layers.N.self_attn.q_proj.weight   (wk, wv, wo: k/v/o_proj)
@@ -40,8 +40,10 @@ no class holds gets fivecut's own format.
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight   (absent when tie_word_embeddings)
 
-OLMo 2's two norms follow their sublayers: fivecut's attention_norm is its post_attention_layernorm,
-ffn_norm its post_feedforward_layernorm, and its q_norm/k_norm span the whole projections.
+Phi-3 fuses wq, wk, wv into self_attn.qkv_proj.weight and w1, w3 into mlp.gate_up_proj.weight: each
+is a row block of the fused tensor (`TensorMap.rows`). OLMo 2's two norms follow their sublayers:
+fivecut's attention_norm is its post_attention_layernorm, ffn_norm its post_feedforward_layernorm,
+and its q_norm/k_norm span the whole projections.
 
 The dense records are data and small functions of ModelArgs, free of torch (the MoE records import it).
 """

@@ -1,9 +1,9 @@
 """`fivecut export`: a checkpoint as a folder that Hugging Face `from_pretrained` reads.
 
 The Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral, Qwen2, Qwen3, SmolLM3,
-OLMo 2, Mixtral, Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was imported from (the run's
-model.init_from, `export_class`: a Mistral without a window goes back out a Mistral, though Llama
-holds it too), else the first that holds the model's shape; the checkpoint's tensor shapes, read
+OLMo 2, Phi-3, Mixtral, Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was
+imported from (the run's model.init_from, `export_class`: a Mistral without a window goes back out a
+Mistral, though Llama holds it too), else the first that holds the model's shape; the checkpoint's tensor shapes, read
 from DCP's metadata alone, are checked against the shapes its `ModelArgs` imply. The weights are
 never gathered: the output is planned as shards of at most --max-shard-size, and each shard is
 read from DCP by itself (only its tensors' global values, whatever layout saved them), converted,
@@ -20,8 +20,9 @@ shard at a time, never the model:
 A dense model's tensors take the class's names (the table in `fivecut.weights.architectures`).
 fivecut's model and these classes share the rotate-half RoPE and the [out, in] layout of every
 linear weight, so no dense tensor is permuted or transposed (a record's `TensorMap` says where
-one is: stacked experts). The vocabulary is never padded: a checkpoint holds global tensors,
-however a layout padded them for its cuts.
+one is: stacked experts); Phi-3's fused projections are written from their row blocks, joined.
+The vocabulary is never padded: a checkpoint holds global tensors, however a layout padded them
+for its cuts.
 
 A mixture-of-experts class writes each expert as its own [out, in] tensor and, for DeepSeek-V3,
 the RoPE rows of the latent attention interleaved in pairs and the routing biases as
