@@ -184,14 +184,30 @@ def test_verify_passes_on_each_family(saved, capsys, name, layout):
     verify(capsys, saved[name][0], layout)
 
 
+RATIOS = ("ratio", "memory_ratio", "activation_ratio")
+
+
 @pytest.mark.multirank
 def test_ledger_counts_olmo2_s_norm_sums_as_the_planner_predicts(saved, capsys):
-    """The q and k sums of squares all-reduced over tp (forward, and their gradients backward): measured
-    bytes = predicted under tp=2 with SP."""
+    """The q and k sums of squares all-reduced over tp (forward, and their gradients backward), and what
+    the whole-projection norms keep for backward (one rstd per token each, no head-merge copy): measured
+    = predicted under tp=2 with SP."""
     from test_hf_dense import ledger_ratios
 
     ratios = ledger_ratios(capsys, saved["Olmo2ForCausalLM"][0], "tp=2,sp=true")
-    assert ratios["ratio"] == "1.000", ratios
+    assert {k: ratios.get(k) for k in RATIOS} == dict.fromkeys(RATIOS, "1.000"), ratios
+
+
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("layout", ["dp=2", "tp=2,sp=true", "cp=2,cp_mode=ulysses"])
+def test_ledger_measures_what_the_planner_predicts(saved, capsys, name, layout):
+    """Phi-3's partial rotary lays q out by heads (the head-merge copy wo keeps); SmolLM3's NoPE layer 1."""
+    from test_hf_dense import ledger_ratios
+
+    ratios = ledger_ratios(capsys, saved[name][0], layout)
+    assert {k: ratios.get(k) for k in RATIOS} == dict.fromkeys(RATIOS, "1.000"), ratios
 
 
 # ---------------------------------------------------------------- out: trained, exported, read by transformers

@@ -122,7 +122,10 @@ def activation_bytes_per_layer(
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
-        attention += head_norm_bytes(args, tp, kv_heads_per_rank, precision, u > 1, fused_norm)
+        if args.qk_norm:
+            attention += head_norm_bytes(args, tp, kv_heads_per_rank, precision, u > 1, fused_norm)
+        else:
+            attention += merge_copy_bytes(args, tp, precision, u > 1)
     mlp = a * swiglu * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
     per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
@@ -188,15 +191,29 @@ def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, precision: str, ulyss
     makes it for the fused kernel; but CUDA's fused kernel on ZeRO-3's bf16 units, outside
     autocast, keeps the bf16 input itself) and, but for CUDA's fused kernel (`norm_bytes`), its
     fp32 normalized input, hd per head, and one fp32 rstd per head (RoPE after it keeps only its
-    tables). The normed q is laid out [b, H, s, hd], and the core's output follows q's layout, so
-    merging its heads for wo copies it: wo keeps that copy too (under Ulysses, whose all-to-all
-    already lays the output out by tokens, the copy is counted with `twice`)."""
+    tables). OLMo 2's norms over the whole projections (qk_norm_whole) keep the same per channel and
+    one rstd per token each, q's and k's; under tp > 1 they are `ProjectionRMSNorm`s, composite
+    (never CUDA's fused kernel). The copy wo keeps of the core's output is `merge_copy_bytes`."""
     if not args.qk_norm:
         return 0.0
     heads, a = args.n_heads / tp + kv_heads_per_rank, BYTES[precision]
-    output_copy = 0.0 if ulysses else a * args.n_heads / tp * args.head_dim
+    fused = fused and not (args.qk_norm_whole and tp > 1)
     kept = (a if precision == "bf16-params" else FP32) if fused else 2 * FP32  # bytes an element
-    return heads * (kept * args.head_dim + FP32) + output_copy
+    rstds = 2 if args.qk_norm_whole else heads
+    return heads * kept * args.head_dim + FP32 * rstds + merge_copy_bytes(args, tp, precision, ulysses)
+
+
+def merge_copy_bytes(args, tp: int, precision: str, ulysses: bool) -> float:
+    """Per token, the copy of the core's output that wo keeps when q reaches the core laid out
+    [b, H, s, hd] (normed per head, or the concatenation of partial rotary's turned and passed
+    channels): the output follows q's layout, so merging its heads copies it. A q that is a view of
+    its projection (no per-head norm, RoPE over whole heads) keeps the output in token order and
+    the merge is a view. Under Ulysses, whose all-to-all already lays the output out by tokens, the
+    copy is counted with `twice` (`activation_bytes_per_layer`)."""
+    head_major = (args.qk_norm and not args.qk_norm_whole) or args.rope_partial_dim
+    if ulysses or not head_major:
+        return 0.0
+    return BYTES[precision] * args.n_heads / tp * args.head_dim
 
 
 def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:
