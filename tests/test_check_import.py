@@ -1,5 +1,6 @@
 """`fivecut check-import`: a Hugging Face folder built both ways (fivecut's import, transformers')
-and compared on a random batch. PASS on tiny random models of the dense classes (exit 0); FAIL
+and compared on a random batch. PASS on tiny random models (three classes; every class of the zoo,
+mixture-of-experts ones included, in the sweep), exit 0; FAIL
 (exit 1) naming the first decoder layer that differs when a weight is altered after saving;
 bad input in one line, exit 2.
 
@@ -47,6 +48,26 @@ def test_each_class_passes(folders, capsys):
         code, out, _ = run(capsys, f"hf:{folder}")
         assert code == 0 and "\nPASS: largest relative difference" in out and name in out, out
         assert out.count("output's largest relative difference") == 2 and "KL(transformers || fivecut)" in out, out
+
+
+@pytest.mark.sweep
+def test_every_class_of_the_zoo_passes(tmp_path, capsys):
+    """Every registered class, dense and mixture-of-experts, as the other tests build it."""
+    import test_hf_dense
+    import test_hf_families
+    import test_hf_moe
+
+    from fivecut.weights.architectures import ARCHITECTURES
+
+    folders = {name: save(tmp_path / name, test_hf_dense, name) for name in test_hf_dense.MODELS}
+    folders |= {name: save(tmp_path / name, test_hf_families, name) for name in test_hf_families.MODELS}
+    for kind, name in test_hf_moe.CLASSES.items():
+        test_hf_moe.save_hf(kind, tmp_path / name)
+        folders[name] = tmp_path / name
+    assert set(folders) == set(ARCHITECTURES)
+    for name, folder in folders.items():
+        code, out, _ = run(capsys, f"hf:{folder}")
+        assert code == 0 and out.splitlines()[-1].startswith("PASS") and name in out, out
 
 
 def test_an_import_that_differs_fails_naming_its_first_layer(folders, capsys, monkeypatch):
