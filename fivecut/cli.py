@@ -345,6 +345,8 @@ def cmd_train(ns) -> int:
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
+    if not (resuming or restarted):
+        hint_check_import(cfg.model.init_from)
     # the token stores built (once per node) and checked: bad data, and a split too small for train.eval_*, refused here
     sampler = run_tokens(cfg, evaluation_keys=True)
     if path is not None:
@@ -354,6 +356,16 @@ def cmd_train(ns) -> int:
     if planned is not None:
         same_layout_everywhere(planned.cfg)
     return train_to_the_end(cfg, ns.resume, ns.accept)
+
+
+def hint_check_import(init_from: str | None) -> None:
+    """A new run from a Hugging Face folder: one line (rank 0) on proving the import before the run is long."""
+    if init_from and init_from.startswith("hf:") and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"hint: `fivecut check-import {init_from}` compares this import with transformers' model on this "
+            "machine (logits, PASS/FAIL) before a long run",
+            flush=True,
+        )
 
 
 def auto_layout(cfg: Config, world: int):

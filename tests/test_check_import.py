@@ -114,3 +114,15 @@ def test_the_comparison_measures_what_it_says():
     assert kl_per_token(theirs, theirs).abs().max().item() < 1e-15
     c = Comparison("X", 3, (1, 3), [1e-7, 2e-3, 5e-1], 1.0, 0.5, 0.0, 0.0)
     assert c.first_layer_over(1e-5) == 1 and c.first_layer_over(1.0) is None
+
+
+def test_a_new_run_from_a_hugging_face_folder_hints_at_the_check(folders, byte_cache, tmp_path, capsys):
+    """`fivecut train` from hf:FOLDER (OLMo 2's, one step): the hint, once, before the run."""
+    spec = f"hf:{folders['Olmo2ForCausalLM']}"
+    sets = [f"model.init_from={json.dumps(spec)}", 'data.tokenizer="byte"', f'data.cache_dir="{byte_cache}"',
+            "train.steps=1", "train.warmup=1", "train.seq_len=16", "train.global_batch=2", "train.eval_every=0",
+            "log.progress=false", "log.plot=false", f'log.out_dir="{tmp_path / "out"}"',
+            f'checkpoint.dir="{tmp_path / "ck"}"']  # fmt: skip
+    code = main(["train", *(arg for s in sets for arg in ("--set", s))])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.count(f"hint: `fivecut check-import {spec}` compares") == 1, out + err
