@@ -200,13 +200,24 @@ def test_ledger_counts_olmo2_s_norm_sums_as_the_planner_predicts(saved, capsys):
 @pytest.mark.sweep
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("layout", ["dp=2", "tp=2,sp=true", "cp=2,cp_mode=ulysses"])
-def test_ledger_measures_what_the_planner_predicts(saved, capsys, name, layout):
-    """Phi-3's partial rotary lays q out by heads (the head-merge copy wo keeps); SmolLM3's NoPE layer 1."""
-    from test_hf_dense import ledger_ratios
+@pytest.mark.parametrize(
+    "layout,recompute",
+    [("dp=2", "none"), ("tp=2,sp=true", "none"), ("cp=2,cp_mode=ulysses", "none"), ("tp=2,sp=true", "full"),
+     ("tp=2", "full"), ("tp=2,sp=true", "selective")],
+)  # fmt: skip
+def test_ledger_measures_what_the_planner_predicts(saved, capsys, name, layout, recompute):
+    """Phi-3's partial rotary lays q out by heads (the head-merge copy wo keeps, unless the core is
+    recomputed); SmolLM3's NoPE layer 1; OLMo 2's recomputed blocks run their last g again (the last
+    norm keeps its output) and their norm sums."""
+    import re
 
-    ratios = ledger_ratios(capsys, saved[name][0], layout)
-    assert {k: ratios.get(k) for k in RATIOS} == dict.fromkeys(RATIOS, "1.000"), ratios
+    from fivecut.cli import main
+
+    argv = ["ledger", "--model", f"hf:{saved[name][0]}", "--layout", layout, "--steps", "1"]
+    code = main([*argv, "--set", f'train.recompute="{recompute}"'])
+    out = capsys.readouterr().out
+    ratios = dict(re.findall(r"^(\w*ratio)=(\S+)$", out, re.M))
+    assert code == 0 and {k: ratios.get(k) for k in RATIOS} == dict.fromkeys(RATIOS, "1.000"), out
 
 
 # ---------------------------------------------------------------- out: trained, exported, read by transformers

@@ -134,7 +134,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     all-reduce of E without SP (the attention region's); with SP two all-gathers and one
     reduce-scatter of E, but no regathers of the regions' inputs (the recomputation keeps them
     whole): one E more in fp32 (under bf16 with fp32 weights, which regathers nothing, all three
-    count); and again the slot counts of a MoE layer with capacity or the aux loss."""
+    count); with the norms after the sublayers (OLMo 2) the block's last g too, whose output the last
+    norm keeps; and again the slot counts of a MoE layer with capacity or the aux loss."""
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
@@ -151,6 +152,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     )
     for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
         again = ag * (2 * stream + a - 2 * regather) if dims.sp else ar * a  # a recomputed block's forward
+        # norms after the sublayers (OLMo 2): the last saved tensor is the MLP norm's input, after the last g
+        again += (ag if dims.sp else ar) * a * args.norm_after
         per_micro += full * again * e + full_moe * counts
         loss = 3 * b * s * head
         kv = L * replicated_attention_weights(args, t)
