@@ -161,7 +161,6 @@ def verify(capsys, folder: Path, layout: str) -> str:
     [
         ("Olmo2ForCausalLM", "tp=2,sp=true"),
         ("SmolLM3ForCausalLM", "cp=2,cp_mode=ring"),
-        ("SmolLM3ForCausalLM", "pp=2,microbatches=2"),
         ("Phi3ForCausalLM", "cp=2,cp_mode=ulysses"),
     ],
 )
