@@ -732,6 +732,12 @@ def tp_head_problems(tp: int, model) -> list[str]:
     """tp cuts the query heads and splits or replicates the kv heads: one line when tp fits neither."""
     kv = model.n_kv_heads
     fits = [t for t in divisors(model.n_heads) if kv % t == 0 or t % kv == 0]
+    if tp in fits and model.qk_norm_whole and kv % tp:
+        return [
+            f"tp={tp} with q/k norms over the whole projections (qk_norm_whole, OLMo 2): each rank's k norm covers its "
+            f"kv heads, so tp must divide n_kv_heads={kv} (replicated kv heads are not built); choose tp from "
+            f"{[t for t in fits if kv % t == 0]}"
+        ]
     if tp in fits:
         return []
     return [

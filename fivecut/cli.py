@@ -1,4 +1,4 @@
-"""`fivecut train | eval | generate | export | convert | verify | ledger | schedule | checkpoint info`.
+"""`fivecut train | eval | generate | export | convert | check-import | verify | ledger | schedule | checkpoint info`.
 
 The top of the floors (DESIGN.md, principle 11): it imports everything below it. What imports torch
 (or matplotlib) is imported inside the command that runs it, so that `fivecut --help`, `schedule` and
@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     add_convert_parser(sub)
+    add_check_import_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
     add_data_parser(sub)
@@ -344,6 +345,8 @@ def cmd_train(ns) -> int:
     resuming = path is not None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
+    if not (resuming or restarted):
+        hint_check_import(cfg.model.init_from)
     # the token stores built (once per node) and checked: bad data, and a split too small for train.eval_*, refused here
     sampler = run_tokens(cfg, evaluation_keys=True)
     if path is not None:
@@ -353,6 +356,16 @@ def cmd_train(ns) -> int:
     if planned is not None:
         same_layout_everywhere(planned.cfg)
     return train_to_the_end(cfg, ns.resume, ns.accept)
+
+
+def hint_check_import(init_from: str | None) -> None:
+    """A new run from a Hugging Face folder: one line (rank 0) on proving the import before the run is long."""
+    if init_from and init_from.startswith("hf:") and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"hint: `fivecut check-import {init_from}` compares this import with transformers' model on this "
+            "machine (logits, PASS/FAIL) before a long run",
+            flush=True,
+        )
 
 
 def auto_layout(cfg: Config, world: int):
@@ -526,6 +539,55 @@ def convert_to_checkpoint(c, layout: str | None, overrides: list[str], timeout: 
             f"start a run from it with model.init_from = 'dcp:{c.out}'"
         )
     return 0
+
+
+# ---------------------------------------------------------------- check-import
+
+
+def add_check_import_parser(sub) -> None:
+    check = sub.add_parser(
+        "check-import",
+        help="build a Hugging Face folder's model both ways (fivecut's import, transformers') on this CPU and compare "
+        "their logits on a random batch: PASS or FAIL",
+    )
+    check.add_argument("folder", help="hf:FOLDER, or the folder's path")
+    check.add_argument("--batch", type=int, default=2, help="sequences in the random batch (default 2)")
+    check.add_argument(
+        "--seq", type=int, default=32, help="tokens a sequence (default 32; at most the model's context)"
+    )
+    check.add_argument("--seed", type=int, default=0, help="the seed of the random token ids")
+    check.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="largest relative logit difference (max |fivecut - transformers| / max |transformers|) that passes, "
+        "fp32 (default 1e-5); a decoder layer whose output differs by more is named",
+    )
+    check.set_defaults(func=cmd_check_import)
+
+
+def cmd_check_import(ns) -> int:
+    for flag, value in (("--batch", ns.batch), ("--seq", ns.seq)):
+        if value < 1:
+            raise ConfigError(f"{flag} is {value}; give a positive number")
+    if ns.rtol is not None and not ns.rtol > 0:
+        raise ConfigError(f"--rtol is {ns.rtol}; give a positive tolerance, e.g. 1e-5")
+    from fivecut.weights.import_check import FP32_RTOL, compare
+
+    rtol = FP32_RTOL if ns.rtol is None else ns.rtol
+    c = compare(ns.folder, ns.batch, ns.seq, ns.seed)
+    print(f"{ns.folder}: {c.hf_class}, {c.n_layers} layers, fp32, random tokens [{c.tokens[0]}, {c.tokens[1]}]")
+    for i, rel in enumerate(c.layers):
+        print(f"  layer {i}: output's largest relative difference {rel:.2e}")
+    print(f"logits: largest absolute difference {c.max_abs:.2e}, largest relative difference {c.max_rel:.2e}")
+    print(f"KL(transformers || fivecut) per token: mean {c.kl_mean:.2e}, max {c.kl_max:.2e}")
+    if c.max_rel <= rtol and c.first_layer_over(rtol) is None:
+        print(f"PASS: largest relative difference {c.max_rel:.2e} <= {rtol:g}")
+        return 0
+    first = c.first_layer_over(rtol)
+    where = f"; the first layer that differs is layer {first} ({c.layers[first]:.2e})" if first is not None else ""
+    print(f"FAIL: largest relative difference {c.max_rel:.2e} > {rtol:g}{where}")
+    return FAILED
 
 
 # ---------------------------------------------------------------- eval

@@ -64,6 +64,10 @@ class ModelConfig:
     attention_head_dim: int | None = None
     qkv_bias: bool | None = None
     qk_norm: bool | None = None
+    qk_norm_whole: bool | None = None
+    nope_interval: int | None = None
+    rope_partial_dim: int | None = None
+    norm_after: bool | None = None
     sliding_window: int | None = None
     full_attention_layers: int | None = None
     route_norm: bool | None = None

@@ -117,6 +117,7 @@ REFUSED_KEYS = {
         "expert_groups route_group_limit q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim"
     ).split()),
     *(f"model.{k}" for k in "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers".split()),
+    *(f"model.{k}" for k in "qk_norm_whole nope_interval norm_after rope_partial_dim".split()),
     "model.route_norm",
     *(f"model.rope_{k}" for k in (
         "scaling factor original_context low_freq_factor high_freq_factor beta_fast beta_slow mscale mscale_all_dim"

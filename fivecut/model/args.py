@@ -46,9 +46,11 @@ POSITIVE = (
     "route_group_limit",
 )
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
-                "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps")  # fmt: skip
+                "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps",
+                "nope_interval", "rope_partial_dim")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
-GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "sliding_window")
+GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_whole", "sliding_window", "nope_interval",
+            "rope_partial_dim")  # fmt: skip
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -116,6 +118,18 @@ class ModelArgs:
     attention_head_dim: int = 0  # channels of one head; 0: dim // n_heads (Qwen3 sets its own)
     qkv_bias: bool = False  # biases on the q, k, v projections, not on wo (Qwen2/2.5)
     qk_norm: bool = False  # RMSNorm over each query and each key head, before RoPE (Qwen3)
+    # with qk_norm: one RMSNorm over the whole query projection [n_heads * hd] and one over the whole key
+    # projection [n_kv_heads * hd], each with a weight of that size, instead of one per head (OLMo 2)
+    qk_norm_whole: bool = False
+    # partial rotary (Phi-3's partial_rotary_factor): RoPE turns the first k channels of each query and key
+    # head and passes the others through; 0: every channel turns
+    rope_partial_dim: int = 0
+    # layers without RoPE (SmolLM3's NoPE layers): with k > 0, every k-th layer (k-1, 2k-1, ...) rotates no
+    # channel of its queries and keys; 0: every layer rotates
+    nope_interval: int = 0
+    # the block's two norms take each sublayer's output, before the residual add (OLMo 2):
+    # h = x + norm(attention(x)); false: its input (pre-norm, Llama: h = x + attention(norm(x)))
+    norm_after: bool = False
     # sliding-window attention (Mistral v0.1, Qwen2's use_sliding_window): 0 is full causal attention;
     # w > 0: the query at position i sees positions i-w+1 .. i (itself and the w-1 before it)
     sliding_window: int = 0
@@ -164,6 +178,7 @@ class ModelArgs:
             )
         self._check_gate_and_layers()
         self._check_window()
+        self._check_variants()
         self._check_rope_scaling()
         if self.is_moe:
             self._check_groups()
@@ -212,6 +227,15 @@ class ModelArgs:
                     f"{name} ({getattr(self, name)!r}) shapes grouped-query attention, not multi-head latent "
                     f"attention (kv_lora_rank={self.kv_lora_rank}); unset {name}"
                 )
+
+    def _check_variants(self) -> None:
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole says how wide the q/k norms are, but qk_norm is false; set qk_norm = true")
+        if self.rope_partial_dim % 2 or self.rope_partial_dim > self.head_dim:
+            raise ValueError(
+                f"rope_partial_dim ({self.rope_partial_dim}) must be even (RoPE turns pairs of channels) and at most "
+                f"head_dim ({self.head_dim}); 0 turns every channel"
+            )
 
     def _check_window(self) -> None:
         if self.full_attention_layers and not self.sliding_window:
@@ -281,6 +305,10 @@ class ModelArgs:
         """The sliding window of layer i's attention; 0: full causal attention."""
         return self.sliding_window if i >= self.full_attention_layers else 0
 
+    def layer_rope(self, i: int) -> bool:
+        """Whether layer i rotates its queries and keys (false on the NoPE layers of `nope_interval`)."""
+        return not (self.nope_interval and (i + 1) % self.nope_interval == 0)
+
     @property
     def has_window(self) -> bool:
         return any(self.layer_window(i) for i in range(self.n_layers))
@@ -305,7 +333,7 @@ class ModelArgs:
     @property
     def rope_dim(self) -> int:
         """Channels RoPE rotates in each query and key head: the decoupled part under MLA, else all."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        return self.qk_rope_head_dim if self.is_mla else self.rope_partial_dim or self.head_dim
 
     @property
     def qk_head_dim(self) -> int:
@@ -365,8 +393,13 @@ class ModelArgs:
     def _attention_params(self) -> int:
         latent_norms = self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0
         biases = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
-        head_norms = 2 * self.head_dim if self.qk_norm else 0
-        return self.attention_matmul_params() + latent_norms + biases + head_norms
+        return self.attention_matmul_params() + latent_norms + biases + self.qk_norm_params()
+
+    def qk_norm_params(self) -> int:
+        """Elements of one block's q and k norm weights: a head's size each, or the projections' (qk_norm_whole)."""
+        if not self.qk_norm:
+            return 0
+        return (self.n_heads + self.n_kv_heads) * self.head_dim if self.qk_norm_whole else 2 * self.head_dim
 
     def _ffn_params(self, hidden: int) -> int:
         return 3 * self.dim * hidden  # w1, w3, w2

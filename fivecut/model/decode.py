@@ -12,6 +12,7 @@ is not changed and nothing is stored on its modules: the cache is a separate rec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,9 @@ def decode(model: Transformer, tokens: torch.Tensor, cache: KVCache, last_only: 
 
 def _block(block: Block, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int):
     """Block.forward with cached attention: x [b, s, dim] -> [b, s, dim]."""
-    h = x + _attention(block.attention, block.attention_norm(x), rope, k_cache, v_cache, start)
-    return h + block.feed_forward(block.ffn_norm(h))
+    attend = functools.partial(_attention, block.attention, rope=rope, k_cache=k_cache, v_cache=v_cache, start=start)
+    h = x + block.branch(block.attention_norm, attend, x)
+    return h + block.branch(block.ffn_norm, block.feed_forward, h)
 
 
 def _attention(

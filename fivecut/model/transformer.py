@@ -133,7 +133,11 @@ def yarn_attention_factor(args: ModelArgs) -> float:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [b, heads, s, hd] by position (rotate-half form, as in Hugging
     Face Llama checkpoints; Meta's original checkpoints use interleaved pairs
-    and need a permutation of wq/wk rows on import). Computed in fp32."""
+    and need a permutation of wq/wk rows on import). Computed in fp32. Tables
+    narrower than hd (partial rotary, Phi-3) turn the first channels, the rest pass."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)  # [b, heads, s, hd]
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # [1, s, hd] or [b, 1, s, hd]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)  # [b, heads, s, hd/2] each
@@ -184,7 +188,8 @@ def band_mask(s_q: int, s_k: int, start: int, window: int, device=None) -> torch
 
 class Attention(nn.Module):
     """Grouped-query attention with the published variants: biases on q, k, v (Qwen2), an
-    RMSNorm over each query and key head before RoPE (Qwen3), a sliding window (Mistral)."""
+    RMSNorm over each query and key head before RoPE (Qwen3) or over the whole q and k projections
+    (OLMo 2), a sliding window (Mistral), no RoPE on some layers (SmolLM3's NoPE layers)."""
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
@@ -194,9 +199,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # per-head norms [hd], shared by the heads (and so by the tensor-parallel ranks)
-        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        # q/k norms: per head [hd], shared by the heads (and so by the tensor-parallel ranks); or, with
+        # qk_norm_whole, over the whole projection [heads * hd] (tensor parallelism cuts them with wq, wk)
+        self.whole_qk_norm = args.qk_norm_whole
+        q_size, k_size = (args.n_heads, args.n_kv_heads) if self.whole_qk_norm else (1, 1)
+        self.q_norm = RMSNorm(q_size * self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(k_size * self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.rotates = args.layer_rope(layer_id)  # false on a NoPE layer
         # Replaceable by any module with the same signature (context parallelism).
         self.window = args.layer_window(layer_id)
         self.core: nn.Module = CausalSDPA(self.window)
@@ -208,9 +217,14 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [b, s, dim] -> q [b, heads, s, hd], k, v [b, kv_heads, s, hd]; q and k normed and rotated."""
-        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
-        if self.q_norm is not None:
+        q, k = self.wq(x), self.wk(x)  # [b, s, heads * hd], [b, s, kv_heads * hd]
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads at once
+        q, k, v = self._heads(q), self._heads(k), self._heads(self.wv(x))
+        if self.q_norm is not None and not self.whole_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over hd, each head alone
+        if not self.rotates:
+            return q, k, v
         cos, sin = rope
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -613,10 +627,16 @@ class Block(nn.Module):
         self.attention = make_attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoE(args) if args.moe_layer(layer_id) else FeedForward(args.dim, args.ffn_dim)
+        self.norm_after = args.norm_after  # OLMo 2: each norm takes its sublayer's output
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, documents)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.branch(self.attention_norm, lambda y: self.attention(y, rope, documents), x)
+        return h + self.branch(self.ffn_norm, self.feed_forward, h)
+
+    def branch(self, norm: nn.Module, sublayer: Callable, x: torch.Tensor) -> torch.Tensor:
+        """One residual branch, [b, s, dim] -> [b, s, dim]: sublayer(norm(x)), or norm(sublayer(x))
+        with `norm_after` (the residual add is the caller's)."""
+        return norm(sublayer(x)) if self.norm_after else sublayer(norm(x))
 
 
 class Transformer(nn.Module):

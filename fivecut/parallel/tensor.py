@@ -223,6 +223,25 @@ class VocabParallelEmbedding(nn.Module):
         return leave_region(h, self.group, self.sequence_parallel)
 
 
+class ProjectionRMSNorm(nn.Module):
+    """An RMSNorm over a whole projection whose heads tp cuts (OLMo 2's q and k norms): this rank
+    holds the weight's slice [width/t] and its heads' channels; the sum of squares over the whole
+    width is all-reduced over t in forward, and so is its gradient in backward (every rank's
+    channels are divided by the one sum: each rank's gradient of it is its channels' share)."""
+
+    def __init__(self, norm: RMSNorm, group: Group):
+        super().__init__()
+        self.width = norm.weight.shape[0]  # the whole projection's channels
+        self.weight, self.where = shard_param(norm.weight, 0, group)
+        self.eps, self.group = norm.eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # [b, s, width/t]
+        squares = xf.square().sum(-1, keepdim=True)  # [b, s, 1]: this rank's channels
+        total = comm.copy_to(comm.reduce_from(squares, self.group), self.group)  # [b, s, 1]: all channels
+        return (xf * torch.rsqrt(total / self.width + self.eps) * self.weight.float()).to(x.dtype)
+
+
 class SequenceParallelRMSNorm(nn.Module):
     """RMSNorm on a sequence slice [b, s/t, h]: the weight is replicated and each rank sees
     only its tokens, so the weight's gradient is summed over t (f on the weight). The same
@@ -371,13 +390,21 @@ def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
 
 def parallelize_head_norms(attention: nn.Module, group: Group) -> Changes:
     """Qwen3's per-head q and k norms [hd]: every rank applies the whole weight to its own heads,
-    so each rank's gradient is its heads' share and the weight's gradient is summed over t."""
+    so each rank's gradient is its heads' share and the weight's gradient is summed over t.
+    OLMo 2's norms over the whole projections [heads * hd]: cut with wq's and wk's rows
+    (`ProjectionRMSNorm`; fivecut.checks refuses a t that does not divide the kv heads)."""
     changes = {}
     for name in ("q_norm", "k_norm"):
         norm = getattr(attention, name)
-        if norm is not None:
-            setattr(attention, name, SequenceParallelRMSNorm(norm, group))
+        if norm is None:
+            continue
+        if attention.whole_qk_norm:
+            wrapped = ProjectionRMSNorm(norm, group)
+            changes[f"{name}.weight"] = Change(slice=wrapped.where)
+        else:
+            wrapped = SequenceParallelRMSNorm(norm, group)
             changes[f"{name}.weight"] = Change(summed_over="tp")
+        setattr(attention, name, wrapped)
     return changes
 
 

@@ -129,7 +129,9 @@ def activation_bytes_per_layer(
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
-        attention += head_norm_bytes(args, tp, kv_heads_per_rank, precision, u > 1, fused_norm)
+        attention += head_norm_bytes(args, tp, kv_heads_per_rank, precision, fused_norm)
+        # the core's output, merged for wo, is copied unless Ulysses lays it out by tokens or the core is recomputed
+        attention += merge_copy_bytes(args, tp, precision) if u == 1 and (plain or ring or usp) else 0.0
     product = plain and "feed_forward.w2" in idle  # the SwiGLU product w2 would keep for its dW
     mlp = a * (swiglu - product) * args.ffn_dim / tp if moe_rows is None else 0.0
     lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
@@ -206,21 +208,34 @@ def deferred_bytes_per_layer(args, batch: int, seq: int, tp: int, precision: str
     return batch * seq * (2 * r * h + attention + mlp)
 
 
-def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, precision: str, ulysses: bool, fused: bool = False) -> float:
+def head_norm_bytes(args, tp: int, kv_heads_per_rank: int, precision: str, fused: bool = False) -> float:
     """Per token, Qwen3's per-head q and k norms: each keeps its input in fp32 (under autocast the
     fp32 upcast of the projection's output: the CPU's composite norm makes it, CUDA's autocast
     makes it for the fused kernel; but CUDA's fused kernel on ZeRO-3's bf16 units, outside
     autocast, keeps the bf16 input itself) and, but for CUDA's fused kernel (`norm_bytes`), its
     fp32 normalized input, hd per head, and one fp32 rstd per head (RoPE after it keeps only its
-    tables). The normed q is laid out [b, H, s, hd], and the core's output follows q's layout, so
-    merging its heads for wo copies it: wo keeps that copy too (under Ulysses, whose all-to-all
-    already lays the output out by tokens, the copy is counted with `twice`)."""
+    tables). OLMo 2's norms over the whole projections (qk_norm_whole) keep the same per channel and
+    one rstd per token each, q's and k's; under tp > 1 they are `ProjectionRMSNorm`s, composite
+    (never CUDA's fused kernel). The copy wo keeps of per-head-normed heads is `merge_copy_bytes`."""
     if not args.qk_norm:
         return 0.0
     heads, a = args.n_heads / tp + kv_heads_per_rank, BYTES[precision]
-    output_copy = 0.0 if ulysses else a * args.n_heads / tp * args.head_dim
+    fused = fused and not (args.qk_norm_whole and tp > 1)
     kept = (a if precision == "bf16-params" else FP32) if fused else 2 * FP32  # bytes an element
-    return heads * (kept * args.head_dim + FP32) + output_copy
+    rstds = 2 if args.qk_norm_whole else heads
+    return heads * kept * args.head_dim + FP32 * rstds
+
+
+def merge_copy_bytes(args, tp: int, precision: str) -> float:
+    """Per token, the copy of the core's output that wo keeps when q reaches the core laid out
+    [b, H, s, hd] (normed per head, or the concatenation of partial rotary's turned and passed
+    channels): the output follows q's layout, so merging its heads copies it. A q that is a view of
+    its projection (no per-head norm, RoPE over whole heads) keeps the output in token order and
+    the merge is a view. The caller leaves it out where there is no such copy: under Ulysses (whose
+    all-to-all lays the output out by tokens; counted with `twice`) and where the core is recomputed
+    (selective recomputation of a core on one device or under Ulysses: the merge is redone too)."""
+    head_major = (args.qk_norm and not args.qk_norm_whole) or args.rope_partial_dim
+    return BYTES[precision] * args.n_heads / tp * args.head_dim if head_major else 0.0
 
 
 def latent_attention_floats(args, tp: int, plain: bool, sequence_cut: str = "none") -> float:

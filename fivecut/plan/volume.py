@@ -121,7 +121,9 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     both:  the vocab-parallel loss (max, then sum-exp and target logit: 3*b*s all-reduced, in
            as many pairs of calls as the head has chunks),
            replicated attention weights' gradients (k/v when t > kv heads; MLA's latent
-           projections and norms, `replicated_attention_weights`), and the clip norm (1 element).
+           projections and norms, `replicated_attention_weights`), and the clip norm (1 element);
+           whole-projection q/k norms (OLMo 2): per block the q and k sums of squares (2*b*s, fp32)
+           all-reduced forward and their gradients backward (again in a recomputed forward).
     A MoE layer has no feed-forward region (it runs on each tp rank's slice of the tokens):
     without SP its input is sliced (backward: all-gather of E, in the stream's dtype) and its
     output all-gathered (in the matmuls' dtype: bf16 under autocast);
@@ -133,7 +135,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     all-reduce of E without SP (the attention region's); with SP two all-gathers and one
     reduce-scatter of E, but no regathers of the regions' inputs (the recomputation keeps them
     whole): one E more in fp32 (under bf16 with fp32 weights, which regathers nothing, all three
-    count); and again the slot counts of a MoE layer with capacity or the aux loss."""
+    count); with the norms after the sublayers (OLMo 2) the block's last g too, whose output the last
+    norm keeps; and again the slot counts of a MoE layer with capacity or the aux loss."""
     dims, train = cfg.parallel, cfg.train
     t, h = dims.tp, args.dim
     ar, ag = ring_factor("all_reduce", t), ring_factor("all_gather", t)
@@ -150,11 +153,15 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     )
     for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
         again = ag * (2 * stream + a - 2 * regather) if dims.sp else ar * a  # a recomputed block's forward
+        # norms after the sublayers (OLMo 2): the last saved tensor is the MLP norm's input, after the last g
+        again += (ag if dims.sp else ar) * a * args.norm_after
         per_micro += full * again * e + full_moe * counts
         loss = 3 * b * s * head
         kv = L * replicated_attention_weights(args, t)
         regions = 2 * L - moe
         per_micro += moe * counts
+        # whole-projection q/k norms (OLMo 2): each sum of squares [b, s] and its gradient, fp32, for q and for k
+        per_micro += ar * FP32 * b * s * (4 * L + 2 * full) * args.qk_norm_whole
         if dims.sp:
             # embedding's reduce-scatter, regions' and head's all-gathers (stream); regions' reduce-scatters (a)
             forward = stream * (emb + regions + head) + a * regions
@@ -212,7 +219,7 @@ def replicated_attention_weights(args, t: int) -> int:
     if args.is_mla:
         shapes = args.mla_shapes()
         return sum(shapes.get(name, 0) for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
-    head_norms = 2 * args.head_dim if args.qk_norm else 0
+    head_norms = 2 * args.head_dim if args.qk_norm and not args.qk_norm_whole else 0  # whole ones: cut with wq, wk
     return head_norms + (2 * args.n_kv_heads * args.head_dim * args.dim if args.n_kv_heads % t else 0)
 
 

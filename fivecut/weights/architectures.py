@@ -29,7 +29,7 @@ themselves. Import (`fivecut.weights.hf`) finds a folder's record by its config'
 record that holds the checkpoint's shape (`for_args`): a MoE shape picks its MoE class, a shape
 no class holds gets fivecut's own format.
 
-    fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3)
+    fivecut                               Hugging Face (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3)
     tok_embeddings.weight                 model.embed_tokens.weight
     layers.N.attention_norm.weight        model.layers.N.input_layernorm.weight
     layers.N.attention.wq.weight          model.layers.N.self_attn.q_proj.weight   (wk, wv, wo: k/v/o_proj)
@@ -39,6 +39,11 @@ no class holds gets fivecut's own format.
     layers.N.feed_forward.w1.weight       model.layers.N.mlp.gate_proj.weight      (w3: up_proj, w2: down_proj)
     norm.weight                           model.norm.weight
     output.weight                         lm_head.weight   (absent when tie_word_embeddings)
+
+Phi-3 fuses wq, wk, wv into self_attn.qkv_proj.weight and w1, w3 into mlp.gate_up_proj.weight: each
+is a row block of the fused tensor (`TensorMap.rows`). OLMo 2's two norms follow their sublayers:
+fivecut's attention_norm is its post_attention_layernorm, ffn_norm its post_feedforward_layernorm,
+and its q_norm/k_norm span the whole projections.
 
 The dense records are data and small functions of ModelArgs, free of torch (the MoE records import it).
 """
@@ -66,10 +71,15 @@ class TensorMap:
     theirs: tuple[str, ...]  # one Hugging Face name; with `stacked`, E names: theirs[e] holds ours[e]
     stacked: bool = False  # ours is [E, ...], stacked over experts
     transposed: bool = False  # each Hugging Face tensor is ours (ours[e]) with its last two dims swapped
+    # (start, count, total): ours is rows start .. start+count of one Hugging Face tensor of `total` rows,
+    # a fused projection (Phi-3's qkv_proj holds wq, wk, wv); the other rows are other fivecut tensors'
+    rows: tuple[int, int, int] | None = None
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of each Hugging Face tensor, given fivecut's `shape`."""
         one = shape[1:] if self.stacked else shape
+        if self.rows:
+            return (self.rows[2], *one[1:])
         return (*one[:-2], one[-1], one[-2]) if self.transposed else tuple(one)
 
 
@@ -84,6 +94,8 @@ class Architecture:
     # the config.json keys `to_args` reads: each used, or checked to be what fivecut computes; any other
     # key is refused by name unless it is in METADATA (tests/test_config_keys.py holds them to transformers')
     keys: frozenset[str] = frozenset()
+    # (key, why): keys of `keys` that carry no math in this class (METADATA's kind, for one class)
+    no_math: tuple[tuple[str, str], ...] = ()
 
 
 METADATA = moe.NO_MATH  # config.json keys without math, and why (shared with the mixture-of-experts readers)
@@ -142,14 +154,15 @@ class HFConfig:
 # ---------------------------------------------------------------- config.json -> ModelArgs
 
 
-def rope(cfg: HFConfig) -> dict:
-    """ModelArgs' RoPE fields: the base and a scaling fivecut implements (`fivecut.weights.rope`)."""
+def rope(cfg: HFConfig, partial_of: int | None = None) -> dict:
+    """ModelArgs' RoPE fields: the base and a scaling fivecut implements (`fivecut.weights.rope`);
+    with `partial_of` (a head's channels), the part of each head partial_rotary_factor turns (Phi-3)."""
     theta = cfg.get("rope_theta", float, 10000.0)  # transformers < 5 (and beside rope_parameters in fivecut's exports)
     cfg.get("partial_rotary_factor", float)
     cfg.skip(*CONFIG_KEYS)  # rope_parameters, rope_scaling: read (and type-checked) by `rope_fields`
     positions = cfg.get("max_position_embeddings", default=2048)
     try:
-        return rope_fields(cfg.raw, cfg.path, theta, positions)
+        return rope_fields(cfg.raw, cfg.path, theta, positions, partial_of)
     except RopeError as err:
         raise ArchitectureError(str(err)) from None
 
@@ -160,13 +173,15 @@ def head_dim(cfg: HFConfig, dim: int, heads: int) -> int:
     return 0 if size * heads == dim else size
 
 
-def dense_args(cfg: HFConfig, **variant) -> ModelArgs:
-    """The fields every dense class here shares (Llama's), plus `variant` (biases, norms, window)."""
+def dense_args(cfg: HFConfig, partial_rotary: bool = False, **variant) -> ModelArgs:
+    """The fields every dense class here shares (Llama's), plus `variant` (biases, norms, window);
+    `partial_rotary`: the class reads partial_rotary_factor (Phi-3; the others refuse it)."""
     cfg.expect("hidden_act", "silu", "SwiGLU feed-forward")
     cfg.expect("attention_dropout", 0.0, "attention (no dropout)")
     cfg.expect("mlp_bias", False, "feed-forward")
     cfg.expect("pretraining_tp", 1, "model (the plain matmuls)")
     dim, heads = cfg.need("hidden_size"), cfg.need("num_attention_heads")
+    size = head_dim(cfg, dim, heads) or dim // heads
     return ModelArgs(
         vocab_size=cfg.need("vocab_size"),
         dim=dim,
@@ -175,7 +190,7 @@ def dense_args(cfg: HFConfig, **variant) -> ModelArgs:
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         ffn_dim=cfg.need("intermediate_size"),
         max_seq_len=cfg.get("max_position_embeddings", default=2048),
-        **rope(cfg),
+        **rope(cfg, size if partial_rotary else None),
         norm_eps=float(cfg.get("rms_norm_eps", float, 1e-6)),
         tie_embeddings=cfg.get("tie_word_embeddings", bool, False),
         init_std=float(cfg.get("initializer_range", float, 0.02)),
@@ -225,6 +240,85 @@ def qwen3_args(cfg: HFConfig) -> ModelArgs:
     """Qwen3: per-head RMSNorm of q and k, its own head_dim (128 when absent), no biases."""
     cfg.expect("attention_bias", False, "Qwen3 attention (no biases)")
     return dense_args(cfg, qk_norm=True, **qwen_window(cfg))
+
+
+def smollm3_args(cfg: HFConfig) -> ModelArgs:
+    """SmolLM3: Llama with no RoPE on every no_rope_layer_interval-th layer (its NoPE layers), tied embeddings."""
+    cfg.expect("attention_bias", False, "SmolLM3 attention (no biases)")
+    cfg.expect("use_sliding_window", False, "SmolLM3 attention (full causal attention on every layer)")
+    window = cfg.get("sliding_window")  # transformers keeps it (and may mask with it) even without use_sliding_window
+    if window is not None:
+        raise ArchitectureError(
+            f"{cfg.path}: sliding_window = {window} is not implemented; fivecut's SmolLM3 attends fully on every "
+            "layer: set sliding_window to null"
+        )
+    n_layers = cfg.need("num_hidden_layers")
+    types = cfg.get("layer_types", list)
+    if types and set(types[:n_layers]) != {"full_attention"}:
+        raise ArchitectureError(
+            f"{cfg.path}: layer_types {types} is not implemented; fivecut's SmolLM3 attends fully on every layer "
+            "(a sliding_attention layer gets a window mask): drop layer_types or make each 'full_attention'"
+        )
+    return dense_args(cfg, nope_interval=nope_interval(cfg, n_layers))
+
+
+def nope_interval(cfg: HFConfig, n_layers: int) -> int:
+    """ModelArgs.nope_interval of SmolLM3's no_rope_layers (layer i rotates where it holds 1; transformers
+    derives it from no_rope_layer_interval k when absent: 0 on layers k-1, 2k-1, ...)."""
+    interval = cfg.get("no_rope_layer_interval", default=4)
+    flags = cfg.get("no_rope_layers", list)
+    if flags is None:
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    flags = flags[:n_layers]  # transformers reads the first n_layers entries
+    k = flags.index(0) + 1 if 0 in flags else 0
+    if len(flags) < n_layers or flags != [int(not k or (i + 1) % k != 0) for i in range(n_layers)]:
+        raise ArchitectureError(
+            f"{cfg.path}: no_rope_layers {flags} is not implemented; fivecut's NoPE layers are every k-th layer "
+            f"(k-1, 2k-1, ...; SmolLM3's pattern) over all {n_layers} layers: write that pattern, or drop "
+            "no_rope_layers and set no_rope_layer_interval"
+        )
+    return k
+
+
+def olmo2_args(cfg: HFConfig) -> ModelArgs:
+    """OLMo 2: each block's norms after attention and after the MLP (on the sublayer's output, before the
+    residual add), RMSNorms over the whole q and k projections; no biases."""
+    cfg.expect("attention_bias", False, "OLMo 2 attention (no biases)")
+    return dense_args(cfg, qk_norm=True, qk_norm_whole=True, norm_after=True)
+
+
+# the keys Phi-3 reads that carry no math in fivecut's Phi-3, and why (`Architecture.no_math`)
+PHI3_NO_MATH = (
+    (
+        "original_max_position_embeddings",
+        "longrope's pretraining context (longrope is refused by name); without longrope transformers reads it "
+        "only to drop a generation cache once past it, which changes no logit",
+    ),
+)
+
+
+def phi3_args(cfg: HFConfig) -> ModelArgs:
+    """Phi-3 / Phi-4: Llama with q, k, v fused in one projection and gate and up in another (their rows
+    are fivecut's wq, wk, wv and w1, w3), partial rotary (partial_rotary_factor), a window on every
+    layer when sliding_window is set; longrope is refused by the RoPE reader (not built)."""
+    for key in ("resid_pdrop", "embd_pdrop"):
+        cfg.expect(key, 0.0, "Phi-3 (no dropout)")
+    cfg.skip(*dict(PHI3_NO_MATH))
+    refuse_longrope(cfg)
+    return dense_args(cfg, partial_rotary=True, sliding_window=cfg.get("sliding_window") or 0)
+
+
+def refuse_longrope(cfg: HFConfig) -> None:
+    """Phi-3's config class reads a RoPE type 'su' or 'yarn' as 'longrope' (its short and long factors), which
+    fivecut does not build: refused by name here, before the RoPE reader would take 'yarn' for YaRN."""
+    table = cfg.raw.get("rope_scaling") or cfg.raw.get("rope_parameters") or {}
+    kind = table.get("rope_type", table.get("type")) if isinstance(table, dict) else None
+    if kind in ("su", "yarn", "longrope"):
+        key = "rope_scaling" if cfg.raw.get("rope_scaling") else "rope_parameters"
+        raise ArchitectureError(
+            f"{cfg.path}: {key}.rope_type = {kind!r} is Phi-3's longrope (transformers reads 'su' and 'yarn' as "
+            "longrope for this class), which fivecut does not implement; use a Phi-3 without longrope (the 4k ones)"
+        )
 
 
 # ---------------------------------------------------------------- ModelArgs -> config.json
@@ -278,15 +372,52 @@ def qwen3_config(args: ModelArgs) -> dict:
     return dense_config(args, "Qwen3ForCausalLM", "qwen3") | {"attention_bias": False} | qwen_window_config(args)
 
 
+# the class's default pad id (SmolLM3's 128004, OLMo 2's 1) names no row of a smaller vocabulary, and
+# transformers then refuses to build the embedding; fivecut trains no padding row, so none is named
+NO_PAD = None
+
+
+def smollm3_config(args: ModelArgs) -> dict:
+    flags = [int(args.layer_rope(i)) for i in range(args.n_layers)]
+    return dense_config(args, "SmolLM3ForCausalLM", "smollm3") | {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "no_rope_layers": flags,  # 1: the layer rotates
+        "no_rope_layer_interval": args.nope_interval or args.n_layers + 1,  # (no_rope_layers says it all)
+        "layer_types": ["full_attention"] * args.n_layers,
+        "pad_token_id": NO_PAD,
+    }
+
+
+def olmo2_config(args: ModelArgs) -> dict:
+    return dense_config(args, "Olmo2ForCausalLM", "olmo2") | {"attention_bias": False, "pad_token_id": NO_PAD}
+
+
+def phi3_config(args: ModelArgs) -> dict:
+    return dense_config(args, "Phi3ForCausalLM", "phi3") | {
+        "sliding_window": args.sliding_window or None,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "original_max_position_embeddings": args.max_seq_len,
+        "pad_token_id": NO_PAD,
+    }
+
+
 # ---------------------------------------------------------------- which shapes each class holds
 
+# the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
+VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim")
 
-def dense_problem(args: ModelArgs) -> str | None:
+
+def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:
     if args.is_moe:
         return "it has mixture-of-experts layers"
     if args.is_mla:
         return "it has multi-head latent attention"
-    return None
+    extra = [name for name in VARIANTS if getattr(args, name) and name not in own]
+    return f"it has {', '.join(extra)}" if extra else None
 
 
 def holds_llama(args: ModelArgs) -> str | None:
@@ -312,6 +443,24 @@ def holds_qwen3(args: ModelArgs) -> str | None:
     if args.qkv_bias or not args.qk_norm:
         return "Qwen3 has q/k norms and no q/k/v biases"
     return dense_problem(args)
+
+
+def holds_smollm3(args: ModelArgs) -> str | None:
+    if args.qkv_bias or args.qk_norm or args.has_window:
+        return "SmolLM3 has no q/k/v biases, q/k norms or sliding window"
+    return dense_problem(args, own=("nope_interval",))
+
+
+def holds_olmo2(args: ModelArgs) -> str | None:
+    if not (args.norm_after and args.qk_norm_whole) or args.qkv_bias or args.has_window:
+        return "OLMo 2 has norms after each sublayer, q/k norms over the whole projections, no biases or window"
+    return dense_problem(args, own=("qk_norm_whole", "norm_after"))
+
+
+def holds_phi3(args: ModelArgs) -> str | None:
+    if args.qkv_bias or args.qk_norm or args.full_attention_layers:
+        return "Phi-3 has no q/k/v biases or q/k norms, and its window covers every layer"
+    return dense_problem(args, own=("rope_partial_dim",))
 
 
 # ---------------------------------------------------------------- tensor names
@@ -354,6 +503,36 @@ def dense_tensors(args: ModelArgs) -> list[TensorMap]:
     return global_tensors(args) + layer_tensors(args, suffixes)
 
 
+def phi3_tensors(args: ModelArgs) -> list[TensorMap]:
+    """Llama's names, but q, k, v as row blocks of qkv_proj and gate, up as row blocks of gate_up_proj."""
+    q, kv, ffn = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    fused = {
+        "attention.wq.weight": ("self_attn.qkv_proj.weight", (0, q, q + 2 * kv)),
+        "attention.wk.weight": ("self_attn.qkv_proj.weight", (q, kv, q + 2 * kv)),
+        "attention.wv.weight": ("self_attn.qkv_proj.weight", (q + kv, kv, q + 2 * kv)),
+        "feed_forward.w1.weight": ("mlp.gate_up_proj.weight", (0, ffn, 2 * ffn)),
+        "feed_forward.w3.weight": ("mlp.gate_up_proj.weight", (ffn, ffn, 2 * ffn)),
+    }
+    plain = {ours: theirs for ours, theirs in DENSE_LAYER.items() if ours not in fused}
+    rows = [
+        TensorMap(f"layers.{i}.{ours}", (f"model.layers.{i}.{theirs}",), rows=where)
+        for i in range(args.n_layers)
+        for ours, (theirs, where) in fused.items()
+    ]
+    return global_tensors(args) + layer_tensors(args, plain) + rows
+
+
+# OLMo 2's norms sit after their sublayers: fivecut's attention_norm and ffn_norm under their names
+OLMO2_NORMS = {
+    "attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def olmo2_tensors(args: ModelArgs) -> list[TensorMap]:
+    return global_tensors(args) + layer_tensors(args, DENSE_LAYER | QK_NORM | OLMO2_NORMS)
+
+
 # ---------------------------------------------------------------- the registry
 
 # the config.json keys every dense reader reads (`dense_args`), and each class's own
@@ -378,6 +557,18 @@ QWEN3 = Architecture(
     "Qwen3ForCausalLM", "qwen3", qwen3_args, qwen3_config, holds_qwen3, dense_tensors,
     DENSE_KEYS | QWEN_WINDOW_KEYS | {"attention_bias"},
 )  # fmt: skip
+SMOLLM3 = Architecture(
+    "SmolLM3ForCausalLM", "smollm3", smollm3_args, smollm3_config, holds_smollm3, dense_tensors,
+    DENSE_KEYS | {"attention_bias", "use_sliding_window", "sliding_window", "layer_types", "no_rope_layers",
+                  "no_rope_layer_interval"},
+)  # fmt: skip
+PHI3 = Architecture(
+    "Phi3ForCausalLM", "phi3", phi3_args, phi3_config, holds_phi3, phi3_tensors,
+    DENSE_KEYS | {"sliding_window", "resid_pdrop", "embd_pdrop", *dict(PHI3_NO_MATH)}, PHI3_NO_MATH,
+)  # fmt: skip
+OLMO2 = Architecture(
+    "Olmo2ForCausalLM", "olmo2", olmo2_args, olmo2_config, holds_olmo2, olmo2_tensors, DENSE_KEYS | {"attention_bias"}
+)
 
 # transformers' defaults for keys a config.json may leave out, by model_type (where they differ from
 # the readers' own: Qwen3's head_dim is its own, Mistral v0.1's window is the class default)
@@ -385,10 +576,14 @@ DEFAULTS = {
     "mistral": {"sliding_window": 4096},
     "qwen2": {"max_window_layers": 28, "sliding_window": 4096},
     "qwen3": {"head_dim": 128, "max_window_layers": 28, "sliding_window": 4096},
+    "smollm3": {"rope_theta": 2e6, "tie_word_embeddings": True},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "phi3": {"rms_norm_eps": 1e-5},
 }
 
 AnyArchitecture = Architecture | moe.Architecture
-ARCHITECTURES: dict[str, AnyArchitecture] = {a.hf_class: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+DENSE = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, OLMO2, PHI3)
+ARCHITECTURES: dict[str, AnyArchitecture] = {a.hf_class: a for a in DENSE}
 
 
 def register(architecture: AnyArchitecture, defaults: dict | None = None) -> None:

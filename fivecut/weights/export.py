@@ -1,9 +1,9 @@
 """`fivecut export`: a checkpoint as a folder that Hugging Face `from_pretrained` reads.
 
-The Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral, Qwen2, Qwen3, Mixtral,
-Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was imported from (the run's
-model.init_from, `export_class`: a Mistral without a window goes back out a Mistral, though Llama
-holds it too), else the first that holds the model's shape; the checkpoint's tensor shapes, read
+The Hugging Face class (`fivecut.weights.architectures`: Llama, Mistral, Qwen2, Qwen3, SmolLM3,
+OLMo 2, Phi-3, Mixtral, Qwen3-MoE, DeepSeek-V3) is `--architecture`, else the class the model was
+imported from (the run's model.init_from, `export_class`: a Mistral without a window goes back out a
+Mistral, though Llama holds it too), else the first that holds the model's shape; the checkpoint's tensor shapes, read
 from DCP's metadata alone, are checked against the shapes its `ModelArgs` imply. The weights are
 never gathered: the output is planned as shards of at most --max-shard-size, and each shard is
 read from DCP by itself (only its tensors' global values, whatever layout saved them), converted,
@@ -20,8 +20,9 @@ shard at a time, never the model:
 A dense model's tensors take the class's names (the table in `fivecut.weights.architectures`).
 fivecut's model and these classes share the rotate-half RoPE and the [out, in] layout of every
 linear weight, so no dense tensor is permuted or transposed (a record's `TensorMap` says where
-one is: stacked experts). The vocabulary is never padded: a checkpoint holds global tensors,
-however a layout padded them for its cuts.
+one is: stacked experts); Phi-3's fused projections are written from their row blocks, joined.
+The vocabulary is never padded: a checkpoint holds global tensors, however a layout padded them
+for its cuts.
 
 A mixture-of-experts class writes each expert as its own [out, in] tensor and, for DeepSeek-V3,
 the RoPE rows of the latent attention interleaved in pairs and the routing biases as
@@ -261,12 +262,18 @@ class Plan:
         size = 0
         for entry in self.entries:
             nbytes = entry.nbytes(self.dtype)
-            if out[-1] and size + nbytes > self.max_bytes:
+            if out[-1] and size + nbytes > self.max_bytes and not fused_with(out[-1][-1], entry):
                 out.append([])
                 size = 0
             out[-1].append(entry)
             size += nbytes
         return out
+
+
+def fused_with(before: Entry, entry: Entry) -> bool:
+    """Whether `entry` is a later row block of the fused tensor `before` writes (one shard holds them all)."""
+    maps = (before.map, entry.map)
+    return all(isinstance(m, TensorMap) and m.rows for m in maps) and maps[0].theirs == maps[1].theirs
 
 
 def export_entries(path: Path, args: ModelArgs, arch: AnyArchitecture | None, layered: bool = False) -> list[Entry]:
@@ -382,11 +389,16 @@ def write_shard(
         boxes = read_boxes(path, [e for e in entries if isinstance(e.map, moe.Part)])
     adapters = adapter_values(path, entries)
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, list[torch.Tensor]] = {}  # a fused tensor's row blocks, in row order (Phi-3's qkv_proj)
     for entry in entries:
         value = boxes.pop(0) if isinstance(entry.map, moe.Part) else values.pop(entry.key)
         if entry.adapter is not None:
             value = merged(entry, value, *(adapters[k] for k in entry.adapter), scale)
-        tensors |= hf_tensors(entry, value, dtype)
+        if isinstance(entry.map, TensorMap) and entry.map.rows:
+            blocks.setdefault(entry.map.theirs[0], []).append(value.to(dtype))
+        else:
+            tensors |= hf_tensors(entry, value, dtype)
+    tensors |= {name: torch.cat(parts) for name, parts in blocks.items()}  # [total rows, in]
     save_file(tensors, str(file), metadata={"format": "pt"})
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 

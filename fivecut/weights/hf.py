@@ -139,6 +139,8 @@ class HFSource:
 
     def fivecut_shape(self, m: TensorMap) -> tuple[int, ...]:
         one = tuple(self._slice(m.theirs[0]).get_shape())
+        if m.rows:  # a row block of a fused projection
+            return (m.rows[1], *one[1:])
         one = (*one[:-2], one[-1], one[-2]) if m.transposed else one
         return (len(m.theirs), *one) if m.stacked else one
 
@@ -158,6 +160,9 @@ class HFSource:
         if m is None:  # a mixture-of-experts class's tensor or routing bias
             stored = self.stored.get(name) or self.stored_buffers[name]
             return stored.read(self._slice, box).float()
+        if m.rows:  # the box's rows of ours, inside the fused tensor: only those are read
+            first, last, _ = box[0].indices(m.rows[1])
+            box = (slice(m.rows[0] + first, m.rows[0] + last), *box[1:])
         if not m.stacked:
             return self._read_one(m.theirs[0], box, m.transposed)
         experts = range(*box[0].indices(len(m.theirs)))  # only the experts in the box are opened

@@ -126,7 +126,7 @@ def module_paths(args, arch) -> dict[str, str]:
                 out[name.removesuffix(".weight")] = parts[0].hf_name.removesuffix(".weight")
         return out
     for m in arch.tensors(args):
-        if not (m.stacked or m.transposed):
+        if not (m.stacked or m.transposed or m.rows):  # a row block of a fused projection has no module of its own
             out[m.ours.removesuffix(".weight")] = m.theirs[0].removesuffix(".weight")
     return out
 

@@ -56,11 +56,30 @@ class RopeError(ValueError):
     """A RoPE the file describes that fivecut does not implement; the message names the key."""
 
 
-def rope_fields(config: dict, path: Path, theta: float, max_positions: int) -> dict:
+def rope_fields(config: dict, path: Path, theta: float, max_positions: int, head_dim: int | None = None) -> dict:
     """ModelArgs' RoPE fields of a parsed config.json at `path` (`theta`: its top-level rope_theta
     or the class default; `max_positions`: its max_position_embeddings), read from the table
-    transformers reads (`rope_table`)."""
+    transformers reads (`rope_table`). `head_dim`: the class turns part of each head
+    (partial_rotary_factor, Phi-3), int(head_dim * factor) channels: `rope_partial_dim`."""
     where, params = rope_table(config, path, theta, max_positions)
+    partial = partial_dim(params, where, path, head_dim) if head_dim else {}
+    return partial | plain_fields(params, where, path)
+
+
+def partial_dim(params: dict, where: str, path: Path, head_dim: int) -> dict:
+    """{"rope_partial_dim": k} of a partial_rotary_factor below 1 (its entry then dropped from `params`)."""
+    factor = number(params.pop("partial_rotary_factor", 1.0), f"{where}.partial_rotary_factor", path)
+    turned = int(head_dim * factor)
+    if not 0 < factor <= 1 or turned % 2:
+        raise RopeError(
+            f"{path}: partial_rotary_factor = {factor!r} turns {turned} of a head's {head_dim} channels; RoPE turns "
+            "pairs of channels: give a factor in (0, 1] turning an even number"
+        )
+    return {"rope_partial_dim": turned} if turned < head_dim else {}
+
+
+def plain_fields(params: dict, where: str, path: Path) -> dict:
+    """The RoPE table's base and scaling as ModelArgs fields."""
     kind = params["rope_type"]
     if kind not in KEYS:
         raise RopeError(
@@ -154,6 +173,8 @@ def rope_config(args: ModelArgs) -> dict:
     with rope_scaling (older ones)."""
     kind = "default" if args.rope_scaling == "none" else args.rope_scaling
     params = {"rope_type": kind, "rope_theta": args.rope_theta}
+    if args.rope_partial_dim:  # (Phi-3) the fraction of each head RoPE turns
+        params["partial_rotary_factor"] = args.rope_partial_dim / args.head_dim
     for key in KEYS.get(params["rope_type"], ()):
         value = getattr(args, FIELDS[key])
         if key not in ("mscale", "mscale_all_dim") or value:  # 0: unset
