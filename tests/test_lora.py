@@ -58,6 +58,7 @@ def fivecut_logits(byte_cache: str, folder: Path, out: Path, *extra: str, tokens
 
 DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM"}  # fmt: skip
+FAMILIES = {"smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}  # tests/test_hf_families.py's
 # every kind of weight a class has, adapted
 # (the dense MLP and shared experts of DeepSeek-V3: `test_an_adapter_peft_would_misread_is_not_exported`)
 TARGETS = {"qwen3_moe": '["attention", "experts"]', "mixtral": '["attention", "experts"]',
@@ -65,7 +66,10 @@ TARGETS = {"qwen3_moe": '["attention", "experts"]', "mixtral": '["attention", "e
 ZOO = [
     "llama",
     "qwen3_moe",
-    *(pytest.param(kind, marks=pytest.mark.sweep) for kind in ("qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3")),
+    *(
+        pytest.param(kind, marks=pytest.mark.sweep)
+        for kind in ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "mixtral", "deepseek_v3")
+    ),
 ]
 
 
@@ -74,6 +78,12 @@ def zoo_model(kind: str, folder: Path) -> tuple[Path, torch.Tensor]:
     if kind in DENSE:
         hf_model(DENSE[kind]).save_pretrained(folder)
         return folder, TOKENS
+    if kind in FAMILIES:
+        from test_hf_families import TOKENS as FAMILY_TOKENS
+        from test_hf_families import hf_model as family_model
+
+        family_model(FAMILIES[kind]).save_pretrained(folder)
+        return folder, FAMILY_TOKENS
     save_moe(kind, folder)
     return folder, MOE_TOKENS
 
