@@ -100,6 +100,7 @@ def chosen(stdout: str) -> str:
 
 
 @pytest.mark.multirank
+@pytest.mark.sweep  # ~50-100 s; the default suite's node-loss test below resumes under a smaller world too
 def test_a_run_restarted_on_fewer_ranks_goes_on_under_their_layout(byte_cache, tmp_path, cluster_file):
     whole = tmp_path / "whole"
     run(train_command(1, byte_cache, whole, cluster_file))

@@ -201,6 +201,7 @@ def test_cast_once_benchmark_reports(tmp_path):
     assert out.rstrip().splitlines()[-1].startswith("ratio_step=")
 
 
+@pytest.mark.sweep  # three exports each measured in a fresh process (~40-80 s); export's own tests run by default
 def test_export_memory_benchmark_reports(tmp_path):
     out = run_script("benchmarks/export_memory.py", "--params", "2e6", cwd=tmp_path)
     assert "| export |" in out and "| whole |" in out
