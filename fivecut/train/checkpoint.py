@@ -320,6 +320,10 @@ class TableSavePlanner(DefaultSavePlanner):
 
     def __init__(self, table: Table):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.take(table)
+
+    def take(self, table: Table) -> None:
+        """Write the chunks of `table` (the same keys, offsets and shapes as the plan's)."""
         self.table = table
         self.views = {MetadataIndex(k, torch.Size(c.offsets)): c.view for k, e in table.items() for c in e.chunks}
 
