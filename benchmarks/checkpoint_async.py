@@ -28,8 +28,8 @@ with `trainer.run_step`, the run's `fivecut.train.saving.Saves` given, and saves
 The first background save of a run pays for the writer's start (a writer process: a Python process
 that imports torch and joins its own gloo group): the figures are medians over the saves after the
 first (all saves are listed). Staged bytes: what rank 0's stager holds after the last save (the
-host copies of its state's storages, DCP's own record of them); "off": the bytes of the chunks the
-rank would stage.
+record's `staged_bytes`: the host copies of its state's storages); "off": the bytes of the chunks
+the rank would stage.
 Nothing is asserted; the machine's load is printed with the figures.
 """
 
@@ -106,18 +106,12 @@ def worker(opts: dict) -> None:
                 started = time.perf_counter()
                 trainer.save_checkpoint(ctx, step, guard, saves)
                 blocking[step] = time.perf_counter() - started
-    staged = staged_bytes(saves) if saves.stager is not None else sum_bytes(ctx)
     saves.close()
+    staged = records[-1]["checkpoint"]["staged_bytes"] if records else sum_bytes(ctx)
     if dist.get_rank() == 0:
         figures = dict(mode=opts["worker"], steps=steps, save_after=save_after, sync=blocking, records=records)
         Path(opts["out"]).write_text(json.dumps(figures | {"staged_bytes": staged}))
     dist.destroy_process_group()
-
-
-def staged_bytes(saves: Saves) -> int:
-    """The bytes DCP's stager holds for this rank (its cached host copies)."""
-    cached = saves.stager._state_dict_stager._cached_storage_mapping  # the stager's own record of its copies
-    return sum(storage.nbytes() for storage in cached.values())
 
 
 def sum_bytes(ctx) -> int:

@@ -20,12 +20,13 @@ of a run, and one on SIGTERM/SIGINT, are finished before the process exits. A pr
 a save writes leaves `.tmp-step-N`, removed at the next start.
 
 Each background save adds `{"step": N, "checkpoint": {"async_mode", "start_s", "staging_s",
-"staging_wait_s", "blocking_s", "total_s"}}` to metrics.jsonl once in place: the seconds its start
-took on the training thread (the folder, DCP's call), the seconds from its start to the end of the
-staging copy (in the background), the seconds the step waited for that copy before its update,
-all the seconds the training loop waited for the save (its start, that wait, a wait for it before
-the next save or the run's end, the check and rename at its end), and the seconds from its start
-to its rename. (A blocking save's time is its step's: it adds no record.)
+"staging_wait_s", "blocking_s", "total_s", "staged_bytes"}}` to metrics.jsonl once in place: the
+seconds its start took on the training thread (the folder, DCP's call), the seconds from its start
+to the end of the staging copy (in the background), the seconds the step waited for that copy
+before its update, all the seconds the training loop waited for the save (its start, that wait, a wait for it before
+the next save or the run's end, the check and rename at its end), the seconds from its start to its
+rename, and the host memory the stager holds (`fivecut plan` counts it: `plan.cost.staging_bytes`).
+(A blocking save's time is its step's: it adds no record.)
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ class Saves:
         staging = None if flight.staged_at is None else flight.staged_at - flight.started
         times = {"async_mode": self.config.async_mode, "start_s": flight.start, "staging_s": staging}
         times |= {"staging_wait_s": flight.staging_wait or 0.0, "blocking_s": blocking, "total_s": total}
+        times["staged_bytes"] = staged_bytes(self.stager_for())
         self.report(None, {"step": flight.step, "checkpoint": times})
 
     def stager_for(self) -> DefaultStager:
@@ -228,6 +230,12 @@ class Saves:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+def staged_bytes(stager: DefaultStager) -> int:
+    """The host memory DCP's stager holds: its copies of the state's storages, kept between saves
+    (the stager's own record of them)."""
+    return sum(copy.nbytes() for copy in stager._state_dict_stager._cached_storage_mapping.values())
 
 
 def written_files(hashed: Future) -> tuple[dict, list[str]]:
