@@ -20,6 +20,8 @@ with `trainer.run_step`, the run's `fivecut.train.saving.Saves` given, and saves
     staging    from the start to the end of DCP's DefaultStager copying every chunk, in the
                stager's thread while the next step's forward and backward run (`staging_s`)
     wait       what the next step waited for that copy before its update (`staging_wait_s`)
+    end        the rest of blocking: the save's end (and a wait for its writer, where it had not
+               written and read back its files by the next save or the run's end)
     total      from the save's start to its rename (background: while the steps went on)
     steps      the median seconds of steps 2-4 (before the first save: nothing in flight) over
                the median of the steps after the first save (their saves' ends included):
@@ -55,7 +57,7 @@ from fivecut.train.faults import NonFiniteGuard, SignalFlag  # noqa: E402
 from fivecut.train.saving import Saves  # noqa: E402
 
 WARM = 4  # steps before the first save: those after the first are the steps with nothing in flight
-BACKGROUND = ("start_s", "staging_s", "staging_wait_s")  # a background save's record alone
+BACKGROUND = ("start_s", "staging_s", "staging_wait_s", "end_s")  # a background save's alone
 
 
 def arguments(argv: list[str]) -> dict:
@@ -138,7 +140,8 @@ def per_save(figures: dict) -> list[dict]:
     if figures["mode"] == "off":
         return [{"blocking_s": s, "total_s": s} for s in figures["sync"].values()]
     records = {r["step"]: r["checkpoint"] for r in figures["records"] if "checkpoint" in r}
-    return [records[s] for s in figures["save_after"]]
+    ends = {s: {"end_s": r["blocking_s"] - r["start_s"] - r["staging_wait_s"]} for s, r in records.items()}
+    return [records[s] | ends[s] for s in figures["save_after"]]
 
 
 def row(figures: dict) -> list[str]:
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     before = load_average()
     with tempfile.TemporaryDirectory(dir=opts["dir"]) as tmp:
         results = [job(opts, mode, Path(tmp)) for mode in opts["modes"].split(",")]
-    header = ["async_mode", "blocking (median)", "start", "staging", "wait", "total", "blocking of each save",
+    header = ["async_mode", "blocking (median)", "start", "staging", "wait", "end", "total", "blocking of each save",
               "steps after / before", "staged per rank"]  # fmt: skip
     print(f"checkpoint saves of {opts['model']}, dp={opts['dp']}, {opts['batch']}x{opts['seq']} tokens per step, "
           f"a save every {opts['every']} steps, {opts['saves']} saves, checkpoint.verify={opts['verify']}; "

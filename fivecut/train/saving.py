@@ -15,23 +15,26 @@ flight: a save that comes due while the previous one is still writing first wait
 step's end the control all-reduce tells every rank whether any rank is still writing
 (`faults.agree`); once none is, every rank finishes the save together as a blocking save does: the
 checksums of each rank's files are gathered, rank 0 records them and renames the folder into
-place, the files are read back (`checkpoint.verify`) and older checkpoints pruned. The last save
-of a run, and one on SIGTERM/SIGINT, are finished before the process exits. A process killed while
-a save writes leaves `.tmp-step-N`, removed at the next start.
+place, the files are read back (`checkpoint.verify`) and older checkpoints pruned (renamed out of
+sight at once, deleted in a thread of rank 0). The last save of a run, and one on SIGTERM/SIGINT,
+are finished before the process exits. A process killed while a save writes leaves `.tmp-step-N`,
+removed at the next start (and `.pruned-step-N`, what a deletion did not finish).
 
 Each background save adds `{"step": N, "checkpoint": {"async_mode", "start_s", "staging_s",
 "staging_wait_s", "blocking_s", "total_s", "staged_bytes"}}` to metrics.jsonl once in place: the
 seconds its start took on the training thread (the folder, DCP's call), the seconds from its start
-to the end of the staging copy (in the background), the seconds the step waited for that copy
-before its update, all the seconds the training loop waited for the save (its start, that wait, a wait for it before
-the next save or the run's end, the check and rename at its end), the seconds from its start to its
-rename, and the host memory the stager holds (`fivecut plan` counts it: `plan.cost.staging_bytes`).
+to the end of the staging copy (in the background), the seconds the step waited for that copy before
+its update, all the seconds the training loop waited for the save (its start, that wait, a wait for
+it before the next save or the run's end, the check and rename at its end), the seconds from its
+start to its rename, and the host memory the stager holds (`fivecut plan` counts it:
+`plan.cost.staging_bytes`).
 (A blocking save's time is its step's: it adds no record.)
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +97,7 @@ class Saves:
     in_flight: InFlight | None = None
     group: object = None  # the gloo group of DCP's background collectives
     stager: DefaultStager | None = None
+    deleting: threading.Thread | None = None  # rank 0's deletion of the checkpoints the last save pruned
 
     def __post_init__(self):
         if self.config.on_error == "continue":
@@ -182,7 +186,21 @@ class Saves:
             checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.finish(flight.tmp, final, flight.meta, written)))
             if self.config.verify:  # every rank read its files back in the background: all intact
                 checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.mark_verified(final)))
-            checkpoint.agree(checkpoint.rank_zero(lambda: checkpoint.prune(flight.root, self.config.keep)))
+            checkpoint.agree(checkpoint.rank_zero(lambda: self.prune(flight.root)))
+
+    def prune(self, root: Path) -> None:
+        """(rank 0) The checkpoints `keep` lets go, renamed out of sight now (`checkpoint.hidden`) and
+        deleted in a thread while training goes on (a deletion cut short: `checkpoint.clean_partial`)."""
+        self.deleted()
+        doomed = [checkpoint.hidden(old) for old in checkpoint.unkept(root, self.config.keep)]
+        delete = lambda: [shutil.rmtree(old, ignore_errors=True) for old in doomed]  # noqa: E731
+        self.deleting = threading.Thread(target=delete, name="fivecut-prune", daemon=True)
+        self.deleting.start()
+
+    def deleted(self) -> None:
+        if self.deleting is not None:
+            self.deleting.join()
+            self.deleting = None
 
     def guarded(self, step: int, work: Callable[[], None]) -> None:
         """`work` (a save or its end); a failed save stops the run, or (on_error="continue") is said and recorded."""
@@ -225,8 +243,10 @@ class Saves:
             process_executor._CHECKPOINT_PROCESS = None  # the old one is terminated as it is collected
 
     def close(self) -> None:
-        """Finish the save in flight, then free the stager's memory (the end of a run, or a stop)."""
+        """Finish the save in flight and the deletion of what it pruned, then free the stager's
+        memory (the end of a run, or a stop)."""
         self.finish()
+        self.deleted()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
