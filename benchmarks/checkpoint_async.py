@@ -3,6 +3,7 @@
 
     python benchmarks/checkpoint_async.py [--model small] [--modes off,thread,process] [--saves 3]
                                           [--every 4] [--seq 64] [--batch 8] [--dp 2] [--dir /tmp]
+                                          [--set model.dim=1024 ...]
 
 Each mode is its own `torchrun --nproc-per-node=DP` job (a writer process needs ranks that may have
 children, which `fivecut.launch.spawn`'s daemonic ranks may not), running this file as its worker:
@@ -73,6 +74,9 @@ def arguments(argv: list[str]) -> dict:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="checkpoint.verify")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a mode: run as one of torchrun's ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return vars(parser.parse_args(argv))
@@ -84,7 +88,7 @@ def config(opts: dict, mode: str, root: Path):
         "train.eval_every=0", f"train.seq_len={opts['seq']}", f"train.global_batch={opts['batch']}",
         f"parallel.dp={opts['dp']}", f'checkpoint.dir="{root / "ck"}"', "checkpoint.keep=1",
         f'checkpoint.async_mode="{mode}"', f'log.out_dir="{root / "run"}"', "log.progress=false", "log.plot=false",
-        f"checkpoint.verify={str(opts['verify']).lower()}",
+        f"checkpoint.verify={str(opts['verify']).lower()}", *opts["set"],
     ])  # fmt: skip
 
 
@@ -128,6 +132,7 @@ def job(opts: dict, mode: str, folder: Path) -> dict:
     for key in ("model", "saves", "every", "seq", "batch", "dp"):
         command += [f"--{key}", str(opts[key])]
     command.append("--verify" if opts["verify"] else "--no-verify")
+    command += [arg for item in opts["set"] for arg in ("--set", item)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         results = [job(opts, mode, Path(tmp)) for mode in opts["modes"].split(",")]
     header = ["async_mode", "blocking (median)", "start", "staging", "wait", "end", "total", "blocking of each save",
               "steps after / before", "staged per rank"]  # fmt: skip
-    print(f"checkpoint saves of {opts['model']}, dp={opts['dp']}, {opts['batch']}x{opts['seq']} tokens per step, "
+    model = " ".join([opts["model"], *opts["set"]])
+    print(f"checkpoint saves of {model}, dp={opts['dp']}, {opts['batch']}x{opts['seq']} tokens per step, "
           f"a save every {opts['every']} steps, {opts['saves']} saves, checkpoint.verify={opts['verify']}; "
           f"{machine()}")  # fmt: skip
     print(markdown_table(header, [row(r) for r in results]))

@@ -59,6 +59,7 @@ from fivecut.train.faults import SaveFailures
 
 WRITERS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 WRITER_FAILED = "the writer failed"
+CHUNKS = "chunks"  # the state dict's one entry: {(key, i): chunk i of the table's key}
 
 
 @dataclass
@@ -131,7 +132,7 @@ class Saves:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the step's kernels done before the stager's stream reads the state
             response = dcp.async_save(
-                chunk_views(table),
+                {CHUNKS: chunk_views(table)},  # one entry: DCP wraps each top-level entry in its logger
                 storage_writer=dcp.FileSystemWriter(str(tmp)),
                 planner=StagedPlanner(table),
                 process_group=self.checkpoint_group(),
@@ -308,7 +309,7 @@ def with_views(table: checkpoint.Table, views: dict[tuple[str, int], torch.Tenso
 class StagedPlanner(checkpoint.TableSavePlanner):
     """DCP's planner for `table`'s chunks as DCP's stager copied them: made on the chunks' shapes
     alone (meta tensors: no live state travels with it to a writer process); DCP's save hands it the
-    staged state dict ((key, i): copy) once the copy is complete."""
+    staged state dict ({CHUNKS: {(key, i): copy}}) once the copy is complete."""
 
     def __init__(self, table: checkpoint.Table):
         shapes = {k: v.to("meta") for k, v in chunk_views(table).items()}
@@ -316,4 +317,4 @@ class StagedPlanner(checkpoint.TableSavePlanner):
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self.take(with_views(self.table, state_dict))
+        self.take(with_views(self.table, state_dict[CHUNKS]))
