@@ -3,6 +3,7 @@
 
     python benchmarks/checkpoint_async.py [--model small] [--modes off,thread,process] [--saves 3]
                                           [--every 4] [--seq 64] [--batch 8] [--dp 2] [--dir /tmp]
+                                          [--set model.dim=1024 ...]
 
 Each mode is its own `torchrun --nproc-per-node=DP` job (a writer process needs ranks that may have
 children, which `fivecut.launch.spawn`'s daemonic ranks may not), running this file as its worker:
@@ -12,10 +13,16 @@ with `trainer.run_step`, the run's `fivecut.train.saving.Saves` given, and saves
 
     blocking   "off": the seconds `save_checkpoint` took (the whole save: DCP's write, sha256 of
                every file, the rename, the read-back of checkpoint.verify, pruning);
-               "thread"/"process": the record's `blocking_s` (staging into host memory, and the
-               end of the save once written and read back in the background: the gather of the
+               "thread"/"process": the record's `blocking_s`, what the training loop waited: the
+               save's start, the next step's wait for the staging copy before its update, and the
+               end of the save once written and read back in the background (the gather of the
                checksums, the rename, pruning)
-    staging    the background save's start alone (DCP's DefaultStager copying every chunk)
+    start      the background save's start on the training thread (`start_s`)
+    staging    from the start to the end of DCP's DefaultStager copying every chunk, in the
+               stager's thread while the next step's forward and backward run (`staging_s`)
+    wait       what the next step waited for that copy before its update (`staging_wait_s`)
+    end        the rest of blocking: the save's end (and a wait for its writer, where it had not
+               written and read back its files by the next save or the run's end)
     total      from the save's start to its rename (background: while the steps went on)
     steps      the median seconds of steps 2-4 (before the first save: nothing in flight) over
                the median of the steps after the first save (their saves' ends included):
@@ -23,7 +30,9 @@ with `trainer.run_step`, the run's `fivecut.train.saving.Saves` given, and saves
 
 The first background save of a run pays for the writer's start (a writer process: a Python process
 that imports torch and joins its own gloo group): the figures are medians over the saves after the
-first (all saves are listed). Staged bytes: what this rank's stager holds (its state's storages).
+first (all saves are listed). Staged bytes: what rank 0's stager holds after the last save (the
+record's `staged_bytes`: the host copies of its state's storages); "off": the bytes of the chunks
+the rank would stage.
 Nothing is asserted; the machine's load is printed with the figures.
 """
 
@@ -49,6 +58,7 @@ from fivecut.train.faults import NonFiniteGuard, SignalFlag  # noqa: E402
 from fivecut.train.saving import Saves  # noqa: E402
 
 WARM = 4  # steps before the first save: those after the first are the steps with nothing in flight
+BACKGROUND = ("start_s", "staging_s", "staging_wait_s", "end_s")  # a background save's alone
 
 
 def arguments(argv: list[str]) -> dict:
@@ -64,6 +74,9 @@ def arguments(argv: list[str]) -> dict:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="checkpoint.verify")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a mode: run as one of torchrun's ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return vars(parser.parse_args(argv))
@@ -75,7 +88,7 @@ def config(opts: dict, mode: str, root: Path):
         "train.eval_every=0", f"train.seq_len={opts['seq']}", f"train.global_batch={opts['batch']}",
         f"parallel.dp={opts['dp']}", f'checkpoint.dir="{root / "ck"}"', "checkpoint.keep=1",
         f'checkpoint.async_mode="{mode}"', f'log.out_dir="{root / "run"}"', "log.progress=false", "log.plot=false",
-        f"checkpoint.verify={str(opts['verify']).lower()}",
+        f"checkpoint.verify={str(opts['verify']).lower()}", *opts["set"],
     ])  # fmt: skip
 
 
@@ -100,17 +113,11 @@ def worker(opts: dict) -> None:
                 trainer.save_checkpoint(ctx, step, guard, saves)
                 blocking[step] = time.perf_counter() - started
     saves.close()
-    staged = staged_bytes(saves) if saves.stager is not None else sum_bytes(ctx)
+    staged = records[-1]["checkpoint"]["staged_bytes"] if records else sum_bytes(ctx)
     if dist.get_rank() == 0:
         figures = dict(mode=opts["worker"], steps=steps, save_after=save_after, sync=blocking, records=records)
         Path(opts["out"]).write_text(json.dumps(figures | {"staged_bytes": staged}))
     dist.destroy_process_group()
-
-
-def staged_bytes(saves: Saves) -> int:
-    """The bytes DCP's stager holds for this rank (its cached host copies)."""
-    cached = saves.stager._state_dict_stager._cached_storage_mapping  # the stager's own record of its copies
-    return sum(storage.nbytes() for storage in cached.values())
 
 
 def sum_bytes(ctx) -> int:
@@ -125,6 +132,7 @@ def job(opts: dict, mode: str, folder: Path) -> dict:
     for key in ("model", "saves", "every", "seq", "batch", "dp"):
         command += [f"--{key}", str(opts[key])]
     command.append("--verify" if opts["verify"] else "--no-verify")
+    command += [arg for item in opts["set"] for arg in ("--set", item)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -135,9 +143,10 @@ def job(opts: dict, mode: str, folder: Path) -> dict:
 def per_save(figures: dict) -> list[dict]:
     """Each save's blocking, staging and total seconds."""
     if figures["mode"] == "off":
-        return [{"blocking_s": s, "staging_s": None, "total_s": s} for s in figures["sync"].values()]
+        return [{"blocking_s": s, "total_s": s} for s in figures["sync"].values()]
     records = {r["step"]: r["checkpoint"] for r in figures["records"] if "checkpoint" in r}
-    return [records[s] for s in figures["save_after"]]
+    ends = {s: {"end_s": r["blocking_s"] - r["start_s"] - r["staging_wait_s"]} for s, r in records.items()}
+    return [records[s] | ends[s] for s in figures["save_after"]]
 
 
 def row(figures: dict) -> list[str]:
@@ -146,11 +155,10 @@ def row(figures: dict) -> list[str]:
     steps = {int(k): v for k, v in figures["steps"].items()}
     quiet = median([steps[s] for s in range(2, WARM + 1)])
     after = median([t for s, t in steps.items() if s > figures["save_after"][0]])
-    staging = [s["staging_s"] for s in later if s["staging_s"] is not None]
     return [
         figures["mode"],
         format_seconds(blocking(figures)),
-        format_seconds(median(staging)) if staging else "-",
+        *(format_seconds(median([s[key] for s in later])) if key in later[0] else "-" for key in BACKGROUND),
         format_seconds(median([s["total_s"] for s in later])),
         ", ".join(format_seconds(s["blocking_s"]) for s in saves),
         format_ratio(quiet / after),
@@ -166,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     before = load_average()
     with tempfile.TemporaryDirectory(dir=opts["dir"]) as tmp:
         results = [job(opts, mode, Path(tmp)) for mode in opts["modes"].split(",")]
-    header = ["async_mode", "blocking (median)", "staging", "total", "blocking of each save", "steps after / before",
-              "staged per rank"]  # fmt: skip
-    print(f"checkpoint saves of {opts['model']}, dp={opts['dp']}, {opts['batch']}x{opts['seq']} tokens per step, "
+    header = ["async_mode", "blocking (median)", "start", "staging", "wait", "end", "total", "blocking of each save",
+              "steps after / before", "staged per rank"]  # fmt: skip
+    model = " ".join([opts["model"], *opts["set"]])
+    print(f"checkpoint saves of {model}, dp={opts['dp']}, {opts['batch']}x{opts['seq']} tokens per step, "
           f"a save every {opts['every']} steps, {opts['saves']} saves, checkpoint.verify={opts['verify']}; "
           f"{machine()}")  # fmt: skip
     print(markdown_table(header, [row(r) for r in results]))

@@ -1451,6 +1451,7 @@ def print_plan(cost, cfg: Config, cluster) -> None:
         "fits" if cost.fits else f"does NOT fit; the largest term is {max(m, key=lambda k: m[k] * (k != 'total'))}"
     )
     print(f"  device       {cluster.device.memory_gb:>9g} GB: {verdict}")
+    print(staging_line(cost, cfg))
     print(f"\n{'cut':<6} {'wire bytes/step':>16} {'link':>6} {'time':>10} {'exposed':>10}   overlap")
     for c in cost.cuts:
         times = f"{c.seconds * 1e3:>8.2f}ms {c.exposed * 1e3:>8.2f}ms"
@@ -1469,6 +1470,20 @@ def print_plan(cost, cfg: Config, cluster) -> None:
     )
     print(f"traffic per rank per step: {traffic or 'none'}")
     print(f"step {cost.step * 1e3:.2f} ms, {cost.tokens_per_s:,.0f} tokens/s, MFU {cost.mfu:.1%}")
+
+
+def staging_line(cost, cfg: Config) -> str:
+    """The host memory a background save holds a rank (`fivecut.plan.cost.staging_bytes`)."""
+    from fivecut.plan.memory import gib
+
+    mode = cfg.checkpoint.async_mode
+    if mode == "off":
+        return '  host memory  none for checkpoints (checkpoint.async_mode = "off": a save blocks the step)'
+    kind = "shared memory for the writer process" if mode == "process" else "host memory"
+    return (
+        f"  host memory  {gib(cost.staging)} per rank staged by a background save (checkpoint.async_mode = "
+        f'"{mode}"): its share of the checkpoint in {kind}, pinned beside a GPU, kept between saves'
+    )
 
 
 def cmd_plan_calibrate(ns) -> int:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from test_bad_input_run import REPO, drop_root_writes
 
 from fivecut.cli import main
-from fivecut.config import load_config
+from fivecut.config import CheckpointConfig, load_config
 from fivecut.launch import spawn
-from fivecut.train import checkpoint
+from fivecut.train import checkpoint, saving
 from fivecut.train.faults import TrainingStopped
 from fivecut.train.trainer import train
 
@@ -76,6 +77,30 @@ def test_keep_never_deletes_the_newest_verified_checkpoint(tmp_path):
     (tmp_path / "step-00000005.damaged").mkdir()  # set aside: never listed, never pruned
     checkpoint.prune(tmp_path, keep=1)
     assert steps_in(tmp_path) == [2, 4] and (tmp_path / "step-00000005.damaged").is_dir()
+
+
+def test_a_background_saves_pruning_hides_at_once_and_deletes_in_a_thread(tmp_path, monkeypatch):
+    """Rank 0's end of a background save: what `keep` lets go is out of sight when it returns,
+    deleted while training goes on (here held until released), and gone once the run closes its saves;
+    a deletion cut short is removed at the next start (`clean_partial`)."""
+    for step in (1, 2, 3):
+        fake_checkpoint(tmp_path, step, is_verified=True)
+    release, rmtree = threading.Event(), shutil.rmtree
+
+    def held(path, **kw):  # the deleting thread's waits for the release
+        return (threading.current_thread().name != "fivecut-prune" or release.wait(30)) and rmtree(path, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", held)
+    saves = saving.Saves(CheckpointConfig(dir=str(tmp_path), keep=1, async_mode="thread"), lambda *_: None)
+    saves.prune(tmp_path)
+    hidden = sorted(p.name for p in tmp_path.glob(".pruned-*"))
+    assert steps_in(tmp_path) == [3] and hidden == [".pruned-step-00000001", ".pruned-step-00000002"]
+    release.set()
+    saves.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
+    checkpoint.hidden(checkpoint.step_dir(tmp_path, 3))  # a run killed before it deleted
+    checkpoint.clean_partial(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- --resume auto passes over a damaged one

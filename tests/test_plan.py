@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from fivecut.cli import NOTHING_FITS, build_parser, main, plan_config
+from fivecut.cli import NOTHING_FITS, build_parser, main, plan_config, staging_line
 from fivecut.plan.cluster import parse_cluster
 from fivecut.plan.cost import (
     EMBEDDING_GRAD_BYTES,
@@ -19,6 +19,7 @@ from fivecut.plan.cost import (
     cost_layout,
     dense_embedding,
     layer_matmul_flops,
+    rank_states,
     shared_cores,
     stage_work,
 )
@@ -59,6 +60,20 @@ def test_plan_prints_the_bandwidth_that_hides_each_links_traffic(capsys, tmp_pat
     assert main(["plan", *flags, "--out", str(tmp_path)]) == 0  # zero=1: it fits (unsharded AdamW does not)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("traffic per rank"))
     assert "intra" in line and "hidden behind the compute at" in line and "the link has 450" in line
+
+
+def test_the_plan_counts_a_background_saves_host_memory():
+    """checkpoint.async_mode "thread"/"process": each rank stages its share of the checkpoint in
+    host memory (its fp32 masters, Adam's moments, the step count, the MoE biases), apart from the
+    device's memory; "off": nothing. (Against what DCP's stager held: test_checkpoint_async.)"""
+    layout = ("tiny-moe", "dp=2,ep=2,zero=1", "1x2xH100", "--seq", "64")
+    saving = ("--set", 'checkpoint.dir="ck"', "--set", 'checkpoint.async_mode="process"')
+    (cost, cfg, args), (off, blocking, _) = planned(*layout, *saving), planned(*layout)
+    states, moe_layers = rank_states(args, cfg, 0), args.n_layers - args.first_dense_layers
+    assert cost.staging == states["params"] + states["optimizer"] + 4 * (1 + moe_layers * args.n_experts)
+    assert off.staging == 0 and off.memory == cost.memory
+    assert staging_line(cost, cfg).startswith("  host memory  11.03 MiB per rank staged by a background save")
+    assert "none for checkpoints" in staging_line(off, blocking)
 
 
 def test_a_layout_that_does_not_fit_names_its_largest_term(capsys):

@@ -81,7 +81,7 @@ from fivecut.plan.activations import (
 from fivecut.plan.buffers import buffer_bytes, loss_moment_buffers
 from fivecut.plan.calls import step_calls, step_collective_calls
 from fivecut.plan.cluster import Cluster
-from fivecut.plan.memory import kernels_of, model_state_bytes, step_moments, step_temporaries
+from fivecut.plan.memory import FP32_BYTES, kernels_of, model_state_bytes, step_moments, step_temporaries
 from fivecut.plan.volume import (
     dims_key,
     frozen_bytes,
@@ -155,6 +155,7 @@ class LayoutCost:
     tokens_per_s: float = 0.0
     traffic: dict[str, float] = field(default_factory=dict)  # link class -> wire bytes per rank per step
     compute_terms: dict[str, float] = field(default_factory=dict)  # `compute` by what spends it (`rank_terms`)
+    staging: float = 0.0  # host bytes a background save holds on a rank (`staging_bytes`), not device memory
 
 
 def layer_matmul_flops(args, layer_id: int) -> float:
@@ -378,6 +379,7 @@ def cost_layout(args, cfg, cluster: Cluster, records=None) -> LayoutCost:
         tokens_per_s=tokens / step,
         traffic=traffic,
         compute_terms=rank_terms(args, cfg, cluster, tokens_mb, compute),
+        staging=staging_bytes(args, cfg),
     )
 
 
@@ -958,6 +960,28 @@ def states_now(args, cfg, pp_rank: int) -> dict[str, float]:
     if dims.pp > 1 and dims.zero >= 2:  # a stage's full gradients live through the schedule
         states["grads"] = 4 * sum(counts.values())  # (`zero_pipeline`): its peak, not its shards
     return states
+
+
+def staging_bytes(args, cfg) -> float:
+    """Host memory a background save holds on the rank that stages the most (checkpoint.async_mode
+    "thread" or "process"; "off": none): DCP's stager keeps its copy of the rank's share of the
+    checkpoint between saves (pinned beside a GPU, shared memory for a writer process)."""
+    if cfg.checkpoint.async_mode == "off":
+        return 0.0
+    return max(checkpoint_share(args, cfg, r) for r in range(cfg.parallel.pp))
+
+
+def checkpoint_share(args, cfg, pp_rank: int) -> float:
+    """The bytes of the checkpoint the rank at pipeline position `pp_rank` holds, as it holds them:
+    its master weights (fp32: whole under DDP and ZeRO-1/2, its shard under ZeRO-3; [lora]'s frozen
+    weights are not saved), Adam's two moments (fp32, sharded from ZeRO-1 on), the step count, and
+    each of its MoE layers' balancing biases (one fp32 an expert)."""
+    sizes = shard_group_sizes(cfg)
+    counts = local_param_counts(args, cfg, pp_rank=pp_rank)
+    parts = [model_state_bytes(psi, cfg.parallel.zero, sizes[name]) for name, psi in counts.items()]
+    moe = [i for layers in layers_by_rank(args, cfg)[pp_rank] for i in layers if i >= args.first_dense_layers]
+    biases = len(moe) * args.n_experts if args.is_moe else 0
+    return sum(p["params"] + p["optimizer"] for p in parts) + FP32_BYTES * (1 + biases)
 
 
 def state_memory(args, cfg) -> float:

@@ -33,6 +33,7 @@ def plan_record(cfg: Config, cost: LayoutCost) -> dict:
         "fits": cost.fits,
         "memory_bytes": cost.memory,
         "memory_rank": cost.memory_rank,
+        "host_staging_bytes": cost.staging,
         "step_s": cost.step,
         "time_s": time_terms(cost),
         "bubble": cost.bubble,

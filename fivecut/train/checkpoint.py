@@ -43,6 +43,7 @@ import math
 import pickle
 import shutil
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ VERSION = 1
 META = "fivecut.json"
 COMPLETE = "COMPLETE"
 VERIFIED = "VERIFIED"  # written once every file of a finished save was re-read against its sha256 (checkpoint.verify)
+PRUNED = ".pruned-"  # the prefix of a checkpoint a background save pruned, while a thread deletes it
 DAMAGED = ".damaged"  # the suffix a damaged checkpoint that `--resume auto` passed over gets (kept, never deleted)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -202,8 +204,11 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...
     return out
 
 
-def runs(indices: list[int], size: int) -> list[tuple[int, int, int]]:
+def runs(indices: Sequence[int], size: int) -> list[tuple[int, int, int]]:
     """(local start, global start, length) of each run of consecutive global `indices`, padding (>= size) left out."""
+    if isinstance(indices, range) and indices.step == 1:  # an uncut dimension's: one run, without a loop
+        length = min(indices.stop, size) - indices.start
+        return [(0, indices.start, length)] if length > 0 else []
     out: list[list[int]] = []
     for i, g in enumerate(indices):
         if g >= size:
@@ -219,7 +224,7 @@ def global_chunks(pl: Placement, flat: torch.Tensor, lo: int) -> list[Chunk]:
     """The chunks of `pl`'s global tensor that `flat` holds: flat[k] is element lo + k of this
     rank's (padded) local tensor, flattened."""
     local, chunks = pl.local_shape(), []
-    index = [list(range(n)) for n in pl.shape]
+    index: list[Sequence[int]] = [range(n) for n in pl.shape]
     for s in pl.slices:
         index[s.dim] = s.indices()
     for start, sizes in boxes(local, lo, lo + flat.numel()):
@@ -320,6 +325,10 @@ class TableSavePlanner(DefaultSavePlanner):
 
     def __init__(self, table: Table):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.take(table)
+
+    def take(self, table: Table) -> None:
+        """Write the chunks of `table` (the same keys, offsets and shapes as the plan's)."""
         self.table = table
         self.views = {MetadataIndex(k, torch.Size(c.offsets)): c.view for k, e in table.items() for c in e.chunks}
 
@@ -459,18 +468,33 @@ def step_of_dir(root: Path, step: int) -> Path:
 
 
 def clean_partial(root: Path) -> None:
-    """Remove what a save that never finished left behind (rank 0, before training)."""
-    for tmp in root.glob(".tmp-step-*") if root.is_dir() else ():
+    """Remove what a save that never finished left behind, and what a pruning did not delete
+    (rank 0, before training)."""
+    for tmp in [*root.glob(".tmp-step-*"), *root.glob(f"{PRUNED}*")] if root.is_dir() else ():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (never fewer than one), and the newest verified one."""
+    for old in unkept(root, keep):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def unkept(root: Path, keep: int) -> list[Path]:
+    """The complete checkpoints `prune` deletes."""
     found = checkpoints(root)
     kept = set(found[-max(keep, 1) :]) | set([p for p in found if verified(p)][-1:])
-    for old in found:
-        if old not in kept:
-            shutil.rmtree(old, ignore_errors=True)
+    return [old for old in found if old not in kept]
+
+
+def hidden(path: Path) -> Path:
+    """`path` renamed out of the checkpoints' sight (`.pruned-step-N`), to be deleted
+    (`clean_partial` removes it too)."""
+    out = path.with_name(PRUNED + path.name)
+    if out.exists():  # an earlier pruning's leftover of the same step
+        shutil.rmtree(out, ignore_errors=True)
+    path.rename(out)
+    return out
 
 
 def set_aside(path: Path) -> Path:

@@ -228,6 +228,8 @@ def run_step(
         local = forward_backward(ctx, step, result.activations if measuring else None)
     if meter is not None:
         result.loss_peak = meter.peak
+    if saves is not None:  # a background save's copy of the state complete before anything changes it
+        saves.before_update()
     moe = balance_experts(ctx, step)
     loss = global_mean(ctx, local)
     norm = clip(ctx)
