@@ -43,7 +43,7 @@ from fivecut.parallel.pipeline.schedule import peak_in_flight
 from fivecut.parallel.pipeline.simulate import simulate, text
 from fivecut.plan.activations import activation_bytes_per_layer, layer_mode, loss_peak_bytes, precision_of
 from fivecut.plan.cluster import SPELLING, cluster_toml, parse_cluster
-from fivecut.plan.memory import check_lines, formula, kernels_of, model_state_bytes, moment_lines
+from fivecut.plan.memory import check_lines, formula, gib, kernels_of, model_state_bytes, moment_lines
 from fivecut.train.resume import check_data_position, resume_changes
 
 # verify's tolerances, each the largest relative difference from the single process accepted at a step, by the
@@ -1474,8 +1474,6 @@ def print_plan(cost, cfg: Config, cluster) -> None:
 
 def staging_line(cost, cfg: Config) -> str:
     """The host memory a background save holds a rank (`fivecut.plan.cost.staging_bytes`)."""
-    from fivecut.plan.memory import gib
-
     mode = cfg.checkpoint.async_mode
     if mode == "off":
         return '  host memory  none for checkpoints (checkpoint.async_mode = "off": a save blocks the step)'

@@ -631,7 +631,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
         h = x + self.branch(self.attention_norm, lambda y: self.attention(y, rope, documents), x)
-        return h + self.branch(self.ffn_norm, self.feed_forward, h)
+        # the feed-forward called here, not through `branch`: a MoE layer kept eager under torch.compile
+        # breaks the block's graph once here; called through `branch`, Dynamo reports that break twice
+        if self.norm_after:
+            return h + self.ffn_norm(self.feed_forward(h))
+        return h + self.feed_forward(self.ffn_norm(h))
 
     def branch(self, norm: nn.Module, sublayer: Callable, x: torch.Tensor) -> torch.Tensor:
         """One residual branch, [b, s, dim] -> [b, s, dim]: sublayer(norm(x)), or norm(sublayer(x))
