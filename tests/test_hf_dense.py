@@ -130,17 +130,11 @@ VARIANTS |= dict(qkv_bias=True, qk_norm=True, attention_head_dim=24, sliding_win
 @pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])  # tp=4 > 2 kv heads: k, v (and their biases) replicated
 def test_forward_and_every_gradient_match_single_device(tp, sp):
     """Biases cut with their rows (or replicated with the kv heads), q/k norm weights' gradients summed over tp."""
-    from test_tensor import TOL, reference, tensor_parallel_step
+    from test_tensor import assert_tp_step_matches_one_process
 
     from fivecut.model.args import ModelArgs
 
-    args = ModelArgs(**VARIANTS)
-    ref_logits, ref_grads = reference(args)
-    for logits, grads in spawn(tensor_parallel_step, tp, args, tp, sp):
-        torch.testing.assert_close(logits, ref_logits, **TOL)
-        assert grads.keys() == ref_grads.keys()
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_tp_step_matches_one_process(ModelArgs(**VARIANTS), tp, sp)
 
 
 # ---------------------------------------------------------------- verify on imported models
@@ -315,12 +309,16 @@ def test_shards_written_by_two_processes_are_the_same_files(saved, byte_cache, t
 
 def test_greedy_generation_equals_transformers(saved):
     """14 positions through the cache: past the windows of Mistral (5) and Qwen2's layer 1 (4)."""
+    assert_greedy_generation_equals_transformers(saved, TOKENS[0, :6].tolist())
+
+
+def assert_greedy_generation_equals_transformers(saved: dict, prompt: list[int]) -> None:
+    """8 greedy tokens after `prompt` from each saved folder: fivecut's KV cache = transformers' generate."""
     import transformers
 
     from fivecut.generate import Sampling, generate_ids
     from fivecut.weights.load import single_model
 
-    prompt = TOKENS[0, :6].tolist()
     for name, (folder, _) in saved.items():
         ours, _ = single_model(init_from=f"hf:{folder}")
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_dense import edited, train_two_steps
+from test_hf_dense import assert_greedy_generation_equals_transformers, edited, train_two_steps, verify
 from test_import import import_config, logits_of
 
 from fivecut.launch import spawn
@@ -130,29 +130,14 @@ VARIANTS |= dict(qk_norm=True, qk_norm_whole=True, norm_after=True, nope_interva
 def test_forward_and_every_gradient_match_single_device_under_tp_sp():
     """The whole-projection norms' sums of squares all-reduced over tp forward, their gradients backward;
     the norm weights cut with wq's and wk's rows; the norms after the sublayers on SP's sequence slices."""
-    from test_tensor import TOL, reference, tensor_parallel_step
+    from test_tensor import assert_tp_step_matches_one_process
 
     from fivecut.model.args import ModelArgs
 
-    args = ModelArgs(**VARIANTS)
-    ref_logits, ref_grads = reference(args)
-    for logits, grads in spawn(tensor_parallel_step, 2, args, 2, True):
-        torch.testing.assert_close(logits, ref_logits, **TOL)
-        assert grads.keys() == ref_grads.keys()
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_tp_step_matches_one_process(ModelArgs(**VARIANTS), 2, True)
 
 
 # ---------------------------------------------------------------- fivecut verify under the cuts
-
-
-def verify(capsys, folder: Path, layout: str) -> str:
-    from fivecut.cli import main
-
-    code = main(["verify", "--model", f"hf:{folder}", "--layout", layout, "--steps", "2"])
-    out = capsys.readouterr().out
-    assert code == 0 and "PASS" in out, out
-    return out
 
 
 @pytest.mark.multirank
@@ -243,18 +228,7 @@ def test_each_family_exports_to_itself_after_training(saved, byte_cache, tmp_pat
 
 def test_greedy_generation_equals_transformers(saved):
     """Through the KV cache: NoPE layers unrotated there too, the norms after the sublayers."""
-    import transformers
-
-    from fivecut.generate import Sampling, generate_ids
-    from fivecut.weights.load import single_model
-
-    prompt = TOKENS[0, :6].tolist()
-    for name, (folder, _) in saved.items():
-        ours, _ = single_model(init_from=f"hf:{folder}")
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
-        got = generate_ids(ours, prompt, 8, Sampling(temperature=0.0), eot_id=None).new_ids
-        assert got == expected[0, len(prompt) :].tolist(), name
+    assert_greedy_generation_equals_transformers(saved, TOKENS[0, :6].tolist())
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2, before any rank

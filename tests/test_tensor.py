@@ -76,12 +76,7 @@ def tensor_parallel_step(preset: str | ModelArgs, tp: int, sp: bool):
 )
 def test_forward_and_every_gradient_match_single_device(preset, tp, sp):
     # tiny: 4 heads, 2 kv heads -> tp=4 replicates kv heads; tiny-gpt2: vocab 50257 padded to 50258 / 50260
-    ref_logits, ref_grads = reference(preset)
-    for logits, grads in spawn(tensor_parallel_step, tp, preset, tp, sp):
-        torch.testing.assert_close(logits, ref_logits, **TOL)
-        assert grads.keys() == ref_grads.keys()
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_tp_step_matches_one_process(preset, tp, sp)
 
 
 @pytest.mark.multirank
@@ -149,3 +144,14 @@ def test_parallelize_refuses_a_layer_tensor_parallelism_missed(monkeypatch):
     model = build_model(get_preset("tiny"), device="meta")
     with pytest.raises(ParallelizeError, match="layers.1.feed_forward.w1.weight"):
         parallelize(model, Mesh.virtual(ParallelDims(tp=2)), ParallelizeOptions(device="meta"))
+
+
+def assert_tp_step_matches_one_process(args, tp: int, sp: bool) -> None:
+    """`tensor_parallel_step` of `args` (a preset's name or a `ModelArgs`) on `tp` ranks, with SP or
+    not: each rank's logits and every gradient equal one process's (`reference`)."""
+    ref_logits, ref_grads = reference(args)
+    for logits, grads in spawn(tensor_parallel_step, tp, args, tp, sp):
+        torch.testing.assert_close(logits, ref_logits, **TOL)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
