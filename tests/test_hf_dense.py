@@ -83,12 +83,17 @@ def saved(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
 
 
 def test_each_class_gives_its_logits_in_one_process(saved):
+    assert_each_gives_its_logits(saved, TOKENS)
+
+
+def assert_each_gives_its_logits(saved: dict, tokens: torch.Tensor) -> None:
+    """fivecut's import of each saved folder, one process: transformers' logits of `tokens` (fp32, 1e-5)."""
     from fivecut.weights.load import single_model
 
     for name, (folder, expected) in saved.items():
         model, _ = single_model(init_from=f"hf:{folder}")
         with torch.no_grad():
-            torch.testing.assert_close(model(TOKENS), expected, rtol=RTOL, atol=ATOL, msg=name)
+            torch.testing.assert_close(model(tokens), expected, rtol=RTOL, atol=ATOL, msg=name)
 
 
 def test_the_config_becomes_the_right_fields(saved):

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_dense import assert_greedy_generation_equals_transformers, edited, train_two_steps, verify
+from test_hf_dense import (
+    assert_each_gives_its_logits,
+    assert_greedy_generation_equals_transformers,
+    edited,
+    train_two_steps,
+    verify,
+)
 from test_import import import_config, logits_of
 
 from fivecut.launch import spawn
@@ -82,12 +88,7 @@ def saved(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
 
 
 def test_each_family_gives_its_logits_in_one_process(saved):
-    from fivecut.weights.load import single_model
-
-    for name, (folder, expected) in saved.items():
-        model, _ = single_model(init_from=f"hf:{folder}")
-        with torch.no_grad():
-            torch.testing.assert_close(model(TOKENS), expected, rtol=RTOL, atol=ATOL, msg=name)
+    assert_each_gives_its_logits(saved, TOKENS)
 
 
 def test_the_config_becomes_the_right_fields(saved):
