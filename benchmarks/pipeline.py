@@ -207,6 +207,7 @@ class Fivecut:
             positions=torch.arange(opts["seq"]),
             forward_context=lambda microbatch: self.par.saved.forward(),  # the trainer's context, less autocast (fp32)
             weight_grads=self.par.pipeline.weight_grads,
+            loss_in_head=self.par.loss_in_head,  # the head computes the loss chunk by chunk, as in training
         )
         self.optimizer = build_optimizer(self.par.pieces, **ADAMW)
         self.m, self.denominator = m, opts["batch"] * opts["seq"]

@@ -1095,7 +1095,7 @@ def print_loss_peak(every_rank: list, cfg: Config) -> None:
     rows = t.global_batch // (dims.dp * t.accumulate * (dims.microbatches if dims.pp > 1 else 1))  # one (micro)batch
     tokens = rows * t.seq_len // dims.cp
     chunk = t.loss_chunk_tokens
-    predicted = loss_peak_bytes(args, tokens, dims.tp, precision_of(t.dtype, dims.zero), chunk)
+    predicted = loss_peak_bytes(args, tokens, dims.tp, precision_of(t.dtype, dims.zero), chunk, sp=dims.sp)
     path = f"chunks of {chunk} tokens" if chunk else "full logits"
     print(f"\nloss peak on rank {rank} (head and cross-entropy, {path}, {tokens} tokens, tp={dims.tp}, {t.dtype}):")
     both = (

@@ -105,7 +105,7 @@ def test_replicated_norm_weights_count_once_in_the_clip_norm(byte_cache, tmp_pat
 
 
 LOGITS = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(0))  # 11 real columns + 1 of padding
-TARGETS = torch.tensor([[0, 10, 5, 6, 3], [7, 7, 1, 9, 2], [4, 8, 10, 0, 5]])
+TARGETS = torch.tensor([[0, 10, 5, 6, 3], [7, 7, -100, 9, 2], [4, 8, 10, 0, 5]])  # -100: left out by a loss mask
 
 
 def vocab_parallel_loss(tp: int):
@@ -119,7 +119,7 @@ def vocab_parallel_loss(tp: int):
 
 
 @pytest.mark.multirank
-def test_vocab_parallel_cross_entropy_matches_and_ignores_padding():
+def test_vocab_parallel_cross_entropy_matches_and_ignores_padding_and_masked_targets():
     full = LOGITS[..., :11].clone().requires_grad_()
     ref = torch.nn.functional.cross_entropy(full.reshape(-1, 11), TARGETS.flatten(), reduction="sum")
     ref.backward()

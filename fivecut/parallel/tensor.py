@@ -47,7 +47,7 @@ from fivecut import comm
 from fivecut.comm import Group
 from fivecut.model.lora import LoRALinear
 from fivecut.model.transformer import RMSNorm, rms_norm
-from fivecut.parallel.loss import LossHead
+from fivecut.parallel.loss import LossHead, VocabShard, cross_entropy_in_place
 from fivecut.parallel.pipeline.wgrad import DeferredEmbedding, deferred_lookup
 from fivecut.parallel.placement import Change, Slice
 from fivecut.parallel.saved import SavedActivations
@@ -262,45 +262,32 @@ class SequenceParallelRMSNorm(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocabulary-sharded logits [T, V/t]; returns [T] losses."""
+    """Per-token cross-entropy from vocabulary-sharded logits [T, V/t]; returns [T] losses. The
+    forward computes the gradient too (`cross_entropy_in_place` on an fp32 copy) and keeps it."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, vocab_size, group):
-        logits = logits.float()
-        local_v = logits.shape[-1]
-        columns = torch.arange(start, start + local_v, device=logits.device)
-        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))  # vocabulary padding
-        top = logits.max(dim=-1).values  # [T]
-        comm.all_reduce(top, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)  # [T, V/t]
-        exp = shifted.exp()
-        total = exp.sum(dim=-1)  # [T]
-        local_target = targets - start
-        mine = (local_target >= 0) & (local_target < local_v)
-        picked = shifted.gather(-1, local_target.clamp(0, local_v - 1).unsqueeze(-1)).squeeze(-1)
-        target_logit = torch.where(mine, picked, torch.zeros_like(picked))  # [T]
-        both = torch.stack([total, target_logit])  # one all-reduce for the two sums: [2, T]
-        comm.all_reduce(both, group)
-        total, target_logit = both[0], both[1]
-        ctx.save_for_backward(exp / total.unsqueeze(-1), local_target, mine)
-        return total.log() - target_logit
+    def forward(ctx, logits, targets, shard: VocabShard):
+        work = logits.to(torch.float32, copy=True)  # [T, V/t], becomes d(sum of losses)/d logits
+        losses = cross_entropy_in_place(work, targets, shard)
+        ctx.save_for_backward(work)
+        return losses
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_target, mine = ctx.saved_tensors  # [T, V/t], [T], [T]
-        g = softmax.clone()  # d loss / d logits = softmax - one-hot(target), the one-hot only where the target is local
-        index = local_target.clamp(0, g.shape[-1] - 1).unsqueeze(-1)
-        g.scatter_add_(-1, index, -mine.to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None, None, None
+        (work,) = ctx.saved_tensors
+        return work.mul_(grad.unsqueeze(-1)), None, None  # this graph runs backward once
+
+
+def vocab_shard(local: int, group: Group, vocab_size: int) -> VocabShard:
+    """The shard of the vocabulary this rank's V_pad/t = `local` columns of logits hold."""
+    return VocabShard(group.rank * local, vocab_size, group)
 
 
 def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int):
     """Each token's loss from logits [T, V_pad/t] cut by vocabulary over `group`: [T] fp32. A negative
     target (-100, torch's ignore_index: a token a loss mask leaves out) gives 0 and no gradient, as
     `F.cross_entropy` does on one rank."""
-    start = group.rank * logits.shape[-1]
-    losses = _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, group)  # [T]
-    return losses.masked_fill(targets < 0, 0.0)
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_shard(logits.shape[-1], group, vocab_size))
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
@@ -363,10 +350,7 @@ def parallelize_head(model: nn.Module, group: Group, vocab: int, sequence_parall
     else:
         changes["output.weight"] = column_parallel(model.output, group, padded_out=vocab)
     if isinstance(model.output, LossHead):
-        vocab_size = model.args.vocab_size
-        model.output.token_losses = lambda logits, targets: vocab_parallel_token_losses(
-            logits, targets, group, vocab_size
-        )
+        model.output.vocab = vocab_shard(model.output.weight.shape[0], group, model.args.vocab_size)
     make_region(model.output, group, sequence_parallel, saved, reduce_output=False)
     return changes
 

@@ -450,9 +450,12 @@ def stage_activation_bytes(
     return {"kept": kept, "transient": transient, "peak": kept + transient}
 
 
+CE_TOKEN_BYTES = 39  # `cross_entropy_in_place`'s per-token tensors at their most (targets int64)
+
+
 def loss_peak_bytes(
     args, tokens: int, tp: int = 1, precision: str = "fp32", chunk: int = 0, head_trained: bool = True,
-    head_cast: bool = True,
+    head_cast: bool = True, sp: bool = False,
 ) -> float:  # fmt: skip
     """The loss's peak on the rank holding the head (the last stage), for one microbatch of T =
     `tokens` on this rank (the head sees the whole sequence under SP): the most bytes held at once
@@ -461,38 +464,52 @@ def loss_peak_bytes(
     head's input), each storage once. Not counted: what existed when the head started (its input,
     the weights and the step's bf16 weight copies, `.grad` buffers) and what is made between the
     two (the scaling by the global token count, backward's seed): those are the blocks', the model
-    states' or a scalar's. Counted: the fp32 dW and d hidden buffers of the chunked head and the
-    gradients backward makes (d hidden, dW, on step 1 the weight's `.grad` itself). `fivecut
-    ledger` measures exactly this (`fivecut.train.memory.LossPeak`) and the planner's memory term
-    "loss" is this figure. V' = ceil(V/t) vocabulary columns, C' = min(C, T) tokens a chunk (the
-    full logits: C' = T), a = the matmuls' bytes (`BYTES[precision]`), r = the residual stream's
-    (4; 2 for "bf16-params"):
-        cross-entropy    one process: 12 C' V', at log-softmax's backward: its saved fp32 output,
-                         the fp32 gradient it receives and the one it makes (the logits and
-                         their fp32 upcast are freed by then); chunked, the chunk's token losses
-                         and two fp32 scalars (4 C' + 8).
-                         vocabulary-parallel (t > 1): at the end of its forward, the logits, the
-                         masked (under bf16 the fp32 upcast is freed once masked), shifted and
-                         exponentiated logits and the softmax kept for backward: (a + 16) C' V'; the column
-                         ids (8 V'); per token 33 B (max, local target, ownership, picked logit,
-                         the sum-exp and target logit stacked for one all-reduce, log and loss)
-        chunked buffers  the token losses (4 T), d hidden (r T h) and dW (4 V' h, fp32); under
-                         bf16 the weight cast once for all chunks (2 V' h) and the chunk's input
-                         cast that its matmul saves (2 C' h)
-        full logits      under bf16 the head's bf16 cast of its input, saved by its matmul (2 T h)
-    Exact (`tests/test_loss_ledger.py`) where the moment named is the peak: one process while
-    the chunk's matmul backward (its logits' gradient, d hidden, dW) holds less than 12 C' V'.
-    [lora]: a frozen head (`head_trained` false) makes no dW, and a head weight already held in
-    bf16 (`head_cast` false: frozen and untied) is not cast."""
+    states' or a scalar's. `fivecut ledger` measures exactly this (`fivecut.train.memory.LossPeak`)
+    and the planner's memory term "loss" is this figure. V' = ceil(V/t) vocabulary columns, C' =
+    min(C, T) tokens a chunk, a = the matmuls' bytes (`BYTES[precision]`), r = the residual
+    stream's (4; 2 for "bf16-params"), u = 1 when the logits are upcast to fp32 (a < 4):
+        chunked          buffers kept over the chunks: the token losses (4 T), d hidden (r T h), dW
+                         (4 V' h, fp32); under bf16 the weight cast once for all chunks (2 V' h) and
+                         the chunk's input cast (2 C' h). Then the most of: the logits and their fp32
+                         copy at the upcast ((a + 4) C' V'), or (fp32) the logits becoming their own
+                         gradient in `cross_entropy_in_place` with its per-token tensors (4 C' V' +
+                         39 C'); the gradient and d hidden's product (a C' V' + a C' h); under
+                         bf16, the gradient and dW's product before its fp32 add (2 C' V' + 2 V' h).
+                         Backward scales both buffers in place.
+        full, one rank   torch's log-softmax: 12 T V' at its backward (its saved fp32 output, the
+                         fp32 gradient it receives and the one it makes); under bf16 the head's
+                         cast of its input, saved by its matmul (2 T h)
+        full, tp > 1     the vocabulary-parallel cross-entropy: forward, the logits and the fp32
+                         copy that becomes their gradient, with its per-token tensors ((a + 4) T V'
+                         + 39 T); backward, under bf16 that gradient cast to bf16 ((4 + a) T V'),
+                         in fp32 the gradient with the head's products d hidden (4 T h) and dW (4 V'
+                         h), and under SP the head's input gathered again (4 T h)
+    Exact (`tests/test_loss_ledger.py`) where the moment named is the peak. [lora]: a frozen head
+    (`head_trained` false) makes no dW, and a head weight already held in bf16 (`head_cast` false:
+    frozen and untied) is not cast."""
     columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
-    rows = min(chunk, tokens) if chunk else tokens  # C'
-    if tp == 1:
-        entropy = 12 * rows * columns + (4 * rows + 8 if chunk else 0)
-    else:
-        entropy = (a + 16) * rows * columns + 8 * columns + 33 * rows
     casts = precision == "bf16"
-    if chunk == 0:
-        return entropy + (2 * tokens * h if casts else 0)
+    if chunk:
+        return chunked_loss_peak(columns, h, tokens, min(chunk, tokens), precision, head_trained, head_cast)
+    if tp == 1:
+        return 12 * tokens * columns + (2 * tokens * h if casts else 0)
+    input_cast = 2 * tokens * h if casts else 0
+    forward = input_cast + (a + 4) * tokens * columns + CE_TOKEN_BYTES * tokens
+    if a < FP32:
+        return max(forward, input_cast + (4 + a) * tokens * columns)
+    backward = 4 * tokens * columns + 4 * tokens * h * (1 + sp) + (4 * columns * h if head_trained else 0)
+    return max(forward, backward)
+
+
+def chunked_loss_peak(
+    columns: int, h: int, tokens: int, rows: int, precision: str, head_trained: bool, head_cast: bool
+) -> float:
+    """`loss_peak_bytes` of the chunked head (`fivecut.parallel.loss`): V' = `columns`, C' = `rows`."""
+    a, casts = BYTES[precision], precision == "bf16"
     residual = 2 if precision == "bf16-params" else FP32
     buffers = FP32 * tokens + residual * tokens * h + (FP32 * columns * h if head_trained else 0)
-    return entropy + buffers + (2 * columns * h * head_cast + 2 * rows * h if casts else 0)
+    buffers += 2 * columns * h * head_cast + 2 * rows * h if casts else 0
+    logits = (a + 4) * rows * columns if a < FP32 else 4 * rows * columns + CE_TOKEN_BYTES * rows
+    d_hidden = a * rows * columns + a * rows * h
+    d_weight = a * rows * columns + a * columns * h if a < FP32 and head_trained else 0
+    return buffers + max(logits, d_hidden, d_weight)

@@ -721,7 +721,9 @@ def peak_memory(
         last = any(r.stop == args.n_layers for r in stage_ranges)  # the last stage: the head and loss's peak
         trained, cast = head_training(args, cfg)
         states["loss"] = (
-            loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens, trained, cast) if last else 0.0
+            loss_peak_bytes(args, rows * seq, dims.tp, precision, t.loss_chunk_tokens, trained, cast, dims.sp)
+            if last
+            else 0.0
         )
         states["weight_copies"] = sum(block_copies(args, cfg, precision, moe) for moe, _mode in order)  # once a step
         states["head"] = head_saved_bytes(args, cfg, rows * seq, precision, fused) * in_flight[rank] if last else 0.0
