@@ -114,6 +114,23 @@ def test_every_channel_turning_and_no_biases_or_norms_import_too(tmp_path):
         torch.testing.assert_close(model(TOKENS), expected, rtol=RTOL, atol=ATOL)
 
 
+def test_an_export_turning_every_channel_says_so_to_transformers(glm):
+    """Glm4MoeConfig turns half of each head unless told: the written config.json says 1.0, in the table
+    transformers reads (rope_scaling when there is one)."""
+    import dataclasses
+
+    import transformers
+
+    from fivecut.weights.glm_architecture import glm4_moe_config
+    from fivecut.weights.load import source_args
+
+    args = source_args(f"hf:{glm[0]}")
+    yarn = dict(rope_scaling="yarn", rope_factor=4.0, rope_original_context=32)
+    for shape in (dataclasses.replace(args, rope_partial_dim=0), dataclasses.replace(args, rope_partial_dim=0, **yarn)):
+        read = transformers.Glm4MoeConfig.from_dict(glm4_moe_config(shape)).rope_parameters
+        assert read["partial_rotary_factor"] == 1.0, read
+
+
 def test_multi_token_prediction_layers_are_left_unread(glm, tmp_path, capsys):
     """The published checkpoints hold num_nextn_predict_layers extra layers after the last one
     (model.layers.3.* here: eh_proj, enorm, hnorm, a decoder layer); transformers builds none and
