@@ -281,3 +281,32 @@ def test_glm_s_shape_exports_as_glm_and_glm_holds_no_other_shape(glm):
     assert holds(dataclasses.replace(args, gate="softmax")) == "its router is not a sigmoid"
     assert holds(dataclasses.replace(args, n_shared_experts=0)) == "it has no shared expert"
     assert holds(dataclasses.replace(args, sliding_window=4)) == "its attention has a sliding window"
+
+
+def test_check_import_layer_by_layer_reads_only_the_layers_it_checks(glm, capsys, monkeypatch):
+    """A dense and a MoE layer (0 and 1) are checked; layer 2, a second MoE layer, is never read, by
+    fivecut's reader or by transformers' loading, nor is the embedding or the head."""
+    import transformers.core_model_loading as loading
+
+    from fivecut.cli import main
+    from fivecut.weights.hf import HFSource
+
+    ours, theirs = [], []
+    read, load = HFSource.read, loading.convert_and_load_state_dict_in_model
+
+    def reading(self, name, box):
+        ours.append(name)
+        return read(self, name, box)
+
+    def loading_layer(model, state_dict, load_config):
+        theirs.extend(state_dict)
+        return load(model=model, state_dict=state_dict, load_config=load_config)
+
+    monkeypatch.setattr(HFSource, "read", reading)
+    monkeypatch.setattr(loading, "convert_and_load_state_dict_in_model", loading_layer)
+    code = main(["check-import", f"hf:{glm[0]}", "--layer-by-layer"])
+    out = capsys.readouterr().out
+    assert code == 0 and "layer 0 (dense, global attention)" in out and "layer 1 (MoE, global attention)" in out
+    assert {name.split(".")[1] for name in ours} == {"0", "1"}, sorted(ours)
+    assert {name.split(".")[2] for name in theirs} == {"0", "1"}, sorted(theirs)
+    assert "layers.1.feed_forward.expert_bias" in ours and "model.layers.1.mlp.gate.e_score_correction_bias" in theirs
