@@ -346,7 +346,7 @@ def cmd_train(ns) -> int:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
     if not (resuming or restarted):
-        hint_check_import(cfg.model.init_from)
+        hint_check_import(cfg.model.init_from, cfg.train.dtype)
     # the token stores built (once per node) and checked: bad data, and a split too small for train.eval_*, refused here
     sampler = run_tokens(cfg, evaluation_keys=True)
     if path is not None:
@@ -358,12 +358,14 @@ def cmd_train(ns) -> int:
     return train_to_the_end(cfg, ns.resume, ns.accept)
 
 
-def hint_check_import(init_from: str | None) -> None:
-    """A new run from a Hugging Face folder: one line (rank 0) on proving the import before the run is long."""
+def hint_check_import(init_from: str | None, dtype: str = "fp32") -> None:
+    """A new run from a Hugging Face folder: one line (rank 0) on proving the import before the run is long,
+    in the run's precision (`--dtype bf16` for a bf16 run)."""
     if init_from and init_from.startswith("hf:") and int(os.environ.get("RANK", "0")) == 0:
+        precision = " --dtype bf16" if dtype == "bf16" else ""
         print(
-            f"hint: `fivecut check-import {init_from}` compares this import with transformers' model on this "
-            "machine (logits, PASS/FAIL) before a long run",
+            f"hint: `fivecut check-import {init_from}{precision}` compares this import with transformers' model on "
+            "this machine (logits, PASS/FAIL) before a long run",
             flush=True,
         )
 

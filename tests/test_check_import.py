@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from fivecut.cli import main
+from fivecut.cli import hint_check_import, main
 
 
 def save(folder, module, name: str):
@@ -193,3 +193,9 @@ def test_a_new_run_from_a_hugging_face_folder_hints_at_the_check(folders, byte_c
     code = main(["train", *(arg for s in sets for arg in ("--set", s))])
     out, err = capsys.readouterr()
     assert code == 0 and out.count(f"hint: `fivecut check-import {spec}` compares") == 1, out + err
+    hint = next(line for line in out.splitlines() if line.startswith("hint: `fivecut check-import"))
+    command = hint.split("`")[1].split()[1:]  # the command the hint gives, run as it says
+    code = main(command)
+    assert code == 0 and capsys.readouterr().out.splitlines()[-1].startswith("PASS"), command
+    hint_check_import(spec, "bf16")  # a bf16 run is told to check in bf16
+    assert f"`fivecut check-import {spec} --dtype bf16`" in capsys.readouterr().out
