@@ -191,22 +191,31 @@ def test_verify_passes(glm, layout, capsys):
 # ---------------------------------------------------------------- out: trained, exported, read by transformers
 
 
+EXPORT_RUNS = {  # (layout of the two training steps, processes writing the export's shards)
+    "one process": ((), 1),
+    "dp=2,ep=2": (("parallel.dp=2", "parallel.ep=2"), 2),  # the experts' checkpoint written by two ranks
+}
+
+
 @pytest.mark.multirank
-def test_an_export_after_training_gives_fivecut_logits_in_transformers(glm, tmp_path_factory):
-    """Trained two steps under dp=2,ep=2 (the experts' checkpoint written by two ranks), exported as
-    its own class (picked from the shape) in shards by two processes, read by transformers."""
+@pytest.mark.parametrize(
+    "run", [k if k == "one process" else pytest.param(k, marks=pytest.mark.sweep) for k in EXPORT_RUNS]
+)
+def test_an_export_after_training_gives_fivecut_logits_in_transformers(glm, tmp_path_factory, run):
+    """Trained two steps, exported as its own class (picked from the shape) in shards, read by transformers."""
     import transformers
 
     from fivecut.weights.export import export
     from fivecut.weights.load import single_model
 
     folder, before = glm
+    layout, workers = EXPORT_RUNS[run]
     root = tmp_path_factory.mktemp("hf_glm_trained")
     cache = str(tmp_path_factory.getbasetemp() / "token-cache")
-    steps = ("train.steps=2", "train.warmup=1", "parallel.dp=2", "parallel.ep=2")
+    steps = ("train.steps=2", "train.warmup=1", *layout)
     cfg = import_config(cache, folder, *steps, f'checkpoint.dir="{root}/ck"', f'log.out_dir="{root}"')
-    spawn(train_each, 2, [cfg])
-    out = export(Path(cfg.checkpoint.dir), root / "hf", max_shard_bytes=30_000, workers=2)
+    spawn(train_each, cfg.parallel.world_size, [cfg])
+    out = export(Path(cfg.checkpoint.dir), root / "hf", max_shard_bytes=30_000, workers=workers)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [CLASS] and config["rope_parameters"]["partial_rotary_factor"] == 0.5
     ours, _ = single_model(checkpoint=cfg.checkpoint.dir)
