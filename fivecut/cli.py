@@ -589,8 +589,8 @@ def cmd_check_import(ns) -> int:
         raise ConfigError(f"--rtol is {ns.rtol}; give a positive tolerance, e.g. 1e-5")
     from fivecut.weights.import_check import compare, hf_folder, too_large
 
-    hf_folder(ns.folder)  # refused in one line before anything is read
-    why = "asked for (--layer-by-layer)" if ns.layer_by_layer else too_large(ns.folder, ns.dtype)
+    folder = hf_folder(ns.folder)  # refused in one line before anything is read
+    why = "asked for (--layer-by-layer)" if ns.layer_by_layer else too_large(f"hf:{folder}", ns.dtype)
     if why is not None:
         return check_import_layers(ns, why)
     c = compare(ns.folder, ns.batch, ns.seq, ns.seed, ns.dtype)

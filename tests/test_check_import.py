@@ -125,7 +125,7 @@ def test_layer_by_layer_checks_each_kind_of_layer(folders, capsys):
     assert code == 0 and "layer by layer: asked for (--layer-by-layer)" in out, out
     assert "layer 0 (dense, global attention)" in out and "layer 1 (dense, sliding window 4)" in out, out
     assert out.splitlines()[-1].startswith("PASS: every kind of layer within 1e-05"), out
-    code, out, _ = run(capsys, f"hf:{folders['SmolLM3ForCausalLM']}", "--layer-by-layer")
+    code, out, _ = run(capsys, str(folders["SmolLM3ForCausalLM"]), "--layer-by-layer")  # a bare path as well
     assert code == 0 and "layer 1 (dense, global attention, NoPE)" in out, out
 
 
