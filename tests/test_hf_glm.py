@@ -319,3 +319,26 @@ def test_check_import_layer_by_layer_reads_only_the_layers_it_checks(glm, capsys
     assert {name.split(".")[1] for name in ours} == {"0", "1"}, sorted(ours)
     assert {name.split(".")[2] for name in theirs} == {"0", "1"}, sorted(theirs)
     assert "layers.1.feed_forward.expert_bias" in ours and "model.layers.1.mlp.gate.e_score_correction_bias" in theirs
+
+
+def test_glm_4_5_air_s_published_config_gives_its_published_sizes(tmp_path):
+    """`fivecut plan --model config.json` reads GLM-4.5-Air's config.json as published (transformers 4.54's
+    keys: a top-level partial_rotary_factor and rope_theta, num_nextn_predict_layers): 106B parameters,
+    12B active besides the embedding and the head, half of each 128-channel head rotated."""
+    from fivecut.weights.hf import args_from_config
+
+    config = {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+        "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
+        "intermediate_size": 10944, "max_position_embeddings": 131072, "num_attention_heads": 96,
+        "num_hidden_layers": 46, "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_experts_per_tok": 8,
+        "n_group": 1, "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0, "topk_group": 1,
+        "first_k_dense_replace": 1, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.54.0", "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
+    }  # fmt: skip
+    args = args_from_config(config, tmp_path / "config.json")
+    tables = 2 * args.vocab_size * args.dim
+    assert int(args.num_params() / 1e9) == 106 and int((args.num_active_params() - tables) / 1e9) == 12
+    assert (args.rope_partial_dim, args.head_dim, args.rope_theta, args.qkv_bias) == (64, 128, 1e6, True)
