@@ -33,7 +33,14 @@ from pathlib import Path
 
 import torch
 
-from fivecut.weights.layer_check import LayerResult, compare_layers, precision, relative
+from fivecut.weights.layer_check import (
+    LayerResult,
+    cannot_build,
+    compare_layers,
+    import_transformers,
+    precision,
+    relative,
+)
 from fivecut.weights.load import single_model, source_args, source_of
 from fivecut.weights.source import WeightsError
 
@@ -124,16 +131,11 @@ def hf_folder(spec: str) -> Path:
 
 def transformers_model(folder: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """transformers' model of `folder` in `dtype`, eval mode; refused in one line when it cannot be built."""
-    try:
-        import transformers
-    except ModuleNotFoundError:
-        raise WeightsError("check-import runs transformers' model beside fivecut's: pip install transformers") from None
-    transformers.utils.logging.disable_progress_bar()  # the report is the output: no bar on the terminal
+    transformers = import_transformers()
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except Exception as err:  # transformers raises many kinds; the first line says which
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise WeightsError(f"{folder}: transformers cannot build its model: {first}") from None
+        raise cannot_build(folder, err) from None
     return model.eval()
 
 

@@ -101,37 +101,67 @@ def _passthrough(hidden_states, *args, **kwargs):
     return hidden_states
 
 
+def import_transformers():
+    """transformers, refused in one line when it is not installed."""
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        raise WeightsError("check-import runs transformers' model beside fivecut's: pip install transformers") from None
+    transformers.utils.logging.disable_progress_bar()  # the report is the output: no bar on the terminal
+    return transformers
+
+
+def cannot_build(folder: Path, err: Exception) -> WeightsError:
+    """transformers raises many kinds; the first line of its message says which."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return WeightsError(f"{folder}: transformers cannot build its model: {first}")
+
+
 def transformers_layer(folder: Path, files: dict[str, Path], i: int, dtype: torch.dtype) -> nn.Module:
     """transformers' model of the folder on the meta device, its layer i made real from that layer's
     tensors, every other layer passing its input through, its rotary tables rebuilt on the CPU."""
-    import transformers
-    from safetensors import safe_open
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.modeling_utils import LoadStateDictConfig
-
-    transformers.utils.logging.disable_progress_bar()
-    config = transformers.AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = model.model.layers
-    layers[i].to_empty(device="cpu")
-    prefix = f"model.layers.{i}."
-    with contextlib.ExitStack() as stack:
-        opened = {file: stack.enter_context(safe_open(file, framework="pt")) for file in set(files.values())}
-        state = {name: opened[file].get_slice(name) for name, file in files.items() if name.startswith(prefix)}
-        load = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype)
-        info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=load)
-    missing = sorted(k for k in info.missing_keys if k.startswith(prefix))
-    if missing:
-        raise WeightsError(f"{folder}: transformers found no tensor for {missing[0]} of layer {i}")
-    for j, layer in enumerate(layers):
+    transformers = import_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        for name, module in list(model.model.named_children()):
+            if (
+                "rotary" in name
+            ):  # its inverse frequencies (fp32, as from_pretrained keeps them): buffers meta left empty
+                setattr(model.model, name, type(module)(config=model.config))
+    except Exception as err:
+        raise cannot_build(folder, err) from None
+    load_layer(model, folder, {name: file for name, file in files.items() if name.startswith(f"model.layers.{i}.")}, i)
+    for j, layer in enumerate(model.model.layers):
         if j != i:
             layer.forward = _passthrough
-    for name, module in list(model.model.named_children()):
-        if "rotary" in name:  # its inverse frequencies: buffers the meta device left empty
-            setattr(model.model, name, type(module)(config=model.config).to(dtype))
     return model.eval()
+
+
+def load_layer(model: nn.Module, folder: Path, files: dict[str, Path], i: int) -> None:
+    """Layer i of transformers' meta-device `model` made real and filled from `files` (its tensors' names
+    -> their safetensors files) by transformers' own loading code (renaming and fusing them)."""
+    from safetensors import safe_open
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+    except ImportError as err:
+        raise WeightsError(f"check-import layer by layer reads one layer with transformers 5's loader: {err}") from None
+    dtype = model.dtype
+    model.model.layers[i].to_empty(device="cpu")
+    with contextlib.ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(file, framework="pt")) for file in set(files.values())}
+        state = {name: opened[file].get_slice(name) for name, file in files.items()}  # not read yet
+        # in `dtype` but the modules the class keeps in fp32 (routers, correction biases), as from_pretrained
+        plan = model._get_dtype_plan(dtype)
+        load = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype, dtype_plan=plan)
+        info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=load)
+    missing = sorted(k for k in info.missing_keys if k.startswith(f"model.layers.{i}."))
+    if missing:
+        raise WeightsError(f"{folder}: transformers found no tensor for {missing[0]} of layer {i}")
 
 
 def transformers_output(folder: Path, files: dict[str, Path], i: int, x: torch.Tensor, dtype: torch.dtype):
