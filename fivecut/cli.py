@@ -346,7 +346,7 @@ def cmd_train(ns) -> int:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun's new attempt of this run
     checks.check_folders(cfg, out_dir=True, resuming=resuming or restarted)  # a new run never overwrites an earlier one
     if not (resuming or restarted):
-        hint_check_import(cfg.model.init_from)
+        hint_check_import(cfg.model.init_from, cfg.train.dtype)
     # the token stores built (once per node) and checked: bad data, and a split too small for train.eval_*, refused here
     sampler = run_tokens(cfg, evaluation_keys=True)
     if path is not None:
@@ -358,12 +358,14 @@ def cmd_train(ns) -> int:
     return train_to_the_end(cfg, ns.resume, ns.accept)
 
 
-def hint_check_import(init_from: str | None) -> None:
-    """A new run from a Hugging Face folder: one line (rank 0) on proving the import before the run is long."""
+def hint_check_import(init_from: str | None, dtype: str = "fp32") -> None:
+    """A new run from a Hugging Face folder: one line (rank 0) on proving the import before the run is long,
+    in the run's precision (`--dtype bf16` for a bf16 run)."""
     if init_from and init_from.startswith("hf:") and int(os.environ.get("RANK", "0")) == 0:
+        precision = " --dtype bf16" if dtype == "bf16" else ""
         print(
-            f"hint: `fivecut check-import {init_from}` compares this import with transformers' model on this "
-            "machine (logits, PASS/FAIL) before a long run",
+            f"hint: `fivecut check-import {init_from}{precision}` compares this import with transformers' model on "
+            "this machine (logits, PASS/FAIL) before a long run",
             flush=True,
         )
 
@@ -557,11 +559,24 @@ def add_check_import_parser(sub) -> None:
     )
     check.add_argument("--seed", type=int, default=0, help="the seed of the random token ids")
     check.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32 (default), or bf16: fivecut under autocast over fp32 weights as training runs, transformers with "
+        "bf16 weights, against bf16's tolerance for the model's depth, 4 * 2^-8 * sqrt(2 * layers)",
+    )
+    check.add_argument(
         "--rtol",
         type=float,
         default=None,
-        help="largest relative logit difference (max |fivecut - transformers| / max |transformers|) that passes, "
-        "fp32 (default 1e-5); a decoder layer whose output differs by more is named",
+        help="largest relative logit difference (max |fivecut - transformers| / max |transformers|) that passes "
+        "(default: fp32 1e-5, bf16 4 * 2^-8 * sqrt(2 * layers)); a decoder layer whose output differs by more is named",
+    )
+    check.add_argument(
+        "--layer-by-layer",
+        action="store_true",
+        help="compare one decoder layer of each kind alone, each read alone from the safetensors, on a random hidden "
+        "state (chosen by itself when both whole models would not fit in host memory)",
     )
     check.set_defaults(func=cmd_check_import)
 
@@ -572,21 +587,74 @@ def cmd_check_import(ns) -> int:
             raise ConfigError(f"{flag} is {value}; give a positive number")
     if ns.rtol is not None and not ns.rtol > 0:
         raise ConfigError(f"--rtol is {ns.rtol}; give a positive tolerance, e.g. 1e-5")
-    from fivecut.weights.import_check import FP32_RTOL, compare
+    from fivecut.weights.import_check import compare, hf_folder, too_large
 
-    rtol = FP32_RTOL if ns.rtol is None else ns.rtol
-    c = compare(ns.folder, ns.batch, ns.seq, ns.seed)
-    print(f"{ns.folder}: {c.hf_class}, {c.n_layers} layers, fp32, random tokens [{c.tokens[0]}, {c.tokens[1]}]")
+    folder = hf_folder(ns.folder)  # refused in one line before anything is read
+    why = "asked for (--layer-by-layer)" if ns.layer_by_layer else too_large(f"hf:{folder}", ns.dtype)
+    if why is not None:
+        return check_import_layers(ns, why)
+    c = compare(ns.folder, ns.batch, ns.seq, ns.seed, ns.dtype)
+    print_import_comparison(ns, c)
+    return import_verdict(ns, c)
+
+
+def print_import_comparison(ns, c) -> None:
+    """The whole models' comparison: each layer, the logits, KL; in bf16 the distances from fp32 and the tolerance."""
+    print(f"{ns.folder}: {c.hf_class}, {c.n_layers} layers, {c.dtype}, random tokens [{c.tokens[0]}, {c.tokens[1]}]")
+    if c.dtype == "bf16":
+        print("  fivecut under bf16 autocast over fp32 weights (as training runs), transformers with bf16 weights")
     for i, rel in enumerate(c.layers):
-        print(f"  layer {i}: output's largest relative difference {rel:.2e}")
+        tolerance = c.tolerance(i + 1, ns.rtol)
+        print(f"  layer {i}: output's largest relative difference {rel:.2e} (tolerance {tolerance:.2g})")
     print(f"logits: largest absolute difference {c.max_abs:.2e}, largest relative difference {c.max_rel:.2e}")
     print(f"KL(transformers || fivecut) per token: mean {c.kl_mean:.2e}, max {c.kl_max:.2e}")
-    if c.max_rel <= rtol and c.first_layer_over(rtol) is None:
+    if c.from_fp32 is None:
+        return
+    ours, theirs = c.from_fp32
+    print(f"from transformers' fp32 logits: fivecut's bf16 {ours:.2e}, transformers' bf16 {theirs:.2e}")
+    if ns.rtol is None:
+        print(
+            f"bf16 tolerance after {c.n_layers} layers: 4 u sqrt(2 * {c.n_layers}) = {c.tolerance(c.n_layers):.2g}, "
+            "u = 2^-8 (bf16 keeps 8 significant bits), one rounding a residual branch, adding up as a random walk"
+        )
+
+
+def import_verdict(ns, c) -> int:
+    """PASS (0), or FAIL (1) naming the first layer over the tolerance."""
+    rtol = c.tolerance(c.n_layers, ns.rtol)
+    if c.passed(ns.rtol) and c.max_rel <= rtol and c.first_layer_over(ns.rtol) is None:
         print(f"PASS: largest relative difference {c.max_rel:.2e} <= {rtol:g}")
         return 0
-    first = c.first_layer_over(rtol)
+    if c.passed(ns.rtol):
+        print(
+            f"PASS: fivecut's bf16 logits lie within {c.from_fp32[0]:.2e} <= {rtol:g} of transformers' fp32 ones; "
+            f"transformers' bf16 drifts further ({c.from_fp32[1]:.2e})"
+        )
+        return 0
+    first = c.first_layer_over(ns.rtol)
     where = f"; the first layer that differs is layer {first} ({c.layers[first]:.2e})" if first is not None else ""
     print(f"FAIL: largest relative difference {c.max_rel:.2e} > {rtol:g}{where}")
+    return FAILED
+
+
+def check_import_layers(ns, why: str) -> int:
+    """`check-import` one decoder layer of each kind at a time: PASS, or FAIL naming the first that differs."""
+    from fivecut.weights.import_check import check_layers, layer_passes, tolerance
+
+    hf_class, n_layers, results = check_layers(ns.folder, ns.batch, ns.seq, ns.seed, ns.dtype)
+    print(f"{ns.folder}: {hf_class}, {n_layers} layers, {ns.dtype}, layer by layer: {why}")
+    print(f"  one layer of each kind alone, on a random hidden state [{ns.batch}, {ns.seq}, hidden]")
+    rtol = tolerance(ns.dtype, 1, ns.rtol)
+    for r in results:
+        fp32 = f", {r.from_fp32:.2e} from transformers' fp32 layer" if r.from_fp32 is not None else ""
+        print(f"  layer {r.index} ({r.kind}): output's largest relative difference {r.rel:.2e}{fp32}")
+    failed = next((r for r in results if not layer_passes(r, ns.dtype, ns.rtol)), None)
+    if failed is None:
+        other = " of transformers' bf16 layer or of its fp32 one" if ns.dtype == "bf16" else ""
+        nearest = max(min(r.rel, r.from_fp32 if r.from_fp32 is not None else r.rel) for r in results)
+        print(f"PASS: every kind of layer within {rtol:g}{other} (largest {nearest:.2e})")
+        return 0
+    print(f"FAIL: layer {failed.index} ({failed.kind}) differs: {failed.rel:.2e} > {rtol:g}")
     return FAILED
 
 

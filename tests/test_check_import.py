@@ -1,10 +1,15 @@
 """`fivecut check-import`: a Hugging Face folder built both ways (fivecut's import, transformers')
-and compared on a random batch. PASS on tiny random models (three classes; every class of the zoo,
-mixture-of-experts ones included, in the sweep), exit 0; FAIL
-(exit 1) naming the first decoder layer that differs when a weight is altered after saving;
-bad input in one line, exit 2.
+and compared on a random batch. PASS on tiny random models of every class fivecut reads (a
+parametrized test over tiny folders; bf16 and layer by layer on each class in the sweep), exit 0;
+FAIL (exit 1) naming the first decoder layer that differs when fivecut's import is altered after
+reading, whole or layer by layer, fp32 or bf16; bad input in one line, exit 2.
 
-The tiny models are test_hf_dense's and test_hf_families' (random norms and biases, sharded).
+Why an import altered, not a folder: fivecut and transformers read the same files, so a folder whose
+weights were altered after saving is one both read alike (it passes, rightly); what the check exists
+to catch is fivecut reading a folder otherwise than transformers, which the tests make happen.
+
+The tiny models are test_hf_dense's, test_hf_families', test_hf_moe's and test_hf_glm's (random norms
+and biases, sharded).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from fivecut.cli import main
+from fivecut.cli import hint_check_import, main
 
 
 def save(folder, module, name: str):
@@ -24,17 +29,29 @@ def save(folder, module, name: str):
     return folder
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def save_any(root, name: str):
+    """A tiny random model of class `name`, whichever test module builds it, saved under root / name."""
     import test_hf_dense
     import test_hf_families
+    import test_hf_glm
+    import test_hf_moe
 
+    folder = root / name
+    if name in test_hf_dense.MODELS:
+        return save(folder, test_hf_dense, name)
+    if name in test_hf_families.MODELS:
+        return save(folder, test_hf_families, name)
+    if name == test_hf_glm.CLASS:
+        test_hf_glm.save_glm(folder)
+        return folder
+    test_hf_moe.save_hf({v: k for k, v in test_hf_moe.CLASSES.items()}[name], folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("check-import")
-    return {
-        "Qwen2ForCausalLM": save(root / "qwen2", test_hf_dense, "Qwen2ForCausalLM"),
-        "SmolLM3ForCausalLM": save(root / "smollm3", test_hf_families, "SmolLM3ForCausalLM"),
-        "Olmo2ForCausalLM": save(root / "olmo2", test_hf_families, "Olmo2ForCausalLM"),
-    }
+    return {name: save_any(root, name) for name in ("Qwen2ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM")}
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -50,29 +67,42 @@ def test_each_class_passes(folders, capsys):
         assert out.count("output's largest relative difference") == 2 and "KL(transformers || fivecut)" in out, out
 
 
-@pytest.mark.sweep
-def test_every_class_of_the_zoo_passes(tmp_path, capsys):
-    """Every registered class, dense and mixture-of-experts, as the other tests build it."""
-    import test_hf_dense
-    import test_hf_families
-    import test_hf_moe
-
+def zoo():
     from fivecut.weights.architectures import ARCHITECTURES
 
-    folders = {name: save(tmp_path / name, test_hf_dense, name) for name in test_hf_dense.MODELS}
-    folders |= {name: save(tmp_path / name, test_hf_families, name) for name in test_hf_families.MODELS}
-    for kind, name in test_hf_moe.CLASSES.items():
-        test_hf_moe.save_hf(kind, tmp_path / name)
-        folders[name] = tmp_path / name
-    assert set(folders) == set(ARCHITECTURES)
-    for name, folder in folders.items():
-        code, out, _ = run(capsys, f"hf:{folder}")
-        assert code == 0 and out.splitlines()[-1].startswith("PASS") and name in out, out
+    return sorted(ARCHITECTURES)
 
 
-def test_an_import_that_differs_fails_naming_its_first_layer(folders, capsys, monkeypatch):
+@pytest.mark.parametrize("name", zoo())
+def test_every_class_of_the_zoo_passes(tmp_path, capsys, name):
+    """Every registered class, dense and mixture-of-experts, as its own tests build it."""
+    code, out, _ = run(capsys, f"hf:{save_any(tmp_path, name)}")
+    assert code == 0 and out.splitlines()[-1].startswith("PASS") and name in out, out
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("how", [("--dtype", "bf16"), ("--layer-by-layer",), ("--layer-by-layer", "--dtype", "bf16")])
+@pytest.mark.parametrize("name", zoo())
+def test_every_class_passes_in_bf16_and_layer_by_layer(tmp_path, capsys, name, how):
+    code, out, _ = run(capsys, f"hf:{save_any(tmp_path, name)}", *how)
+    assert code == 0 and out.splitlines()[-1].startswith("PASS") and name in out, out
+
+
+def test_bf16_passes_against_its_stated_tolerance(folders, capsys):
+    """bf16's tolerance for 2 layers, 4 * 2^-8 * sqrt(4) = 0.031, stated; the tiny models land near 1e-2."""
+    from fivecut.weights.import_check import bf16_rtol
+
+    assert bf16_rtol(2) == 4 * 2**-8 * 2 and bf16_rtol(46) == pytest.approx(0.150, abs=1e-3)
+    code, out, _ = run(capsys, f"hf:{folders['Qwen2ForCausalLM']}", "--dtype", "bf16")
+    assert code == 0 and "bf16 tolerance after 2 layers: 4 u sqrt(2 * 2) = 0.031, u = 2^-8" in out, out
+    assert "from transformers' fp32 logits: fivecut's bf16" in out and "(tolerance 0.022)" in out, out
+    assert out.splitlines()[-1].startswith("PASS: largest relative difference"), out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_import_that_differs_fails_naming_its_first_layer(folders, capsys, monkeypatch, dtype):
     """fivecut's import broken on purpose: layer 1's norm (OLMo 2's post-attention norm) scaled by 1.5
-    after reading. Layer 0 still agrees; layer 1 is named, the logits differ, exit 1."""
+    after reading. Layer 0 still agrees; layer 1 is named, the logits differ, exit 1; in bf16 too."""
     from fivecut.weights import import_check
 
     read = import_check.single_model
@@ -84,9 +114,46 @@ def test_an_import_that_differs_fails_naming_its_first_layer(folders, capsys, mo
         return model, tokenizer
 
     monkeypatch.setattr(import_check, "single_model", altered)
-    code, out, _ = run(capsys, f"hf:{folders['Olmo2ForCausalLM']}")
+    code, out, _ = run(capsys, f"hf:{folders['Olmo2ForCausalLM']}", "--dtype", dtype)
     assert code == 1 and "the first layer that differs is layer 1" in out, out
     assert out.splitlines()[-1].startswith("FAIL: largest relative difference"), out
+
+
+def test_layer_by_layer_checks_each_kind_of_layer(folders, capsys):
+    """Qwen2's first layer attends globally, its second in a window of 4; SmolLM3's second has no RoPE."""
+    code, out, _ = run(capsys, f"hf:{folders['Qwen2ForCausalLM']}", "--layer-by-layer")
+    assert code == 0 and "layer by layer: asked for (--layer-by-layer)" in out, out
+    assert "layer 0 (dense, global attention)" in out and "layer 1 (dense, sliding window 4)" in out, out
+    assert out.splitlines()[-1].startswith("PASS: every kind of layer within 1e-05"), out
+    code, out, _ = run(capsys, str(folders["SmolLM3ForCausalLM"]), "--layer-by-layer")  # a bare path as well
+    assert code == 0 and "layer 1 (dense, global attention, NoPE)" in out, out
+
+
+def test_layer_by_layer_fails_naming_the_layer_and_its_kind(folders, capsys, monkeypatch):
+    """fivecut's block of the windowed layer altered after reading (its q bias moved): exit 1, named."""
+    from fivecut.weights import layer_check
+
+    read = layer_check.fivecut_block
+
+    def altered(spec, args, i):
+        block = read(spec, args, i)
+        if i == 1:
+            with torch.no_grad():
+                block.attention.wq.bias.add_(0.5)
+        return block
+
+    monkeypatch.setattr(layer_check, "fivecut_block", altered)
+    code, out, _ = run(capsys, f"hf:{folders['Qwen2ForCausalLM']}", "--layer-by-layer")
+    assert code == 1 and out.splitlines()[-1].startswith("FAIL: layer 1 (dense, sliding window 4) differs"), out
+
+
+def test_a_model_too_large_for_host_memory_goes_layer_by_layer(folders, capsys, monkeypatch):
+    from fivecut.weights import import_check
+
+    monkeypatch.setattr(import_check, "available_memory", lambda: 2**10)  # 1 KiB: less than the tiny model's
+    code, out, _ = run(capsys, f"hf:{folders['Qwen2ForCausalLM']}")
+    assert code == 0 and "layer by layer: both whole models need about 0.0 GiB, 0.0 GiB of host memory" in out, out
+    assert out.splitlines()[-1].startswith("PASS: every kind of layer"), out
 
 
 def test_bad_input_is_one_line(folders, capsys, tmp_path):
@@ -126,3 +193,9 @@ def test_a_new_run_from_a_hugging_face_folder_hints_at_the_check(folders, byte_c
     code = main(["train", *(arg for s in sets for arg in ("--set", s))])
     out, err = capsys.readouterr()
     assert code == 0 and out.count(f"hint: `fivecut check-import {spec}` compares") == 1, out + err
+    hint = next(line for line in out.splitlines() if line.startswith("hint: `fivecut check-import"))
+    command = hint.split("`")[1].split()[1:]  # the command the hint gives, run as it says
+    code = main(command)
+    assert code == 0 and capsys.readouterr().out.splitlines()[-1].startswith("PASS"), command
+    hint_check_import(spec, "bf16")  # a bf16 run is told to check in bf16
+    assert f"`fivecut check-import {spec} --dtype bf16`" in capsys.readouterr().out

@@ -48,6 +48,10 @@ CLASSES = {
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
         num_key_value_heads=4, first_k_dense_replace=1,
     )),
+    "Glm4MoeForCausalLM": ("Glm4MoeConfig", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32, head_dim=32,
+        attention_bias=True, use_qk_norm=True,
+    )),
 }  # fmt: skip
 # the legacy RoPE keys transformers' config loading reads into rope_parameters (`convert_rope_params_to_dict`)
 ROPE_KEYS = {"rope_scaling", "rope_theta", "partial_rotary_factor"}

@@ -30,21 +30,24 @@ KINDS = ("mixtral", "qwen3_moe", "deepseek_v3")
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
+# what every tiny MoE config here shares (test_hf_glm's too)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
 def hf_config(kind: str):
     """A tiny config of `kind`: 2 layers, 4 or 8 experts, top-2; Mixtral with a sliding window of 5;
     Qwen3-MoE and DeepSeek-V3 with a first dense layer, Qwen3-MoE with heads wider than hidden /
     heads, DeepSeek-V3 with 4 groups of which 2 are chosen and interleaved RoPE rows."""
     import transformers
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    common = TINY | dict(num_hidden_layers=2)
     if kind == "mixtral":
         window = dict(sliding_window=5)  # each position sees itself and the 4 before it, on every layer
         return transformers.MixtralConfig(
@@ -86,10 +89,9 @@ def hf_class(kind: str):
     return getattr(transformers, CLASSES[kind])
 
 
-def save_hf(kind: str, folder: Path) -> torch.Tensor:
-    """A random model of `kind` saved in shards of 20 KB (with the index); returns its logits of TOKENS."""
-    torch.manual_seed(0)
-    model = hf_class(kind)(hf_config(kind)).float().eval()
+def randomized(model):
+    """Every parameter and correction bias of a transformers model drawn away from its init, the routers'
+    with std 1 (see the module's note on ties); returns the model."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # norms of ones would hide two norms swapped
@@ -99,6 +101,13 @@ def save_hf(kind: str, folder: Path) -> torch.Tensor:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.rand_like(b))
+    return model
+
+
+def save_hf(kind: str, folder: Path) -> torch.Tensor:
+    """A random model of `kind` saved in shards of 20 KB (with the index); returns its logits of TOKENS."""
+    torch.manual_seed(0)
+    model = randomized(hf_class(kind)(hf_config(kind)).float().eval())
     model.save_pretrained(folder, max_shard_size="20KB")
     with torch.no_grad():
         return model(TOKENS).logits

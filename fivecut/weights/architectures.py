@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivecut.model.args import ModelArgs
+from fivecut.weights import glm_architecture
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.rope import CONFIG_KEYS, RopeError, rope_config, rope_fields
 
@@ -595,6 +596,7 @@ def register(architecture: AnyArchitecture, defaults: dict | None = None) -> Non
 
 for _moe_class in moe.ARCHITECTURES:  # Mixtral, Qwen3-MoE, DeepSeek-V3
     register(_moe_class)
+register(glm_architecture.GLM4_MOE)  # GLM-4.5: DeepSeek-V3's router on grouped-query attention
 
 
 def for_config(raw: dict, path: Path) -> AnyArchitecture:

@@ -293,22 +293,28 @@ def _check_keys(config: dict, path: Path, known: set[str]) -> None:
         _refuse(path, unknown[0], config[unknown[0]], f"{config.get('model_type')} has no such key that fivecut knows")
 
 
-def _rope(config: dict, path: Path, theta: float) -> dict:
+def _rope(config: dict, path: Path, theta: float, partial_of: int | None = None) -> dict:
     """ModelArgs' RoPE fields (`fivecut.weights.rope`; `theta`: the class's default rope_theta),
-    refused by name where fivecut has no such RoPE."""
+    refused by name where fivecut has no such RoPE; with `partial_of` (a head's channels), the part
+    of each head partial_rotary_factor turns (GLM-4.5)."""
     theta = optional(config, "rope_theta", theta, path, float)
     positions = optional(config, "max_position_embeddings", 2048, path)
     try:
-        return rope_fields(config, path, theta, positions)
+        return rope_fields(config, path, theta, positions, partial_of)
     except RopeError as err:
         raise WeightsError(str(err)) from None
 
 
-def _common_args(config: dict, path: Path, theta: float = 1e4) -> dict:
-    """ModelArgs fields every class gives the same way (`theta`: the class's default rope_theta)."""
+def _common_args(
+    config: dict, path: Path, theta: float = 1e4, partial_of: int | None = None, biases: bool = False
+) -> dict:
+    """ModelArgs fields every class gives the same way (`theta`: the class's default rope_theta;
+    `partial_of`: a head's channels, of which partial_rotary_factor turns a part, `_rope`;
+    `biases`: the class reads attention_bias itself, else it must be false)."""
     _equal(config, "hidden_act", path, "silu", "fivecut's feed-forward is SwiGLU")
     _equal(config, "attention_dropout", path, 0.0, "fivecut has no dropout")
-    _equal(config, "attention_bias", path, False, "fivecut's projections have no biases")
+    if not biases:
+        _equal(config, "attention_bias", path, False, "fivecut's projections have no biases")
     heads = _need(config, "num_attention_heads", path)
     return dict(
         vocab_size=_need(config, "vocab_size", path),
@@ -317,7 +323,7 @@ def _common_args(config: dict, path: Path, theta: float = 1e4) -> dict:
         n_heads=heads,
         n_kv_heads=optional(config, "num_key_value_heads", heads, path),
         max_seq_len=optional(config, "max_position_embeddings", 2048, path),
-        **_rope(config, path, theta),
+        **_rope(config, path, theta, partial_of),
         norm_eps=float(optional(config, "rms_norm_eps", 1e-6, path, float)),
         tie_embeddings=optional(config, "tie_word_embeddings", False, path, bool),
         init_std=float(optional(config, "initializer_range", 0.02, path, float)),
@@ -430,6 +436,15 @@ def _experts_count(config: dict, path: Path, key: str, alias: str) -> int:
     return experts
 
 
+def _group_count(config: dict, path: Path, experts: int) -> int:
+    """n_group of a DeepSeek-style group-limited router (DeepSeek-V3, GLM-4.5), refused where a
+    group holds one expert: transformers scores a group by the sum of its two best."""
+    groups = optional(config, "n_group", 1, path)
+    if groups > 1 and experts // groups < 2:
+        _refuse(path, "n_group", groups, "transformers scores a group by its two best experts: give >= 2 per group")
+    return groups
+
+
 def _unmet(*conditions: tuple[bool, str]) -> str | None:
     """The reason of the first condition that fails, or None."""
     return next((why for holds, why in conditions if not holds), None)
@@ -514,7 +529,9 @@ def qwen3_moe_holds(args: ModelArgs) -> str | None:
     )
 
 
-DEEPSEEK_V3_KEYS = {
+# the config.json keys of DeepSeek-V3's feed-forward (its router, experts, first dense layers) and of its
+# multi-token-prediction layers: GLM-4.5's too (`fivecut.weights.glm_architecture`)
+DEEPSEEK_MOE_KEYS = {
     "intermediate_size",
     "moe_intermediate_size",
     "n_routed_experts",
@@ -526,6 +543,10 @@ DEEPSEEK_V3_KEYS = {
     "routed_scaling_factor",
     "norm_topk_prob",
     "first_k_dense_replace",
+    "num_nextn_predict_layers",  # multi-token prediction layers: transformers builds none (nor does fivecut)
+    "num_mtp_layers",
+}
+DEEPSEEK_V3_KEYS = DEEPSEEK_MOE_KEYS | {
     "q_lora_rank",
     "kv_lora_rank",
     "qk_nope_head_dim",
@@ -534,8 +555,6 @@ DEEPSEEK_V3_KEYS = {
     "qk_head_dim",  # derived: nope + rope
     "head_dim",  # the channels transformers' RoPE rotates: checked to be qk_rope_head_dim
     "rope_interleave",
-    "num_nextn_predict_layers",  # multi-token prediction layers: transformers builds none (nor does fivecut)
-    "num_mtp_layers",
     "pretraining_tp",
     # DeepSeek's own config.json: checked to be the routing fivecut computes, or without effect
     "scoring_func",
@@ -558,24 +577,9 @@ def deepseek_v3_args(config: dict, path: Path) -> ModelArgs:
     nope, rope = _need(config, "qk_nope_head_dim", path), _need(config, "qk_rope_head_dim", path)
     _equal(config, "qk_head_dim", path, nope + rope, "it is qk_nope_head_dim + qk_rope_head_dim")
     _equal(config, "head_dim", path, rope, "transformers' RoPE rotates head_dim channels: give qk_rope_head_dim")
-    groups = optional(config, "n_group", 1, path)
-    experts = _experts_count(config, path, "n_routed_experts", "num_local_experts")
-    if groups > 1 and experts // groups < 2:
-        _refuse(path, "n_group", groups, "transformers scores a group by its two best experts: give >= 2 per group")
-    norm = optional(config, "norm_topk_prob", True, path, bool)
     return ModelArgs(
         **common,
-        ffn_dim=_need(config, "intermediate_size", path),
-        n_experts=experts,
-        top_k=_need(config, "num_experts_per_tok", path),
-        n_shared_experts=optional(config, "n_shared_experts", 0, path),
-        moe_ffn_dim=_need(config, "moe_intermediate_size", path),
-        first_dense_layers=optional(config, "first_k_dense_replace", 0, path),
-        gate="sigmoid",
-        route_scale=float(optional(config, "routed_scaling_factor", 1.0, path, float)),
-        route_norm=norm,
-        expert_groups=groups,
-        route_group_limit=optional(config, "topk_group", 1, path),
+        **deepseek_moe_args(config, path),
         q_lora_rank=optional(config, "q_lora_rank", 0, path),
         kv_lora_rank=_need(config, "kv_lora_rank", path),
         qk_nope_head_dim=nope,
@@ -585,10 +589,28 @@ def deepseek_v3_args(config: dict, path: Path) -> ModelArgs:
     )
 
 
-def deepseek_v3_config(args: ModelArgs) -> dict:
-    return _common_config(args) | {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+def deepseek_moe_args(config: dict, path: Path) -> dict:
+    """ModelArgs' feed-forward fields of DeepSeek-V3's keys (`DEEPSEEK_MOE_KEYS`; GLM-4.5's too): the
+    sigmoid router with correction biases, group limits, renormalization and scale; shared experts."""
+    experts = _experts_count(config, path, "n_routed_experts", "num_local_experts")
+    return dict(
+        ffn_dim=_need(config, "intermediate_size", path),
+        n_experts=experts,
+        top_k=_need(config, "num_experts_per_tok", path),
+        n_shared_experts=optional(config, "n_shared_experts", 0, path),
+        moe_ffn_dim=_need(config, "moe_intermediate_size", path),
+        first_dense_layers=optional(config, "first_k_dense_replace", 0, path),
+        gate="sigmoid",
+        route_scale=float(optional(config, "routed_scaling_factor", 1.0, path, float)),
+        route_norm=optional(config, "norm_topk_prob", True, path, bool),
+        expert_groups=_group_count(config, path, experts),
+        route_group_limit=optional(config, "topk_group", 1, path),
+    )
+
+
+def deepseek_moe_config(args: ModelArgs) -> dict:
+    """The config.json keys of `deepseek_moe_args`, from the model's shape."""
+    return {
         "intermediate_size": args.ffn_dim,
         "moe_intermediate_size": args.expert_dim,
         "n_routed_experts": args.n_experts,
@@ -599,16 +621,27 @@ def deepseek_v3_config(args: ModelArgs) -> dict:
         "routed_scaling_factor": args.route_scale,
         "norm_topk_prob": args.route_norm,
         "first_k_dense_replace": args.first_dense_layers,
-        "q_lora_rank": args.q_lora_rank or None,
-        "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim,
-        "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim,
-        "rope_interleave": True,  # as DeepSeek publishes: the RoPE rows in pairs (`RopeRows`)
-        "attention_bias": False,
         "num_nextn_predict_layers": 0,
-        "pretraining_tp": 1,
     }
+
+
+def deepseek_v3_config(args: ModelArgs) -> dict:
+    return (
+        _common_config(args)
+        | deepseek_moe_config(args)
+        | {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "q_lora_rank": args.q_lora_rank or None,
+            "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim,
+            "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim,
+            "rope_interleave": True,  # as DeepSeek publishes: the RoPE rows in pairs (`RopeRows`)
+            "attention_bias": False,
+            "pretraining_tp": 1,
+        }
+    )
 
 
 def deepseek_v3_holds(args: ModelArgs) -> str | None:
@@ -695,13 +728,15 @@ def deepseek_v3_tensors(args: ModelArgs, files: set[str], interleaved: bool) -> 
         if not args.moe_layer(n):
             out |= {ours: Same(theirs) for ours, theirs in names.items() if ".feed_forward." in ours}
             continue
-        out |= _moe_layer(args, n, mlp, GATE_UP_DOWN, files)
-        shared = f"layers.{n}.feed_forward.shared"
-        out |= {
-            f"{shared}.{k}.weight": Same(f"{mlp}.shared_experts.{p}.weight")
-            for k, p in zip(("w1", "w3", "w2"), GATE_UP_DOWN)
-        }
+        out |= _moe_layer(args, n, mlp, GATE_UP_DOWN, files) | _shared_experts(n, mlp)
     return out
+
+
+def _shared_experts(n: int, mlp: str) -> dict[str, Stored]:
+    """Layer n's shared experts (DeepSeek-V3, GLM-4.5: one SwiGLU, `mlp`.shared_experts.*)."""
+    shared = f"layers.{n}.feed_forward.shared"
+    pairs = zip(("w1", "w3", "w2"), GATE_UP_DOWN)
+    return {f"{shared}.{k}.weight": Same(f"{mlp}.shared_experts.{p}.weight") for k, p in pairs}
 
 
 def _latent_attention(args: ModelArgs, n: int, interleaved: bool) -> dict[str, Stored]:

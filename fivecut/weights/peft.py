@@ -94,10 +94,12 @@ def adapted_modules(source: Path, args, arch) -> dict[str, str]:
     return {base: paths[base] for base in adapted}
 
 
-# peft (0.21) reads an adapter of these model types as one made for transformers 4: a target module
-# ending in one of these names is taken for an expert's projection and moved to the fused experts
+# peft (0.21) reads an adapter of these model types as one made for transformers 4 (GLM-4.5: transformers
+# converts it as qwen2_moe, as Qwen3-MoE): a target module ending in one of these names is taken for an
+# expert's projection and moved to the fused experts
 PEFT_V4_EXPERT_NAMES = {"deepseek_v3": (".gate_proj", ".up_proj", ".down_proj"),
-                        "qwen3_moe": (".gate_proj", ".up_proj", ".down_proj")}  # fmt: skip
+                        "qwen3_moe": (".gate_proj", ".up_proj", ".down_proj"),
+                        "glm4_moe": (".gate_proj", ".up_proj", ".down_proj")}  # fmt: skip
 
 
 def refuse_renamed_by_peft(source: Path, arch, modules: dict[str, str]) -> None:
