@@ -337,3 +337,56 @@ def test_ring_attention_is_refused_for_its_windows_before_any_rank(gpt_oss, caps
     code = main(["verify", "--model", f"hf:{gpt_oss[0]}", "--layout", "cp=2,cp_mode=ring", "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "cp_mode='ring'" in err and "sliding" in err, err
+
+
+def test_check_import_passes(gpt_oss, mxfp4, capsys):
+    """`fivecut check-import` on the folder and on its MXFP4 form (transformers dequantizes on its CPU)."""
+    from fivecut.cli import main
+
+    for folder, _ in (gpt_oss, mxfp4):
+        code = main(["check-import", f"hf:{folder}"])
+        out = capsys.readouterr().out
+        assert code == 0 and "PASS" in out, out
+
+
+# ---------------------------------------------------------------- sinks under ring attention (no window)
+
+
+@pytest.fixture(scope="module")
+def full_attention(tmp_path_factory) -> tuple[Path, torch.Tensor]:
+    """A GPT-OSS whose layers all attend fully (ring attention refuses windows): (folder, transformers' logits)."""
+    import transformers
+
+    pytest.importorskip("transformers")
+    config = hf_config()
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    torch.manual_seed(1)
+    model = transformers.GptOssForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * (1.0 if "router" in name else 0.3))
+        expected = model(TOKENS).logits
+    folder = tmp_path_factory.mktemp("gpt_oss_full") / "hf"
+    model.save_pretrained(folder)
+    return folder, expected
+
+
+RING = {"ring": ('parallel.cp_mode="ring"',), "usp": ('parallel.cp_mode="usp"', "parallel.cp_ulysses=2")}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["ring", pytest.param("usp", marks=pytest.mark.sweep)])
+def test_sinks_under_ring_attention_give_transformers_logits(full_attention, byte_cache, mode):
+    """The sink merged once after the ring's blocks, by log-sum-exp (USP: its heads cut by Ulysses first)."""
+    folder, expected = full_attention
+    cp = 2 if mode == "ring" else 4
+    cfg = import_config(byte_cache, folder, f"parallel.cp={cp}", *RING[mode])
+    for rank, (got,) in enumerate(spawn(logits_of, cp, [cfg], TOKENS)):
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{mode} rank {rank}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["cp=2,cp_mode=ring", pytest.param("cp=4,cp_mode=usp,cp_ulysses=2", marks=pytest.mark.sweep)])
+def test_verify_passes_with_sinks_under_ring_attention(full_attention, layout, capsys):
+    code, out = verify(capsys, full_attention[0], layout)
+    assert code == 0 and "PASS" in out, out

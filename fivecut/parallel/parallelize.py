@@ -87,7 +87,8 @@ STEPS = ("pipeline", "expert", "tensor", "materialize", "context", "recompute", 
 # parameters tensor parallelism must cut (by path suffix), outside MoE layers; kv projections
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
 TP_CUT = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
-          "feed_forward.w3.weight", "tok_embeddings.weight", "attention.wq.bias")  # fmt: skip
+          "feed_forward.w3.weight", "tok_embeddings.weight", "attention.wq.bias",
+          "attention.sinks")  # fmt: skip  (GPT-OSS's sinks: with their heads)
 TP_CUT_KV = ("attention.wk.weight", "attention.wv.weight", "attention.wk.bias", "attention.wv.bias")
 TP_CUT_MLA = ("attention.wq_b.weight", "attention.wkv_b.weight")  # latent attention's up projections
 TP_CUT_WHOLE_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # over whole projections (OLMo 2)
