@@ -48,6 +48,7 @@ CLASSES = {
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
         num_key_value_heads=4, first_k_dense_replace=1,
     )),
+    "GptOssForCausalLM": ("GptOssConfig", {"num_local_experts": 4, "head_dim": 16, "sliding_window": 8}),
 }  # fmt: skip
 # the legacy RoPE keys transformers' config loading reads into rope_parameters (`convert_rope_params_to_dict`)
 ROPE_KEYS = {"rope_scaling", "rope_theta", "partial_rotary_factor"}

@@ -129,7 +129,9 @@ def test_sinks_on_the_fused_kernel_equal_the_written_out_scores():
     grad = torch.randn(2, 4, 12, 8, generator=g)
     fused, written = sink_attention(q, k, v, mask, sinks), sink_attention_scores(q, k, v, mask, sinks)
     torch.testing.assert_close(fused, written, rtol=1e-5, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(fused, (q, k, v, sinks), grad), torch.autograd.grad(written, (q, k, v, sinks), grad)):
+    for a, b in zip(
+        torch.autograd.grad(fused, (q, k, v, sinks), grad), torch.autograd.grad(written, (q, k, v, sinks), grad)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -245,7 +247,12 @@ def mxfp4(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     config = hf_config().to_dict() | {"architectures": ["GptOssForCausalLM"]}
     config["quantization_config"] = {
         "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
     }
     (folder / "config.json").write_text(json.dumps(config))
     return folder, expected
@@ -364,7 +371,11 @@ def full_attention(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     model = transformers.GptOssForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * (1.0 if "router" in name else 0.3))
+            p.copy_(
+                1 + 0.2 * torch.randn_like(p)
+                if "norm" in name
+                else torch.randn_like(p) * (1.0 if "router" in name else 0.3)
+            )
         expected = model(TOKENS).logits
     folder = tmp_path_factory.mktemp("gpt_oss_full") / "hf"
     model.save_pretrained(folder)
@@ -386,7 +397,9 @@ def test_sinks_under_ring_attention_give_transformers_logits(full_attention, byt
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["cp=2,cp_mode=ring", pytest.param("cp=4,cp_mode=usp,cp_ulysses=2", marks=pytest.mark.sweep)])
+@pytest.mark.parametrize(
+    "layout", ["cp=2,cp_mode=ring", pytest.param("cp=4,cp_mode=usp,cp_ulysses=2", marks=pytest.mark.sweep)]
+)
 def test_verify_passes_with_sinks_under_ring_attention(full_attention, layout, capsys):
     code, out = verify(capsys, full_attention[0], layout)
     assert code == 0 and "PASS" in out, out

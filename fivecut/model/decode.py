@@ -18,7 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer, band_mask, sink_attention_scores
+from fivecut.model.transformer import (
+    Attention,
+    Block,
+    LatentAttention,
+    Rope,
+    Transformer,
+    band_mask,
+    sink_attention_scores,
+)
 
 
 @dataclass

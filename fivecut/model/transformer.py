@@ -563,7 +563,9 @@ def grouped_swiglu(
         a, b = a + lr.scale * up(low, lr.gate_b, ends), b + lr.scale * up(low, lr.up_b, ends)  # [N, hidden]
     if recompute_product:  # a dropout mask drawn again in backward must be the same one
         keep_rng = low_rank is not None and isinstance(low_rank.dropout, nn.Dropout)
-        y = checkpoint(_swiglu_down, mm, a, b, w2, ends, low_rank, glu, use_reentrant=False, preserve_rng_state=keep_rng)
+        y = checkpoint(
+            _swiglu_down, mm, a, b, w2, ends, low_rank, glu, use_reentrant=False, preserve_rng_state=keep_rng
+        )
     else:
         y = _swiglu_down(mm, a, b, w2, ends, low_rank, glu)
     return y if biases is None else y + biases.b2[expert]  # [N, dim]

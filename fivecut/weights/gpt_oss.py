@@ -43,17 +43,8 @@ from fivecut.weights.moe_architectures import Box, Part, Same, SliceOf, Stored
 from fivecut.weights.mxfp4 import BLOCKS, SCALES, Mxfp4Experts
 from fivecut.weights.source import optional
 
-GPT_OSS_KEYS = {
-    "intermediate_size",
-    "num_local_experts",
-    "num_experts",  # transformers' attribute_map: num_local_experts
-    "num_experts_per_tok",
-    "head_dim",
-    "sliding_window",
-    "layer_types",
-    "swiglu_alpha",
-    "swiglu_limit",
-}
+# Mixtral's keys (experts, head_dim, sliding_window) without its router noise, and GPT-OSS's own
+GPT_OSS_KEYS = (moe.MIXTRAL_KEYS - {"router_jitter_noise"}) | {"layer_types", "swiglu_alpha", "swiglu_limit"}
 THETA = 150000.0  # GptOssConfig.default_theta
 # transformers' RoPE of a GptOssConfig whose file has none
 DEFAULT_ROPE = {
@@ -116,7 +107,9 @@ def gpt_oss_head_dim(config: dict, path: Path) -> int:
 def windows(config: dict, path: Path) -> dict:
     """sliding_window and window_layers of GPT-OSS's layer_types (absent: even layers slide, as transformers)."""
     n_layers = config["num_hidden_layers"]
-    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    types = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+    ]
     if not isinstance(types, list) or len(types) < n_layers or set(types[:n_layers]) - set(LAYER_TYPES):
         moe._refuse(path, "layer_types", types, f"one of {', '.join(LAYER_TYPES)} for each of the {n_layers} layers")
     pattern = "".join(LAYER_TYPES[t] for t in types[:n_layers])
@@ -137,7 +130,9 @@ def gpt_oss_config(args: ModelArgs) -> dict:
         "num_local_experts": args.n_experts,
         "num_experts_per_tok": args.top_k,
         "sliding_window": args.sliding_window or None,
-        "layer_types": ["sliding_attention" if args.layer_window(i) else "full_attention" for i in range(args.n_layers)],
+        "layer_types": [
+            "sliding_attention" if args.layer_window(i) else "full_attention" for i in range(args.n_layers)
+        ],
         "attention_bias": args.qkv_bias,
         "swiglu_limit": args.swiglu_limit,
         "swiglu_alpha": args.swiglu_alpha,

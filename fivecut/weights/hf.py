@@ -104,7 +104,8 @@ class HFSource:
         config = read_config(folder)
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
-        if is_mxfp4(config, folder / "config.json"):  # MXFP4 experts: their readers dequantize (`fivecut.weights.mxfp4`)
+        # MXFP4 experts (GPT-OSS): their readers dequantize them (`fivecut.weights.mxfp4`)
+        if is_mxfp4(config, folder / "config.json"):
             config = {k: v for k, v in config.items() if k != "quantization_config"}
         self.fp8_block = fp8_blocks(config, folder / "config.json")  # block-scaled fp8 weights (`fivecut.weights.fp8`)
         self.scales: dict[str, str] = {}  # a quantized weight's name -> its scale tensor's

@@ -113,7 +113,9 @@ def check_whole(params: dict, where: str, path: Path) -> None:
     every channel of a head rotates."""
     truncate = params.get("truncate", True)
     if truncate is not True and (truncate is not False or params["rope_type"] != "yarn"):
-        raise RopeError(f"{path}: {where}.truncate = {truncate!r} is not implemented; fivecut's YaRN reads true or false")
+        raise RopeError(
+            f"{path}: {where}.truncate = {truncate!r} is not implemented; fivecut's YaRN reads true or false"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise RopeError(
             f"{path}: partial_rotary_factor = {params['partial_rotary_factor']!r} is not implemented; fivecut's "
