@@ -159,7 +159,8 @@ class ModelArgs:
     attention_sinks: bool = False
     wo_bias: bool = False  # a bias on attention's output projection (qkv_bias: on q, k, v)
     # the window's layers one by one: "s" slides (sliding_window), "f" attends fully, one letter a layer
-    # (transformers' layer_types); "": the layers from full_attention_layers on slide
+    # (transformers' layer_types), repeated past its end ("sf": the even layers slide, GPT-OSS's default; a
+    # model cut to fewer layers keeps its first layers' kinds); "": the layers from full_attention_layers on slide
     window_layers: str = ""
     moe_bias: bool = False  # biases on the router's logits and on each routed expert's w1, w3 and w2
     # the experts' clamped SwiGLU (GPT-OSS) when > 0: g = min(w1 x, limit), u = clamp(w3 x, -limit, limit),
@@ -269,10 +270,10 @@ class ModelArgs:
 
     def _check_window_layers(self) -> None:
         pattern = self.window_layers
-        if len(pattern) != self.n_layers or set(pattern) - {"s", "f"}:
+        if set(pattern) - {"s", "f"}:
             raise ValueError(
-                f"window_layers {pattern!r} must give each of the {self.n_layers} layers a letter: 's' slides, 'f' "
-                "attends fully"
+                f"window_layers {pattern!r} must give each layer a letter: 's' slides, 'f' attends fully (repeated past "
+                "its end)"
             )
         if self.full_attention_layers or ("s" in pattern and not self.sliding_window):
             raise ValueError(
@@ -335,7 +336,7 @@ class ModelArgs:
     def layer_window(self, i: int) -> int:
         """The sliding window of layer i's attention; 0: full causal attention."""
         if self.window_layers:
-            return self.sliding_window if self.window_layers[i] == "s" else 0
+            return self.sliding_window if self.window_layers[i % len(self.window_layers)] == "s" else 0
         return self.sliding_window if i >= self.full_attention_layers else 0
 
     def layer_rope(self, i: int) -> bool:

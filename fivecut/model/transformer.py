@@ -176,22 +176,25 @@ class CausalSDPA(nn.Module):
             inside = documents.visible(at, at)  # [b, 1, s, s]
             mask = inside if mask is None else inside & mask
         if sinks is not None:
-            return sink_attention(q, k, v, band_mask(s, s, 0, 0, q.device) if mask is None else mask, sinks)
+            return sink_attention(q, k, v, mask, sinks)
         v = F.pad(v, (0, narrow)) if narrow else v
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return o[..., : o.shape[-1] - narrow]  # [b, n_heads, s, hd_v]
 
 
-def sink_attention(q, k, v, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sink_attention(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
     """Softmax attention whose denominator holds one more logit per head, its sink (a key every query sees, of
-    value 0): q [b, H, s, hd], k/v [b, KV, sk, hd], `mask` bool [.., s, sk] (which keys each query sees),
-    sinks [H] -> [b, H, s, hd]. With the rows' log-sum-exp L of the scores, the sink keeps the share
+    value 0): q [b, H, s, hd], k/v [b, KV, s, hd], `mask` bool [.., s, s] (which keys each query sees; None:
+    causal), sinks [H] -> [b, H, s, hd]. With the rows' log-sum-exp L of the scores, the sink keeps the share
     sigmoid(L - sink) of the plain output. On the CPU one fused kernel gives both (`SinkFlash`); elsewhere the
     scores are written out (`sink_attention_scores`)."""
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] == v.shape[-1]:
+        if mask is None:
+            return SinkFlash.apply(q, k, v, None, sinks)
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        return SinkFlash.apply(q, k, v, bias.expand(q.shape[0], 1, *mask.shape[-2:]), sinks)
-    return sink_attention_scores(q, k, v, mask, sinks)
+        return SinkFlash.apply(q, k, v, bias.expand(q.shape[0], 1, *mask.shape[-2:]), sinks)  # [b, 1, s, s]
+    s = q.shape[2]
+    return sink_attention_scores(q, k, v, band_mask(s, s, 0, 0, q.device) if mask is None else mask, sinks)
 
 
 def sink_attention_scores(q, k, v, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -214,10 +217,13 @@ class SinkFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+        """`bias`: an additive mask [b, 1, s, s] (0 or -inf), or None: causal."""
+        causal = bias is None
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
         merged = torch.logaddexp(lse, sinks.float().view(1, -1, 1))  # [b, H, s]
         out = (out.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)  # [b, H, s, hd]
         ctx.save_for_backward(q, k, v, bias, sinks, out, merged)
+        ctx.causal = causal
         return out
 
     @staticmethod
@@ -225,7 +231,7 @@ class SinkFlash(torch.autograd.Function):
         q, k, v, bias, sinks, out, merged = ctx.saved_tensors
         grad = grad.contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, merged, 0.0, False, attn_mask=bias
+            grad, q, k, v, out, merged, 0.0, ctx.causal, attn_mask=bias
         )
         return dq, dk, dv, None, sink_grad(grad, out, merged, sinks)
 
