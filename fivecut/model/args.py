@@ -272,8 +272,8 @@ class ModelArgs:
         pattern = self.window_layers
         if set(pattern) - {"s", "f"}:
             raise ValueError(
-                f"window_layers {pattern!r} must give each layer a letter: 's' slides, 'f' attends fully (repeated past "
-                "its end)"
+                f"window_layers {pattern!r} must give each layer a letter: 's' slides, 'f' attends fully "
+                "(repeated past its end)"
             )
         if self.full_attention_layers or ("s" in pattern and not self.sliding_window):
             raise ValueError(
