@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hf_dense import assert_greedy_generation_equals_transformers
+from test_hf_dense import assert_greedy_generation_equals_transformers, ledger_ratios
 from test_hf_moe import import_config, logits_of, train_each, verify
 
 from fivecut.launch import spawn
@@ -142,13 +142,31 @@ LAYOUTS = {
     "pp=2": ("parallel.pp=2", "parallel.microbatches=2"),
     "cp=2": ("parallel.cp=2", 'parallel.cp_mode="ulysses"'),
 }
-SWEEP_LAYOUTS = ("tp=2", "pp=2")
+RING = {"ring": ('parallel.cp_mode="ring"',), "usp": ('parallel.cp_mode="usp"', "parallel.cp_ulysses=2")}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "layout", [pytest.param(k, marks=pytest.mark.sweep) if k in SWEEP_LAYOUTS else k for k in LAYOUTS]
-)
+def test_each_cut_gives_transformers_logits_in_one_spawn(gpt_oss, mxfp4, full_attention, byte_cache):
+    """The default suite's layouts, two ranks each, one spawn for all: experts cut (ep=2), expert and attention
+    TP (tp=2,etp=2: the sinks cut with the heads, wo's bias added once, the down bias once over etp), Ulysses
+    (the sinks cut with its heads); the MXFP4 checkpoint under ep=2; the sinks under ring attention (the model
+    with full layers only)."""
+    cases = {
+        "dp=2,ep=2": (gpt_oss, LAYOUTS["dp=2,ep=2"]),
+        "tp=2,etp=2": (gpt_oss, LAYOUTS["tp=2,etp=2"]),
+        "cp=2 Ulysses": (gpt_oss, LAYOUTS["cp=2"]),
+        "MXFP4 dp=2,ep=2": (mxfp4, LAYOUTS["dp=2,ep=2"]),
+        "cp=2 ring": (full_attention, ("parallel.cp=2", *RING["ring"])),
+    }
+    configs = [import_config(byte_cache, folder, *layout) for (folder, _), layout in cases.values()]
+    for rank, rank_logits in enumerate(spawn(logits_of, 2, configs, TOKENS)):
+        for (name, ((_, expected), _)), got in zip(cases.items(), rank_logits):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{name} rank {rank}")
+
+
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpt_oss_gives_transformers_logits_under_layout(gpt_oss, byte_cache, layout):
     folder, expected = gpt_oss
     cfg = import_config(byte_cache, folder, *LAYOUTS[layout])
@@ -156,17 +174,24 @@ def test_gpt_oss_gives_transformers_logits_under_layout(gpt_oss, byte_cache, lay
         torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}")
 
 
-VERIFY = ("tp=2,etp=2", "cp=2,cp_mode=ulysses")
+SWEEP_VERIFY = ("cp=2,cp_mode=ulysses", "dp=2,ep=2", "tp=2", "pp=2,microbatches=2")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "layout",
-    [*VERIFY, *(pytest.param(k, marks=pytest.mark.sweep) for k in ("dp=2,ep=2", "tp=2", "pp=2,microbatches=2"))],
-)
+@pytest.mark.parametrize("layout", ["tp=2,etp=2", *(pytest.param(k, marks=pytest.mark.sweep) for k in SWEEP_VERIFY)])
 def test_verify_passes_on_gpt_oss(gpt_oss, layout, capsys):
     code, out = verify(capsys, gpt_oss[0], layout)
     assert code == 0 and "PASS" in out, out
+
+
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp=2,etp=2", "cp=2,cp_mode=ulysses"])
+def test_ledger_measures_what_the_planner_predicts(gpt_oss, capsys, layout):
+    """The wo bias's and the down bias's gradients all-reduced over tp and etp, the clamped SwiGLU's and the
+    bias indices' activations, layer 1 (the one measured) full: no band kept. Exact."""
+    ratios = ledger_ratios(capsys, gpt_oss[0], layout)
+    assert ratios["ratio"] == ratios["memory_ratio"] == ratios["activation_ratio"] == "1.000", ratios
 
 
 # ---------------------------------------------------------------- out
@@ -265,14 +290,6 @@ def test_an_mxfp4_checkpoint_gives_its_dequantized_logits_in_one_process(mxfp4):
     model, _ = single_model(init_from=f"hf:{folder}")
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), expected, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.multirank
-def test_an_mxfp4_checkpoint_gives_its_dequantized_logits_under_ep(mxfp4, byte_cache):
-    folder, expected = mxfp4
-    cfg = import_config(byte_cache, folder, *LAYOUTS["dp=2,ep=2"])
-    for rank, (got,) in enumerate(spawn(logits_of, 2, [cfg], TOKENS)):
-        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"rank {rank}")
 
 
 def test_an_mxfp4_box_reads_only_its_experts_rows_and_blocks():
@@ -382,11 +399,9 @@ def full_attention(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     return folder, expected
 
 
-RING = {"ring": ('parallel.cp_mode="ring"',), "usp": ('parallel.cp_mode="usp"', "parallel.cp_ulysses=2")}
-
-
+@pytest.mark.sweep
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode", ["ring", pytest.param("usp", marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("mode", ["ring", "usp"])
 def test_sinks_under_ring_attention_give_transformers_logits(full_attention, byte_cache, mode):
     """The sink merged once after the ring's blocks, by log-sum-exp (USP: its heads cut by Ulysses first)."""
     folder, expected = full_attention
@@ -396,10 +411,9 @@ def test_sinks_under_ring_attention_give_transformers_logits(full_attention, byt
         torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{mode} rank {rank}")
 
 
+@pytest.mark.sweep
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "layout", ["cp=2,cp_mode=ring", pytest.param("cp=4,cp_mode=usp,cp_ulysses=2", marks=pytest.mark.sweep)]
-)
+@pytest.mark.parametrize("layout", ["cp=2,cp_mode=ring", "cp=4,cp_mode=usp,cp_ulysses=2"])
 def test_verify_passes_with_sinks_under_ring_attention(full_attention, layout, capsys):
     code, out = verify(capsys, full_attention[0], layout)
     assert code == 0 and "PASS" in out, out
