@@ -117,18 +117,23 @@ def test_the_counts_are_the_module_s(gpt_oss):
     assert args.num_params() == sum(p.numel() for p in model.parameters())
 
 
-def test_sinks_on_the_fused_kernel_equal_the_written_out_scores():
+@pytest.mark.parametrize("masked", ["causal", "window", "documents"])
+def test_sinks_on_the_fused_kernel_equal_the_written_out_scores(masked):
     """`SinkFlash` (the CPU's fused kernel and its log-sum-exp) against the scores written out, forward and
-    every gradient, the sinks' included; with a window and grouped-query heads."""
-    from fivecut.model.transformer import band_mask, sink_attention, sink_attention_scores
+    every gradient, the sinks' included; grouped-query heads, causal, a window of 4, or documents kept apart."""
+    from fivecut.model.documents import Documents
+    from fivecut.model.transformer import CausalSDPA, band_mask, sink_attention_scores
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 12, 8, generator=g).requires_grad_() for h in (4, 2, 2))
     sinks = torch.randn(4, generator=g).requires_grad_()
-    mask = band_mask(12, 12, 0, 4)
-    grad = torch.randn(2, 4, 12, 8, generator=g)
-    fused, written = sink_attention(q, k, v, mask, sinks), sink_attention_scores(q, k, v, mask, sinks)
+    documents = Documents.of(torch.randint(0, 4, (2, 12), generator=g), 0) if masked == "documents" else None
+    window = 4 if masked == "window" else 0
+    at = torch.arange(12)
+    mask = band_mask(12, 12, 0, window) if documents is None else documents.visible(at, at)  # [.., s, s]
+    fused, written = CausalSDPA(window)(q, k, v, documents, sinks), sink_attention_scores(q, k, v, mask, sinks)
     torch.testing.assert_close(fused, written, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(fused.shape, generator=g)
     for a, b in zip(
         torch.autograd.grad(fused, (q, k, v, sinks), grad), torch.autograd.grad(written, (q, k, v, sinks), grad)
     ):
