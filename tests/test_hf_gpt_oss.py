@@ -117,6 +117,29 @@ def test_the_counts_are_the_module_s(gpt_oss):
     assert args.num_params() == sum(p.numel() for p in model.parameters())
 
 
+def test_yarn_without_truncation_is_transformers_s(tmp_path):
+    """GPT-OSS's published RoPE (YaRN, factor 32 over 4096 positions, truncate = false, 64-channel heads):
+    fivecut's frequencies and attention factor are transformers', and rounding the ramp's ends (truncate
+    true) would give others."""
+    import dataclasses
+
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fivecut.model.transformer import rope_frequencies
+    from fivecut.weights.hf import args_from_config
+
+    config = transformers.GptOssConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, head_dim=64)
+    raw = config.to_dict() | {"architectures": ["GptOssForCausalLM"]}
+    args = args_from_config(raw, tmp_path / "config.json")
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours, our_factor = rope_frequencies(args)
+    torch.testing.assert_close(ours.float(), theirs, rtol=1e-6, atol=0)
+    assert our_factor == pytest.approx(factor)
+    truncated, _ = rope_frequencies(dataclasses.replace(args, rope_truncate=True))
+    assert not torch.allclose(truncated.float(), theirs, rtol=1e-4)
+
+
 @pytest.mark.parametrize("masked", ["causal", "window", "documents"])
 def test_sinks_on_the_fused_kernel_equal_the_written_out_scores(masked):
     """`SinkFlash` (the CPU's fused kernel and its log-sum-exp) against the scores written out, forward and
