@@ -56,6 +56,7 @@ DEFAULT_ROPE = {
     "original_max_position_embeddings": 4096,
 }
 LAYER_TYPES = {"sliding_attention": "s", "full_attention": "f"}
+GPT_OSS_FIELDS = {"attention_sinks": True, "moe_bias": True}  # what every GPT-OSS has
 
 
 def gpt_oss_args(config: dict, path: Path) -> ModelArgs:
@@ -91,9 +92,6 @@ def gpt_oss_args(config: dict, path: Path) -> ModelArgs:
         swiglu_limit=float(optional(config, "swiglu_limit", 7.0, path, float)),
         swiglu_alpha=float(optional(config, "swiglu_alpha", 1.702, path, float)),
     )
-
-
-GPT_OSS_FIELDS = {"attention_sinks": True, "moe_bias": True}  # what every GPT-OSS has
 
 
 def gpt_oss_head_dim(config: dict, path: Path) -> int:
