@@ -117,6 +117,12 @@ def lora_problems(cfg: Config, args: ModelArgs) -> list[str]:
     if not 0 <= lo.dropout < 1:
         problems.append(f"lora.dropout={lo.dropout} must be in [0, 1)")
     problems += quantize_problems(lo.quantize)
+    gpt_oss = [name for name in ("attention_sinks", "wo_bias", "moe_bias", "swiglu_limit") if getattr(args, name)]
+    if gpt_oss:  # their adapters would meet a bias kept once under tp/etp and experts LoRA does not carry
+        problems.append(
+            f"[lora] on a model with GPT-OSS's {', '.join(gpt_oss)} is not built (adapters over its biased "
+            "projections and clamped experts are not carried through the cuts); train every weight (unset lora.rank)"
+        )
     if lo.quantize is not None and dims.tp > 1:  # NF4's blocks and its scales' mean span the whole weight
         problems.append(
             f"lora.quantize={lo.quantize!r} is not carried through tensor parallelism yet (a shard's NF4 is not the "

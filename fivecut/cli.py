@@ -1131,6 +1131,7 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         ep=dims.ep,
         eplb_slots=cfg.moe.eplb_slots,
         documents=cfg.data.document_mask,
+        windowed=args.layer_window(int(layer)) > 0,
     )
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")

@@ -80,6 +80,14 @@ class ModelConfig:
     rope_beta_slow: float | None = None
     rope_mscale: float | None = None
     rope_mscale_all_dim: float | None = None
+    # GPT-OSS (`ModelArgs`' group of the same names)
+    attention_sinks: bool | None = None
+    wo_bias: bool | None = None
+    window_layers: str | None = None
+    moe_bias: bool | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    rope_truncate: bool | None = None
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)

@@ -52,6 +52,7 @@ CLASSES = {
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32, head_dim=32,
         attention_bias=True, use_qk_norm=True,
     )),
+    "GptOssForCausalLM": ("GptOssConfig", {"num_local_experts": 4, "head_dim": 16, "sliding_window": 8}),
 }  # fmt: skip
 # the legacy RoPE keys transformers' config loading reads into rope_parameters (`convert_rope_params_to_dict`)
 ROPE_KEYS = {"rope_scaling", "rope_theta", "partial_rotary_factor"}

@@ -118,6 +118,8 @@ REFUSED_KEYS = {
     ).split()),
     *(f"model.{k}" for k in "attention_head_dim qkv_bias qk_norm sliding_window full_attention_layers".split()),
     *(f"model.{k}" for k in "qk_norm_whole nope_interval norm_after rope_partial_dim".split()),
+    *(f"model.{k}" for k in "attention_sinks wo_bias window_layers moe_bias swiglu_limit swiglu_alpha".split()),
+    "model.rope_truncate",  # GPT-OSS's fields
     "model.route_norm",
     *(f"model.rope_{k}" for k in (
         "scaling factor original_context low_freq_factor high_freq_factor beta_fast beta_slow mscale mscale_all_dim"

@@ -27,6 +27,8 @@ MOE_ONLY = (
     "route_norm",
     "expert_groups",
     "route_group_limit",
+    "moe_bias",
+    "swiglu_limit",
 )
 
 POSITIVE = (
@@ -47,10 +49,10 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
                 "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps",
-                "nope_interval", "rope_partial_dim")  # fmt: skip
+                "nope_interval", "rope_partial_dim", "swiglu_limit")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
 GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_whole", "sliding_window", "nope_interval",
-            "rope_partial_dim")  # fmt: skip
+            "rope_partial_dim", "attention_sinks", "wo_bias", "window_layers")  # fmt: skip
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -151,6 +153,21 @@ class ModelArgs:
     rope_beta_slow: float = 1.0  # yarn
     rope_mscale: float = 0.0  # yarn; 0: unset
     rope_mscale_all_dim: float = 0.0  # yarn; 0: unset
+    # GPT-OSS (GptOssForCausalLM): attention sinks, a window on some layers, biases everywhere, the clamped SwiGLU.
+    # attention_sinks: one learned logit per query head in each softmax's denominator (a key every query sees,
+    # whose value is 0): softmax over [scores, sink], the sink's share dropped
+    attention_sinks: bool = False
+    wo_bias: bool = False  # a bias on attention's output projection (qkv_bias: on q, k, v)
+    # the window's layers one by one: "s" slides (sliding_window), "f" attends fully, one letter a layer
+    # (transformers' layer_types), repeated past its end ("sf": the even layers slide, GPT-OSS's default; a
+    # model cut to fewer layers keeps its first layers' kinds); "": the layers from full_attention_layers on slide
+    window_layers: str = ""
+    moe_bias: bool = False  # biases on the router's logits and on each routed expert's w1, w3 and w2
+    # the experts' clamped SwiGLU (GPT-OSS) when > 0: g = min(w1 x, limit), u = clamp(w3 x, -limit, limit),
+    # h = (u + 1) * g * sigmoid(swiglu_alpha * g); 0: silu(w1 x) * w3 x
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+    rope_truncate: bool = True  # yarn: the ramp's ends floored and ceiled to whole channels (false: GPT-OSS)
 
     # ----- the check of the values ---------------------------------------
 
@@ -238,6 +255,8 @@ class ModelArgs:
             )
 
     def _check_window(self) -> None:
+        if self.window_layers:
+            self._check_window_layers()
         if self.full_attention_layers and not self.sliding_window:
             raise ValueError(
                 f"full_attention_layers ({self.full_attention_layers}) needs a sliding_window for the other layers; "
@@ -247,6 +266,19 @@ class ModelArgs:
             raise ValueError(
                 f"full_attention_layers ({self.full_attention_layers}) exceeds n_layers ({self.n_layers}); "
                 f"set full_attention_layers <= {self.n_layers}"
+            )
+
+    def _check_window_layers(self) -> None:
+        pattern = self.window_layers
+        if set(pattern) - {"s", "f"}:
+            raise ValueError(
+                f"window_layers {pattern!r} must give each layer a letter: 's' slides, 'f' attends fully "
+                "(repeated past its end)"
+            )
+        if self.full_attention_layers or ("s" in pattern and not self.sliding_window):
+            raise ValueError(
+                f"window_layers {pattern!r} says which layers slide: it needs sliding_window > 0 for its 's' "
+                f"layers (got {self.sliding_window}) and full_attention_layers = 0 (got {self.full_attention_layers})"
             )
 
     def _check_rope_scaling(self) -> None:
@@ -303,6 +335,8 @@ class ModelArgs:
 
     def layer_window(self, i: int) -> int:
         """The sliding window of layer i's attention; 0: full causal attention."""
+        if self.window_layers:
+            return self.sliding_window if self.window_layers[i % len(self.window_layers)] == "s" else 0
         return self.sliding_window if i >= self.full_attention_layers else 0
 
     def layer_rope(self, i: int) -> bool:
@@ -393,6 +427,7 @@ class ModelArgs:
     def _attention_params(self) -> int:
         latent_norms = self.q_lora_rank + self.kv_lora_rank if self.is_mla else 0
         biases = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
+        biases += self.dim * self.wo_bias + self.n_heads * self.attention_sinks  # GPT-OSS's wo bias and sinks
         return self.attention_matmul_params() + latent_norms + biases + self.qk_norm_params()
 
     def qk_norm_params(self) -> int:
@@ -405,8 +440,9 @@ class ModelArgs:
         return 3 * self.dim * hidden  # w1, w3, w2
 
     def _moe_params(self, experts_counted: int) -> int:
-        router = self.dim * self.n_experts
-        routed = experts_counted * self._ffn_params(self.expert_dim)
+        router = (self.dim + self.moe_bias) * self.n_experts
+        expert_biases = (2 * self.expert_dim + self.dim) * self.moe_bias  # b1, b3, b2 of one expert
+        routed = experts_counted * (self._ffn_params(self.expert_dim) + expert_biases)
         shared = self._ffn_params(self.expert_dim * self.n_shared_experts)
         return router + routed + shared
 

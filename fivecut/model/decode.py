@@ -18,7 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fivecut.model.transformer import Attention, Block, LatentAttention, Rope, Transformer, band_mask
+from fivecut.model.transformer import (
+    Attention,
+    Block,
+    LatentAttention,
+    Rope,
+    Transformer,
+    band_mask,
+    sink_attention_scores,
+)
 
 
 @dataclass
@@ -107,7 +115,10 @@ def _attention(
     v_cache[:, :, start:end] = v
     keys, values = k_cache[:, :, :end], v_cache[:, :, :end]  # [b, n_kv, end, hd]
     window = attn.window if isinstance(attn, Attention) else 0
-    o = _sdpa(q, keys, values, start, window)  # [b, n_heads, s, hd]
+    if getattr(attn, "sinks", None) is not None:  # GPT-OSS: each head's sink in its softmax's denominator
+        o = sink_attention_scores(q, keys, values, band_mask(s, end, start, window, q.device), attn.sinks)
+    else:
+        o = _sdpa(q, keys, values, start, window)  # [b, n_heads, s, hd]
     return attn.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -86,6 +86,7 @@ class LoRAExperts(GroupedExperts):
     def __init__(self, experts: GroupedExperts, rank: int, alpha: float, dropout: float):
         nn.Module.__init__(self)  # the experts' own Parameters move over
         self.w1, self.w3, self.w2 = experts.w1, experts.w3, experts.w2
+        self.glu = experts.glu  # (GPT-OSS's biased experts are refused by fivecut.checks)
         n, dim, hidden = experts.w1.shape
         shapes = {"w13_lora_a": (n, dim, rank), "w1_lora_b": (n, rank, hidden), "w3_lora_b": (n, rank, hidden),
                   "w2_lora_a": (n, hidden, rank), "w2_lora_b": (n, rank, dim)}  # fmt: skip
@@ -104,7 +105,8 @@ class LoRAExperts(GroupedExperts):
             whole(tensors["w13_lora_a"]), tensors["w1_lora_b"], tensors["w3_lora_b"], tensors["w2_lora_a"],
             whole(tensors["w2_lora_b"]), self.scale, self.dropout,
         )  # fmt: skip
-        return grouped_swiglu(x, tensors["w1"], tensors["w3"], tensors["w2"], ends, recompute_product, low_rank)
+        w1, w3, w2 = tensors["w1"], tensors["w3"], tensors["w2"]
+        return grouped_swiglu(x, w1, w3, w2, ends, recompute_product, low_rank, glu=self.glu)
 
 
 # each expert weight's adapter: (its A, its B), stacked over the experts ([E, in, r], [E, r, out])

@@ -113,8 +113,10 @@ def yarn_frequencies(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     def channel(rotations: float) -> float:  # the channel pair that turns `rotations` times in the context
         return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(channel(args.rope_beta_fast)), 0)
-    high = min(math.ceil(channel(args.rope_beta_slow)), dim - 1)
+    low, high = channel(args.rope_beta_fast), channel(args.rope_beta_slow)
+    if args.rope_truncate:  # whole channels (GPT-OSS keeps the fractional ends: truncate = false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [dim/2]
     keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: interpolated
@@ -163,7 +165,8 @@ class CausalSDPA(nn.Module):
         super().__init__()
         self.window = window
 
-    def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks` [n_heads] (GPT-OSS): each head's sink logit in the softmax's denominator (`sink_attention`)."""
         gqa = q.shape[1] != k.shape[1]
         narrow = q.shape[-1] - v.shape[-1]
         s = q.shape[2]
@@ -172,9 +175,72 @@ class CausalSDPA(nn.Module):
             at = torch.arange(s, device=q.device)
             inside = documents.visible(at, at)  # [b, 1, s, s]
             mask = inside if mask is None else inside & mask
+        if sinks is not None:
+            return sink_attention(q, k, v, mask, sinks)
         v = F.pad(v, (0, narrow)) if narrow else v
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return o[..., : o.shape[-1] - narrow]  # [b, n_heads, s, hd_v]
+
+
+def sink_attention(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention whose denominator holds one more logit per head, its sink (a key every query sees, of
+    value 0): q [b, H, s, hd], k/v [b, KV, s, hd], `mask` bool [.., s, s] (which keys each query sees; None:
+    causal), sinks [H] -> [b, H, s, hd]. With the rows' log-sum-exp L of the scores, the sink keeps the share
+    sigmoid(L - sink) of the plain output. On the CPU one fused kernel gives both (`SinkFlash`); elsewhere the
+    scores are written out (`sink_attention_scores`)."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] == v.shape[-1]:
+        if mask is None:
+            return SinkFlash.apply(q, k, v, None, sinks)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return SinkFlash.apply(q, k, v, bias.expand(q.shape[0], 1, *mask.shape[-2:]), sinks)  # [b, 1, s, s]
+    s = q.shape[2]
+    return sink_attention_scores(q, k, v, band_mask(s, s, 0, 0, q.device) if mask is None else mask, sinks)
+
+
+def sink_attention_scores(q, k, v, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`sink_attention` with its scores [b, H, s, sk] written out (any device; decoding, where s is small)."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H/KV query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # [b, H, s, sk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [b, H, s, 1]
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share dropped
+    return (probs.to(v.dtype) @ v).to(q.dtype)
+
+
+class SinkFlash(torch.autograd.Function):
+    """`sink_attention` on the CPU's fused flash kernel, which returns each row's log-sum-exp L [b, H, s]
+    beside its output o. The sink is one more block of keys merged by log-sum-exp (a block of value 0 and
+    log-sum-exp `sink`): L' = logaddexp(L, sink), o' = o exp(L - L'). Backward is the kernel's backward given
+    (o', L'): it rebuilds the probabilities exp(score - L') of the whole row, sink included, so dq, dk, dv
+    are exact; the sink's own gradient is -sum over rows of exp(sink - L') (dO' . o')."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks):
+        """`bias`: an additive mask [b, 1, s, s] (0 or -inf), or None: causal."""
+        causal = bias is None
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
+        merged = torch.logaddexp(lse, sinks.float().view(1, -1, 1))  # [b, H, s]
+        out = (out.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)  # [b, H, s, hd]
+        ctx.save_for_backward(q, k, v, bias, sinks, out, merged)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, bias, sinks, out, merged = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, merged, 0.0, ctx.causal, attn_mask=bias
+        )
+        return dq, dk, dv, None, sink_grad(grad, out, merged, sinks)
+
+
+def sink_grad(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [H] from the output's gradient and the output [b, H, s, hd] of attention with sinks and
+    its rows' log-sum-exp lse [b, H, s] (sink included): -sum over b, s of exp(sink - lse) (grad . out)."""
+    share = (sinks.float().view(1, -1, 1) - lse).exp()  # [b, H, s]: the sink's probability
+    return -(share * (grad.float() * out.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
 
 
 def band_mask(s_q: int, s_k: int, start: int, window: int, device=None) -> torch.Tensor:
@@ -198,7 +264,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.wo_bias)
+        # GPT-OSS's sinks [n_heads]: a logit per head in its softmax's denominator (cut with the heads)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None
         # q/k norms: per head [hd], shared by the heads (and so by the tensor-parallel ranks); or, with
         # qk_norm_whole, over the whole projection [heads * hd] (tensor parallelism cuts them with wq, wk)
         self.whole_qk_norm = args.qk_norm_whole
@@ -230,7 +298,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        o = self.core(*self.qkv(x, rope), documents)  # [b, n_heads, s, hd]
+        sinks = () if self.sinks is None else (self.sinks,)  # a core without sinks keeps its signature
+        o = self.core(*self.qkv(x, rope), documents, *sinks)  # [b, n_heads, s, hd]
         o = o.transpose(1, 2).reshape(b, s, -1)  # [b, s, n_heads * hd]
         return self.wo(o)
 
@@ -435,6 +504,37 @@ class ExpertLowRank:
         return ExpertLowRank(a, gb, ub, da, db, self.scale, self.dropout)
 
 
+@dataclass(frozen=True)
+class ExpertBiases:
+    """GPT-OSS's expert biases, stacked over the experts: b1, b3 [E, hidden] (gate, up), b2 [E, dim] (down;
+    under expert TP given by one etp rank only, as the shards' partial sums are added)."""
+
+    b1: torch.Tensor
+    b3: torch.Tensor
+    b2: torch.Tensor
+
+    def rows(self, ends: torch.Tensor, n: int) -> torch.Tensor:
+        """The expert of each of n grouped rows [n] (rows past ends[-1]: the last expert's, unused)."""
+        return torch.searchsorted(ends, torch.arange(n, device=ends.device), right=True).clamp(max=ends.shape[0] - 1)
+
+
+@dataclass(frozen=True)
+class ClampedGLU:
+    """GPT-OSS's clamped SwiGLU: h = (u + 1) * g * sigmoid(alpha * g), g = min(gate, limit), u = up
+    clamped to [-limit, limit]."""
+
+    limit: float
+    alpha: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 def grouped_swiglu(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -443,18 +543,25 @@ def grouped_swiglu(
     ends: torch.Tensor,
     recompute_product: bool = False,
     low_rank: ExpertLowRank | None = None,
+    biases: ExpertBiases | None = None,
+    glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
     """E SwiGLU experts on grouped rows: x [N, dim] (group e: rows ends[e-1]..ends[e]),
     w1/w3 [E, dim, hidden], w2 [E, hidden, dim] -> [N, dim], w2 e(silu(w1 e x) * w3 e x) for
     each group; rows past ends[-1] unspecified. `recompute_product`: keep the two matmul
     outputs only and compute the SwiGLU product (and the down projection) again in backward.
-    `low_rank`: each weight's LoRA update added to its product."""
+    `low_rank`: each weight's LoRA update added to its product. `biases`: each expert's biases added
+    to its three products; `glu`: the product of gate and up (GPT-OSS's `ClampedGLU`)."""
     if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped kernels
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w3, w2 = x.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
         low_rank = low_rank.to(dtype) if low_rank is not None else None
+        biases = ExpertBiases(*(t.to(dtype) for t in (biases.b1, biases.b3, biases.b2))) if biases else None
     mm = grouped_kernel(x.device, x.dtype, (w1.shape[1], w1.shape[2]))
     a, b = mm(x, w1, ends), mm(x, w3, ends)  # [N, hidden] each
+    if biases is not None:
+        expert = biases.rows(ends, x.shape[0])  # [N]
+        a, b = a + biases.b1[expert], b + biases.b3[expert]
     if low_rank is not None:
         lr = low_rank
         low = grouped_kernel(x.device, x.dtype, lr.gate_up_a.shape[1:])(lr.dropout(x), lr.gate_up_a, ends)  # [N, r]
@@ -462,13 +569,17 @@ def grouped_swiglu(
         a, b = a + lr.scale * up(low, lr.gate_b, ends), b + lr.scale * up(low, lr.up_b, ends)  # [N, hidden]
     if recompute_product:  # a dropout mask drawn again in backward must be the same one
         keep_rng = low_rank is not None and isinstance(low_rank.dropout, nn.Dropout)
-        return checkpoint(_swiglu_down, mm, a, b, w2, ends, low_rank, use_reentrant=False, preserve_rng_state=keep_rng)
-    return _swiglu_down(mm, a, b, w2, ends, low_rank)
+        y = checkpoint(
+            _swiglu_down, mm, a, b, w2, ends, low_rank, glu, use_reentrant=False, preserve_rng_state=keep_rng
+        )
+    else:
+        y = _swiglu_down(mm, a, b, w2, ends, low_rank, glu)
+    return y if biases is None else y + biases.b2[expert]  # [N, dim]
 
 
 def _swiglu_down(mm: GroupedMM, a: torch.Tensor, b: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor,
-                 low_rank: ExpertLowRank | None = None):  # fmt: skip
-    h = F.silu(a) * b  # [N, hidden]
+                 low_rank: ExpertLowRank | None = None, glu: Callable = swiglu):  # fmt: skip
+    h = glu(a, b)  # [N, hidden]
     y = mm(h, w2, ends)  # [N, dim]
     if low_rank is None:
         return y
@@ -485,11 +596,12 @@ class GroupedExperts(nn.Module):
     # the dimension expert tensor parallelism cuts it along (the hidden size); None: kept whole
     EXPERT_TENSORS = {"w1": 2, "w3": 2, "w2": 1}
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, glu: Callable = swiglu):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # down
+        self.glu = glu  # the product of gate and up: SwiGLU, or GPT-OSS's `ClampedGLU`
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """x_sorted [T_sorted, dim], grouped by expert: rows of expert e are the
@@ -508,7 +620,31 @@ class GroupedExperts(nn.Module):
             recompute_product: bool = False) -> torch.Tensor:  # fmt: skip
         """The experts whose tensors are `tensors` (this module's, or those of the slots an expert
         parallel rank computes) on grouped rows x [N, dim] -> [N, dim]."""
-        return grouped_swiglu(x, tensors["w1"], tensors["w3"], tensors["w2"], ends, recompute_product)
+        return grouped_swiglu(x, tensors["w1"], tensors["w3"], tensors["w2"], ends, recompute_product, glu=self.glu)
+
+
+class BiasedExperts(GroupedExperts):
+    """GPT-OSS's experts: `GroupedExperts` with a bias on each product, stacked over the experts like the
+    weights (so the expert cuts slice, move and copy them alike): b1, b3 [E, hidden] cut by expert TP with
+    the hidden size; b2 [E, dim] kept whole there and added by one etp rank (`adds_down_bias`), its
+    gradient summed over etp (`grad_summed`, set by `fivecut.parallel.expert.cut_expert_hidden`)."""
+
+    EXPERT_TENSORS = GroupedExperts.EXPERT_TENSORS | {"b1": 1, "b3": 1, "b2": None}
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, glu: Callable = swiglu):
+        super().__init__(n_experts, dim, hidden, glu)
+        self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+        self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+        self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+        self.adds_down_bias = True  # false on the etp ranks but the first
+        self.grad_summed: Callable | None = None
+
+    def run(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], ends: torch.Tensor,
+            recompute_product: bool = False) -> torch.Tensor:  # fmt: skip
+        b2 = tensors["b2"] if self.grad_summed is None else self.grad_summed(tensors["b2"])
+        biases = ExpertBiases(tensors["b1"], tensors["b3"], b2 if self.adds_down_bias else b2 * 0)
+        w1, w3, w2 = tensors["w1"], tensors["w3"], tensors["w2"]
+        return grouped_swiglu(x, w1, w3, w2, ends, recompute_product, biases=biases, glu=self.glu)
 
 
 def limit_to_groups(scores: torch.Tensor, groups: int, limit: int) -> torch.Tensor:
@@ -565,8 +701,10 @@ class MoE(nn.Module):
         # outside by `fivecut.parallel.expert`; without it this is the plain dropless layer.
         self.runtime = None
         hidden = args.expert_dim
-        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
-        self.experts = GroupedExperts(args.n_experts, args.dim, hidden)
+        self.router = nn.Linear(args.dim, args.n_experts, bias=args.moe_bias)
+        glu = ClampedGLU(args.swiglu_limit, args.swiglu_alpha) if args.swiglu_limit else swiglu
+        experts = BiasedExperts if args.moe_bias else GroupedExperts
+        self.experts = experts(args.n_experts, args.dim, hidden, glu)
         self.shared = FeedForward(args.dim, hidden * args.n_shared_experts) if args.n_shared_experts else None
         # Added to the scores only to *select* experts (auxiliary-loss-free
         # balancing, DeepSeek-V3); the combine weights use the raw scores.

@@ -77,7 +77,7 @@ from torch import nn
 from fivecut import comm
 from fivecut.comm import Group
 from fivecut.model.documents import Documents
-from fivecut.model.transformer import Attention, LatentAttention
+from fivecut.model.transformer import Attention, LatentAttention, sink_grad
 
 
 def sequence_chunk(inputs: torch.Tensor, targets: torch.Tensor, group: Group, mode: str = "ulysses", ulysses: int = 1):
@@ -134,13 +134,15 @@ class UlyssesAttention(nn.Module):
         self.inner = inner
         self.group = group
 
-    def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks` [H] (GPT-OSS): cut with the heads, this rank's H/c to the inner core."""
         if k.shape[1] % self.group.size:  # too few kv heads to split: one per query head
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         q, k, v = (heads_to_sequence(t, self.group) for t in (q, k, v))  # [b, heads/c, s, hd]
+        mine = () if sinks is None else (sinks.view(self.group.size, -1)[self.group.rank],)  # [H/c]
         # the inner core sees whole sequences (of some heads): the documents' mask applies as on one device
-        return sequence_to_heads(self.inner(q, k, v, documents), self.group)  # [b, H, s/c, hd]
+        return sequence_to_heads(self.inner(q, k, v, documents, *mine), self.group)  # [b, H, s/c, hd]
 
 
 @dataclass
@@ -248,7 +250,7 @@ class _Ring(torch.autograd.Function):
               c passes of the gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, documents):
+    def forward(ctx, q, k, v, group, documents, sinks):
         kernel, c, r, local = flash_kernel(q), group.size, group.rank, q.shape[2]
         kv = torch.cat([k, v], dim=-1)  # [b, KV, s/c, hd + hd_v]: one message per pass
         out = lse = None
@@ -269,15 +271,18 @@ class _Ring(torch.autograd.Function):
                     merge_into(out[:, :, qs], lse[:, :, qs], o_blk, lse_blk)
             _finish(works, group)
             kv = nxt
+        if sinks is not None:  # GPT-OSS: the sink is one more block, of value 0 and log-sum-exp `sink`
+            merge_into(out, lse, torch.zeros_like(out), sinks.float().view(1, -1, 1).expand_as(lse))
         out = value_width(out, v.shape[-1]).to(q.dtype)  # [b, H, s/c, hd_v] laid out [b, s/c, H, hd_v]
         ctx.group, ctx.kernel, ctx.documents = group, kernel, documents
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, kernel = ctx.group, ctx.kernel
+        sink = None if sinks is None else sink_grad(grad_out, out, lse, sinks)  # [H]
         c, r, local = group.size, group.rank, q.shape[2]
         hd, hd_v = k.shape[-1], v.shape[-1]
         grad_out, out = pad_value(grad_out, hd), pad_value(out, hd)  # [b, H, s/c, hd]
@@ -309,7 +314,7 @@ class _Ring(torch.autograd.Function):
             kv = nxt
         home, works = _post_shift(dkv, group, GRAD_TAG)  # the block of rank r+1, complete: to its owner
         _finish(works, group)
-        return dq.to(q.dtype), home[..., :hd].to(k.dtype), home[..., hd:].to(v.dtype), None, None
+        return dq.to(q.dtype), home[..., :hd].to(k.dtype), home[..., hd:].to(v.dtype), None, None, sink
 
 
 @dataclass(frozen=True)
@@ -385,11 +390,12 @@ class RingAttention(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks` [H] (GPT-OSS): merged once after the ring's blocks (`_Ring`)."""
         if torch.is_autocast_enabled(q.device.type):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return _Ring.apply(q, k, v, self.group, documents)  # [b, H, s/cp, hd]
+        return _Ring.apply(q, k, v, self.group, documents, sinks)  # [b, H, s/cp, hd]
 
 
 def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str = "ulysses") -> list[str]:

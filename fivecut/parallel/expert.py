@@ -630,6 +630,8 @@ def cut_expert_hidden(moe: MoE, etp: Group) -> dict[str, Change]:
         out[f"experts.{name}"] = Change(slice=Slice("etp", dim, etp.rank * length, length, hidden))
     if hasattr(ex, "grad_summed"):
         ex.grad_summed = functools.partial(comm.copy_to, group=etp)
+    if hasattr(ex, "adds_down_bias"):  # GPT-OSS's down bias: added once to the shards' partial sums
+        ex.adds_down_bias = etp.rank == 0
     return out
 
 

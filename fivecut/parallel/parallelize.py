@@ -88,6 +88,7 @@ STEPS = ("pipeline", "expert", "tensor", "materialize", "context", "recompute", 
 # only when tp divides the kv heads (otherwise they are replicated: `ReplicatedKV`)
 TP_CUT = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
           "feed_forward.w3.weight", "tok_embeddings.weight", "attention.wq.bias")  # fmt: skip
+TP_CUT_SINKS = ("attention.sinks",)  # GPT-OSS's sinks [n_heads]: with their heads
 TP_CUT_KV = ("attention.wk.weight", "attention.wv.weight", "attention.wk.bias", "attention.wv.bias")
 TP_CUT_MLA = ("attention.wq_b.weight", "attention.wkv_b.weight")  # latent attention's up projections
 TP_CUT_WHOLE_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # over whole projections (OLMo 2)
@@ -455,7 +456,7 @@ def tensor_parallel(stage: nn.Module, mesh: Mesh, saved: SavedActivations) -> St
     changes = apply_tensor_parallel(stage, mesh.group("tp"), dims.sp, saved)
     if dims.etp > 1:
         changes |= apply_expert_tensor_parallel(stage, mesh.group("etp"))
-    suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ()) + TP_CUT_MLA
+    suffixes = TP_CUT + (TP_CUT_KV if args.n_kv_heads % dims.tp == 0 else ()) + TP_CUT_MLA + TP_CUT_SINKS
     suffixes += TP_CUT_WHOLE_NORMS if args.qk_norm_whole else ()
     expected = [path for path, _ in stage.named_parameters() if path.endswith(suffixes) and ".experts." not in path]
     expected += [path for path in expert_cuts(stage) if dims.etp > 1]

@@ -51,12 +51,13 @@ import torch
 from torch import nn
 
 from fivecut.model.lora import LoRAExperts, LoRALinear
-from fivecut.model.transformer import GroupedExperts
+from fivecut.model.transformer import BiasedExperts, GroupedExperts
 
 CAST = (
     (LoRALinear, ("weight", "bias", "lora_a", "lora_b")),
     (nn.Linear, ("weight", "bias")),
     (LoRAExperts, tuple(LoRAExperts.EXPERT_TENSORS)),
+    (BiasedExperts, tuple(BiasedExperts.EXPERT_TENSORS)),  # GPT-OSS's: the biases too
     (GroupedExperts, tuple(GroupedExperts.EXPERT_TENSORS)),
 )  # module kinds and their matmul weights
 

@@ -98,11 +98,12 @@ class RecomputedCore(nn.Module):
         self.inner = inner
         self.saved = saved
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None, *sinks) -> torch.Tensor:
+        """`sinks`: GPT-OSS's [H], when the attention has them, handed to the inner core."""
         if not torch.is_grad_enabled():
-            return self.inner(q, k, v, documents)
+            return self.inner(q, k, v, documents, *sinks)
         self.saved.count_kept(q, k, v)
-        return checkpoint(self.inner, q, k, v, documents, use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(self.inner, q, k, v, documents, *sinks, use_reentrant=False, preserve_rng_state=False)
 
 
 def wrap_core(attention: Attention | LatentAttention, saved: SavedActivations) -> None:

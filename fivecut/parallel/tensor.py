@@ -184,6 +184,22 @@ class ReplicatedKV(nn.Module):
         return F.linear(x, weight, bias)  # [b, s, hd]: one kv head
 
 
+class RowParallelBias(nn.Module):
+    """A row-parallel linear with a bias (GPT-OSS's wo): each rank's product is a partial sum that the
+    region's g adds over t, so the whole bias [out] is added by the first rank only; every rank's output
+    gradient is the whole one, so the first rank's bias gradient is the whole gradient, summed over t (f on
+    the bias) for every rank to hold it."""
+
+    def __init__(self, linear: nn.Linear, group: Group):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # [out, in/t], [out]: the same Parameters
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = comm.copy_to(self.bias, self.group)
+        return F.linear(x, self.weight, bias if self.group.rank == 0 else bias * 0)  # [b, s, out]: a partial sum
+
+
 class ReplicatedLinear(nn.Module):
     """A linear whose full weight every rank holds and applies to the full input, inside a region
     whose ranks each back-propagate only part of the output's gradient: the weight's gradient is
@@ -369,6 +385,12 @@ def parallelize_attention(attention: nn.Module, args, group: Group) -> Changes:
             changes |= column_changes(linear, name, Change(summed_over="tp"))
             setattr(attention, name, ReplicatedKV(linear, head, hd, group))
     changes |= cut(attention.wo, "wo", group, row=True)
+    if attention.wo.bias is not None:  # GPT-OSS: the bias added once to the partial sums g adds
+        attention.wo = RowParallelBias(attention.wo, group)
+        changes["wo.bias"] = Change(summed_over="tp")
+    if attention.sinks is not None:  # GPT-OSS: each head's sink logit, cut with the heads
+        attention.sinks, where = shard_param(attention.sinks, 0, group)  # [H/t]
+        changes["sinks"] = Change(slice=where)
     return changes | parallelize_head_norms(attention, group)
 
 

@@ -75,6 +75,7 @@ def activation_bytes_per_layer(
     fused_norm: bool = False,
     split: bool = False,
     idle: frozenset[str] = frozenset(),
+    windowed: bool | None = None,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -99,7 +100,9 @@ def activation_bytes_per_layer(
     kept once (this rank's slice under SP) instead of each reader's bf16 cast of it. `idle`: the
     block's linears (paths inside it: "attention.wq", "feed_forward.router") that keep no input,
     frozen without an adapter ([lora]): no bf16 cast of it under autocast, the norm's output not
-    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle."""
+    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle. `windowed`:
+    the block's attention slides (None: the model has a window anywhere)."""
+    windowed = args.has_window if windowed is None else windowed
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -139,7 +142,7 @@ def activation_bytes_per_layer(
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
     if documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
         dense += a * batch * (seq * u) ** 2  # the window's band inside it when there is one
-    elif plain and args.has_window and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
+    elif plain and windowed and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
         dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
@@ -380,7 +383,7 @@ def moe_bytes(
     (b*s, or b*s/t under tp), k = top_k, E experts, H = expert hidden size, N = rows sent, R =
     rows received (they depend on the routing):
         router     T*E scores; T*k expert indices (int64); T + T*k for the weights' renormalization
-        dispatch   N row indices (int64)
+        dispatch   N row indices (int64); GPT-OSS's expert biases: R row experts (int64), `routed_glu_tensors`
         experts    R*(h + 4H): the rows each expert received, and SwiGLU's four intermediates;
                    the one grouped GEMM's group ends (int32 for each of the S = E/ep + X local
                    slots, X = `eplb_slots`); with ep > 1, 2R row indices (int64), the received
@@ -408,7 +411,7 @@ def moe_bytes(
     renormalize = t + t * k if args.gate == "sigmoid" or k > 1 else 0
     stats = FP32 * (t * e + renormalize)
     shared = args.expert_dim * args.n_shared_experts  # the shared experts' hidden size
-    rows = received * (h + swiglu * args.expert_dim // etp) + gathered * k * (h + 1)
+    rows = received * (h + routed_glu_tensors(args, swiglu) * args.expert_dim // etp) + gathered * k * (h + 1)
     readers = ("router",) + (("shared.w1", "shared.w3") if shared > 0 else ())
     reading = sum(f"feed_forward.{n}" not in idle for n in readers)
     casts_kept = (FP32 / a * (reading > 0) if split else reading) if casts else 0  # router's, shared's
@@ -417,7 +420,15 @@ def moe_bytes(
     local = e // ep + eplb_slots
     grouped = 4 * local + (8 * 2 * received if ep > 1 else 0)  # group ends; the slot-major reorder
     stacked = a * 3 * local * h * args.expert_dim // etp + 8 * eplb_slots if eplb_slots else 0
-    return stats + a * rows + 8 * (t * k + sent + gathered * k) + grouped + stacked
+    biases = 8 * received * args.moe_bias  # GPT-OSS: each row's expert (int64), which indexes the three biases
+    return stats + a * rows + 8 * (t * k + sent + gathered * k) + grouped + stacked + biases
+
+
+def routed_glu_tensors(args, swiglu: int) -> int:
+    """[rows, hidden] tensors the routed experts' product keeps: SwiGLU's `swiglu`; GPT-OSS's clamped one
+    (`ClampedGLU`) without recomputation 7: the two products, the clamped gate, the sigmoid, up + 1, gate x
+    sigmoid and the product w2 reads (recomputed: the two products, as SwiGLU's)."""
+    return 7 if args.swiglu_limit and swiglu == 4 else swiglu
 
 
 def stage_activation_bytes(

@@ -840,7 +840,8 @@ def block_bytes(
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
     idle = idle_linears(args, cfg, layer)
-    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg), idle)
+    windowed = args.layer_window(layer) > 0  # GPT-OSS's full layers keep no band
+    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg), idle, windowed)
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -860,6 +861,7 @@ def block_bytes(
             fused_norm=fused_norm,
             split=split_backward(args, cfg),
             idle=idle,
+            windowed=windowed,
         )
     return BLOCK_BYTES[key]
 

@@ -215,11 +215,12 @@ def replicated_attention_weights(args, t: int) -> int:
     """Elements of one block's attention weights that every tp rank holds whole and whose gradient
     autograd all-reduces over tp: wk and wv when t does not divide the kv heads; under multi-head
     latent attention the down projections and latent norms (wq_a, q_norm, wkv_a, kv_norm); the
-    per-head query and key norms (qk_norm)."""
+    per-head query and key norms (qk_norm); GPT-OSS's wo bias (added by one rank: `RowParallelBias`)."""
     if args.is_mla:
         shapes = args.mla_shapes()
         return sum(shapes.get(name, 0) for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"))
     head_norms = 2 * args.head_dim if args.qk_norm and not args.qk_norm_whole else 0  # whole ones: cut with wq, wk
+    head_norms += args.dim * args.wo_bias
     return head_norms + (2 * args.n_kv_heads * args.head_dim * args.dim if args.n_kv_heads % t else 0)
 
 
@@ -405,7 +406,8 @@ def expert_tensor_volume(args, cfg) -> tuple[float, str]:
     outputs (and their gradient) are bf16 (`message_bytes`). A fully recomputed layer runs its
     forward part again. [lora] on the experts: the gradient of the adapter halves every etp rank
     holds whole (the shared gate/up A [E, dim, r], down's B [E, r, dim], over this rank's slots)
-    all-reduced in backward, in their copies' dtype (`LoRAExperts.grad_summed`)."""
+    all-reduced in backward, in their copies' dtype (`LoRAExperts.grad_summed`); so is GPT-OSS's down bias
+    [E, dim], whole on every etp rank (`BiasedExperts`)."""
     dims, train = cfg.parallel, cfg.train
     n, k, h = dims.etp, args.top_k, args.dim
     micro = dims.microbatches if dims.pp > 1 else 1
@@ -415,10 +417,11 @@ def expert_tensor_volume(args, cfg) -> tuple[float, str]:
     stream, a = message_bytes(cfg)  # tokens (and their gradient): the stream's dtype; partial outputs: a
     forward = ring * rows * (h * stream + k * FP32 + choice * 8 + h * a)
     backward = ring * rows * (h * a + h * stream + k * FP32)
+    slots = args.n_experts // dims.ep + cfg.moe.eplb_slots
+    copies = 2 if precision_of(train.dtype, dims.zero) != "fp32" else FP32
     if cfg.lora.rank is not None and EXPERTS in cfg.lora.targets:
-        slots = args.n_experts // dims.ep + cfg.moe.eplb_slots
-        copies = 2 if precision_of(train.dtype, dims.zero) != "fp32" else FP32
         backward += ring_factor("all_reduce", n) * copies * slots * 2 * h * cfg.lora.rank
+    backward += ring_factor("all_reduce", n) * copies * slots * h * args.moe_bias
     layers = [i for i in rank_layer_ids(args, cfg) if args.moe_layer(i)]
     again = recomputed_moe_layers(args, cfg)
     volume = train.accumulate * micro * sum(forward + backward + (i in again) * forward for i in layers)

@@ -57,6 +57,7 @@ from pathlib import Path
 from fivecut.model.args import ModelArgs
 from fivecut.weights import glm_architecture
 from fivecut.weights import moe_architectures as moe
+from fivecut.weights.gpt_oss import GPT_OSS
 from fivecut.weights.rope import CONFIG_KEYS, RopeError, rope_config, rope_fields
 
 
@@ -409,7 +410,7 @@ def phi3_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------- which shapes each class holds
 
 # the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
-VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim")
+VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim", *moe.GPT_OSS_ONLY)
 
 
 def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:
@@ -594,7 +595,7 @@ def register(architecture: AnyArchitecture, defaults: dict | None = None) -> Non
         DEFAULTS[architecture.model_type] = defaults
 
 
-for _moe_class in moe.ARCHITECTURES:  # Mixtral, Qwen3-MoE, DeepSeek-V3
+for _moe_class in (*moe.ARCHITECTURES, GPT_OSS):  # Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS
     register(_moe_class)
 register(glm_architecture.GLM4_MOE)  # GLM-4.5: DeepSeek-V3's router on grouped-query attention
 

@@ -273,6 +273,8 @@ class Plan:
 def fused_with(before: Entry, entry: Entry) -> bool:
     """Whether `entry` is a later row block of the fused tensor `before` writes (one shard holds them all)."""
     maps = (before.map, entry.map)
+    if all(isinstance(m, moe.Part) and m.interleave is not None for m in maps):  # GPT-OSS's gate_up_proj
+        return maps[0].hf_name == maps[1].hf_name
     return all(isinstance(m, TensorMap) and m.rows for m in maps) and maps[0].theirs == maps[1].theirs
 
 
@@ -390,15 +392,19 @@ def write_shard(
     adapters = adapter_values(path, entries)
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, list[torch.Tensor]] = {}  # a fused tensor's row blocks, in row order (Phi-3's qkv_proj)
+    pairs: dict[str, dict[int, torch.Tensor]] = {}  # an interleaved tensor's halves, by place (GPT-OSS's gate_up_proj)
     for entry in entries:
         value = boxes.pop(0) if isinstance(entry.map, moe.Part) else values.pop(entry.key)
         if entry.adapter is not None:
             value = merged(entry, value, *(adapters[k] for k in entry.adapter), scale)
         if isinstance(entry.map, TensorMap) and entry.map.rows:
             blocks.setdefault(entry.map.theirs[0], []).append(value.to(dtype))
+        elif isinstance(entry.map, moe.Part) and entry.map.interleave is not None:
+            pairs.setdefault(entry.map.hf_name, {})[entry.map.interleave] = value.to(dtype)
         else:
             tensors |= hf_tensors(entry, value, dtype)
     tensors |= {name: torch.cat(parts) for name, parts in blocks.items()}  # [total rows, in]
+    tensors |= {name: torch.stack([two[0], two[1]], -1).flatten(-2) for name, two in pairs.items()}  # [.., 2 * width]
     save_file(tensors, str(file), metadata={"format": "pt"})
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 

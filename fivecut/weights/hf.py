@@ -21,6 +21,7 @@ from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
 from fivecut.weights.fp8 import SCALE, BlockScaled, fp8_blocks, split_scales
+from fivecut.weights.mxfp4 import is_mxfp4
 from fivecut.weights.safetensors_file import NotSafetensors, StoredTensor, read_header
 from fivecut.weights.source import Request, WeightsError, expected_shapes, fill_each, optional
 
@@ -103,6 +104,9 @@ class HFSource:
         config = read_config(folder)
         self.tokenizer_name = config.get("fivecut_tokenizer")  # a fivecut export with no tokenizer files
         self.files = weight_files(folder)  # Hugging Face name -> the safetensors file holding it
+        # MXFP4 experts (GPT-OSS): their readers dequantize them (`fivecut.weights.mxfp4`)
+        if is_mxfp4(config, folder / "config.json"):
+            config = {k: v for k, v in config.items() if k != "quantization_config"}
         self.fp8_block = fp8_blocks(config, folder / "config.json")  # block-scaled fp8 weights (`fivecut.weights.fp8`)
         self.scales: dict[str, str] = {}  # a quantized weight's name -> its scale tensor's
         if self.fp8_block is not None:

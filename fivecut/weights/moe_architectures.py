@@ -69,6 +69,9 @@ class Part:
     offsets: tuple[int, ...]  # where the box starts in the fivecut tensor
     sizes: tuple[int, ...]  # the box's sizes
     transform: Callable[[torch.Tensor], torch.Tensor]  # box -> the Hugging Face tensor
+    # GPT-OSS's gate_up_proj: this part is the even (0) or odd (1) columns of hf_name's last dimension, another
+    # part of the same hf_name the others (`fivecut.weights.export.write_shard` interleaves them)
+    interleave: int | None = None
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -411,10 +414,21 @@ def mixtral_config(args: ModelArgs) -> dict:
     }
 
 
+# GPT-OSS's fields (`fivecut.weights.gpt_oss`): the other classes hold none of them
+GPT_OSS_ONLY = ("attention_sinks", "wo_bias", "window_layers", "moe_bias", "swiglu_limit")
+
+
+def gpt_oss_fields(args: ModelArgs) -> tuple[bool, str]:
+    """(holds, why not) of a class without GPT-OSS's fields."""
+    found = [name for name in GPT_OSS_ONLY if getattr(args, name)]
+    return not found, f"it has GPT-OSS's {', '.join(found)}"
+
+
 def mixtral_holds(args: ModelArgs) -> str | None:
     """None when MixtralForCausalLM holds a model of shape `args` exactly, else why not."""
     return _unmet(
         (args.is_moe, "it has no experts"),
+        gpt_oss_fields(args),
         (not args.qkv_bias, "its q/k/v projections have biases"),
         (not args.full_attention_layers, "its window covers every layer (full_attention_layers > 0)"),
         (not args.is_mla, "its attention is latent"),
@@ -517,6 +531,7 @@ def qwen3_moe_holds(args: ModelArgs) -> str | None:
     """None when Qwen3MoeForCausalLM holds a model of shape `args` exactly, else why not."""
     return _unmet(
         (args.is_moe, "it has no experts"),
+        gpt_oss_fields(args),
         (not args.qkv_bias, "its q/k/v projections have biases"),
         (not args.has_window, "its attention has a sliding window"),
         (not args.is_mla, "its attention is latent"),
@@ -649,6 +664,7 @@ def deepseek_v3_holds(args: ModelArgs) -> str | None:
     group_size = args.n_experts // args.expert_groups if args.is_moe else 0
     return _unmet(
         (args.is_moe, "it has no experts"),
+        gpt_oss_fields(args),
         (not args.qkv_bias, "its q/k/v projections have biases"),
         (not args.has_window, "its attention has a sliding window"),
         (args.is_mla, "its attention is not latent"),

@@ -10,7 +10,8 @@ the plain RoPE and three scalings (`fivecut.model.transformer.rope_frequencies`)
     yarn     factor, original_max_position_embeddings,        (Qwen2.5's long contexts, DeepSeek-V3)
              beta_fast, beta_slow, mscale, mscale_all_dim
 
-Any other rope_type, or a key a type does not read (attention_factor, truncate = false,
+YaRN's truncate = false (GPT-OSS) is `rope_truncate`. Any other rope_type, or a key a type does not read
+(attention_factor, truncate other than YaRN's,
 partial_rotary_factor other than 1, ...), is refused by name: a model using it would compute
 something else.
 
@@ -89,12 +90,14 @@ def plain_fields(params: dict, where: str, path: Path) -> dict:
     if unknown:
         raise RopeError(f"{path}: {where}.{unknown[0]} is not implemented by fivecut's {kind} RoPE")
     check_whole(params, where, path)
+    truncate = {"rope_truncate": False} if kind == "yarn" and params.get("truncate") is False else {}
     missing = [key for key in NEEDED.get(kind, ()) if params.get(key) is None]
     if missing:
         raise RopeError(f"{path}: {where} of rope_type {kind!r} has no {missing[0]}")
     out = {"rope_theta": float(number(params["rope_theta"], f"{where}.rope_theta", path))}
     if kind == "default":
         return out
+    out |= truncate
     out["rope_scaling"] = kind
     for key in KEYS[kind]:
         value = params.get(key)
@@ -106,10 +109,12 @@ def plain_fields(params: dict, where: str, path: Path) -> dict:
 
 
 def check_whole(params: dict, where: str, path: Path) -> None:
-    """What fivecut's RoPE always does: YaRN truncates its range; every channel of a head rotates."""
-    if params.get("truncate", True) is not True:
+    """What fivecut's RoPE always does: YaRN's truncate is true or false (`rope_truncate`), and only YaRN's;
+    every channel of a head rotates."""
+    truncate = params.get("truncate", True)
+    if truncate is not True and (truncate is not False or params["rope_type"] != "yarn"):
         raise RopeError(
-            f"{path}: {where}.truncate = {params['truncate']!r} is not implemented; fivecut's YaRN truncates"
+            f"{path}: {where}.truncate = {truncate!r} is not implemented; fivecut's YaRN reads true or false"
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise RopeError(
@@ -179,5 +184,7 @@ def rope_config(args: ModelArgs) -> dict:
         value = getattr(args, FIELDS[key])
         if key not in ("mscale", "mscale_all_dim") or value:  # 0: unset
             params[key] = value
+    if args.rope_scaling == "yarn" and not args.rope_truncate:  # (GPT-OSS) the ramp's ends not rounded
+        params["truncate"] = False
     old = None if args.rope_scaling == "none" else {k: v for k, v in params.items() if k != "rope_theta"}
     return {"rope_theta": args.rope_theta, "rope_parameters": params, "rope_scaling": old}
