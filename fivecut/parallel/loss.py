@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivecut.model.transformer import softcap
+
 TokenLosses = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits [C, V/t], targets [C]) -> [C] fp32
 
 
@@ -138,24 +140,31 @@ def chunked_loss_sum(
 class LossHead(nn.Module):
     """The output projection [V(/t), h] that, given targets, returns the sum of token losses computed
     in chunks of `chunk` tokens (never the whole logits); without targets, the logits [b, s, V(/t)].
-    Keeps the head's parameter path (`output.weight`) and a tied embedding's Parameter."""
+    Keeps the head's parameter path (`output.weight`) and a tied embedding's Parameter. With `cap` > 0
+    (Gemma 2's final_logit_softcapping) each chunk's logits are soft-capped, cap tanh(logits / cap),
+    before its token losses: element by element, so on a vocabulary shard as on the whole row. (The
+    logits without targets are capped by the model, `Transformer.logits`.)"""
 
-    def __init__(self, linear: nn.Linear, chunk: int):
+    def __init__(self, linear: nn.Linear, chunk: int, cap: float = 0.0):
         super().__init__()
         self.weight = linear.weight  # [V, h], the same Parameter
         self.out_features = linear.out_features
-        self.chunk = chunk
+        self.chunk, self.cap = chunk, cap
         self.token_losses: TokenLosses = cross_entropy_per_token  # tensor parallelism sets the vocab-parallel one
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return F.linear(hidden, self.weight)  # [b, s, V(/t)]
         flat = hidden.flatten(0, 1)  # [b*s, h]
-        return chunked_loss_sum(flat, self.weight, targets.flatten(), self.chunk, self.token_losses)
+        return chunked_loss_sum(flat, self.weight, targets.flatten(), self.chunk, self.capped_token_losses)
+
+    def capped_token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`token_losses` of the soft-capped logits [C, V/t] (of the logits themselves without a cap)."""
+        return self.token_losses(softcap(logits, self.cap), targets)
 
 
 def install_loss_head(stage: nn.Module, chunk: int) -> None:
     """Replace the head of a model (or pipeline stage; one without a head is left as it is) by a
-    `LossHead` of `chunk` tokens."""
+    `LossHead` of `chunk` tokens, soft-capped as the model's logits are (`ModelArgs.logit_softcap`)."""
     if stage.output is not None:
-        stage.output = LossHead(stage.output, chunk)
+        stage.output = LossHead(stage.output, chunk, stage.args.logit_softcap)
