@@ -85,7 +85,7 @@ class ModelConfig:
     scale_embeddings: bool | None = None
     full_attention_interval: int | None = None
     rope_local_theta: float | None = None
-    query_scale_dim: float | None = None
+    query_scale_dim: int | None = None
     attn_softcap: float | None = None
     logit_softcap: float | None = None
 

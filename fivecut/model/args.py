@@ -167,7 +167,7 @@ class ModelArgs:
     # the sliding layers' own RoPE base, unscaled (Gemma 3's local layers); 0: every layer turns as rope_theta
     # (and rope_scaling) say
     rope_local_theta: float = 0.0
-    query_scale_dim: float = 0.0  # the scores times query_scale_dim ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim
+    query_scale_dim: int = 0  # the scores times query_scale_dim ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim
     # soft-capping, cap * tanh(x / cap) (Gemma 2): of each attention score (after the scale, before the mask) and of
     # each output logit; 0: none
     attn_softcap: float = 0.0

@@ -77,13 +77,13 @@ def gemma_args(cfg: HFConfig, pattern: int, **variant) -> ModelArgs:
     cfg.skip("hidden_act")
     cfg.raw = {k: v for k, v in cfg.raw.items() if k != "hidden_act"}  # (not the SwiGLU `dense_args` expects)
     args = dense_args(cfg, **window_fields(cfg, pattern), **variant)
-    scalar = cfg.get("query_pre_attn_scalar", float, 256)
+    scalar = cfg.get("query_pre_attn_scalar", int, 256)
     return dataclasses.replace(
         args,
         ffn_activation=ACTIVATIONS[act],
         sandwich_norms=True,
         scale_embeddings=True,
-        query_scale_dim=0.0 if scalar == args.head_dim else float(scalar),
+        query_scale_dim=0 if scalar == args.head_dim else scalar,
         logit_softcap=float(cfg.get("final_logit_softcapping", float, 0.0)),
     )
 

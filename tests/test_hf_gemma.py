@@ -1,0 +1,264 @@
+"""Gemma 2 and Gemma 3 (text) in and out of Hugging Face, one process and under the cuts.
+
+Each model is a tiny random one built by `transformers` from its config class (no download), every
+mechanism on: GeGLU, the four norms of a block (their w drawn at random, not at Gemma's zero init, so a
+norm read without its + 1, or in another's place, changes the logits), the embedding scaled by
+sqrt(64), query_pre_attn_scalar 24 (not the head's 16), layer 0 sliding with a window of 4 (13 tokens)
+and layer 1 global. Gemma 3: per-head q/k norms, the global layer's RoPE at base 5e4 stretched by a
+linear factor 2, the sliding layer's at base 1e3. Gemma 2: attention scores capped at 0.1 and logits
+at 0.5, caps small enough to bend this tiny model's scores and logits (at Gemma 2's own 50 and 30 they
+would not, and a missing cap would go unseen).
+
+Tolerances as in tests/test_hf_dense.py: fp32 logits (values ~0.1-1), 1e-5 absolute and relative.
+Under the cuts, `fivecut verify`'s own (rtol 1e-5 on the losses, gradients).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf_dense import (
+    assert_each_gives_its_logits,
+    assert_greedy_generation_equals_transformers,
+    edited,
+    train_two_steps,
+    verify,
+)
+from test_import import import_config, logits_of
+
+from fivecut.launch import spawn
+
+RTOL = ATOL = 1e-5
+VOCAB = 321
+TOKENS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))  # [b, s]; s > the window
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=4,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention"],
+)
+ROPES = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+}
+# class -> (config class, the architecture's own keys)
+MODELS = {
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(rope_parameters=ROPES)),
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(attn_logit_softcapping=0.1, final_logit_softcapping=0.5)),
+}
+
+
+def hf_model(name: str, seed: int = 0):
+    """A random `name` model of transformers, fp32, eval mode, its norms' w not at Gemma's init (0)."""
+    transformers = pytest.importorskip("transformers")
+    config_class, own = MODELS[name]
+    config = getattr(transformers, config_class)(**COMMON, **own)
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """class name -> (its folder, transformers' logits of TOKENS [b, s, V])."""
+    root = tmp_path_factory.mktemp("hf-gemma")
+    out = {}
+    for name in MODELS:
+        model = hf_model(name)
+        model.save_pretrained(root / name, max_shard_size="60KB")
+        with torch.no_grad():
+            out[name] = (root / name, model(TOKENS).logits)
+    return out
+
+
+# ---------------------------------------------------------------- in: the logits of transformers
+
+
+def test_each_gemma_gives_its_logits_in_one_process(saved):
+    assert_each_gives_its_logits(saved, TOKENS)
+
+
+def test_the_config_becomes_the_right_fields(saved):
+    from fivecut.weights.load import source_of
+
+    for name, (folder, _) in saved.items():
+        args = source_of(f"hf:{folder}").args
+        assert args.ffn_activation == "gelu_tanh" and args.sandwich_norms and args.scale_embeddings, name
+        assert args.query_scale_dim == 24 and args.head_dim == 16 and args.tie_embeddings, name
+        assert [args.layer_window(i) for i in range(2)] == [4, 0] and args.full_attention_interval == 2, name
+    gemma3 = source_of(f"hf:{saved['Gemma3ForCausalLM'][0]}").args
+    assert gemma3.qk_norm and not gemma3.qk_norm_whole and gemma3.attn_softcap == gemma3.logit_softcap == 0
+    assert (gemma3.rope_theta, gemma3.rope_scaling, gemma3.rope_factor, gemma3.rope_local_theta) == (
+        5e4,
+        "linear",
+        2.0,
+        1e3,
+    )
+    assert [gemma3.layer_local_rope(i) for i in range(2)] == [True, False]
+    gemma2 = source_of(f"hf:{saved['Gemma2ForCausalLM'][0]}").args
+    assert (gemma2.attn_softcap, gemma2.logit_softcap, gemma2.rope_local_theta, gemma2.qk_norm) == (0.1, 0.5, 0, False)
+
+
+LAYOUTS = {
+    "tp=2,sp": ("parallel.tp=2", "parallel.sp=true"),
+    "pp=2": ("parallel.pp=2", "parallel.microbatches=2"),
+    "cp=2,ulysses": ("parallel.cp=2", 'parallel.cp_mode="ulysses"'),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_gemma_gives_its_logits_under_layout(saved, byte_cache, layout):
+    """tp: the four norms on sequence slices, the capped logits of each vocabulary shard; pp: the sliding
+    layer on stage 0, the global one (its own RoPE) on stage 1; cp: Ulysses' whole sequences per head."""
+    configs = [import_config(byte_cache, folder, *LAYOUTS[layout]) for folder, _ in saved.values()]
+    for rank, rank_logits in enumerate(spawn(logits_of, 2, configs, TOKENS)):
+        for (name, (_, expected)), got in zip(saved.items(), rank_logits):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}, {name}")
+
+
+# ---------------------------------------------------------------- fivecut verify under the cuts
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "name,layout",
+    [("Gemma2ForCausalLM", "tp=2,sp=true"), ("Gemma3ForCausalLM", "cp=2,cp_mode=ulysses")],
+)
+def test_verify_passes(saved, capsys, name, layout):
+    """Gemma 2's capped attention and capped vocabulary-parallel loss; Gemma 3 under Ulysses."""
+    verify(capsys, saved[name][0], layout)
+
+
+SWEEP = ["dp=2", "dp=2,zero=3", "tp=2", "tp=2,sp=true", "pp=2,microbatches=2", "cp=2,cp_mode=ulysses"]
+
+
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("layout", SWEEP)
+def test_verify_passes_on_each_gemma(saved, capsys, name, layout):
+    verify(capsys, saved[name][0], layout)
+
+
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_verify_passes_with_recomputation(saved, capsys, name, recompute):
+    """Selective recomputation runs GeGLU's product again in backward (its GELU's own gradient)."""
+    from fivecut.cli import main
+
+    argv = ["verify", "--model", f"hf:{saved[name][0]}", "--layout", "tp=2,sp=true", "--steps", "2"]
+    code = main([*argv, "--set", f'train.recompute="{recompute}"'])
+    out = capsys.readouterr().out
+    assert code == 0 and "PASS" in out, out
+
+
+# ---------------------------------------------------------------- out: trained, exported, read by transformers
+
+
+def test_each_gemma_exports_to_itself_after_training(saved, byte_cache, tmp_path):
+    """Each norm written back as Gemma's w (fivecut's scale less 1); the RoPE table per layer type."""
+    import transformers
+
+    from fivecut.weights import export as ex
+    from fivecut.weights.load import single_model
+
+    for name, (folder, before) in saved.items():
+        ck = train_two_steps(byte_cache, folder, tmp_path / name)
+        out = ex.export(ck, tmp_path / name / "hf", max_shard_bytes=100_000)
+        assert json.loads((out / "config.json").read_text())["architectures"] == [name]
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(theirs).__name__ == name
+        ours, _ = single_model(checkpoint=str(ck))
+        with torch.no_grad():
+            expected = ours(TOKENS)
+            torch.testing.assert_close(theirs(TOKENS).logits, expected, rtol=RTOL, atol=ATOL, msg=name)
+        assert not torch.allclose(expected, before, atol=1e-3), name
+
+
+def test_greedy_generation_equals_transformers(saved):
+    """Through the KV cache: 14 positions, past the window of 4; the capped scores and logits."""
+    assert_greedy_generation_equals_transformers(saved, TOKENS[0, :6].tolist())
+
+
+def test_check_import_passes(saved, capsys):
+    from fivecut.cli import main
+
+    for name, (folder, _) in saved.items():
+        code = main(["check-import", f"hf:{folder}"])
+        out = capsys.readouterr().out
+        assert code == 0 and out.splitlines()[-1].startswith("PASS") and name in out, out
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, before any rank
+
+
+def test_what_gemma_cannot_carry_is_refused_in_one_line(saved, tmp_path, capsys):
+    from fivecut.cli import main
+
+    gemma3, gemma2 = saved["Gemma3ForCausalLM"][0], saved["Gemma2ForCausalLM"][0]
+    local_linear = ROPES | {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e3}}
+    cases = {
+        "describe Gemma 3's multimodal model (Gemma3ForConditionalGeneration)": edited(
+            gemma3, tmp_path / "vision", {"vision_config": {"model_type": "siglip_vision_model"}}
+        ),
+        "rope_parameters.sliding_attention.rope_type = 'linear' is not implemented": edited(
+            gemma3, tmp_path / "local-rope", {"rope_parameters": local_linear}
+        ),
+        "use_bidirectional_attention = True is not implemented": edited(
+            gemma3, tmp_path / "bidirectional", {"use_bidirectional_attention": True}
+        ),
+        "layer_types ['full_attention', 'sliding_attention'] is not implemented": edited(
+            gemma2, tmp_path / "types", {"layer_types": ["full_attention", "sliding_attention"]}
+        ),
+        "hidden_activation = 'gelu' is not implemented": edited(
+            gemma2, tmp_path / "gelu", {"hidden_activation": "gelu"}
+        ),
+        "rope_parameters.rope_type = 'longrope' is not implemented": edited(
+            gemma2, tmp_path / "longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
+        ),
+    }
+    for needle, spec in cases.items():
+        code = main(["eval", "--init-from", spec, "--set", 'data.tokenizer="byte"'])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, (needle, err)
+    for mode in ("ring", "usp"):
+        code = main(["verify", "--model", f"hf:{gemma2}", "--layout", f"cp=2,cp_mode={mode}"])
+        err = capsys.readouterr().err
+        assert code == 2 and "attn_softcap=0.1 and query_scale_dim=24" in err and "cannot soft-cap" in err, err
+        assert "sliding-window attention (sliding_window=4)" in err, err
+
+
+def test_other_classes_do_not_hold_gemma_fields(saved):
+    from fivecut.model.args import ModelArgs
+    from fivecut.weights.architectures import ARCHITECTURES, for_args
+    from fivecut.weights.load import source_of
+
+    for name, (folder, _) in saved.items():
+        args = source_of(f"hf:{folder}").args
+        assert for_args(args).hf_class == name
+        assert all(a.holds(args) is not None for n, a in ARCHITECTURES.items() if n != name), name
+    with pytest.raises(ValueError, match="ffn_activation 'gelu_tanh' with experts"):
+        ModelArgs(n_experts=4, ffn_activation="gelu_tanh").check()
+    with pytest.raises(ValueError, match=r"rope_local_theta \(1000.0\) shapes the sliding layers"):
+        ModelArgs(rope_local_theta=1e3).check()
