@@ -262,3 +262,21 @@ def test_other_classes_do_not_hold_gemma_fields(saved):
         ModelArgs(n_experts=4, ffn_activation="gelu_tanh").check()
     with pytest.raises(ValueError, match=r"rope_local_theta \(1000.0\) shapes the sliding layers"):
         ModelArgs(rope_local_theta=1e3).check()
+
+
+def test_the_training_loss_is_transformers_loss(saved):
+    """The loss head's chunks (5 tokens each) soft-cap their logits before the cross-entropy, as Gemma 2's
+    logits are capped before transformers' loss: fivecut's mean token loss = transformers' `loss`."""
+    import transformers
+
+    from fivecut.parallel.loss import install_loss_head
+    from fivecut.weights.load import single_model
+
+    for name, (folder, _) in saved.items():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ours, _ = single_model(init_from=f"hf:{folder}")
+        install_loss_head(ours, 5)
+        with torch.no_grad():
+            expected = theirs(TOKENS, labels=TOKENS).loss
+            total = ours(TOKENS[:, :-1], targets=TOKENS[:, 1:])
+        torch.testing.assert_close(total / TOKENS[:, 1:].numel(), expected, rtol=RTOL, atol=ATOL, msg=name)
