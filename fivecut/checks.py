@@ -695,7 +695,10 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             + f"{divisors(model.n_heads // dims.tp)}"
         )
     return (
-        out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + window_ring_problems(dims, model)
+        out
+        + usp_head_problems(dims, model)
+        + expert_layout_problems(dims, model)
+        + window_ring_problems(dims, model)
         + score_ring_problems(dims, model)
     )
 

@@ -55,12 +55,14 @@ def test_every_class_of_the_zoo_passes(tmp_path, capsys):
     """Every registered class, dense and mixture-of-experts, as the other tests build it."""
     import test_hf_dense
     import test_hf_families
+    import test_hf_gemma
     import test_hf_moe
 
     from fivecut.weights.architectures import ARCHITECTURES
 
     folders = {name: save(tmp_path / name, test_hf_dense, name) for name in test_hf_dense.MODELS}
     folders |= {name: save(tmp_path / name, test_hf_families, name) for name in test_hf_families.MODELS}
+    folders |= {name: save(tmp_path / name, test_hf_gemma, name) for name in test_hf_gemma.MODELS}
     for kind, name in test_hf_moe.CLASSES.items():
         test_hf_moe.save_hf(kind, tmp_path / name)
         folders[name] = tmp_path / name

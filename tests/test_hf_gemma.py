@@ -15,38 +15,19 @@ Under the cuts, `fivecut verify`'s own (rtol 1e-5 on the losses, gradients).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+import test_hf_dense as dense
 import torch
-from test_hf_dense import (
-    assert_each_gives_its_logits,
-    assert_greedy_generation_equals_transformers,
-    edited,
-    train_two_steps,
-    verify,
-)
-from test_import import import_config, logits_of
-
-from fivecut.launch import spawn
+from test_hf_families import COMMON as FAMILIES_COMMON
 
 RTOL = ATOL = 1e-5
 VOCAB = 321
 TOKENS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))  # [b, s]; s > the window
-COMMON = dict(
+COMMON = FAMILIES_COMMON | dict(  # the window, query_pre_attn_scalar and head size Gemma's own
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
     sliding_window=4,
     query_pre_attn_scalar=24,
     layer_types=["sliding_attention", "full_attention"],
@@ -62,41 +43,26 @@ MODELS = {
 }
 
 
+def drawn_norm(weight: torch.Tensor) -> torch.Tensor:
+    """A Gemma norm's w drawn away from its init (0): 1 + w scales by ~0.7 to 1.3."""
+    return 0.3 * torch.randn_like(weight)
+
+
 def hf_model(name: str, seed: int = 0):
-    """A random `name` model of transformers, fp32, eval mode, its norms' w not at Gemma's init (0)."""
-    transformers = pytest.importorskip("transformers")
-    config_class, own = MODELS[name]
-    config = getattr(transformers, config_class)(**COMMON, **own)
-    torch.manual_seed(seed)
-    model = getattr(transformers, name)(config).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(0.3 * torch.randn_like(p))
-    return model
+    """A random `name` model of transformers, fp32, eval mode, its norms drawn (`drawn_norm`)."""
+    return dense.random_hf_model(name, MODELS[name][0], COMMON | MODELS[name][1], drawn_norm, seed)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     """class name -> (its folder, transformers' logits of TOKENS [b, s, V])."""
-    root = tmp_path_factory.mktemp("hf-gemma")
-    out = {}
-    for name in MODELS:
-        model = hf_model(name)
-        model.save_pretrained(root / name, max_shard_size="60KB")
-        with torch.no_grad():
-            out[name] = (root / name, model(TOKENS).logits)
-    return out
+    return dense.save_each(tmp_path_factory.mktemp("hf-gemma"), hf_model, MODELS, TOKENS)
 
 
 # ---------------------------------------------------------------- in: the logits of transformers
 
 
-def test_each_gemma_gives_its_logits_in_one_process(saved):
-    assert_each_gives_its_logits(saved, TOKENS)
-
-
-def test_the_config_becomes_the_right_fields(saved):
+def test_each_config_becomes_gemma_fields(saved):
     from fivecut.weights.load import source_of
 
     for name, (folder, _) in saved.items():
@@ -117,6 +83,10 @@ def test_the_config_becomes_the_right_fields(saved):
     assert (gemma2.attn_softcap, gemma2.logit_softcap, gemma2.rope_local_theta, gemma2.qk_norm) == (0.1, 0.5, 0, False)
 
 
+def test_each_gemma_gives_its_logits_in_one_process(saved):
+    dense.assert_each_gives_its_logits(saved, TOKENS)
+
+
 LAYOUTS = {
     "tp=2,sp": ("parallel.tp=2", "parallel.sp=true"),
     "pp=2": ("parallel.pp=2", "parallel.microbatches=2"),
@@ -129,10 +99,7 @@ LAYOUTS = {
 def test_each_gemma_gives_its_logits_under_layout(saved, byte_cache, layout):
     """tp: the four norms on sequence slices, the capped logits of each vocabulary shard; pp: the sliding
     layer on stage 0, the global one (its own RoPE) on stage 1; cp: Ulysses' whole sequences per head."""
-    configs = [import_config(byte_cache, folder, *LAYOUTS[layout]) for folder, _ in saved.values()]
-    for rank, rank_logits in enumerate(spawn(logits_of, 2, configs, TOKENS)):
-        for (name, (_, expected)), got in zip(saved.items(), rank_logits):
-            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}, {name}")
+    dense.assert_each_gives_its_logits_under(saved, byte_cache, LAYOUTS[layout], TOKENS, layout)
 
 
 # ---------------------------------------------------------------- fivecut verify under the cuts
@@ -145,7 +112,7 @@ def test_each_gemma_gives_its_logits_under_layout(saved, byte_cache, layout):
 )
 def test_verify_passes(saved, capsys, name, layout):
     """Gemma 2's capped attention and capped vocabulary-parallel loss; Gemma 3 under Ulysses."""
-    verify(capsys, saved[name][0], layout)
+    dense.verify(capsys, saved[name][0], layout)
 
 
 SWEEP = ["dp=2", "dp=2,zero=3", "tp=2", "tp=2,sp=true", "pp=2,microbatches=2", "cp=2,cp_mode=ulysses"]
@@ -156,7 +123,7 @@ SWEEP = ["dp=2", "dp=2,zero=3", "tp=2", "tp=2,sp=true", "pp=2,microbatches=2", "
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("layout", SWEEP)
 def test_verify_passes_on_each_gemma(saved, capsys, name, layout):
-    verify(capsys, saved[name][0], layout)
+    dense.verify(capsys, saved[name][0], layout)
 
 
 @pytest.mark.sweep
@@ -178,27 +145,12 @@ def test_verify_passes_with_recomputation(saved, capsys, name, recompute):
 
 def test_each_gemma_exports_to_itself_after_training(saved, byte_cache, tmp_path):
     """Each norm written back as Gemma's w (fivecut's scale less 1); the RoPE table per layer type."""
-    import transformers
-
-    from fivecut.weights import export as ex
-    from fivecut.weights.load import single_model
-
-    for name, (folder, before) in saved.items():
-        ck = train_two_steps(byte_cache, folder, tmp_path / name)
-        out = ex.export(ck, tmp_path / name / "hf", max_shard_bytes=100_000)
-        assert json.loads((out / "config.json").read_text())["architectures"] == [name]
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        assert type(theirs).__name__ == name
-        ours, _ = single_model(checkpoint=str(ck))
-        with torch.no_grad():
-            expected = ours(TOKENS)
-            torch.testing.assert_close(theirs(TOKENS).logits, expected, rtol=RTOL, atol=ATOL, msg=name)
-        assert not torch.allclose(expected, before, atol=1e-3), name
+    dense.assert_each_exports_to_itself(saved, byte_cache, tmp_path, TOKENS)
 
 
 def test_greedy_generation_equals_transformers(saved):
     """Through the KV cache: 14 positions, past the window of 4; the capped scores and logits."""
-    assert_greedy_generation_equals_transformers(saved, TOKENS[0, :6].tolist())
+    dense.assert_greedy_generation_equals_transformers(saved, TOKENS[0, :6].tolist())
 
 
 def test_check_import_passes(saved, capsys):
@@ -219,29 +171,26 @@ def test_what_gemma_cannot_carry_is_refused_in_one_line(saved, tmp_path, capsys)
     gemma3, gemma2 = saved["Gemma3ForCausalLM"][0], saved["Gemma2ForCausalLM"][0]
     local_linear = ROPES | {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e3}}
     cases = {
-        "describe Gemma 3's multimodal model (Gemma3ForConditionalGeneration)": edited(
+        "describe Gemma 3's multimodal model (Gemma3ForConditionalGeneration)": dense.edited(
             gemma3, tmp_path / "vision", {"vision_config": {"model_type": "siglip_vision_model"}}
         ),
-        "rope_parameters.sliding_attention.rope_type = 'linear' is not implemented": edited(
+        "rope_parameters.sliding_attention.rope_type = 'linear' is not implemented": dense.edited(
             gemma3, tmp_path / "local-rope", {"rope_parameters": local_linear}
         ),
-        "use_bidirectional_attention = True is not implemented": edited(
+        "use_bidirectional_attention = True is not implemented": dense.edited(
             gemma3, tmp_path / "bidirectional", {"use_bidirectional_attention": True}
         ),
-        "layer_types ['full_attention', 'sliding_attention'] is not implemented": edited(
+        "layer_types ['full_attention', 'sliding_attention'] is not implemented": dense.edited(
             gemma2, tmp_path / "types", {"layer_types": ["full_attention", "sliding_attention"]}
         ),
-        "hidden_activation = 'gelu' is not implemented": edited(
+        "hidden_activation = 'gelu' is not implemented": dense.edited(
             gemma2, tmp_path / "gelu", {"hidden_activation": "gelu"}
         ),
-        "rope_parameters.rope_type = 'longrope' is not implemented": edited(
+        "rope_parameters.rope_type = 'longrope' is not implemented": dense.edited(
             gemma2, tmp_path / "longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
         ),
     }
-    for needle, spec in cases.items():
-        code = main(["eval", "--init-from", spec, "--set", 'data.tokenizer="byte"'])
-        err = capsys.readouterr().err
-        assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, (needle, err)
+    dense.assert_refused_in_one_line(capsys, cases)
     for mode in ("ring", "usp"):
         code = main(["verify", "--model", f"hf:{gemma2}", "--layout", f"cp=2,cp_mode={mode}"])
         err = capsys.readouterr().err

@@ -452,8 +452,13 @@ class ModelArgs:
         shared = self._ffn_params(self.expert_dim * self.n_shared_experts)
         return router + routed + shared
 
+    @property
+    def block_norms(self) -> int:
+        """RMSNorms [dim] of one block: before attention and the feed-forward, and after each (sandwich_norms)."""
+        return 4 if self.sandwich_norms else 2
+
     def _layer_params(self, i: int, experts_counted: int) -> int:
-        norms = (4 if self.sandwich_norms else 2) * self.dim
+        norms = self.block_norms * self.dim
         if self.moe_layer(i):
             ffn = self._moe_params(experts_counted)
         else:

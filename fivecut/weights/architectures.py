@@ -411,7 +411,8 @@ def phi3_config(args: ModelArgs) -> dict:
 
 # the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
 VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim", "sandwich_norms", "scale_embeddings",
-            "full_attention_interval", "rope_local_theta", "query_scale_dim", "attn_softcap", "logit_softcap")  # fmt: skip
+            "full_attention_interval", "rope_local_theta", "query_scale_dim", "attn_softcap",
+            "logit_softcap")  # fmt: skip
 
 
 def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:

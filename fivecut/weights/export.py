@@ -66,8 +66,8 @@ from fivecut.model.lora import EXPERT_ADAPTERS, is_adapter
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
-from fivecut.weights import moe_architectures as moe
 from fivecut.weights import gemma  # noqa: F401  (registers Gemma 2 and Gemma 3)
+from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import ARCHITECTURES, AnyArchitecture, ArchitectureError, TensorMap, for_args
 from fivecut.weights.hf import folder_tokenizer, hf_config, read_config
 from fivecut.weights.load import open_source

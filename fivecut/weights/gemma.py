@@ -202,7 +202,9 @@ GEMMA_OWN = ("sandwich_norms", "scale_embeddings", "full_attention_interval", "q
 def gemma_problem(args: ModelArgs, name: str, own: tuple[str, ...] = ()) -> str | None:
     shape = (args.ffn_activation == "gelu_tanh", args.sandwich_norms, args.scale_embeddings)
     if not all(shape) or args.qkv_bias or args.full_attention_layers:
-        return f"{name} has GeGLU, norms around each sublayer and a scaled embedding, no biases, every k-th layer global"
+        return (
+            f"{name} has GeGLU, norms around each sublayer and a scaled embedding, no biases, every k-th layer global"
+        )
     return dense_problem(args, own=GEMMA_OWN + own)
 
 
@@ -242,9 +244,11 @@ def gemma_tensors(args: ModelArgs) -> list[TensorMap]:
 
 # ---------------------------------------------------------------- the records
 
-GEMMA_KEYS = DENSE_KEYS | {"hidden_activation", "attention_bias", "use_bidirectional_attention", "query_pre_attn_scalar",
-                           "sliding_window", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
-                           "sliding_window_pattern", "_sliding_window_pattern", "hidden_act"}  # fmt: skip
+GEMMA_KEYS = DENSE_KEYS | {
+    "hidden_activation", "attention_bias", "use_bidirectional_attention", "query_pre_attn_scalar", "sliding_window",
+    "layer_types", "final_logit_softcapping", "attn_logit_softcapping", "sliding_window_pattern",
+    "_sliding_window_pattern", "hidden_act",
+}  # fmt: skip
 GEMMA3_NO_MATH = (
     (
         "attn_logit_softcapping",

@@ -18,8 +18,8 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
-from fivecut.weights import moe_architectures as moe
 from fivecut.weights import gemma  # noqa: F401  (registers Gemma 2 and Gemma 3)
+from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
 from fivecut.weights.fp8 import SCALE, BlockScaled, fp8_blocks, split_scales
 from fivecut.weights.safetensors_file import NotSafetensors, StoredTensor, read_header
