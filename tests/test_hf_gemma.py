@@ -200,6 +200,7 @@ def test_what_gemma_cannot_carry_is_refused_in_one_line(saved, tmp_path, capsys)
 
 def test_other_classes_do_not_hold_gemma_fields(saved):
     from fivecut.model.args import ModelArgs
+    from fivecut.model.transformer import build_model
     from fivecut.weights.architectures import ARCHITECTURES, for_args
     from fivecut.weights.load import source_of
 
@@ -207,6 +208,8 @@ def test_other_classes_do_not_hold_gemma_fields(saved):
         args = source_of(f"hf:{folder}").args
         assert for_args(args).hf_class == name
         assert all(a.holds(args) is not None for n, a in ARCHITECTURES.items() if n != name), name
+        model = build_model(args, "meta")  # the planner's count holds the four norms a block
+        assert args.num_params() == sum(p.numel() for p in model.parameters()), name
     with pytest.raises(ValueError, match="ffn_activation 'gelu_tanh' with experts"):
         ModelArgs(n_experts=4, ffn_activation="gelu_tanh").check()
     with pytest.raises(ValueError, match=r"rope_local_theta \(1000.0\) shapes the sliding layers"):
