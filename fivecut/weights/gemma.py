@@ -73,6 +73,7 @@ def gemma_args(cfg: HFConfig, pattern: int, **variant) -> ModelArgs:
         )
     cfg.expect("attention_bias", False, "Gemma attention (no biases)")
     cfg.expect("use_bidirectional_attention", False, "Gemma attention (causal)")
+    cfg.skip("cache_implementation")  # `GEMMA_NO_MATH`
     # transformers 5 reads hidden_activation only; an older file's hidden_act beside it changes nothing
     cfg.skip("hidden_act")
     cfg.raw = {k: v for k, v in cfg.raw.items() if k != "hidden_act"}  # (not the SwiGLU `dense_args` expects)
@@ -247,16 +248,25 @@ def gemma_tensors(args: ModelArgs) -> list[TensorMap]:
 GEMMA_KEYS = DENSE_KEYS | {
     "hidden_activation", "attention_bias", "use_bidirectional_attention", "query_pre_attn_scalar", "sliding_window",
     "layer_types", "final_logit_softcapping", "attn_logit_softcapping", "sliding_window_pattern",
-    "_sliding_window_pattern", "hidden_act",
+    "_sliding_window_pattern", "hidden_act", "cache_implementation",
 }  # fmt: skip
-GEMMA3_NO_MATH = (
+# the keys Gemma's files carry that change no logit, and why (`Architecture.no_math`)
+GEMMA_NO_MATH = (
+    (
+        "cache_implementation",
+        "the KV cache transformers' generate builds ('hybrid': the sliding layers' caches keep their window); "
+        "fivecut's cache keeps every position and masks the window, the same logits",
+    ),
+)
+GEMMA3_NO_MATH = GEMMA_NO_MATH + (
     (
         "attn_logit_softcapping",
         "transformers' Gemma 3 attention never passes it to its attention function: no score is capped",
     ),
 )
 GEMMA2 = Architecture(
-    "Gemma2ForCausalLM", "gemma2", gemma2_args, gemma2_config, holds_gemma2, gemma_tensors, GEMMA_KEYS
+    "Gemma2ForCausalLM", "gemma2", gemma2_args, gemma2_config, holds_gemma2, gemma_tensors,
+    GEMMA_KEYS, GEMMA_NO_MATH,
 )
 GEMMA3 = Architecture(
     "Gemma3ForCausalLM", "gemma3_text", gemma3_args, gemma3_config, holds_gemma3, gemma_tensors,
