@@ -75,6 +75,7 @@ def activation_bytes_per_layer(
     fused_norm: bool = False,
     split: bool = False,
     idle: frozenset[str] = frozenset(),
+    layer: int | None = None,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -99,7 +100,10 @@ def activation_bytes_per_layer(
     kept once (this rank's slice under SP) instead of each reader's bf16 cast of it. `idle`: the
     block's linears (paths inside it: "attention.wq", "feed_forward.router") that keep no input,
     frozen without an adapter ([lora]): no bf16 cast of it under autocast, the norm's output not
-    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle."""
+    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle.
+    `layer`: the block's id, whose window (`ModelArgs.layer_window`) decides its band mask (None: a
+    window on any layer counts). Gemma: the sandwich's second norms keep `post_norm_bytes` and an rstd
+    each; soft-capped scores (attn_softcap) run the explicit core (`capped_core_bytes`)."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -119,6 +123,8 @@ def activation_bytes_per_layer(
     mlp_readers = sum(f"feed_forward.{n}" not in idle for n in ("w1", "w3")) if moe_rows is None else 0
     norms = kept_norm_bytes(precision, h, cut, readers, fused_norm, split, readers > 0)
     norms += kept_norm_bytes(precision, h, cut, mlp_readers, fused_norm, split, moe_rows is None or moe_reads(idle))
+    norms += (args.block_norms - 2) * post_norm_bytes(precision, h, cut, fused_norm)
+    capped = bool(args.attn_softcap) and not args.is_mla
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
@@ -126,6 +132,8 @@ def activation_bytes_per_layer(
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
         attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
         attention += latent_norm_bytes(args, precision, fused_norm, split)
+    elif capped and plain:
+        attention = a * 4 * args.n_heads * hd / tp + head_norm_bytes(args, tp, kv_heads_per_rank, precision, fused_norm)
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
@@ -134,16 +142,36 @@ def activation_bytes_per_layer(
         attention += merge_copy_bytes(args, tp, precision) if u == 1 and (plain or ring or usp) else 0.0
     product = plain and "feed_forward.w2" in idle  # the SwiGLU product w2 would keep for its dW
     mlp = a * (swiglu - product) * args.ffn_dim / tp if moe_rows is None else 0.0
-    lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
-    per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
+    lse = (plain or ring or usp) and not capped  # the log-sum-exps, unless the core is recomputed (or explicit)
+    per_token = FP32 * (args.block_norms / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
-    if documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
+    window = args.layer_window(layer) if layer is not None else args.has_window
+    if capped and plain:
+        dense += capped_core_bytes(args, batch, seq, tp, u, documents)
+    elif documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
         dense += a * batch * (seq * u) ** 2  # the window's band inside it when there is one
-    elif plain and args.has_window and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
+    elif plain and window and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
         dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots, split, idle)
+
+
+def capped_core_bytes(args, batch: int, seq: int, tp: int, u: int, documents: bool) -> float:
+    """What the explicit core of soft-capped scores (`fivecut.model.transformer.capped_attention`)
+    keeps beyond its q, k and v (repeated to every query head: counted with the attention), over the
+    H/(t u) heads and the s u positions it sees: the capped scores' tanh and the softmax, 8 B a score
+    (fp32: 4 + 4; under bf16 the bf16 tanh, the fp32 softmax and its bf16 cast the product reads:
+    2 + 4 + 2), and its bool mask [s u, s u] ([b, 1, s u, s u] with documents)."""
+    scores = batch * args.n_heads / tp * seq * seq * u  # b (H/(t u)) (s u)^2
+    return 8 * scores + (batch if documents else 1) * (seq * u) ** 2
+
+
+def post_norm_bytes(precision: str, h: int, cut: int, fused: bool) -> float:
+    """Per token, a norm on a sublayer's output (Gemma's second norms, `sandwich_norms`): `norm_bytes`
+    without an output kept, as only the residual add reads it (and keeps nothing)."""
+    output = {"fp32": FP32, "bf16": 0, "bf16-params": 2}[precision] * h / cut
+    return norm_bytes(precision, h, cut, 0, fused) - output
 
 
 def kept_norm_bytes(precision: str, h: int, cut: int, readers: int, fused: bool, split: bool,
@@ -442,7 +470,7 @@ def stage_activation_bytes(
     def block(i: int, mode: str) -> float:
         rows = batch * seq // tp * args.top_k * etp  # etp: the etp ranks' tokens, gathered
         moe = (rows, rows) if args.moe_layer(i) else None
-        return activation_bytes_per_layer(args, batch, seq, tp, sp, precision, moe, cp, mode, etp=etp)
+        return activation_bytes_per_layer(args, batch, seq, tp, sp, precision, moe, cp, mode, etp=etp, layer=i)
 
     modes = {i: layer_mode(i, recompute, every) for i in layer_ids}
     kept = sum(block(i, mode) for i, mode in modes.items())
@@ -483,13 +511,16 @@ def loss_peak_bytes(
     Exact (`tests/test_loss_ledger.py`) where the moment named is the peak: one process while
     the chunk's matmul backward (its logits' gradient, d hidden, dW) holds less than 12 C' V'.
     [lora]: a frozen head (`head_trained` false) makes no dW, and a head weight already held in
-    bf16 (`head_cast` false: frozen and untied) is not cast."""
+    bf16 (`head_cast` false: frozen and untied) is not cast. Soft-capped logits (Gemma 2's
+    logit_softcap) keep the cap's tanh (a C' V'), and the vocabulary-parallel one also the capped
+    logits it masks (a C' V' more)."""
     columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
     rows = min(chunk, tokens) if chunk else tokens  # C'
     if tp == 1:
         entropy = 12 * rows * columns + (4 * rows + 8 if chunk else 0)
     else:
         entropy = (a + 16) * rows * columns + 8 * columns + 33 * rows
+    entropy += (1 if tp == 1 else 2) * a * rows * columns if args.logit_softcap else 0
     casts = precision == "bf16"
     if chunk == 0:
         return entropy + (2 * tokens * h if casts else 0)

@@ -839,6 +839,7 @@ def block_bytes(
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
     idle = idle_linears(args, cfg, layer)
     key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg), idle)
+    key += (args.layer_window(layer),)  # its band mask
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -858,6 +859,7 @@ def block_bytes(
             fused_norm=fused_norm,
             split=split_backward(args, cfg),
             idle=idle,
+            layer=layer,
         )
     return BLOCK_BYTES[key]
 
