@@ -168,10 +168,13 @@ def test_verify_passes_on_each_class(saved, capsys, name, layout):
     verify(capsys, saved[name][0], layout)
 
 
-def ledger_ratios(capsys, folder: Path, layout: str) -> dict[str, str]:
+def ledger_ratios(capsys, folder: Path, layout: str, *sets: str) -> dict[str, str]:
+    """`fivecut ledger`'s ratios (name -> its printed value) of the folder's model under `layout`, each
+    of `sets` (SECTION.KEY=VALUE) set."""
     from fivecut.cli import main
 
-    code = main(["ledger", "--model", f"hf:{folder}", "--layout", layout, "--steps", "1"])
+    argv = ["ledger", "--model", f"hf:{folder}", "--layout", layout, "--steps", "1"]
+    code = main([*argv, *(arg for s in sets for arg in ("--set", s))])
     out = capsys.readouterr().out
     assert code == 0, out
     return dict(

@@ -140,6 +140,30 @@ def test_verify_passes_with_recomputation(saved, capsys, name, recompute):
     assert code == 0 and "PASS" in out, out
 
 
+RATIOS = ("ratio", "memory_ratio", "activation_ratio", "loss_ratio")
+
+
+SWEPT_LEDGER = [
+    ("dp=2", ()), ("cp=2,cp_mode=ulysses", ()), ("tp=2", ('train.recompute="selective"',)),
+    ("tp=2", ('train.recompute="full"',)), ("tp=2,sp=true", ('train.dtype="bf16"',)),
+    ("tp=2", ("train.loss_chunk_tokens=0",)),
+]  # fmt: skip
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "name,layout,sets",
+    [("Gemma2ForCausalLM", "tp=2,sp=true", ())]
+    + [pytest.param(name, layout, sets, marks=pytest.mark.sweep) for name in MODELS for layout, sets in SWEPT_LEDGER],
+)
+def test_ledger_measures_what_the_planner_predicts(saved, capsys, name, layout, sets):
+    """Measured = predicted: the four norms' weights summed over tp, what the sandwich's second norms
+    keep, Gemma 2's explicit capped core (its tanh, softmax and bool mask; no log-sum-exps) and capped
+    loss chunk; Gemma 3's layer 1, the first to turn by the global RoPE tables, keeps them."""
+    ratios = dense.ledger_ratios(capsys, saved[name][0], layout, *sets)
+    assert {k: ratios.get(k) for k in RATIOS} == dict.fromkeys(RATIOS, "1.000"), ratios
+
+
 # ---------------------------------------------------------------- out: trained, exported, read by transformers
 
 

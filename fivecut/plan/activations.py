@@ -512,15 +512,15 @@ def loss_peak_bytes(
     the chunk's matmul backward (its logits' gradient, d hidden, dW) holds less than 12 C' V'.
     [lora]: a frozen head (`head_trained` false) makes no dW, and a head weight already held in
     bf16 (`head_cast` false: frozen and untied) is not cast. Soft-capped logits (Gemma 2's
-    logit_softcap) keep the cap's tanh (a C' V'), and the vocabulary-parallel one also the capped
-    logits it masks (a C' V' more)."""
+    logit_softcap) keep the cap's tanh (a C' V'); the chunked vocabulary-parallel loss also the chunk's
+    logits before the cap, which it holds to the end of the chunk (a C' V' more)."""
     columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
     rows = min(chunk, tokens) if chunk else tokens  # C'
     if tp == 1:
         entropy = 12 * rows * columns + (4 * rows + 8 if chunk else 0)
     else:
         entropy = (a + 16) * rows * columns + 8 * columns + 33 * rows
-    entropy += (1 if tp == 1 else 2) * a * rows * columns if args.logit_softcap else 0
+    entropy += (2 if tp > 1 and chunk else 1) * a * rows * columns if args.logit_softcap else 0
     casts = precision == "bf16"
     if chunk == 0:
         return entropy + (2 * tokens * h if casts else 0)

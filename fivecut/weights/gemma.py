@@ -267,7 +267,7 @@ GEMMA3_NO_MATH = GEMMA_NO_MATH + (
 GEMMA2 = Architecture(
     "Gemma2ForCausalLM", "gemma2", gemma2_args, gemma2_config, holds_gemma2, gemma_tensors,
     GEMMA_KEYS, GEMMA_NO_MATH,
-)
+)  # fmt: skip
 GEMMA3 = Architecture(
     "Gemma3ForCausalLM", "gemma3_text", gemma3_args, gemma3_config, holds_gemma3, gemma_tensors,
     GEMMA_KEYS | {"rope_local_base_freq"}, GEMMA3_NO_MATH,
