@@ -201,6 +201,10 @@ def test_what_gemma_cannot_carry_is_refused_in_one_line(saved, tmp_path, capsys)
         "rope_parameters.sliding_attention.rope_type = 'linear' is not implemented": dense.edited(
             gemma3, tmp_path / "local-rope", {"rope_parameters": local_linear}
         ),
+        "rope_type = 'dynamic' is not implemented; fivecut's RoPE is one of default, linear, llama3, yarn (Gemma 3's "
+        "rope_parameters.full_attention)": dense.edited(
+            gemma3, tmp_path / "dynamic", {"rope_parameters": ROPES | {"full_attention": {"rope_type": "dynamic"}}}
+        ),
         "use_bidirectional_attention = True is not implemented": dense.edited(
             gemma3, tmp_path / "bidirectional", {"use_bidirectional_attention": True}
         ),

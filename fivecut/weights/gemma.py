@@ -152,16 +152,22 @@ def gemma3_rope_tables(cfg: HFConfig) -> tuple[dict, float]:
     local = dict(params.get(SLIDING) or {"rope_type": "default"})
     local.setdefault("rope_theta", cfg.raw.get("rope_local_base_freq") or 1e4)
     positions = cfg.get("max_position_embeddings", default=131072)
-    try:
-        local_fields = rope_fields({"rope_parameters": local}, cfg.path, 1e4, positions)
-    except RopeError as err:
-        raise ArchitectureError(f"{err} (rope_parameters.{SLIDING})") from None
+    layer_type_rope(cfg, full, FULL, positions)  # a RoPE not built refused here, naming its table
+    local_fields = layer_type_rope(cfg, local, SLIDING, positions)
     if set(local_fields) != {"rope_theta"}:
         raise ArchitectureError(
             f"{cfg.path}: rope_parameters.{SLIDING}.rope_type = {local['rope_type']!r} is not implemented; "
             "fivecut's Gemma 3 turns its sliding layers by plain RoPE (rope_type 'default')"
         )
     return full, local_fields["rope_theta"]
+
+
+def layer_type_rope(cfg: HFConfig, table: dict, kind: str, positions: int) -> dict:
+    """ModelArgs' RoPE fields of one layer type's table, refused naming the table when not built."""
+    try:
+        return rope_fields({"rope_parameters": table}, cfg.path, table["rope_theta"], positions)
+    except RopeError as err:
+        raise ArchitectureError(f"{err} (Gemma 3's rope_parameters.{kind})") from None
 
 
 # ---------------------------------------------------------------- ModelArgs -> config.json
