@@ -701,7 +701,11 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             + f"{divisors(model.n_heads // dims.tp)}"
         )
     return (
-        out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + window_ring_problems(dims, model)
+        out
+        + usp_head_problems(dims, model)
+        + expert_layout_problems(dims, model)
+        + window_ring_problems(dims, model)
+        + score_ring_problems(dims, model)
     )
 
 
@@ -716,6 +720,21 @@ def window_ring_problems(dims: ParallelDims, model) -> list[str]:
             f"{model.sliding_window}): ring attention's K/V blocks are masked causal or not at all, and a "
             "window needs a band per block pair, which is not built; set parallel.cp_mode='ulysses' (whole "
             "sequences per head, the window exact)"
+        ]
+    return []
+
+
+def score_ring_problems(dims: ParallelDims, model) -> list[str]:
+    """Gemma's scores under ring attention (and USP, which runs the ring's kernel): every block pair runs
+    the fused flash kernel, which computes softmax(q.k / sqrt(head_dim)) and can neither soft-cap a score
+    (attn_softcap) nor scale it by another factor (query_scale_dim); refused. Ulysses gives the one-device
+    core whole sequences, so both are exact there."""
+    named = [f"{name}={getattr(model, name)}" for name in ("attn_softcap", "query_scale_dim") if getattr(model, name)]
+    if dims.cp > 1 and dims.cp_mode != "ulysses" and named:
+        return [
+            f"cp={dims.cp} with cp_mode={dims.cp_mode!r} and {' and '.join(named)}: ring attention runs the fused "
+            "flash kernel on each K/V block pair, which scales scores by 1/sqrt(head_dim) and cannot soft-cap "
+            "them; set parallel.cp_mode='ulysses' (whole sequences per head, the one-device attention exact)"
         ]
     return []
 

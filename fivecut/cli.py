@@ -1131,8 +1131,10 @@ def print_activations(measured: dict[str, int], cfg: Config, moe_rows: tuple[int
         ep=dims.ep,
         eplb_slots=cfg.moe.eplb_slots,
         documents=cfg.data.document_mask,
-        windowed=args.layer_window(int(layer)) > 0,
+        layer=int(layer),
     )
+    if args.rope_local_theta and first_of_its_rope(args, cfg, int(layer)):  # Gemma 3: the stage's other tables
+        predicted += 2 * 4 * seq * args.rope_dim  # cos and sin [s, rope_dim], fp32
     if moe:
         print(f"\nMoE block: this rank sent {moe_rows[0]:,} rows and received {moe_rows[1]:,} in its first forward")
     print(
@@ -1194,6 +1196,16 @@ def first_layers_of_stages(args, cfg) -> set[str]:
 
     _, layers = pipeline_plan(args, cfg)
     return {str(stage_layers[0]) for stage_layers in layers if len(stage_layers)}
+
+
+def first_of_its_rope(args, cfg, layer: int) -> bool:
+    """Whether block `layer` is the first of its stage to turn by its RoPE tables (Gemma 3's sliding
+    layers have their own): it then keeps them, as a stage's first block keeps what the stage shares."""
+    from fivecut.plan.volume import pipeline_plan
+
+    stages = pipeline_plan(args, cfg)[1] if cfg.parallel.pp > 1 else [range(args.n_layers)]
+    stage = next(s for s in stages if layer in s)
+    return all(args.layer_local_rope(i) != args.layer_local_rope(layer) for i in stage if i < layer)
 
 
 def cmd_ledger(ns) -> int:

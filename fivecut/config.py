@@ -88,6 +88,14 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
     rope_truncate: bool | None = None
+    ffn_activation: str | None = None
+    sandwich_norms: bool | None = None
+    scale_embeddings: bool | None = None
+    full_attention_interval: int | None = None
+    rope_local_theta: float | None = None
+    query_scale_dim: int | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
 
 
 ADAMW_KERNELS = ("auto", "fused", "foreach")  # train.adamw (`fivecut.train.optim.adamw_kernel`)

@@ -33,14 +33,18 @@ def save_any(root, name: str):
     """A tiny random model of class `name`, whichever test module builds it, saved under root / name."""
     import test_hf_dense
     import test_hf_families
+    import test_hf_gemma
     import test_hf_glm
+    import test_hf_gpt_oss
     import test_hf_moe
 
     folder = root / name
-    if name in test_hf_dense.MODELS:
-        return save(folder, test_hf_dense, name)
-    if name in test_hf_families.MODELS:
-        return save(folder, test_hf_families, name)
+    for module in (test_hf_dense, test_hf_families, test_hf_gemma):
+        if name in module.MODELS:
+            return save(folder, module, name)
+    if name == "GptOssForCausalLM":
+        test_hf_gpt_oss.hf_model().save_pretrained(folder, max_shard_size="60KB")
+        return folder
     if name == test_hf_glm.CLASS:
         test_hf_glm.save_glm(folder)
         return folder

@@ -41,6 +41,8 @@ CLASSES = {
     "SmolLM3ForCausalLM": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": 0}),
     "Olmo2ForCausalLM": ("Olmo2Config", {"pad_token_id": 0}),
     "Phi3ForCausalLM": ("Phi3Config", {"pad_token_id": 0, "partial_rotary_factor": 0.5}),
+    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": 16}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": 16}),
     "MixtralForCausalLM": ("MixtralConfig", {"num_local_experts": 4}),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {"num_experts": 8, "moe_intermediate_size": 32, "head_dim": 16}),
     "DeepseekV3ForCausalLM": ("DeepseekV3Config", dict(
@@ -97,7 +99,8 @@ def transformers_reads(name: str, raw: dict) -> dict | None:
         return None
     finally:
         logging.disable(logging.NOTSET)
-    return {attr: getattr(config, attr, None) for attr in acted_on(name)}
+    values = {attr: getattr(config, attr, None) for attr in acted_on(name)}
+    return {attr: v for attr, v in values.items() if not callable(v)}  # a method (get_text_config) is no value
 
 
 def changes(key: str, value) -> list:

@@ -168,10 +168,13 @@ def test_verify_passes_on_each_class(saved, capsys, name, layout):
     verify(capsys, saved[name][0], layout)
 
 
-def ledger_ratios(capsys, folder: Path, layout: str) -> dict[str, str]:
+def ledger_ratios(capsys, folder: Path, layout: str, *sets: str) -> dict[str, str]:
+    """`fivecut ledger`'s ratios (name -> its printed value) of the folder's model under `layout`, each
+    of `sets` (SECTION.KEY=VALUE) set."""
     from fivecut.cli import main
 
-    code = main(["ledger", "--model", f"hf:{folder}", "--layout", layout, "--steps", "1"])
+    argv = ["ledger", "--model", f"hf:{folder}", "--layout", layout, "--steps", "1"]
+    code = main([*argv, *(arg for s in sets for arg in ("--set", s))])
     out = capsys.readouterr().out
     assert code == 0, out
     return dict(
@@ -245,23 +248,7 @@ def train_two_steps(cache: str, folder: Path, work: Path) -> Path:
 def test_each_class_exports_to_itself_after_training(saved, byte_cache, tmp_path):
     """The export is read by the class it came from, and gives the trained model's logits; the weights
     moved (the export is not the import)."""
-    import transformers
-
-    from fivecut.weights import export as ex
-    from fivecut.weights.load import single_model
-
-    for name, (folder, before) in saved.items():
-        ck = train_two_steps(byte_cache, folder, tmp_path / name)
-        out = ex.export(ck, tmp_path / name / "hf", max_shard_bytes=100_000)
-        assert json.loads((out / "config.json").read_text())["architectures"] == [name]
-        assert (out / "model.safetensors.index.json").is_file()
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        assert type(theirs).__name__ == name
-        ours, _ = single_model(checkpoint=str(ck))
-        with torch.no_grad():
-            expected = ours(TOKENS)
-            torch.testing.assert_close(theirs(TOKENS).logits, expected, rtol=RTOL, atol=ATOL, msg=name)
-        assert not torch.allclose(expected, before, atol=1e-3), name
+    assert_each_exports_to_itself(saved, byte_cache, tmp_path, TOKENS)
 
 
 def test_a_mistral_without_a_window_goes_back_out_a_mistral(byte_cache, tmp_path, capsys):
@@ -443,3 +430,69 @@ def test_a_stacked_tensor_is_one_hugging_face_tensor_per_expert(tmp_path):
     assert source.fivecut_shape(m) == (3, 8, 5)
     box = (slice(1, 3), slice(2, 6), slice(1, 4))
     assert torch.equal(source.read(m.ours, box), full[box])
+
+
+# ---------------------------------------------------------------- helpers for the other families' tests
+
+
+def random_hf_model(name: str, config_class: str, config: dict, norm, seed: int = 0):
+    """transformers' class `name` built from `config_class(**config)`, fp32, eval mode, each norm
+    weight set to `norm(weight)` (a random draw away from its init)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(getattr(transformers, config_class)(**config)).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(norm(p))
+    return model
+
+
+def save_each(root: Path, build, names, tokens: torch.Tensor) -> dict[str, tuple[Path, torch.Tensor]]:
+    """Each class of `names` built by `build(name)`, saved in shards under root/name: name -> (its folder,
+    transformers' logits of `tokens`)."""
+    out = {}
+    for name in names:
+        model = build(name)
+        model.save_pretrained(root / name, max_shard_size="60KB")
+        with torch.no_grad():
+            out[name] = (root / name, model(tokens).logits)
+    return out
+
+
+def assert_each_gives_its_logits_under(saved: dict, cache: str, overrides: tuple[str, ...], tokens, layout: str):
+    """On 2 ranks laid out by `overrides`, each saved folder's logits of `tokens` are transformers'."""
+    configs = [import_config(cache, folder, *overrides) for folder, _ in saved.values()]
+    for rank, rank_logits in enumerate(spawn(logits_of, 2, configs, tokens)):
+        for (name, (_, expected)), got in zip(saved.items(), rank_logits):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}, {name}")
+
+
+def assert_each_exports_to_itself(saved: dict, cache: str, work: Path, tokens: torch.Tensor) -> None:
+    """Each saved folder trained two steps, exported, read by its own class: the trained logits, moved."""
+    import transformers
+
+    from fivecut.weights import export as ex
+    from fivecut.weights.load import single_model
+
+    for name, (folder, before) in saved.items():
+        ck = train_two_steps(cache, folder, work / name)
+        out = ex.export(ck, work / name / "hf", max_shard_bytes=100_000)
+        assert json.loads((out / "config.json").read_text())["architectures"] == [name]
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(theirs).__name__ == name
+        ours, _ = single_model(checkpoint=str(ck))
+        with torch.no_grad():
+            expected = ours(tokens)
+            torch.testing.assert_close(theirs(tokens).logits, expected, rtol=RTOL, atol=ATOL, msg=name)
+        assert not torch.allclose(expected, before, atol=1e-3), name
+
+
+def assert_refused_in_one_line(capsys, cases: dict[str, str]) -> None:
+    """Each `hf:` folder of `cases` (needle -> it) refused by `fivecut eval` in one line naming the needle, exit 2."""
+    from fivecut.cli import main
+
+    for needle, spec in cases.items():
+        code = main(["eval", "--init-from", spec, "--set", 'data.tokenizer="byte"'])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, (needle, err)

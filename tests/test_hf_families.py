@@ -16,16 +16,17 @@ relative. Under the cuts, `fivecut verify`'s own tolerances (rtol 1e-5 on the lo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from test_hf_dense import (
+    assert_each_exports_to_itself,
     assert_each_gives_its_logits,
     assert_greedy_generation_equals_transformers,
     edited,
-    train_two_steps,
+    random_hf_model,
+    save_each,
     verify,
 )
 from test_import import import_config, logits_of
@@ -59,29 +60,14 @@ MODELS = {
 
 def hf_model(name: str, seed: int = 0):
     """A random `name` model of transformers, fp32, eval mode, its norms not at their init."""
-    transformers = pytest.importorskip("transformers")
     config_class, own = MODELS[name]
-    config = getattr(transformers, config_class)(**COMMON, **own)
-    torch.manual_seed(seed)
-    model = getattr(transformers, name)(config).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    return model
+    return random_hf_model(name, config_class, COMMON | own, lambda p: 1 + 0.2 * torch.randn_like(p), seed)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     """class name -> (its folder, transformers' logits of TOKENS [b, s, V])."""
-    root = tmp_path_factory.mktemp("hf-families")
-    out = {}
-    for name in MODELS:
-        model = hf_model(name)
-        model.save_pretrained(root / name, max_shard_size="60KB")
-        with torch.no_grad():
-            out[name] = (root / name, model(TOKENS).logits)
-    return out
+    return save_each(tmp_path_factory.mktemp("hf-families"), hf_model, MODELS, TOKENS)
 
 
 # ---------------------------------------------------------------- in: the logits of transformers
@@ -209,22 +195,7 @@ def test_ledger_measures_what_the_planner_predicts(saved, capsys, name, layout, 
 
 
 def test_each_family_exports_to_itself_after_training(saved, byte_cache, tmp_path):
-    import transformers
-
-    from fivecut.weights import export as ex
-    from fivecut.weights.load import single_model
-
-    for name, (folder, before) in saved.items():
-        ck = train_two_steps(byte_cache, folder, tmp_path / name)
-        out = ex.export(ck, tmp_path / name / "hf", max_shard_bytes=100_000)
-        assert json.loads((out / "config.json").read_text())["architectures"] == [name]
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        assert type(theirs).__name__ == name
-        ours, _ = single_model(checkpoint=str(ck))
-        with torch.no_grad():
-            expected = ours(TOKENS)
-            torch.testing.assert_close(theirs(TOKENS).logits, expected, rtol=RTOL, atol=ATOL, msg=name)
-        assert not torch.allclose(expected, before, atol=1e-3), name
+    assert_each_exports_to_itself(saved, byte_cache, tmp_path, TOKENS)
 
 
 def test_greedy_generation_equals_transformers(saved):

@@ -59,6 +59,7 @@ def fivecut_logits(byte_cache: str, folder: Path, out: Path, *extra: str, tokens
 DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM"}  # fmt: skip
 FAMILIES = {"smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}  # tests/test_hf_families.py's
+GEMMA = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # tests/test_hf_gemma.py's
 # every kind of weight a class has, adapted
 # (the dense MLP and shared experts of DeepSeek-V3: `test_an_adapter_peft_would_misread_is_not_exported`)
 TARGETS = {"qwen3_moe": '["attention", "experts"]', "mixtral": '["attention", "experts"]',
@@ -68,7 +69,7 @@ ZOO = [
     "qwen3_moe",
     *(
         pytest.param(kind, marks=pytest.mark.sweep)
-        for kind in ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "mixtral", "deepseek_v3")
+        for kind in ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "gemma2", "gemma3", "mixtral", "deepseek_v3")
     ),
 ]
 
@@ -84,6 +85,11 @@ def zoo_model(kind: str, folder: Path) -> tuple[Path, torch.Tensor]:
 
         family_model(FAMILIES[kind]).save_pretrained(folder)
         return folder, FAMILY_TOKENS
+    if kind in GEMMA:
+        import test_hf_gemma
+
+        test_hf_gemma.hf_model(GEMMA[kind]).save_pretrained(folder)
+        return folder, test_hf_gemma.TOKENS
     save_moe(kind, folder)
     return folder, MOE_TOKENS
 

@@ -120,6 +120,10 @@ REFUSED_KEYS = {
     *(f"model.{k}" for k in "qk_norm_whole nope_interval norm_after rope_partial_dim".split()),
     *(f"model.{k}" for k in "attention_sinks wo_bias window_layers moe_bias swiglu_limit swiglu_alpha".split()),
     "model.rope_truncate",  # GPT-OSS's fields
+    *(f"model.{k}" for k in (
+        "ffn_activation sandwich_norms scale_embeddings full_attention_interval rope_local_theta query_scale_dim "
+        "attn_softcap logit_softcap"
+    ).split()),  # Gemma's
     "model.route_norm",
     *(f"model.rope_{k}" for k in (
         "scaling factor original_context low_freq_factor high_freq_factor beta_fast beta_slow mscale mscale_all_dim"

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 GATES = ("softmax", "sigmoid")
 # how RoPE's frequencies are stretched past the pretraining context (transformers' rope_type)
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+# the gate's activation of the dense feed-forward: SwiGLU's silu, or GeGLU's tanh-approximated GELU (Gemma)
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 # the fields that shape only mixture-of-experts layers: a dense model (n_experts == 0) has no use for them
 MOE_ONLY = (
     "top_k",
@@ -49,10 +51,12 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
                 "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps",
-                "nope_interval", "rope_partial_dim", "swiglu_limit")  # fmt: skip
+                "nope_interval", "rope_partial_dim", "swiglu_limit", "full_attention_interval", "rope_local_theta",
+                "query_scale_dim", "attn_softcap", "logit_softcap")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
 GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_whole", "sliding_window", "nope_interval",
-            "rope_partial_dim", "attention_sinks", "wo_bias", "window_layers")  # fmt: skip
+            "rope_partial_dim", "attention_sinks", "wo_bias", "window_layers", "query_scale_dim",
+            "attn_softcap")  # fmt: skip
 # the fields that shape only multi-head latent attention: plain attention (kv_lora_rank == 0) ignores them
 MLA_ONLY = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_POSITIVE = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -168,6 +172,24 @@ class ModelArgs:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
     rope_truncate: bool = True  # yarn: the ramp's ends floored and ceiled to whole channels (false: GPT-OSS)
+    # ----- Gemma 2 / Gemma 3 -----
+    # the feed-forward's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh approximation)
+    ffn_activation: str = "silu"
+    # a second norm on each sublayer's output, before the residual add (Gemma's sandwich):
+    # h = x + post(attention(pre(x))), the same around the feed-forward; pre is attention_norm / ffn_norm
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False  # the embedding's output times sqrt(dim), cast to its dtype first (Gemma)
+    # with a window: every k-th layer (k-1, 2k-1, ...) attends fully, the others slide (Gemma 2's 1:1 is k=2,
+    # Gemma 3's 5:1 is k=6); 0: the layers from full_attention_layers on all slide
+    full_attention_interval: int = 0
+    # the sliding layers' own RoPE base, unscaled (Gemma 3's local layers); 0: every layer turns as rope_theta
+    # (and rope_scaling) say
+    rope_local_theta: float = 0.0
+    query_scale_dim: int = 0  # the scores times query_scale_dim ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim
+    # soft-capping, cap * tanh(x / cap) (Gemma 2): of each attention score (after the scale, before the mask) and of
+    # each output logit; 0: none
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
 
     # ----- the check of the values ---------------------------------------
 
@@ -196,6 +218,7 @@ class ModelArgs:
         self._check_gate_and_layers()
         self._check_window()
         self._check_variants()
+        self._check_gemma()
         self._check_rope_scaling()
         if self.is_moe:
             self._check_groups()
@@ -253,6 +276,20 @@ class ModelArgs:
                 f"rope_partial_dim ({self.rope_partial_dim}) must be even (RoPE turns pairs of channels) and at most "
                 f"head_dim ({self.head_dim}); 0 turns every channel"
             )
+
+    def _check_gemma(self) -> None:
+        if self.ffn_activation not in FFN_ACTIVATIONS:
+            raise ValueError(f"ffn_activation {self.ffn_activation!r} is not one of {', '.join(FFN_ACTIVATIONS)}")
+        if self.is_moe and self.ffn_activation != "silu":
+            raise ValueError(
+                f"ffn_activation {self.ffn_activation!r} with experts: the experts' grouped kernels are SwiGLU; "
+                "set ffn_activation = 'silu' or n_experts = 0"
+            )
+        for name in ("full_attention_interval", "rope_local_theta"):
+            if getattr(self, name) and not self.sliding_window:
+                raise ValueError(f"{name} ({getattr(self, name)}) shapes the sliding layers, but sliding_window is 0")
+        if self.norm_after and self.sandwich_norms:
+            raise ValueError("norm_after moves the one norm after each sublayer, sandwich_norms adds one: set one")
 
     def _check_window(self) -> None:
         if self.window_layers:
@@ -337,7 +374,13 @@ class ModelArgs:
         """The sliding window of layer i's attention; 0: full causal attention."""
         if self.window_layers:
             return self.sliding_window if self.window_layers[i % len(self.window_layers)] == "s" else 0
-        return self.sliding_window if i >= self.full_attention_layers else 0
+        every = self.full_attention_interval
+        full = i < self.full_attention_layers or (every and (i + 1) % every == 0)
+        return 0 if full else self.sliding_window
+
+    def layer_local_rope(self, i: int) -> bool:
+        """Whether layer i turns by the sliding layers' own RoPE (`rope_local_theta`) rather than the global one."""
+        return bool(self.rope_local_theta and self.layer_window(i))
 
     def layer_rope(self, i: int) -> bool:
         """Whether layer i rotates its queries and keys (false on the NoPE layers of `nope_interval`)."""
@@ -446,8 +489,13 @@ class ModelArgs:
         shared = self._ffn_params(self.expert_dim * self.n_shared_experts)
         return router + routed + shared
 
+    @property
+    def block_norms(self) -> int:
+        """RMSNorms [dim] of one block: before attention and the feed-forward, and after each (sandwich_norms)."""
+        return 4 if self.sandwich_norms else 2
+
     def _layer_params(self, i: int, experts_counted: int) -> int:
-        norms = 2 * self.dim
+        norms = self.block_norms * self.dim
         if self.moe_layer(i):
             ffn = self._moe_params(experts_counted)
         else:

@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from fivecut.model.transformer import (
     Attention,
     Block,
+    CausalSDPA,
     LatentAttention,
     Rope,
     Transformer,
     band_mask,
+    capped_attention,
     sink_attention_scores,
 )
 
@@ -87,21 +89,21 @@ def decode(model: Transformer, tokens: torch.Tensor, cache: KVCache, last_only: 
             f"{start} cached + {s} new positions = {start + s} exceed the cache's {cache.max_len} "
             f"(the model's max_seq_len is {model.args.max_seq_len})"
         )
-    rope = (model.rope_cos[start : start + s], model.rope_sin[start : start + s])  # [s, hd] each
-    h = model.tok_embeddings(tokens)  # [b, s, dim]
-    for block, k_cache, v_cache in zip(model.layers.values(), cache.keys, cache.values, strict=True):
-        h = _block(block, h, rope, k_cache, v_cache, start)
+    ropes = model.ropes(torch.arange(start, start + s, device=tokens.device))  # [s, hd] each, by layer
+    h = model.embed(tokens)  # [b, s, dim]
+    for (name, block), k_cache, v_cache in zip(model.layers.items(), cache.keys, cache.values, strict=True):
+        h = _block(block, h, ropes[name], k_cache, v_cache, start)
     cache.length = start + s
     if last_only:
         h = h[:, -1:]  # [b, 1, dim]
-    return model.output(model.norm(h))  # [b, s or 1, vocab]
+    return model.logits(model.norm(h))  # [b, s or 1, vocab]
 
 
 def _block(block: Block, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int):
     """Block.forward with cached attention: x [b, s, dim] -> [b, s, dim]."""
     attend = functools.partial(_attention, block.attention, rope=rope, k_cache=k_cache, v_cache=v_cache, start=start)
-    h = x + block.branch(block.attention_norm, attend, x)
-    return h + block.branch(block.ffn_norm, block.feed_forward, h)
+    h = x + block.branch(block.attention_norm, attend, x, block.attention_post_norm)
+    return h + block.branch(block.ffn_norm, block.feed_forward, h, block.ffn_post_norm)
 
 
 def _attention(
@@ -114,23 +116,26 @@ def _attention(
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
     keys, values = k_cache[:, :, :end], v_cache[:, :, :end]  # [b, n_kv, end, hd]
-    window = attn.window if isinstance(attn, Attention) else 0
     if getattr(attn, "sinks", None) is not None:  # GPT-OSS: each head's sink in its softmax's denominator
-        o = sink_attention_scores(q, keys, values, band_mask(s, end, start, window, q.device), attn.sinks)
+        mask = band_mask(s, end, start, attn.core.window, q.device)  # [s, end]
+        o = sink_attention_scores(q, keys, values, mask, attn.sinks)
     else:
-        o = _sdpa(q, keys, values, start, window)  # [b, n_heads, s, hd]
+        o = _sdpa(q, keys, values, start, attn.core)  # [b, n_heads, s, hd]
     return attn.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int = 0) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, core: CausalSDPA) -> torch.Tensor:
     """Softmax attention of q [b, h, s, hd] over k/v [b, n_kv, start+s, hd]: new position i sees
-    every cached position and the new ones up to itself (with a sliding window w, only the last w)."""
+    every cached position and the new ones up to itself (with the core's sliding window w, only the
+    last w), its scores scaled and soft-capped as the core's are."""
     gqa = q.shape[1] != k.shape[1]
-    s = q.shape[2]
+    s, window, scale = q.shape[2], core.window, core.scale
     windowed = 0 < window < start + s
+    if core.softcap:
+        return capped_attention(q, k, v, band_mask(s, start + s, start, window, q.device), scale, core.softcap)
     if s == 1 and not windowed:  # one new position sees everything
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
     if start == 0 and not windowed:  # plain causal prefill, as the full forward computes it
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     mask = band_mask(s, start + s, start, window, q.device)  # [s, start+s]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)

@@ -18,6 +18,7 @@ Plain single-device PyTorch: the parallel cuts are applied from outside
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -64,11 +65,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, shape, weight, eps)
 
 
-def rope_tables(args: ModelArgs) -> Rope:
+def rope_tables(args: ModelArgs, local: bool = False) -> Rope:
     """cos/sin tables [max_seq_len, rope_dim] in fp32, in the rotate-half layout: channel i and
     channel i + rope_dim/2 form one rotated pair, at frequency theta^(-2i/rope_dim), stretched
     by `args.rope_scaling` (`rope_frequencies`); YaRN multiplies both tables by its attention
-    factor. Computed in float64 on the CPU so that every device gets bitwise the same tables."""
+    factor. Computed in float64 on the CPU so that every device gets bitwise the same tables.
+    `local`: the sliding layers' tables (Gemma 3), plain RoPE at base `rope_local_theta`."""
+    if local:
+        args = dataclasses.replace(args, rope_theta=args.rope_local_theta, rope_scaling="none")
     inv_freq, factor = rope_frequencies(args)  # [rope_dim/2]
     t = torch.arange(args.max_seq_len, dtype=torch.float64)
     angles = torch.outer(t, inv_freq)  # [S, rope_dim/2]
@@ -159,26 +163,33 @@ class CausalSDPA(nn.Module):
     in benchmarks/sliding_window.py). The sequence given must start at position 0 and be whole
     (one device, Ulysses' whole sequence per head; ring attention is refused in fivecut.checks).
     With `documents` (the whole sequence's) causal within each document only: a boolean mask
-    [b, 1, s, s] instead of is_causal (and the band within it)."""
+    [b, 1, s, s] instead of is_causal (and the band within it).
+    `scale`: what the scores q.k are multiplied by (None: 1/sqrt(hd)); `softcap` c > 0 (Gemma 2):
+    each scaled score becomes c tanh(score / c), which no fused kernel computes, so those layers
+    run `capped_attention`'s explicit math (the s x s probabilities kept for backward)."""
 
-    def __init__(self, window: int = 0):
+    def __init__(self, window: int = 0, scale: float | None = None, softcap: float = 0.0):
         super().__init__()
-        self.window = window
+        self.window, self.scale, self.softcap = window, scale, softcap
 
     def forward(self, q, k, v, documents: Documents | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`sinks` [n_heads] (GPT-OSS): each head's sink logit in the softmax's denominator (`sink_attention`)."""
         gqa = q.shape[1] != k.shape[1]
         narrow = q.shape[-1] - v.shape[-1]
         s = q.shape[2]
-        mask = band_mask(s, s, 0, self.window, q.device) if 0 < self.window < s else None  # [s, s]
+        mask = band_mask(s, s, 0, self.window, q.device) if 0 < self.window < s or self.softcap else None  # [s, s]
         if documents is not None:
             at = torch.arange(s, device=q.device)
             inside = documents.visible(at, at)  # [b, 1, s, s]
             mask = inside if mask is None else inside & mask
         if sinks is not None:
             return sink_attention(q, k, v, mask, sinks)
+        if self.softcap:
+            return capped_attention(q, k, v, mask, self.scale, self.softcap)
         v = F.pad(v, (0, narrow)) if narrow else v
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa, scale=self.scale
+        )
         return o[..., : o.shape[-1] - narrow]  # [b, n_heads, s, hd_v]
 
 
@@ -243,6 +254,17 @@ def sink_grad(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     return -(share * (grad.float() * out.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
 
 
+def capped_attention(q, k, v, mask: torch.Tensor, scale: float | None, cap: float) -> torch.Tensor:
+    """Softmax attention with soft-capped scores, computed explicitly: q [b, H, sq, hd], k [b, KV, sk, hd],
+    v [b, KV, sk, hd_v], mask [.., sq, sk] bool (true: seen) -> [b, H, sq, hd_v]. The softmax in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [b, H, sk, hd(_v)]
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [b, H, sq, sk]
+    scores = torch.tanh(scores / cap) * cap
+    probs = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(q.dtype)
+    return probs @ v
+
+
 def band_mask(s_q: int, s_k: int, start: int, window: int, device=None) -> torch.Tensor:
     """Which keys each query sees: [s_q, s_k] bool, query r at position start + r, key c at c;
     causal (c <= position), and with a window w > 0 only the last w positions (c > position - w)."""
@@ -276,7 +298,8 @@ class Attention(nn.Module):
         self.rotates = args.layer_rope(layer_id)  # false on a NoPE layer
         # Replaceable by any module with the same signature (context parallelism).
         self.window = args.layer_window(layer_id)
-        self.core: nn.Module = CausalSDPA(self.window)
+        scale = args.query_scale_dim**-0.5 if args.query_scale_dim else None  # Gemma's query_pre_attn_scalar
+        self.core: nn.Module = CausalSDPA(self.window, scale, args.attn_softcap)
 
     def _heads(self, y: torch.Tensor) -> torch.Tensor:
         b, s, _ = y.shape
@@ -369,17 +392,26 @@ def make_attention(args: ModelArgs, layer_id: int = 0) -> nn.Module:
     return LatentAttention(args) if args.is_mla else Attention(args, layer_id)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, dim: int, hidden: int):
+
+# ModelArgs.ffn_activation -> the gate's activation
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); or GeGLU (activation "gelu_tanh", Gemma): GELU in silu's place."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
         self.w3 = nn.Linear(dim, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(GATE_ACTIVATIONS[self.activation](self.w1(x)) * self.w3(x))
 
 
 # ----------------------------------------------------------------------------
@@ -764,21 +796,30 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = make_attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = MoE(args) if args.moe_layer(layer_id) else FeedForward(args.dim, args.ffn_dim)
+        moe = args.moe_layer(layer_id)
+        self.feed_forward = MoE(args) if moe else FeedForward(args.dim, args.ffn_dim, args.ffn_activation)
         self.norm_after = args.norm_after  # OLMo 2: each norm takes its sublayer's output
+        # Gemma's sandwich: a second norm on each sublayer's output (post_attention / post_feedforward_layernorm)
+        self.attention_post_norm = RMSNorm(args.dim, args.norm_eps) if args.sandwich_norms else None
+        self.ffn_post_norm = RMSNorm(args.dim, args.norm_eps) if args.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: Documents | None = None) -> torch.Tensor:
-        h = x + self.branch(self.attention_norm, lambda y: self.attention(y, rope, documents), x)
+        post = self.attention_post_norm
+        h = x + self.branch(self.attention_norm, lambda y: self.attention(y, rope, documents), x, post)
         # the feed-forward called here, not through `branch`: a MoE layer kept eager under torch.compile
         # breaks the block's graph once here; called through `branch`, Dynamo reports that break twice
         if self.norm_after:
             return h + self.ffn_norm(self.feed_forward(h))
-        return h + self.feed_forward(self.ffn_norm(h))
+        y = self.feed_forward(self.ffn_norm(h))
+        return h + (y if self.ffn_post_norm is None else self.ffn_post_norm(y))
 
-    def branch(self, norm: nn.Module, sublayer: Callable, x: torch.Tensor) -> torch.Tensor:
-        """One residual branch, [b, s, dim] -> [b, s, dim]: sublayer(norm(x)), or norm(sublayer(x))
-        with `norm_after` (the residual add is the caller's)."""
-        return norm(sublayer(x)) if self.norm_after else sublayer(norm(x))
+    def branch(self, norm: nn.Module, sublayer: Callable, x: torch.Tensor, post: nn.Module | None = None):
+        """One residual branch, [b, s, dim] -> [b, s, dim]: sublayer(norm(x)), then `post` of it when given
+        (sandwich_norms); or norm(sublayer(x)) with `norm_after` (the residual add is the caller's)."""
+        if self.norm_after:
+            return norm(sublayer(x))
+        y = sublayer(norm(x))
+        return y if post is None else post(y)
 
 
 class Transformer(nn.Module):
@@ -792,6 +833,11 @@ class Transformer(nn.Module):
         self.tie_weights()
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
+        # the sliding layers' own RoPE (rope_local_theta, Gemma 3): their names, and their tables
+        self.local_rope_layers = frozenset(str(i) for i in range(args.n_layers) if args.layer_local_rope(i))
+        if self.local_rope_layers:
+            self.register_buffer("rope_local_cos", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
+            self.register_buffer("rope_local_sin", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
         self.init_rope()
 
     def tie_weights(self) -> None:
@@ -805,6 +851,26 @@ class Transformer(nn.Module):
         device = self.rope_cos.device
         cos, sin = rope_tables(self.args)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        if self.local_rope_layers:
+            cos, sin = rope_tables(self.args, local=True)
+            self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
+
+    def ropes(self, positions: torch.Tensor) -> dict[str, Rope]:
+        """Each layer's (cos, sin) at `positions` ([s] or [b, s] -> [(b,) s, rope_dim] each), by layer name."""
+        rope = (self.rope_cos[positions], self.rope_sin[positions])
+        local = (self.rope_local_cos[positions], self.rope_local_sin[positions]) if self.local_rope_layers else rope
+        return {name: local if name in self.local_rope_layers else rope for name in map(str, range(self.args.n_layers))}
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> [b, s, dim]; times sqrt(dim) in the embedding's dtype with scale_embeddings (Gemma)."""
+        h = self.tok_embeddings(tokens)
+        if not self.args.scale_embeddings:
+            return h
+        return h * torch.tensor(self.args.dim**0.5).to(device=h.device, dtype=h.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's logits of the normed h [b, s, dim] -> [b, s, V], soft-capped with logit_softcap (Gemma 2)."""
+        return softcap(self.output(h), self.args.logit_softcap)
 
     def init_buffers(self) -> None:
         """Recompute every non-persistent buffer (garbage after ``to_empty``)."""
@@ -848,15 +914,20 @@ class Transformer(nn.Module):
             positions = documents.positions  # [b, s]
         if positions is None:  # from the input, not from h: sequence parallelism may cut h along s
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = (self.rope_cos[positions], self.rope_sin[positions])  # [s, hd] each
-        for layer in self.layers.values() if self.layers is not None else ():
-            h = layer(h, rope, documents)
+        h = self.embed(tokens) if self.tok_embeddings is not None else tokens
+        ropes = self.ropes(positions)  # [s, hd] each
+        for name, layer in self.layers.items() if self.layers is not None else ():
+            h = layer(h, ropes[name], documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h) if targets is None else self.output(h, targets)
+            h = self.logits(h) if targets is None else self.output(h, targets)
         return h
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself when cap is 0."""
+    return torch.tanh(x / cap) * cap if cap else x
 
 
 _WRAPPER_PREFIXES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")

@@ -19,7 +19,9 @@ the log-softmax: three more, each fresh pages on the CPU). It is also closer to 
 log-softmax path (max error of the gradient 1.9e-7 against 3.0e-6 on [128, 50,257] logits).
 Under tensor parallelism the logits are cut by vocabulary (`VocabShard`): the rows' maxima and
 sums of exponentials, and the target logits (on the rank whose shard holds them), are reduced
-over tp, and each rank's gradient is its own columns'.
+over tp, and each rank's gradient is its own columns'. Gemma 2's soft cap of the final logits,
+cap tanh(logits / cap), is applied to the fp32 buffer first and its slope 1 - tanh^2 multiplies
+the gradient after (`TokenLoss`): element by element, so on a vocabulary shard as on a row.
 
 Backward (`_ChunkedHeadLoss.backward`) only scales the kept dhidden [T, h] and dW [V, h] (fp32)
 by the incoming gradient: the head costs the same three matmuls as the full path, and its
@@ -82,6 +84,32 @@ def cross_entropy_in_place(work: torch.Tensor, targets: torch.Tensor, shard: Voc
     return (total.log() - picked).masked_fill(~kept, 0.0)
 
 
+def soft_cap_in_place(work: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's final-logit soft-capping: `work` [C, V/t] (fp32) becomes cap tanh(work / cap); returns
+    the cap's slope, d capped / d work = 1 - tanh^2 [C, V/t], for the gradient."""
+    work.div_(cap).tanh_()
+    slope = work.square().neg_().add_(1)
+    work.mul_(cap)
+    return slope
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """What turns a chunk's logits into token losses: the shard of the vocabulary they cover (tensor
+    parallelism sets it) and the soft cap of Gemma 2's final logits (0: none)."""
+
+    shard: VocabShard = WHOLE
+    cap: float = 0.0
+
+    def __call__(self, work: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Token losses [C] (fp32) of logits `work` [C, V/t] (fp32), which become d(their sum)/d logits."""
+        slope = soft_cap_in_place(work, self.cap) if self.cap else None  # [C, V/t]
+        losses = cross_entropy_in_place(work, targets, self.shard)
+        if slope is not None:
+            work.mul_(slope)  # through the cap: d/d logits = d/d capped * (1 - tanh^2)
+        return losses
+
+
 def compute_weight(weight: torch.Tensor, device_type: str) -> torch.Tensor:
     """The weight the chunks' matmuls read: cast once to the autocast dtype (not once per chunk)."""
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
@@ -98,7 +126,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     weight [V/t, h], targets [T]. The forward keeps d/dhidden [T, h] and d/dW [V/t, h] (fp32)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, shard: VocabShard):
+    def forward(ctx, hidden, weight, targets, chunk: int, loss: TokenLoss):
         w = compute_weight(weight.detach(), hidden.device.type)
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [T]
         grad_hidden = torch.empty_like(hidden)  # [T, h]
@@ -108,7 +136,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for i, (start, end) in enumerate(chunk_bounds(hidden.shape[0], chunk)):
             rows = slice(start, end)
             run_chunk(
-                hidden[rows].detach(), w, targets[rows], shard, losses[rows], grad_hidden[rows], grad_weight, i == 0
+                hidden[rows].detach(), w, targets[rows], loss, losses[rows], grad_hidden[rows], grad_weight, i == 0
             )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -123,22 +151,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden.mul_(grad), dw, None, None, None
 
 
-def run_chunk(hidden, w, targets, shard: VocabShard, losses, grad_hidden, grad_weight, first: bool) -> None:
+def run_chunk(hidden, w, targets, loss: TokenLoss, losses, grad_hidden, grad_weight, first: bool) -> None:
     """One chunk of C tokens: its token losses into `losses` [C], d/dhidden into `grad_hidden` [C, h],
     d/dW written (`first`) or added into `grad_weight` [V/t, h] (fp32; None: a frozen head). Its
     logits' gradient [C, V/t] dies on return, before the next chunk makes its own."""
     x = hidden.to(w.dtype)  # [C, h]
-    grad_logits = chunk_gradient(x, w, targets, shard, losses)  # [C, V/t]
+    grad_logits = chunk_gradient(x, w, targets, loss, losses)  # [C, V/t]
     grad_hidden.copy_(grad_logits @ w)  # back in the hidden state's dtype
     if grad_weight is not None:
         add_weight_gradient(grad_weight, x, grad_logits, first)
 
 
-def chunk_gradient(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, shard: VocabShard, losses) -> torch.Tensor:
+def chunk_gradient(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TokenLoss, losses) -> torch.Tensor:
     """One chunk of C tokens: its token losses written into `losses` [C]; returns d(their sum)/d logits
     [C, V/t] in the matmuls' dtype (w's). The chunk's logits and their gradient are one buffer."""
     work = F.linear(x, w).float()  # [C, V/t]: the matmul's own output in fp32, an fp32 copy under bf16
-    losses.copy_(cross_entropy_in_place(work, targets, shard))
+    losses.copy_(loss(work, targets))
     return work.to(w.dtype)
 
 
@@ -155,37 +183,41 @@ def add_weight_gradient(grad_weight: torch.Tensor, x: torch.Tensor, grad_logits:
 
 
 def chunked_loss_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, shard: VocabShard = WHOLE
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, loss: TokenLoss | None = None
 ) -> torch.Tensor:
     """Sum of token losses of the head `weight` [V/t, h] over hidden [T, h], `chunk` tokens at a time."""
+    loss = loss or TokenLoss()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedHeadLoss.apply(hidden, weight, targets, chunk, shard)
+        return _ChunkedHeadLoss.apply(hidden, weight, targets, chunk, loss)
     w = compute_weight(weight, hidden.device.type)
     bounds = chunk_bounds(hidden.shape[0], chunk)
-    return sum(cross_entropy_in_place(F.linear(hidden[a:b], w).float(), targets[a:b], shard).sum() for a, b in bounds)
+    return sum(loss(F.linear(hidden[a:b], w).float(), targets[a:b]).sum() for a, b in bounds)
 
 
 class LossHead(nn.Module):
     """The output projection [V(/t), h] that, given targets, returns the sum of token losses computed
     in chunks of `chunk` tokens (never the whole logits); without targets, the logits [b, s, V(/t)].
-    Keeps the head's parameter path (`output.weight`) and a tied embedding's Parameter."""
+    Keeps the head's parameter path (`output.weight`) and a tied embedding's Parameter. With `cap` > 0
+    (Gemma 2's final_logit_softcapping) each chunk's logits are soft-capped, cap tanh(logits / cap),
+    before its token losses: element by element, so on a vocabulary shard as on the whole row. (The
+    logits without targets are capped by the model, `Transformer.logits`.)"""
 
-    def __init__(self, linear: nn.Linear, chunk: int):
+    def __init__(self, linear: nn.Linear, chunk: int, cap: float = 0.0):
         super().__init__()
         self.weight = linear.weight  # [V, h], the same Parameter
         self.out_features = linear.out_features
         self.chunk = chunk
-        self.vocab = WHOLE  # tensor parallelism sets this rank's shard of the vocabulary
+        self.loss = TokenLoss(cap=cap)  # tensor parallelism sets this rank's shard of the vocabulary
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return F.linear(hidden, self.weight)  # [b, s, V(/t)]
         flat = hidden.flatten(0, 1)  # [b*s, h]
-        return chunked_loss_sum(flat, self.weight, targets.flatten(), self.chunk, self.vocab)
+        return chunked_loss_sum(flat, self.weight, targets.flatten(), self.chunk, self.loss)
 
 
 def install_loss_head(stage: nn.Module, chunk: int) -> None:
     """Replace the head of a model (or pipeline stage; one without a head is left as it is) by a
-    `LossHead` of `chunk` tokens."""
+    `LossHead` of `chunk` tokens, soft-capped as the model's logits are (`ModelArgs.logit_softcap`)."""
     if stage.output is not None:
-        stage.output = LossHead(stage.output, chunk)
+        stage.output = LossHead(stage.output, chunk, stage.args.logit_softcap)

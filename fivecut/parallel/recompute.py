@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fivecut.model.transformer import Attention, CausalSDPA, FeedForward, LatentAttention, MoE
+from fivecut.model.transformer import GATE_ACTIVATIONS, Attention, CausalSDPA, FeedForward, LatentAttention, MoE
 from fivecut.parallel.saved import SavedActivations
 from fivecut.plan.activations import recomputed
 
@@ -115,44 +115,52 @@ def wrap_core(attention: Attention | LatentAttention, saved: SavedActivations) -
         setattr(holder, name, RecomputedCore(getattr(holder, name), saved))
 
 
+def gate_backward(grad: torch.Tensor, a: torch.Tensor, activation: str) -> torch.Tensor:
+    """d/da of activation(a) given d/d(activation(a)): silu's, or GELU's tanh approximation's (GeGLU)."""
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad, a, approximate="tanh")
+    return torch.ops.aten.silu_backward(grad, a)
+
+
 class _SwiGLUDown(torch.autograd.Function):
-    """out = linear(silu(a) * b, weight): keeps a, b [..., F] and weight [h, F] (the matmul
-    outputs w1 x, w3 x and the down projection); the product is computed again in backward."""
+    """out = linear(act(a) * b, weight) (act: silu, or GeGLU's GELU): keeps a, b [..., F] and weight [h, F]
+    (the matmul outputs w1 x, w3 x and the down projection); the product is computed again in backward."""
 
     @staticmethod
-    def forward(ctx, a, b, weight):
+    def forward(ctx, a, b, weight, activation: str):
         ctx.save_for_backward(a, b, weight)
-        return F.linear(F.silu(a) * b, weight)  # [..., h]
+        ctx.activation = activation
+        return F.linear(GATE_ACTIVATIONS[activation](a) * b, weight)  # [..., h]
 
     @staticmethod
     def backward(ctx, grad):  # grad [..., h]
         a, b, weight = ctx.saved_tensors
-        silu = F.silu(a)
-        product = silu * b  # [..., F]
+        gate = GATE_ACTIVATIONS[ctx.activation](a)
+        product = gate * b  # [..., F]
         grad_product = grad @ weight  # [..., F]
         grad_weight = grad.flatten(0, -2).t() @ product.flatten(0, -2)  # [h, F]
-        grad_a = torch.ops.aten.silu_backward(grad_product * b, a)
-        return grad_a, grad_product * silu, grad_weight
+        grad_a = gate_backward(grad_product * b, a, ctx.activation)
+        return grad_a, grad_product * gate, grad_weight, None
 
 
-def swiglu_down(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu(a) * b, weight), the product recomputed in backward (under autocast: in its dtype)."""
+def swiglu_down(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """linear(act(a) * b, weight), the product recomputed in backward (under autocast: in its dtype)."""
     dtype = torch.get_autocast_dtype(a.device.type) if torch.is_autocast_enabled(a.device.type) else None
     if dtype is not None:
         a, b, weight = a.to(dtype), b.to(dtype), weight.to(dtype)
     with torch.autocast(a.device.type, enabled=False):
-        return _SwiGLUDown.apply(a, b, weight)
+        return _SwiGLUDown.apply(a, b, weight, activation)
 
 
 @dataclass
 class SelectiveSwiGLU:
-    """Stands in for a `FeedForward`'s forward: w2(silu(w1 x) * w3 x) with the product recomputed."""
+    """Stands in for a `FeedForward`'s forward: w2(act(w1 x) * w3 x) with the product recomputed."""
 
     mlp: FeedForward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
-        return swiglu_down(mlp.w1(x), mlp.w3(x), mlp.w2.weight)
+        return swiglu_down(mlp.w1(x), mlp.w3(x), mlp.w2.weight, mlp.activation)
 
 
 def recompute_selectively(block: nn.Module, saved: SavedActivations) -> None:

@@ -348,11 +348,15 @@ def parallelize_block(
     if not args.moe_layer(block.layer_id):  # a MoE layer runs on each tp rank's tokens (fivecut.parallel.expert)
         changes |= prefixed("feed_forward.", parallelize_mlp(block.feed_forward, group))
         make_region(block.feed_forward, group, sequence_parallel, saved)
-    if sequence_parallel:
-        block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, group)
-        block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, group)
-        changes |= {"attention_norm.weight": Change(summed_over="tp"), "ffn_norm.weight": Change(summed_over="tp")}
+    if sequence_parallel:  # the block's norms (and Gemma's second ones, on the sublayers' outputs) on s/t tokens
+        for name in BLOCK_NORMS:
+            if getattr(block, name, None) is not None:
+                setattr(block, name, SequenceParallelRMSNorm(getattr(block, name), group))
+                changes[f"{name}.weight"] = Change(summed_over="tp")
     return changes
+
+
+BLOCK_NORMS = ("attention_norm", "ffn_norm", "attention_post_norm", "ffn_post_norm")
 
 
 def parallelize_head(model: nn.Module, group: Group, vocab: int, sequence_parallel: bool, saved) -> Changes:
@@ -366,7 +370,8 @@ def parallelize_head(model: nn.Module, group: Group, vocab: int, sequence_parall
     else:
         changes["output.weight"] = column_parallel(model.output, group, padded_out=vocab)
     if isinstance(model.output, LossHead):
-        model.output.vocab = vocab_shard(model.output.weight.shape[0], group, model.args.vocab_size)
+        shard = vocab_shard(model.output.weight.shape[0], group, model.args.vocab_size)
+        model.output.loss = dataclasses.replace(model.output.loss, shard=shard)
     make_region(model.output, group, sequence_parallel, saved, reduce_output=False)
     return changes
 

@@ -75,7 +75,7 @@ def activation_bytes_per_layer(
     fused_norm: bool = False,
     split: bool = False,
     idle: frozenset[str] = frozenset(),
-    windowed: bool | None = None,
+    layer: int | None = None,
 ) -> float:
     """Bytes one block keeps for backward, `seq` being this rank's tokens of a sequence (its
     chunk under context parallelism); `moe_rows` = (rows sent, rows received) by this rank's
@@ -100,9 +100,10 @@ def activation_bytes_per_layer(
     kept once (this rank's slice under SP) instead of each reader's bf16 cast of it. `idle`: the
     block's linears (paths inside it: "attention.wq", "feed_forward.router") that keep no input,
     frozen without an adapter ([lora]): no bf16 cast of it under autocast, the norm's output not
-    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle. `windowed`:
-    the block's attention slides (None: the model has a window anywhere)."""
-    windowed = args.has_window if windowed is None else windowed
+    at all when no reader keeps it, the SwiGLU's product not when its down projection is idle.
+    `layer`: the block's id, whose window (`ModelArgs.layer_window`) decides its band mask (None: a
+    window on any layer counts). Gemma: the sandwich's second norms keep `post_norm_bytes` and an rstd
+    each; soft-capped scores (attn_softcap) run the explicit core (`capped_core_bytes`)."""
     usp = cp > 1 and cp_mode == "usp"
     ring = cp > 1 and cp_mode == "ring"
     u = cp_ulysses if usp else (1 if ring else cp)  # the Ulysses degree
@@ -122,6 +123,8 @@ def activation_bytes_per_layer(
     mlp_readers = sum(f"feed_forward.{n}" not in idle for n in ("w1", "w3")) if moe_rows is None else 0
     norms = kept_norm_bytes(precision, h, cut, readers, fused_norm, split, readers > 0)
     norms += kept_norm_bytes(precision, h, cut, mlp_readers, fused_norm, split, moe_rows is None or moe_reads(idle))
+    norms += (args.block_norms - 2) * post_norm_bytes(precision, h, cut, fused_norm)
+    capped = bool(args.attn_softcap) and not args.is_mla
     if moe_rows is not None and tp > 1 and not sp:  # the MoE layer keeps only its slice of the norm's output (a copy)
         norms += FP32 * h * (1 / tp - 1) if precision == "fp32" else 0.0
     twice = u > 1 and (plain or usp)  # the core's output and, back in sequence chunks, the projection's input
@@ -129,6 +132,8 @@ def activation_bytes_per_layer(
         sequence_cut = "usp" if usp and u > 1 else "ring" if ring or usp else "ulysses" if u > 1 else "none"
         attention = a * latent_attention_floats(args, tp, plain, sequence_cut)
         attention += latent_norm_bytes(args, precision, fused_norm, split)
+    elif capped and plain:
+        attention = a * 4 * args.n_heads * hd / tp + head_norm_bytes(args, tp, kv_heads_per_rank, precision, fused_norm)
     else:
         width = args.n_heads * hd  # q's and the output's channels (h, unless the head size is its own)
         attention = a * (2 * width / tp + 2 * kv_heads_per_rank * hd + (width / tp if twice else 0))
@@ -137,16 +142,36 @@ def activation_bytes_per_layer(
         attention += merge_copy_bytes(args, tp, precision) if u == 1 and (plain or ring or usp) else 0.0
     product = plain and "feed_forward.w2" in idle  # the SwiGLU product w2 would keep for its dW
     mlp = a * (swiglu - product) * args.ffn_dim / tp if moe_rows is None else 0.0
-    lse = plain or ring or usp  # the log-sum-exps, unless the core is recomputed
-    per_token = FP32 * (2 / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
+    lse = (plain or ring or usp) and not capped  # the log-sum-exps, unless the core is recomputed (or explicit)
+    per_token = FP32 * (args.block_norms / cut + (args.n_heads / tp if lse else 0))  # rstd; lse
     dense = batch * seq * (norms + attention + mlp + per_token) + replicated_kv_copies(args, tp, precision)
-    if documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
+    window = args.layer_window(layer) if layer is not None else args.has_window
+    if capped and plain:
+        dense += capped_core_bytes(args, batch, seq, tp, u, documents)
+    elif documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
         dense += a * batch * (seq * u) ** 2  # the window's band inside it when there is one
-    elif plain and windowed and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
+    elif plain and window and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
         dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
     return dense + moe_bytes(args, batch * seq // tp, *moe_rows, precision, swiglu, etp, ep, eplb_slots, split, idle)
+
+
+def capped_core_bytes(args, batch: int, seq: int, tp: int, u: int, documents: bool) -> float:
+    """What the explicit core of soft-capped scores (`fivecut.model.transformer.capped_attention`)
+    keeps beyond its q, k and v (repeated to every query head: counted with the attention), over the
+    H/(t u) heads and the s u positions it sees: the capped scores' tanh and the softmax, 8 B a score
+    (fp32: 4 + 4; under bf16 the bf16 tanh, the fp32 softmax and its bf16 cast the product reads:
+    2 + 4 + 2), and its bool mask [s u, s u] ([b, 1, s u, s u] with documents)."""
+    scores = batch * args.n_heads / tp * seq * seq * u  # b (H/(t u)) (s u)^2
+    return 8 * scores + (batch if documents else 1) * (seq * u) ** 2
+
+
+def post_norm_bytes(precision: str, h: int, cut: int, fused: bool) -> float:
+    """Per token, a norm on a sublayer's output (Gemma's second norms, `sandwich_norms`): `norm_bytes`
+    without an output kept, as only the residual add reads it (and keeps nothing)."""
+    output = {"fp32": FP32, "bf16": 0, "bf16-params": 2}[precision] * h / cut
+    return norm_bytes(precision, h, cut, 0, fused) - output
 
 
 def kept_norm_bytes(precision: str, h: int, cut: int, readers: int, fused: bool, split: bool,
@@ -453,7 +478,7 @@ def stage_activation_bytes(
     def block(i: int, mode: str) -> float:
         rows = batch * seq // tp * args.top_k * etp  # etp: the etp ranks' tokens, gathered
         moe = (rows, rows) if args.moe_layer(i) else None
-        return activation_bytes_per_layer(args, batch, seq, tp, sp, precision, moe, cp, mode, etp=etp)
+        return activation_bytes_per_layer(args, batch, seq, tp, sp, precision, moe, cp, mode, etp=etp, layer=i)
 
     modes = {i: layer_mode(i, recompute, every) for i in layer_ids}
     kept = sum(block(i, mode) for i, mode in modes.items())
@@ -497,30 +522,37 @@ def loss_peak_bytes(
                          h), and under SP the head's input gathered again (4 T h)
     Exact (`tests/test_loss_ledger.py`) where the moment named is the peak. [lora]: a frozen head
     (`head_trained` false) makes no dW, and a head weight already held in bf16 (`head_cast` false:
-    frozen and untied) is not cast."""
+    frozen and untied) is not cast. Soft-capped logits (Gemma 2's logit_softcap): chunked, the cap's
+    slope 1 - tanh^2 beside the capped logits (8 C' V' + 39 C' at the cross-entropy); the full logits
+    keep the cap's tanh (a T V')."""
     columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
-    casts = precision == "bf16"
+    casts, capped = precision == "bf16", bool(args.logit_softcap)
     if chunk:
-        return chunked_loss_peak(columns, h, tokens, min(chunk, tokens), precision, head_trained, head_cast)
+        rows = min(chunk, tokens)
+        return chunked_loss_peak(columns, h, tokens, rows, precision, head_trained, head_cast, capped)
+    tanh = a * tokens * columns if capped else 0  # the cap's tanh, kept for its backward
     if tp == 1:
-        return 12 * tokens * columns + (2 * tokens * h if casts else 0)
+        return 12 * tokens * columns + (2 * tokens * h if casts else 0) + tanh
     input_cast = 2 * tokens * h if casts else 0
-    forward = input_cast + (a + 4) * tokens * columns + CE_TOKEN_BYTES * tokens
+    forward = input_cast + (a + 4) * tokens * columns + CE_TOKEN_BYTES * tokens + tanh
     if a < FP32:
-        return max(forward, input_cast + (4 + a) * tokens * columns)
+        return max(forward, input_cast + (4 + a) * tokens * columns + tanh)
     backward = 4 * tokens * columns + 4 * tokens * h * (1 + sp) + (4 * columns * h if head_trained else 0)
     return max(forward, backward)
 
 
 def chunked_loss_peak(
-    columns: int, h: int, tokens: int, rows: int, precision: str, head_trained: bool, head_cast: bool
+    columns: int, h: int, tokens: int, rows: int, precision: str, head_trained: bool, head_cast: bool, capped: bool
 ) -> float:
-    """`loss_peak_bytes` of the chunked head (`fivecut.parallel.loss`): V' = `columns`, C' = `rows`."""
+    """`loss_peak_bytes` of the chunked head (`fivecut.parallel.loss`): V' = `columns`, C' = `rows`;
+    `capped`: the logits soft-capped, whose slope is kept beside them through the cross-entropy."""
     a, casts = BYTES[precision], precision == "bf16"
     residual = 2 if precision == "bf16-params" else FP32
     buffers = FP32 * tokens + residual * tokens * h + (FP32 * columns * h if head_trained else 0)
     buffers += 2 * columns * h * head_cast + 2 * rows * h if casts else 0
     logits = (a + 4) * rows * columns if a < FP32 else 4 * rows * columns + CE_TOKEN_BYTES * rows
+    if capped:
+        logits = 8 * rows * columns + CE_TOKEN_BYTES * rows
     d_hidden = a * rows * columns + a * rows * h
     d_weight = a * rows * columns + a * columns * h if a < FP32 and head_trained else 0
     return buffers + max(logits, d_hidden, d_weight)

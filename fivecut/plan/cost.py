@@ -840,8 +840,8 @@ def block_bytes(
     mode = mode or layer_mode(layer, t.recompute, t.recompute_every)
     key = (model_token(args), dims.tp, dims.sp, dims.cp, dims.cp_mode, dims.cp_ulysses, dims.etp, dims.ep, rows, seq)
     idle = idle_linears(args, cfg, layer)
-    windowed = args.layer_window(layer) > 0  # GPT-OSS's full layers keep no band
-    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg), idle, windowed)
+    key += (precision, moe, mode, cfg.moe.eplb_slots, fused_norm, split_backward(args, cfg), idle)
+    key += (args.layer_window(layer),)  # its band mask
     if key not in BLOCK_BYTES:
         BLOCK_BYTES[key] = activation_bytes_per_layer(
             args,
@@ -861,7 +861,7 @@ def block_bytes(
             fused_norm=fused_norm,
             split=split_backward(args, cfg),
             idle=idle,
-            windowed=windowed,
+            layer=layer,
         )
     return BLOCK_BYTES[key]
 

@@ -154,7 +154,7 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
     for (L, emb, head, moe), (full, full_moe) in zip(rank_stages(args, cfg), recomputed_blocks(args, cfg)):
         again = ag * (2 * stream + a - 2 * regather) if dims.sp else ar * a  # a recomputed block's forward
         # norms after the sublayers (OLMo 2): the last saved tensor is the MLP norm's input, after the last g
-        again += (ag if dims.sp else ar) * a * args.norm_after
+        again += (ag if dims.sp else ar) * a * (args.norm_after or args.sandwich_norms)
         per_micro += full * again * e + full_moe * counts
         loss = 3 * b * s * head
         kv = L * replicated_attention_weights(args, t)
@@ -167,7 +167,8 @@ def tensor_parallel_volume(args, cfg) -> tuple[float, str]:
             forward = stream * (emb + regions + head) + a * regions
             # their transposes, and the regathered inputs (not the head's: a loss head keeps no input)
             backward = forward + regather * (regions + head * (train.loss_chunk_tokens == 0))
-            per_micro += ag * (forward + backward) * e + ar * (FP32 * loss + grads * ((2 * L + head) * h + kv))
+            norms = (args.block_norms * L + head) * h  # the block norms' and the last norm's weights, tp-summed
+            per_micro += ag * (forward + backward) * e + ar * (FP32 * loss + grads * (norms + kv))
         else:
             # g after the embedding (stream) and each region (a); f's transposes (stream)
             per_micro += ar * (stream * (emb + regions + head) * e + a * regions * e + FP32 * loss + grads * kv)
@@ -202,7 +203,7 @@ def lora_tensor_bytes(args, cfg, stage: tuple[int, int, int, int], kv: int, e: i
     if emb and "embeddings" not in lo.full:
         out -= (2 * ag if dims.sp else ar) * stream * e
     if dims.sp and "norms" not in lo.full:
-        out -= ar * grads * (2 * L + head) * h
+        out -= ar * grads * (args.block_norms * L + head) * h
     out -= ar * grads * kv
     copies = 2 if precision != "fp32" else FP32  # the adapters' compute copies under bf16
     whole = sum(

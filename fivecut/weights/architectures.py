@@ -76,6 +76,8 @@ class TensorMap:
     # (start, count, total): ours is rows start .. start+count of one Hugging Face tensor of `total` rows,
     # a fused projection (Phi-3's qkv_proj holds wq, wk, wv); the other rows are other fivecut tensors'
     rows: tuple[int, int, int] | None = None
+    # ours = theirs + offset: Gemma's norms scale by (1 + w) and store w; fivecut's weight is the scale itself
+    offset: float = 0.0
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of each Hugging Face tensor, given fivecut's `shape`."""
@@ -410,7 +412,9 @@ def phi3_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------- which shapes each class holds
 
 # the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
-VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim", *moe.GPT_OSS_ONLY)
+VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim", *moe.GPT_OSS_ONLY, "sandwich_norms",
+            "scale_embeddings", "full_attention_interval", "rope_local_theta", "query_scale_dim", "attn_softcap",
+            "logit_softcap")  # fmt: skip
 
 
 def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:
@@ -419,6 +423,7 @@ def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:
     if args.is_mla:
         return "it has multi-head latent attention"
     extra = [name for name in VARIANTS if getattr(args, name) and name not in own]
+    extra += ["ffn_activation"] if args.ffn_activation != "silu" and "ffn_activation" not in own else []
     return f"it has {', '.join(extra)}" if extra else None
 
 

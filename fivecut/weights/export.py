@@ -66,6 +66,7 @@ from fivecut.model.lora import EXPERT_ADAPTERS, is_adapter
 from fivecut.train import checkpoint as ckpt
 from fivecut.train.checkpoint import CheckpointError
 from fivecut.train.tokenizer import FileTokenizer, GPT2Tokenizer, gpt2_files
+from fivecut.weights import gemma  # noqa: F401  (registers Gemma 2 and Gemma 3)
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import ARCHITECTURES, AnyArchitecture, ArchitectureError, TensorMap, for_args
 from fivecut.weights.hf import folder_tokenizer, hf_config, read_config
@@ -367,6 +368,8 @@ def read_boxes(path: Path, entries: list[Entry]) -> list[torch.Tensor]:
 
 def hf_tensors(entry: Entry, value: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One checkpoint tensor as its Hugging Face tensor(s): split over experts, transposed, cast."""
+    if isinstance(entry.map, TensorMap) and entry.map.offset:  # Gemma's norms store w of their (1 + w), in fp32
+        value = value.float() - entry.map.offset
     value = value if entry.keep_fp32 else value.to(dtype)
     if isinstance(entry.map, moe.Part):  # `value` is the part's box
         return {entry.map.hf_name: entry.map.transform(value).contiguous()}

@@ -18,6 +18,7 @@ import torch
 
 from fivecut.model.args import ModelArgs
 from fivecut.train.tokenizer import TOKENIZERS, FileTokenizer, get_tokenizer
+from fivecut.weights import gemma  # noqa: F401  (registers Gemma 2 and Gemma 3)
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.architectures import LLAMA, AnyArchitecture, ArchitectureError, TensorMap, read_args
 from fivecut.weights.fp8 import SCALE, BlockScaled, fp8_blocks, split_scales
@@ -168,7 +169,7 @@ class HFSource:
             first, last, _ = box[0].indices(m.rows[1])
             box = (slice(m.rows[0] + first, m.rows[0] + last), *box[1:])
         if not m.stacked:
-            return self._read_one(m.theirs[0], box, m.transposed)
+            return self._read_one(m.theirs[0], box, m.transposed) + m.offset  # offset: Gemma's (1 + w) norms
         experts = range(*box[0].indices(len(m.theirs)))  # only the experts in the box are opened
         return torch.stack([self._read_one(m.theirs[e], box[1:], m.transposed) for e in experts])
 
