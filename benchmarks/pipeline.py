@@ -195,7 +195,8 @@ class Fivecut:
         view = copy.copy(mesh)  # same groups, another schedule
         view.dims = dims
         self.mesh = view
-        train = TrainConfig(seq_len=opts["seq"], global_batch=opts["batch"])
+        chunk = opts["loss_chunk_tokens"]
+        train = TrainConfig(seq_len=opts["seq"], global_batch=opts["batch"], loss_chunk_tokens=chunk)
         self.par = build_parallel(args, view, torch.device("cpu"), seed=0, train=train)
         self.schedule = self.par.pipeline.schedule
         self.runner = executor.PipelineStep(
@@ -912,7 +913,8 @@ def report(opts: dict, results: list[dict], elapsed: float, before: str) -> str:
     lines = [
         f"model {opts['model']}{' (untied)' if opts['untied'] else ''} ({args.n_layers} layers), pp={PP} gloo ranks "
         f"x 1 thread, fp32, batch {opts['batch']} x "
-        f"{opts['seq']} tokens per step"
+        f"{opts['seq']} tokens per step, fivecut's loss "
+        + (f"in chunks of {opts['loss_chunk_tokens']} tokens" if opts["loss_chunk_tokens"] else "over the full logits")
         + (
             f", {opts['repeats']} repeats x {opts['steps']} steps (+{opts['warmup']} warm-up) per candidate"
             if opts["compare"]
@@ -964,6 +966,13 @@ def parse(argv=None) -> dict:
     )
     p.add_argument("--no-bubbles", dest="bubbles", action="store_false", help="skip part 2 (measured vs simulated)")
     p.add_argument("--untied", action="store_true", help="untie the preset's embedding and head (see model_args)")
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=TrainConfig.loss_chunk_tokens,
+        help="fivecut's train.loss_chunk_tokens: the head and cross-entropy in chunks (fivecut.parallel.loss, the "
+        "default, as a run trains); 0: the full logits and torch's cross-entropy, as torch's side computes them",
+    )
     opts = parse_options(p, argv)
     opts["microbatches"] = [int(x) for x in opts["microbatches"].split(",") if x]
     opts["schedules"] = [x for x in opts["schedules"].split(",") if x]
