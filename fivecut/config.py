@@ -91,7 +91,6 @@ class ModelConfig:
     ffn_activation: str | None = None
     sandwich_norms: bool | None = None
     scale_embeddings: bool | None = None
-    full_attention_interval: int | None = None
     rope_local_theta: float | None = None
     query_scale_dim: int | None = None
     attn_softcap: float | None = None

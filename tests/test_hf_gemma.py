@@ -69,7 +69,7 @@ def test_each_config_becomes_gemma_fields(saved):
         args = source_of(f"hf:{folder}").args
         assert args.ffn_activation == "gelu_tanh" and args.sandwich_norms and args.scale_embeddings, name
         assert args.query_scale_dim == 24 and args.head_dim == 16 and args.tie_embeddings, name
-        assert [args.layer_window(i) for i in range(2)] == [4, 0] and args.full_attention_interval == 2, name
+        assert [args.layer_window(i) for i in range(2)] == [4, 0] and args.window_layers == "sf", name
     gemma3 = source_of(f"hf:{saved['Gemma3ForCausalLM'][0]}").args
     assert gemma3.qk_norm and not gemma3.qk_norm_whole and gemma3.attn_softcap == gemma3.logit_softcap == 0
     assert (gemma3.rope_theta, gemma3.rope_scaling, gemma3.rope_factor, gemma3.rope_local_theta) == (
@@ -208,8 +208,8 @@ def test_what_gemma_cannot_carry_is_refused_in_one_line(saved, tmp_path, capsys)
         "use_bidirectional_attention = True is not implemented": dense.edited(
             gemma3, tmp_path / "bidirectional", {"use_bidirectional_attention": True}
         ),
-        "layer_types ['full_attention', 'sliding_attention'] is not implemented": dense.edited(
-            gemma2, tmp_path / "types", {"layer_types": ["full_attention", "sliding_attention"]}
+        "layer_types ['chunked_attention', 'full_attention'] is not implemented": dense.edited(
+            gemma2, tmp_path / "types", {"layer_types": ["chunked_attention", "full_attention"]}
         ),
         "hidden_activation = 'gelu' is not implemented": dense.edited(
             gemma2, tmp_path / "gelu", {"hidden_activation": "gelu"}
@@ -240,7 +240,7 @@ def test_other_classes_do_not_hold_gemma_fields(saved):
         assert args.num_params() == sum(p.numel() for p in model.parameters()), name
     with pytest.raises(ValueError, match="ffn_activation 'gelu_tanh' with experts"):
         ModelArgs(n_experts=4, ffn_activation="gelu_tanh").check()
-    with pytest.raises(ValueError, match=r"rope_local_theta \(1000.0\) shapes the sliding layers"):
+    with pytest.raises(ValueError, match=r"rope_local_theta \(1000.0\) turns the sliding layers"):
         ModelArgs(rope_local_theta=1e3).check()
 
 

@@ -121,7 +121,7 @@ REFUSED_KEYS = {
     *(f"model.{k}" for k in "attention_sinks wo_bias window_layers moe_bias swiglu_limit swiglu_alpha".split()),
     "model.rope_truncate",  # GPT-OSS's fields
     *(f"model.{k}" for k in (
-        "ffn_activation sandwich_norms scale_embeddings full_attention_interval rope_local_theta query_scale_dim "
+        "ffn_activation sandwich_norms scale_embeddings rope_local_theta query_scale_dim "
         "attn_softcap logit_softcap"
     ).split()),  # Gemma's
     "model.route_norm",

@@ -51,7 +51,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("n_experts", "n_shared_experts", "moe_ffn_dim", "first_dense_layers", "q_lora_rank", "kv_lora_rank",
                 "attention_head_dim", "sliding_window", "full_attention_layers", "latent_norm_eps",
-                "nope_interval", "rope_partial_dim", "swiglu_limit", "full_attention_interval", "rope_local_theta",
+                "nope_interval", "rope_partial_dim", "swiglu_limit", "rope_local_theta",
                 "query_scale_dim", "attn_softcap", "logit_softcap")  # fmt: skip
 # the fields of plain (grouped-query) attention's published variants: latent attention has none of them
 GQA_ONLY = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_whole", "sliding_window", "nope_interval",
@@ -163,8 +163,9 @@ class ModelArgs:
     attention_sinks: bool = False
     wo_bias: bool = False  # a bias on attention's output projection (qkv_bias: on q, k, v)
     # the window's layers one by one: "s" slides (sliding_window), "f" attends fully, one letter a layer
-    # (transformers' layer_types), repeated past its end ("sf": the even layers slide, GPT-OSS's default; a
-    # model cut to fewer layers keeps its first layers' kinds); "": the layers from full_attention_layers on slide
+    # (transformers' layer_types), repeated past its end ("sf": the even layers slide, GPT-OSS's default and
+    # Gemma 2's; "sssssf": Gemma 3's 5:1; a model cut to fewer layers keeps its first layers' kinds); "": the
+    # layers from full_attention_layers on slide
     window_layers: str = ""
     moe_bias: bool = False  # biases on the router's logits and on each routed expert's w1, w3 and w2
     # the experts' clamped SwiGLU (GPT-OSS) when > 0: g = min(w1 x, limit), u = clamp(w3 x, -limit, limit),
@@ -179,9 +180,6 @@ class ModelArgs:
     # h = x + post(attention(pre(x))), the same around the feed-forward; pre is attention_norm / ffn_norm
     sandwich_norms: bool = False
     scale_embeddings: bool = False  # the embedding's output times sqrt(dim), cast to its dtype first (Gemma)
-    # with a window: every k-th layer (k-1, 2k-1, ...) attends fully, the others slide (Gemma 2's 1:1 is k=2,
-    # Gemma 3's 5:1 is k=6); 0: the layers from full_attention_layers on all slide
-    full_attention_interval: int = 0
     # the sliding layers' own RoPE base, unscaled (Gemma 3's local layers); 0: every layer turns as rope_theta
     # (and rope_scaling) say
     rope_local_theta: float = 0.0
@@ -285,9 +283,10 @@ class ModelArgs:
                 f"ffn_activation {self.ffn_activation!r} with experts: the experts' grouped kernels are SwiGLU; "
                 "set ffn_activation = 'silu' or n_experts = 0"
             )
-        for name in ("full_attention_interval", "rope_local_theta"):
-            if getattr(self, name) and not self.sliding_window:
-                raise ValueError(f"{name} ({getattr(self, name)}) shapes the sliding layers, but sliding_window is 0")
+        if self.rope_local_theta and not self.sliding_window:
+            raise ValueError(
+                f"rope_local_theta ({self.rope_local_theta}) turns the sliding layers, but sliding_window is 0"
+            )
         if self.norm_after and self.sandwich_norms:
             raise ValueError("norm_after moves the one norm after each sublayer, sandwich_norms adds one: set one")
 
@@ -374,9 +373,7 @@ class ModelArgs:
         """The sliding window of layer i's attention; 0: full causal attention."""
         if self.window_layers:
             return self.sliding_window if self.window_layers[i % len(self.window_layers)] == "s" else 0
-        every = self.full_attention_interval
-        full = i < self.full_attention_layers or (every and (i + 1) % every == 0)
-        return 0 if full else self.sliding_window
+        return self.sliding_window if i >= self.full_attention_layers else 0
 
     def layer_local_rope(self, i: int) -> bool:
         """Whether layer i turns by the sliding layers' own RoPE (`rope_local_theta`) rather than the global one."""

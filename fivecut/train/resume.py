@@ -54,7 +54,7 @@ REFUSED_ON_RESUME = {
     "rope_original_context rope_low_freq_factor rope_high_freq_factor rope_beta_fast rope_beta_slow rope_mscale "
     "rope_mscale_all_dim qk_norm_whole nope_interval norm_after rope_partial_dim "
     "attention_sinks wo_bias window_layers moe_bias swiglu_limit swiglu_alpha rope_truncate "  # GPT-OSS's
-    "ffn_activation sandwich_norms scale_embeddings full_attention_interval rope_local_theta query_scale_dim "
+    "ffn_activation sandwich_norms scale_embeddings rope_local_theta query_scale_dim "
     "attn_softcap logit_softcap",  # Gemma's
     # the tokens a step reads, and what each token attends to
     "data": "source tokenizer val_fraction text_field weights order document_mask format chat_template",

@@ -413,7 +413,7 @@ def phi3_config(args: ModelArgs) -> dict:
 
 # the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
 VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim", *moe.GPT_OSS_ONLY, "sandwich_norms",
-            "scale_embeddings", "full_attention_interval", "rope_local_theta", "query_scale_dim", "attn_softcap",
+            "scale_embeddings", "rope_local_theta", "query_scale_dim", "attn_softcap",
             "logit_softcap")  # fmt: skip
 
 

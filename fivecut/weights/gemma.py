@@ -6,7 +6,7 @@ Both are Llama's block with Gemma's choices, each a `ModelArgs` field of fivecut
     norms before and after attention and the MLP (the sandwich)        sandwich_norms
     the embedding times sqrt(hidden_size)                               scale_embeddings
     scores times query_pre_attn_scalar ** -0.5                          query_scale_dim (0 when = head_dim)
-    sliding layers interleaved with global ones (layer_types)          sliding_window, full_attention_interval
+    sliding layers interleaved with global ones (layer_types)          sliding_window, window_layers
     Gemma 2: attention and final-logit soft-capping                     attn_softcap, logit_softcap
     Gemma 3: per-head q/k norms, the sliding layers' own RoPE base      qk_norm, rope_local_theta
              (rope_parameters.sliding_attention), the global layers'
@@ -30,8 +30,8 @@ fp32 scale again (the subtraction is exact), so transformers computes the same m
     norm.weight                              model.norm.weight (+ 1)
 
 The rest as Llama's (`fivecut.weights.architectures.DENSE_LAYER`). Refused by name: Gemma 3's multimodal
-class (`Gemma3ForConditionalGeneration`, its vision_config), bidirectional attention, a layer_types that
-is not every k-th layer global, a RoPE on the sliding layers other than plain.
+class (`Gemma3ForConditionalGeneration`, its vision_config), bidirectional attention, a layer_types entry
+other than sliding_attention / full_attention, a RoPE on the sliding layers other than plain.
 """
 
 from __future__ import annotations
@@ -92,26 +92,25 @@ def gemma_args(cfg: HFConfig, pattern: int, **variant) -> ModelArgs:
 
 
 def window_fields(cfg: HFConfig, pattern: int) -> dict:
-    """sliding_window and full_attention_interval of layer_types (every k-th layer global, the others
-    sliding); without layer_types, transformers' own pattern (k: the legacy sliding_window_pattern or the
-    class's `pattern`)."""
+    """sliding_window and window_layers of layer_types (a letter a layer: "s" slides, "f" attends fully);
+    without layer_types, transformers' own pattern: every k-th layer global (k: the legacy
+    sliding_window_pattern or the class's `pattern`)."""
     n_layers = cfg.need("num_hidden_layers")
     cfg.skip("sliding_window_pattern", "_sliding_window_pattern")
     every = cfg.raw.get("sliding_window_pattern", cfg.raw.get("_sliding_window_pattern", pattern))
     types = cfg.get("layer_types", list) or [FULL if (i + 1) % every == 0 else SLIDING for i in range(n_layers)]
-    types = types[:n_layers]
-    k = types.index(FULL) + 1 if FULL in types else 0
-    window = cfg.get("sliding_window") or 0
-    if len(types) < n_layers or types != [FULL if k and (i + 1) % k == 0 else SLIDING for i in range(n_layers)]:
+    if len(types) < n_layers or set(types[:n_layers]) - {FULL, SLIDING}:
         raise ArchitectureError(
-            f"{cfg.path}: layer_types {types} is not implemented; fivecut's Gemma makes every k-th layer "
-            "(k-1, 2k-1, ...) full_attention and the others sliding_attention, over all layers"
+            f"{cfg.path}: layer_types {types} is not implemented; give each of the {n_layers} layers "
+            f"{SLIDING!r} or {FULL!r}"
         )
-    if k == 1:  # every layer global: no window
+    letters = "".join("s" if kind == SLIDING else "f" for kind in types[:n_layers])
+    if "s" not in letters:  # every layer global: no window
         return {}
+    window = cfg.get("sliding_window") or 0
     if not window:
         raise ArchitectureError(f"{cfg.path}: layer_types has sliding_attention layers but sliding_window is null")
-    return {"sliding_window": window, "full_attention_interval": k}
+    return {"sliding_window": window, "window_layers": letters}
 
 
 def gemma2_args(cfg: HFConfig) -> ModelArgs:
@@ -204,7 +203,7 @@ def gemma3_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------- which shapes each class holds
 
 # the Gemma fields, and the block variants no Gemma has
-GEMMA_OWN = ("sandwich_norms", "scale_embeddings", "full_attention_interval", "query_scale_dim", "logit_softcap",
+GEMMA_OWN = ("sandwich_norms", "scale_embeddings", "window_layers", "query_scale_dim", "logit_softcap",
              "ffn_activation")  # fmt: skip
 
 
@@ -212,7 +211,7 @@ def gemma_problem(args: ModelArgs, name: str, own: tuple[str, ...] = ()) -> str 
     shape = (args.ffn_activation == "gelu_tanh", args.sandwich_norms, args.scale_embeddings)
     if not all(shape) or args.qkv_bias or args.full_attention_layers:
         return (
-            f"{name} has GeGLU, norms around each sublayer and a scaled embedding, no biases, every k-th layer global"
+            f"{name} has GeGLU, norms around each sublayer and a scaled embedding, no biases, windows by layer_types"
         )
     return dense_problem(args, own=GEMMA_OWN + own)
 
