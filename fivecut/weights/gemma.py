@@ -210,9 +210,7 @@ GEMMA_OWN = ("sandwich_norms", "scale_embeddings", "window_layers", "query_scale
 def gemma_problem(args: ModelArgs, name: str, own: tuple[str, ...] = ()) -> str | None:
     shape = (args.ffn_activation == "gelu_tanh", args.sandwich_norms, args.scale_embeddings)
     if not all(shape) or args.qkv_bias or args.full_attention_layers:
-        return (
-            f"{name} has GeGLU, norms around each sublayer and a scaled embedding, no biases, windows by layer_types"
-        )
+        return f"{name} has GeGLU, norms around each sublayer and a scaled embedding, no biases, windows by layer_types"
     return dense_problem(args, own=GEMMA_OWN + own)
 
 
