@@ -700,41 +700,18 @@ def model_layout_problems(dims: ParallelDims, model) -> list[str]:
             f"Ulysses cuts each tp rank's {model.n_heads // dims.tp} heads over cp={dims.cp}; choose cp from "
             + f"{divisors(model.n_heads // dims.tp)}"
         )
-    return (
-        out
-        + usp_head_problems(dims, model)
-        + expert_layout_problems(dims, model)
-        + window_ring_problems(dims, model)
-        + score_ring_problems(dims, model)
-    )
-
-
-def window_ring_problems(dims: ParallelDims, model) -> list[str]:
-    """Sliding-window attention under context parallelism: Ulysses gives each rank whole sequences
-    (of its heads), so the window is the one-device band; ring attention is refused. Its block
-    pairs are either causal-diagonal or wholly visible (`fivecut.parallel.context.BlockPair`), and
-    a window cuts bands through both that the fused kernel's causal flag cannot express."""
-    if dims.cp > 1 and dims.cp_mode != "ulysses" and model.has_window:  # USP runs the ring's kernel, even at R = 1
-        return [
-            f"cp={dims.cp} with cp_mode={dims.cp_mode!r} and sliding-window attention (sliding_window="
-            f"{model.sliding_window}): ring attention's K/V blocks are masked causal or not at all, and a "
-            "window needs a band per block pair, which is not built; set parallel.cp_mode='ulysses' (whole "
-            "sequences per head, the window exact)"
-        ]
-    return []
+    return out + usp_head_problems(dims, model) + expert_layout_problems(dims, model) + score_ring_problems(dims, model)
 
 
 def score_ring_problems(dims: ParallelDims, model) -> list[str]:
-    """Gemma's scores under ring attention (and USP, which runs the ring's kernel): every block pair runs
-    the fused flash kernel, which computes softmax(q.k / sqrt(head_dim)) and can neither soft-cap a score
-    (attn_softcap) nor scale it by another factor (query_scale_dim); refused. Ulysses gives the one-device
-    core whole sequences, so both are exact there."""
-    named = [f"{name}={getattr(model, name)}" for name in ("attn_softcap", "query_scale_dim") if getattr(model, name)]
-    if dims.cp > 1 and dims.cp_mode != "ulysses" and named:
+    """Gemma 2's soft-capped scores under ring attention (and USP, which runs the ring's kernel): every
+    block pair runs the fused flash kernel, which cannot soft-cap a score (attn_softcap); refused. Ulysses
+    gives the one-device core whole sequences, so the cap is exact there."""
+    if dims.cp > 1 and dims.cp_mode != "ulysses" and model.attn_softcap:
         return [
-            f"cp={dims.cp} with cp_mode={dims.cp_mode!r} and {' and '.join(named)}: ring attention runs the fused "
-            "flash kernel on each K/V block pair, which scales scores by 1/sqrt(head_dim) and cannot soft-cap "
-            "them; set parallel.cp_mode='ulysses' (whole sequences per head, the one-device attention exact)"
+            f"cp={dims.cp} with cp_mode={dims.cp_mode!r} and attn_softcap={model.attn_softcap}: ring attention runs "
+            "the fused flash kernel on each K/V block pair, which cannot soft-cap a score; set "
+            "parallel.cp_mode='ulysses' (whole sequences per head, the one-device attention exact)"
         ]
     return []
 

@@ -174,17 +174,17 @@ RING = {"ring": ('parallel.cp_mode="ring"',), "usp": ('parallel.cp_mode="usp"', 
 
 
 @pytest.mark.multirank
-def test_each_cut_gives_transformers_logits_in_one_spawn(gpt_oss, mxfp4, full_attention, byte_cache):
+def test_each_cut_gives_transformers_logits_in_one_spawn(gpt_oss, mxfp4, byte_cache):
     """The default suite's layouts, two ranks each, one spawn for all: experts cut (ep=2), expert and attention
     TP (tp=2,etp=2: the sinks cut with the heads, wo's bias added once, the down bias once over etp), Ulysses
-    (the sinks cut with its heads); the MXFP4 checkpoint under ep=2; the sinks under ring attention (the model
-    with full layers only)."""
+    (the sinks cut with its heads); the MXFP4 checkpoint under ep=2; the sinks and the sliding layer's window
+    under ring attention."""
     cases = {
         "dp=2,ep=2": (gpt_oss, LAYOUTS["dp=2,ep=2"]),
         "tp=2,etp=2": (gpt_oss, LAYOUTS["tp=2,etp=2"]),
         "cp=2 Ulysses": (gpt_oss, LAYOUTS["cp=2"]),
         "MXFP4 dp=2,ep=2": (mxfp4, LAYOUTS["dp=2,ep=2"]),
-        "cp=2 ring": (full_attention, ("parallel.cp=2", *RING["ring"])),
+        "cp=2 ring": (gpt_oss, ("parallel.cp=2", *RING["ring"])),
     }
     configs = [import_config(byte_cache, folder, *layout) for (folder, _), layout in cases.values()]
     for rank, rank_logits in enumerate(spawn(logits_of, 2, configs, TOKENS)):
@@ -206,7 +206,9 @@ SWEEP_VERIFY = ("cp=2,cp_mode=ulysses", "dp=2,ep=2", "tp=2", "pp=2,microbatches=
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["tp=2,etp=2", *(pytest.param(k, marks=pytest.mark.sweep) for k in SWEEP_VERIFY)])
+@pytest.mark.parametrize(
+    "layout", ["tp=2,etp=2", "cp=2,cp_mode=ring", *(pytest.param(k, marks=pytest.mark.sweep) for k in SWEEP_VERIFY)]
+)
 def test_verify_passes_on_gpt_oss(gpt_oss, layout, capsys):
     code, out = verify(capsys, gpt_oss[0], layout)
     assert code == 0 and "PASS" in out, out
@@ -383,14 +385,6 @@ def test_a_config_key_fivecut_does_not_implement_is_refused_by_name(gpt_oss, tmp
     assert len(err.strip().splitlines()) == 1, err
 
 
-def test_ring_attention_is_refused_for_its_windows_before_any_rank(gpt_oss, capsys):
-    from fivecut.cli import main
-
-    code = main(["verify", "--model", f"hf:{gpt_oss[0]}", "--layout", "cp=2,cp_mode=ring", "--steps", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and "cp_mode='ring'" in err and "sliding" in err, err
-
-
 def test_check_import_passes(gpt_oss, mxfp4, capsys):
     """`fivecut check-import` on the folder and on its MXFP4 form (transformers dequantizes on its CPU)."""
     from fivecut.cli import main
@@ -401,38 +395,16 @@ def test_check_import_passes(gpt_oss, mxfp4, capsys):
         assert code == 0 and "PASS" in out, out
 
 
-# ---------------------------------------------------------------- sinks under ring attention (no window)
-
-
-@pytest.fixture(scope="module")
-def full_attention(tmp_path_factory) -> tuple[Path, torch.Tensor]:
-    """A GPT-OSS whose layers all attend fully (ring attention refuses windows): (folder, transformers' logits)."""
-    import transformers
-
-    pytest.importorskip("transformers")
-    config = hf_config()
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
-    torch.manual_seed(1)
-    model = transformers.GptOssForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(
-                1 + 0.2 * torch.randn_like(p)
-                if "norm" in name
-                else torch.randn_like(p) * (1.0 if "router" in name else 0.3)
-            )
-        expected = model(TOKENS).logits
-    folder = tmp_path_factory.mktemp("gpt_oss_full") / "hf"
-    model.save_pretrained(folder)
-    return folder, expected
+# ---------------------------------------------------------------- sinks and windows under ring attention
 
 
 @pytest.mark.sweep
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["ring", "usp"])
-def test_sinks_under_ring_attention_give_transformers_logits(full_attention, byte_cache, mode):
-    """The sink merged once after the ring's blocks, by log-sum-exp (USP: its heads cut by Ulysses first)."""
-    folder, expected = full_attention
+def test_sinks_under_ring_attention_give_transformers_logits(gpt_oss, byte_cache, mode):
+    """The sink merged once after the ring's blocks, by log-sum-exp (USP: its heads cut by Ulysses first); the
+    sliding layer's band cut through the block pairs."""
+    folder, expected = gpt_oss
     cp = 2 if mode == "ring" else 4
     cfg = import_config(byte_cache, folder, f"parallel.cp={cp}", *RING[mode])
     for rank, (got,) in enumerate(spawn(logits_of, cp, [cfg], TOKENS)):
@@ -442,6 +414,6 @@ def test_sinks_under_ring_attention_give_transformers_logits(full_attention, byt
 @pytest.mark.sweep
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", ["cp=2,cp_mode=ring", "cp=4,cp_mode=usp,cp_ulysses=2"])
-def test_verify_passes_with_sinks_under_ring_attention(full_attention, layout, capsys):
-    code, out = verify(capsys, full_attention[0], layout)
+def test_verify_passes_with_sinks_under_ring_attention(gpt_oss, layout, capsys):
+    code, out = verify(capsys, gpt_oss[0], layout)
     assert code == 0 and "PASS" in out, out

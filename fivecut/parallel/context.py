@@ -153,19 +153,23 @@ class FlashKernel:
     than q (grouped-query attention: each kv head serves H/KV query heads)."""
 
     device: str
+    scale: float | None = None  # the scores' factor (None: 1/sqrt(hd); Gemma's query_pre_attn_scalar ** -0.5)
     cuda_state: tuple = ()  # CUDA: what the first forward returned besides (out, lse), given back to backward
 
     def forward(self, q, k, v, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`mask`: an additive [b, 1, sq, sk] (0 or -inf, q's dtype), CPU only; a query row that
         sees no key gets out 0 and lse 0 from the CPU kernel (`_Ring` sets its lse to -inf)."""
         if self.device == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=mask, scale=self.scale
+            )
         if mask is not None:
             raise RuntimeError(
-                "document masks under ring attention run on the CPU's fused kernel only (CUDA's flash "
-                "kernel takes no mask): set parallel.cp_mode='ulysses' or data.document_mask=false"
+                "document masks and sliding windows under ring attention run on the CPU's fused kernel only "
+                "(CUDA's flash kernel takes no mask): set parallel.cp_mode='ulysses', or data.document_mask=false "
+                "on a model without a window"
             )
-        out, lse, *state = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        out, lse, *state = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=self.scale)
         # (cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask): dense inputs, no dropout
         self.cuda_state = self.cuda_state or tuple(state[:6])
         return out, lse
@@ -175,15 +179,15 @@ class FlashKernel:
         (merged) output and log-sum-exp: the softmax it rebuilds is the whole row's."""
         if self.device == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask
+                grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=self.scale
             )
         cum_q, cum_k, max_q, max_k, seed, offset = self.cuda_state
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=self.scale
         )
 
 
-def flash_kernel(q: torch.Tensor) -> FlashKernel:
+def flash_kernel(q: torch.Tensor, scale: float | None = None) -> FlashKernel:
     """The fused kernel for q's device and dtype; a clear error where PyTorch has none."""
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(
@@ -192,7 +196,7 @@ def flash_kernel(q: torch.Tensor) -> FlashKernel:
         )
     if q.device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"ring attention has no fused kernel on {q.device.type}: use parallel.cp_mode='ulysses'")
-    return FlashKernel(q.device.type)
+    return FlashKernel(q.device.type, scale)
 
 
 @dataclass(frozen=True)
@@ -250,15 +254,15 @@ class _Ring(torch.autograd.Function):
               c passes of the gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, documents, sinks):
-        kernel, c, r, local = flash_kernel(q), group.size, group.rank, q.shape[2]
+    def forward(ctx, q, k, v, group, documents, sinks, window: int, scale: float | None):
+        kernel, c, r, local = flash_kernel(q, scale), group.size, group.rank, q.shape[2]
         kv = torch.cat([k, v], dim=-1)  # [b, KV, s/c, hd + hd_v]: one message per pass
         out = lse = None
         for step in range(c):
             nxt, works = _post_shift(kv, group, KV_TAG) if step < c - 1 else (None, [])
             pair = BlockPair.at(r, step, c, local)
-            mask = PairMask.of(documents, pair, r, step, c, local, q.dtype)
-            if mask is None or mask.any_seen:  # a pair whose every query is in other documents: no work
+            mask = PairMask.of(documents, window, pair, r, step, c, local, q)
+            if mask is None or mask.any_seen:  # a pair whose every query sees none of its keys: no work
                 qs, ks = pair.queries, pair.keys
                 o_blk, lse_blk = kernel.forward(
                     q[:, :, qs], *key_value(kv[:, :, ks], q), *PairMask.kernel_args(mask, pair)
@@ -274,7 +278,7 @@ class _Ring(torch.autograd.Function):
         if sinks is not None:  # GPT-OSS: the sink is one more block, of value 0 and log-sum-exp `sink`
             merge_into(out, lse, torch.zeros_like(out), sinks.float().view(1, -1, 1).expand_as(lse))
         out = value_width(out, v.shape[-1]).to(q.dtype)  # [b, H, s/c, hd_v] laid out [b, s/c, H, hd_v]
-        ctx.group, ctx.kernel, ctx.documents = group, kernel, documents
+        ctx.group, ctx.kernel, ctx.documents, ctx.window = group, kernel, documents, window
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
@@ -294,7 +298,7 @@ class _Ring(torch.autograd.Function):
             arriving, grad_works = _post_shift(dkv, group, GRAD_TAG) if step > 0 else (None, [])
             pair = BlockPair.at(r, step, c, local)
             rows, keys = pair.queries, pair.keys
-            mask = PairMask.of(ctx.documents, pair, r, step, c, local, q.dtype)
+            mask = PairMask.of(ctx.documents, ctx.window, pair, r, step, c, local, q)
             blk = None
             if mask is None or mask.any_seen:
                 blk = kernel.backward(
@@ -314,28 +318,32 @@ class _Ring(torch.autograd.Function):
             kv = nxt
         home, works = _post_shift(dkv, group, GRAD_TAG)  # the block of rank r+1, complete: to its owner
         _finish(works, group)
-        return dq.to(q.dtype), home[..., :hd].to(k.dtype), home[..., hd:].to(v.dtype), None, None, sink
+        return dq.to(q.dtype), home[..., :hd].to(k.dtype), home[..., hd:].to(v.dtype), None, None, sink, None, None
 
 
 @dataclass(frozen=True)
 class PairMask:
-    """The documents' mask of one block pair (data.document_mask): my queries of the pair
-    against the keys of the block held `step` ranks back, both at their places in the whole
-    sequence (each ring rank's zigzag chunks), causal by place and within one document."""
+    """The mask of one block pair: my queries of the pair against the keys of the block held `step`
+    ranks back, both at their places in the whole sequence (each ring rank's zigzag chunks), causal
+    by place, within one document (data.document_mask) and within a sliding window w (key > query - w).
+    A window leaves many pairs wholly hidden (`any_seen` false): those run no kernel at all."""
 
     bias: torch.Tensor  # [b, 1, sq, sk] additive: 0 where seen, -inf where hidden (the kernel's dtype)
     seen: torch.Tensor  # [b, 1, sq] bool: the queries that see at least one key of the block
     any_seen: bool
 
     @staticmethod
-    def of(documents: Documents | None, pair: BlockPair, rank: int, step: int, size: int, local: int, dtype):
-        if documents is None:
+    def of(documents: Documents | None, window: int, pair: BlockPair, rank: int, step: int, size: int, local: int, q):
+        """None when nothing but causality masks (the kernel's causal flag does); the bias in q's dtype."""
+        if documents is None and not window:
             return None
-        device = documents.ids.device
-        mine = zigzag_positions(rank, size, local, device)[pair.queries]  # [sq]
-        theirs = zigzag_positions((rank - step) % size, size, local, device)[pair.keys]  # [sk]
-        visible = documents.visible(mine, theirs)  # [b, 1, sq, sk]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        mine = zigzag_positions(rank, size, local, q.device)[pair.queries]  # [sq]
+        theirs = zigzag_positions((rank - step) % size, size, local, q.device)[pair.keys]  # [sk]
+        visible = theirs <= mine.unsqueeze(-1) if documents is None else documents.visible(mine, theirs)
+        if window:  # [sq, sk] or [b, 1, sq, sk]
+            visible = visible & (theirs > mine.unsqueeze(-1) - window)
+        visible = visible.expand(q.shape[0], 1, *visible.shape[-2:])  # [b, 1, sq, sk]
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
         seen = visible.any(-1)
         return PairMask(bias, seen, bool(seen.any()))
 
@@ -386,16 +394,17 @@ class RingAttention(nn.Module):
     """Causal attention over the whole sequence, K/V blocks passed around the cp ring (`_Ring`).
     Under autocast q, k, v are cast as autocast casts scaled_dot_product_attention's."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, window: int = 0, scale: float | None = None):
         super().__init__()
-        self.group = group
+        self.group, self.window = group, window  # window: the core's sliding window (0: none)
+        self.scale = scale  # the core's factor of the scores (None: 1/sqrt(hd))
 
     def forward(self, q, k, v, documents: Documents | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`sinks` [H] (GPT-OSS): merged once after the ring's blocks (`_Ring`)."""
         if torch.is_autocast_enabled(q.device.type):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return _Ring.apply(q, k, v, self.group, documents, sinks)  # [b, H, s/cp, hd]
+        return _Ring.apply(q, k, v, self.group, documents, sinks, self.window, self.scale)  # [b, H, s/cp, hd]
 
 
 def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str = "ulysses") -> list[str]:
@@ -411,11 +420,11 @@ def apply_context_parallel(model: nn.Module, groups: dict[str, Group], mode: str
 
 
 def context_core(core: nn.Module, groups: dict[str, Group], mode: str) -> nn.Module:
-    if mode != "ulysses" and getattr(core, "window", 0):  # refused earlier by fivecut.checks.window_ring_problems
-        raise ValueError(f"ring attention has no sliding window (core window {core.window}); use cp_mode='ulysses'")
+    # a sliding window (a band through the ring's block pairs) and the scores' factor, as the core has them
+    window, scale = getattr(core, "window", 0), getattr(core, "scale", None)
     if mode == "ulysses":
         return UlyssesAttention(core, groups["cp"])
     if mode == "ring":
-        return RingAttention(groups["cp"])
-    ring = RingAttention(groups["cp_ring"])  # usp; with U = 1, the ring alone
+        return RingAttention(groups["cp"], window, scale)
+    ring = RingAttention(groups["cp_ring"], window, scale)  # usp; with U = 1, the ring alone
     return ring if groups["cp_ulysses"].size == 1 else UlyssesAttention(ring, groups["cp_ulysses"])
