@@ -157,6 +157,20 @@ def test_ledger_counts_usp_exactly(capsys, byte_cache, layout, sets):
     assert any(line.startswith("cp ") and "(usp)" in line for line in lines)
 
 
+@pytest.mark.multirank
+def test_a_window_under_the_ring_keeps_no_band(capsys, byte_cache):
+    """A sliding window of 8 over 32 tokens under cp=2 ring attention: each block pair masked by the band
+    (`fivecut.parallel.context.PairMask`), rebuilt in backward, so the layer keeps no [s, s] band as the
+    one-device core does (`fivecut ledger`: activation_ratio 1.000). Its parity: tests/test_hf_dense.py's
+    Mistral under the ring."""
+    window = "model.sliding_window=8"
+    argv = ["ledger", "--model", "tiny", "--layout", "cp=2,cp_mode=ring", "--set", f'data.cache_dir="{byte_cache}"']
+    assert main([*argv, "--set", window]) == 0
+    out = capsys.readouterr().out
+    assert_activations_exact(out)
+    assert_memory_exact(out)
+
+
 USP_REFUSED = [
     ("cp=4,cp_mode=usp,cp_ulysses=3", "parallel.cp_ulysses=3 must divide cp=4"),
     ("cp=4,cp_ulysses=2", "cp_ulysses=2 is the Ulysses degree of cp_mode='usp'"),

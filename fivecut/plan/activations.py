@@ -150,7 +150,7 @@ def activation_bytes_per_layer(
         dense += capped_core_bytes(args, batch, seq, tp, u, documents)
     elif documents and plain and not (ring or usp):  # the core's mask [b, 1, s, s] (Ulysses: u chunks gathered),
         dense += a * batch * (seq * u) ** 2  # the window's band inside it when there is one
-    elif plain and window and not args.is_mla:  # the band, as the fused kernel keeps it: an additive mask
+    elif plain and window and not (ring or usp or args.is_mla):  # the band the fused kernel keeps: an additive mask
         dense += a * (seq * u) ** 2  # [s, s] over the whole sequence (Ulysses gathers it); full layers have none
     if moe_rows is None:
         return dense
