@@ -105,6 +105,25 @@ def test_the_config_becomes_the_right_fields(saved):
     assert not half.rope_long(ORIGINAL) and half.rope_long(ORIGINAL + 1)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_the_frequencies_and_factor_are_transformers(saved, name):
+    """fivecut's inverse frequencies and cos/sin factor = transformers' longrope function's, for a
+    sequence of the original context (short factors) and one position more (long)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fivecut.model.transformer import rope_frequencies
+    from fivecut.weights.load import source_of
+
+    config = transformers.AutoConfig.from_pretrained(saved[name][0])
+    args = source_of(f"hf:{saved[name][0]}").args
+    for seq in (ORIGINAL, ORIGINAL + 1):
+        theirs, factor = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=seq)
+        ours, our_factor = rope_frequencies(args, args.rope_long(seq))
+        torch.testing.assert_close(ours.float(), theirs, rtol=1e-6, atol=0, msg=f"{name}, {seq}")
+        assert our_factor == pytest.approx(factor, rel=1e-12), (name, seq)
+
+
 def test_su_and_yarn_are_read_as_longrope(saved, tmp_path):
     """An older file's rope_scaling of type 'su' or 'yarn': Phi3Config reads it as longrope."""
     folder, short, long = saved["half"]
@@ -133,15 +152,14 @@ def test_logits_under_tp(saved, byte_cache):
 
 
 def assert_logits_under(saved: dict, cache: str, layout: str) -> None:
-    configs, expected = [], []
-    for name, (folder, short, long) in saved.items():
-        for tokens, logits in ((SHORT, short), (LONG, long)):
-            seq = f"train.seq_len={tokens.shape[1]}"
-            configs.append(([import_config(cache, folder, *LAYOUTS[layout], seq)], tokens))
-            expected.append((name, tokens.shape[1], logits))
-    for (configs_one, tokens), (name, seq, logits) in zip(configs, expected, strict=True):
-        for rank, (got,) in enumerate(spawn(logits_of, 2, configs_one, tokens)):
-            torch.testing.assert_close(got, logits, rtol=RTOL, atol=ATOL, msg=f"{layout} rank {rank}, {name} {seq}")
+    """On 2 ranks, each model's logits of SHORT (run at train.seq_len 12) and of LONG (at 24)."""
+    for index, tokens in ((1, SHORT), (2, LONG)):
+        seq = f"train.seq_len={tokens.shape[1]}"
+        configs = [import_config(cache, folder, *LAYOUTS[layout], seq) for folder, *_ in saved.values()]
+        for rank, rank_logits in enumerate(spawn(logits_of, 2, configs, tokens)):
+            for (name, expected), got in zip(saved.items(), rank_logits, strict=True):
+                msg = f"{layout} rank {rank}, {name}, {tokens.shape[1]} tokens"
+                torch.testing.assert_close(got, expected[index], rtol=RTOL, atol=ATOL, msg=msg)
 
 
 @pytest.mark.multirank
