@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_hf_dense import assert_refused_in_one_line, edited, random_hf_model, train_two_steps
+from test_hf_families import COMMON as FAMILIES
 from test_import import import_config, logits_of
 
 from fivecut.launch import spawn
@@ -27,20 +28,7 @@ VOCAB = 321
 ORIGINAL = 16
 SHORT = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))  # <= 16: short factors
 LONG = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))  # > 16: long factors
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    original_max_position_embeddings=ORIGINAL,
-    rms_norm_eps=1e-5,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+COMMON = FAMILIES | dict(max_position_embeddings=64, original_max_position_embeddings=ORIGINAL)
 
 
 def factors(pairs: int, first: float, step: float) -> list[float]:
@@ -226,6 +214,30 @@ def test_greedy_generation_equals_transformers(saved, prompt):
         expected = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
         got = generate_ids(ours, ids, 12, Sampling(temperature=0.0), eot_id=None).new_ids
         assert got == expected[0, prompt:].tolist(), name
+
+
+@pytest.mark.parametrize("prompt", [10, 20])
+def test_each_step_s_logits_equal_transformers_generate(saved, prompt):
+    """The logits of every step through the cache (`logits_after`), switch included, = those of
+    transformers' generate: the greedy tokens alone would hide a cache that kept the short-factor keys."""
+    import transformers
+
+    from fivecut.generate import logits_after
+    from fivecut.model.decode import new_cache
+    from fivecut.weights.load import single_model
+
+    ids = LONG[0, :prompt].tolist()
+    for name, (folder, _, _) in saved.items():
+        ours, _ = single_model(init_from=f"hf:{folder}")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        run = theirs.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        sequence, cache = run.sequences[0].tolist(), new_cache(ours, max_len=prompt + 12)
+        for step, expected in enumerate(run.logits):
+            got = logits_after(ours, sequence[: prompt + step], cache, torch.device("cpu"))[:, -1]  # [1, V]
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=f"{name}, step {step}")
 
 
 def test_check_import_passes(saved, capsys):
