@@ -164,6 +164,22 @@ def test_verify_passes_under_each_cut(saved, capsys, layout, seq):
     assert_verify_passes(capsys, saved["whole"][0], layout, seq)
 
 
+@pytest.mark.sweep
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp=2,sp=true", "cp=2,cp_mode=ulysses"])
+def test_ledger_measures_what_the_planner_predicts(saved, capsys, layout):
+    """The long tables are the short ones' size: measured = predicted, as for any Phi-3."""
+    import re
+
+    from fivecut.cli import main
+
+    argv = ["ledger", "--model", f"hf:{saved['half'][0]}", "--layout", layout, "--steps", "1"]
+    code = main([*argv, "--set", "train.seq_len=24"])
+    out = capsys.readouterr().out
+    ratios = dict(re.findall(r"^(\w*ratio)=(\S+)$", out, re.M))
+    assert code == 0 and set(ratios.values()) == {"1.000"} and "memory_ratio" in ratios, out
+
+
 def assert_verify_passes(capsys, folder: Path, layout: str, seq: int) -> None:
     from fivecut.cli import main
 
