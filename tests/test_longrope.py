@@ -293,3 +293,13 @@ def test_what_longrope_cannot_carry_is_refused_in_one_line(saved, tmp_path, caps
             ),
         },
     )
+
+
+def test_documents_past_the_original_context_are_refused_in_one_line(saved, capsys):
+    """Packed documents restart their positions: transformers would choose the factors by the longest one."""
+    from fivecut.cli import main
+
+    spec = f'model.init_from="hf:{saved["half"][0]}"'
+    code = main(["train", "--set", spec, "--set", "data.document_mask=true", "--set", "train.seq_len=24"])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.document_mask=true with LongRoPE" in err and err.count("\n") == 1, err
