@@ -157,12 +157,26 @@ def checked_model_args(cfg: Config) -> ModelArgs:
         raise ConfigError(f"model {model_label(cfg.model)!r} with the model.* overrides: {err}") from None
     check_dense_keys(cfg, args)
     check_plain_attention_keys(cfg, args)
+    check_longrope_documents(cfg, args)
     if cfg.train.seq_len > args.max_seq_len:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} exceeds model max_seq_len={args.max_seq_len}; lower it or set "
             "model.max_seq_len"
         )
     return args
+
+
+def check_longrope_documents(cfg: Config, args: ModelArgs) -> None:
+    """LongRoPE turns a run's sequences by the factors of train.seq_len; with documents apart, each
+    restarting its positions, transformers would choose by the longest document instead: refused past
+    the original context, where the two choices part."""
+    if cfg.data.document_mask and args.rope_long(cfg.train.seq_len):
+        raise ConfigError(
+            f"data.document_mask=true with LongRoPE at train.seq_len={cfg.train.seq_len} > its original context "
+            f"{args.rope_original_context} is not implemented: fivecut turns every document by the long factors, "
+            "transformers by its longest document's; set data.document_mask=false or train.seq_len <= "
+            f"{args.rope_original_context}"
+        )
 
 
 def check_dense_keys(cfg: Config, args: ModelArgs) -> None:

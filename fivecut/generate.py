@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fivecut.model.decode import decode, new_cache
+from fivecut.model.decode import KVCache, decode, new_cache
 from fivecut.model.transformer import Transformer
 from fivecut.train.tokenizer import Tokenizer
 from fivecut.weights.load import single_model
@@ -128,15 +128,24 @@ def generate_ids(
     cache = new_cache(model, batch=1, max_len=len(prompt_ids) + max_new_tokens)
     pick = _picker(sampling, device)
     t0 = time.perf_counter()
-    token = pick(decode(model, torch.tensor([prompt_ids], device=device), cache, last_only=True))  # [1, 1]
+    token = pick(logits_after(model, prompt_ids, cache, device))  # [1, 1]
     new_ids = [int(token)]
     t1 = time.perf_counter()
     _tell(on_token, new_ids[-1])
     while len(new_ids) < max_new_tokens and new_ids[-1] != eot_id:
-        token = pick(decode(model, token, cache))  # [1, 1]
+        token = pick(logits_after(model, prompt_ids + new_ids, cache, device))  # [1, 1]
         new_ids.append(int(token))
         _tell(on_token, new_ids[-1])
     return IdsResult(new_ids, (t1 - t0, time.perf_counter() - t1))
+
+
+def logits_after(model: Transformer, ids: list[int], cache: KVCache, device: torch.device) -> torch.Tensor:
+    """The next token's logits [1, 1, vocab] after `ids`, the cache holding the first cache.length of
+    them: the rest through the cache; or every id again, the cache refilled, when the sequence's length
+    changes the RoPE tables (LongRoPE past its original context, where transformers' Phi-3 drops its cache)."""
+    if model.fit_rope(len(ids)):
+        cache.length = 0
+    return decode(model, torch.tensor([ids[cache.length :]], device=device), cache, last_only=True)
 
 
 def _tell(on_token: Callable[[int], object] | None, token_id: int) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 GATES = ("softmax", "sigmoid")
 # how RoPE's frequencies are stretched past the pretraining context (transformers' rope_type)
-ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 # the gate's activation of the dense feed-forward: SwiGLU's silu, or GeGLU's tanh-approximated GELU (Gemma)
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 # the fields that shape only mixture-of-experts layers: a dense model (n_experts == 0) has no use for them
@@ -188,6 +188,18 @@ class ModelArgs:
     # each output logit; 0: none
     attn_softcap: float = 0.0
     logit_softcap: float = 0.0
+    # ----- LongRoPE (rope_scaling = "longrope": Phi-3.5, Phi-4-mini, the 128k Phi-3s) -----
+    # channel pair i turns at 1 / (f_i * rope_theta^(2i/rope_dim)), f the short factors for a sequence of at most
+    # rope_original_context positions and the long ones past it (`rope_long`: transformers chooses by the length a
+    # forward sees); cos and sin times rope_attention_factor, or 0: sqrt(1 + ln(rope_factor) / ln(rope_original_
+    # context)) (1 for rope_factor 1). Tuples of rope_dim/2 numbers each
+    rope_short_factors: tuple[float, ...] = ()
+    rope_long_factors: tuple[float, ...] = ()
+    rope_attention_factor: float = 0.0
+
+    def __post_init__(self):  # a checkpoint's JSON gives the factors back as lists
+        for name in ("rope_short_factors", "rope_long_factors"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     # ----- the check of the values ---------------------------------------
 
@@ -324,16 +336,35 @@ class ModelArgs:
             return
         if not self.rope_factor >= 1:
             raise ValueError(f"rope_factor ({self.rope_factor}) stretches RoPE; it must be >= 1")
-        if self.rope_scaling in ("llama3", "yarn") and self.rope_original_context <= 0:
+        if self.rope_scaling in ("llama3", "yarn", "longrope") and self.rope_original_context <= 0:
             raise ValueError(
                 f"rope_scaling {self.rope_scaling!r} needs rope_original_context, the pretraining context "
                 f"(original_max_position_embeddings), > 0; got {self.rope_original_context}"
             )
+        if self.rope_scaling == "longrope":
+            self._check_longrope()
         if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
             raise ValueError(
                 f"llama3 RoPE needs rope_high_freq_factor ({self.rope_high_freq_factor}) > rope_low_freq_factor "
                 f"({self.rope_low_freq_factor}) > 0"
             )
+
+    def _check_longrope(self) -> None:
+        pairs = self.rope_dim // 2
+        for name in ("rope_short_factors", "rope_long_factors"):
+            factors = getattr(self, name)
+            if len(factors) != pairs or not all(f > 0 for f in factors):
+                raise ValueError(
+                    f"longrope RoPE needs {name} of {pairs} positive numbers (one per rotated channel pair, "
+                    f"rope_dim {self.rope_dim} / 2); got {len(factors)}: {factors[:4]}"
+                )
+        if self.rope_attention_factor < 0:
+            raise ValueError(f"rope_attention_factor ({self.rope_attention_factor}) must be >= 0 (0: derived)")
+
+    def rope_long(self, length: int) -> bool:
+        """Whether a sequence of `length` positions turns by LongRoPE's long factors (past the original
+        context, as transformers decides from the positions it sees); false for every other RoPE."""
+        return self.rope_scaling == "longrope" and length > self.rope_original_context
 
     def _check_gate_and_layers(self) -> None:
         if self.gate not in GATES:

@@ -65,24 +65,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, shape, weight, eps)
 
 
-def rope_tables(args: ModelArgs, local: bool = False) -> Rope:
+def rope_tables(args: ModelArgs, local: bool = False, long: bool = False) -> Rope:
     """cos/sin tables [max_seq_len, rope_dim] in fp32, in the rotate-half layout: channel i and
     channel i + rope_dim/2 form one rotated pair, at frequency theta^(-2i/rope_dim), stretched
     by `args.rope_scaling` (`rope_frequencies`); YaRN multiplies both tables by its attention
     factor. Computed in float64 on the CPU so that every device gets bitwise the same tables.
-    `local`: the sliding layers' tables (Gemma 3), plain RoPE at base `rope_local_theta`."""
+    `local`: the sliding layers' tables (Gemma 3), plain RoPE at base `rope_local_theta`; `long`:
+    LongRoPE's long factors (`ModelArgs.rope_long`), else its short ones."""
     if local:
         args = dataclasses.replace(args, rope_theta=args.rope_local_theta, rope_scaling="none")
-    inv_freq, factor = rope_frequencies(args)  # [rope_dim/2]
+    inv_freq, factor = rope_frequencies(args, long)  # [rope_dim/2]
     t = torch.arange(args.max_seq_len, dtype=torch.float64)
     angles = torch.outer(t, inv_freq)  # [S, rope_dim/2]
     angles = torch.cat([angles, angles], dim=-1)  # [S, rope_dim]
     return (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
 
-def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
+def rope_frequencies(args: ModelArgs, long: bool = False) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rope_dim/2] float64, the factor on cos and sin) of `args`'s RoPE:
-    plain, or scaled for a longer context (linear, Llama 3.1's, YaRN), as transformers defines them."""
+    plain, or scaled for a longer context (linear, Llama 3.1's, YaRN, LongRoPE's short or `long`
+    factors), as transformers defines them."""
     dim, theta = args.rope_dim, args.rope_theta
     inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
     kind, factor = args.rope_scaling, args.rope_factor
@@ -92,7 +94,20 @@ def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
         return llama3_frequencies(inv_freq, args), 1.0
     if kind == "yarn":
         return yarn_frequencies(inv_freq, args), yarn_attention_factor(args)
+    if kind == "longrope":
+        factors = args.rope_long_factors if long else args.rope_short_factors
+        return inv_freq / torch.tensor(factors, dtype=torch.float64), longrope_attention_factor(args)
     return inv_freq, 1.0
+
+
+def longrope_attention_factor(args: ModelArgs) -> float:
+    """What LongRoPE multiplies cos and sin by: rope_attention_factor, or when unset
+    sqrt(1 + ln(factor) / ln(original context)) (1 for a factor <= 1)."""
+    if args.rope_attention_factor:
+        return args.rope_attention_factor
+    if args.rope_factor <= 1:
+        return 1.0
+    return math.sqrt(1 + math.log(args.rope_factor) / math.log(args.rope_original_context))
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -838,6 +853,7 @@ class Transformer(nn.Module):
         if self.local_rope_layers:
             self.register_buffer("rope_local_cos", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
             self.register_buffer("rope_local_sin", torch.empty(args.max_seq_len, args.rope_dim), persistent=False)
+        self.rope_long = False  # LongRoPE: the tables turn by its long factors (`fit_rope`), else its short ones
         self.init_rope()
 
     def tie_weights(self) -> None:
@@ -849,11 +865,23 @@ class Transformer(nn.Module):
     def init_rope(self) -> None:
         """(Re)compute the RoPE tables in fp32 on the buffers' current device."""
         device = self.rope_cos.device
-        cos, sin = rope_tables(self.args)
+        cos, sin = rope_tables(self.args, long=self.rope_long)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         if self.local_rope_layers:
             cos, sin = rope_tables(self.args, local=True)
             self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
+
+    def fit_rope(self, length: int) -> bool:
+        """Make the RoPE tables those of a sequence of `length` positions (LongRoPE: its long factors past
+        the original context, its short ones up to it; no other RoPE depends on the length); whether
+        they changed."""
+        long = self.args.rope_long(length)
+        if long == self.rope_long:
+            return False
+        self.rope_long = long
+        if not self.rope_cos.is_meta:
+            self.init_rope()
+        return True
 
     def ropes(self, positions: torch.Tensor) -> dict[str, Rope]:
         """Each layer's (cos, sin) at `positions` ([s] or [b, s] -> [(b,) s, rope_dim] each), by layer name."""
@@ -914,6 +942,7 @@ class Transformer(nn.Module):
             positions = documents.positions  # [b, s]
         if positions is None:  # from the input, not from h: sequence parallelism may cut h along s
             positions = torch.arange(tokens.shape[1], device=tokens.device)
+            self.fit_rope(tokens.shape[1])  # the whole sequence: its length chooses (LongRoPE)
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens
         ropes = self.ropes(positions)  # [s, hd] each
         for name, layer in self.layers.items() if self.layers is not None else ():

@@ -240,6 +240,8 @@ def parallelize(model: nn.Module, mesh: Mesh, options: ParallelizeOptions | None
     dims, args = mesh.dims, model.args
     weights = adapted(model, o)
     schedule, stages = split_pipeline(model, mesh, o.seq_len or args.max_seq_len)
+    for stage in stages.values():  # LongRoPE: the factors of the length the run trains at, on every rank
+        stage.fit_rope(o.seq_len or args.max_seq_len)
     loss_in_head = loss_heads(stages, o.loss_chunk_tokens)
     weight_grads = split_backward(schedule, stages)
     placements = initial_records(stages, schedule)

@@ -783,6 +783,7 @@ def check_model(path: Path, meta: dict, model: dict, accepted: set[str] = frozen
     """The checkpoint's model has this model's shape, but for the `model.*` keys `accepted` names
     (`--override`; a tensor of another shape is still refused); otherwise name both."""
     saved = meta.get("model", {})
+    model = {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()}  # as JSON holds them
     differ = [
         f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v and f"model.{k}" not in accepted
     ]

@@ -58,6 +58,7 @@ from fivecut.model.args import ModelArgs
 from fivecut.weights import glm_architecture
 from fivecut.weights import moe_architectures as moe
 from fivecut.weights.gpt_oss import GPT_OSS
+from fivecut.weights.longrope import longrope_config, phi3_rope_fields
 from fivecut.weights.rope import CONFIG_KEYS, RopeError, rope_config, rope_fields
 
 
@@ -158,15 +159,16 @@ class HFConfig:
 # ---------------------------------------------------------------- config.json -> ModelArgs
 
 
-def rope(cfg: HFConfig, partial_of: int | None = None) -> dict:
+def rope(cfg: HFConfig, partial_of: int | None = None, reader: Callable = rope_fields) -> dict:
     """ModelArgs' RoPE fields: the base and a scaling fivecut implements (`fivecut.weights.rope`);
-    with `partial_of` (a head's channels), the part of each head partial_rotary_factor turns (Phi-3)."""
+    with `partial_of` (a head's channels), the part of each head partial_rotary_factor turns (Phi-3);
+    `reader`: the class's reader of them (`rope_fields`'s arguments; Phi-3's reads longrope too)."""
     theta = cfg.get("rope_theta", float, 10000.0)  # transformers < 5 (and beside rope_parameters in fivecut's exports)
     cfg.get("partial_rotary_factor", float)
     cfg.skip(*CONFIG_KEYS)  # rope_parameters, rope_scaling: read (and type-checked) by `rope_fields`
     positions = cfg.get("max_position_embeddings", default=2048)
     try:
-        return rope_fields(cfg.raw, cfg.path, theta, positions, partial_of)
+        return reader(cfg.raw, cfg.path, theta, positions, partial_of)
     except RopeError as err:
         raise ArchitectureError(str(err)) from None
 
@@ -177,9 +179,12 @@ def head_dim(cfg: HFConfig, dim: int, heads: int) -> int:
     return 0 if size * heads == dim else size
 
 
-def dense_args(cfg: HFConfig, partial_rotary: bool = False, **variant) -> ModelArgs:
+def dense_args(
+    cfg: HFConfig, partial_rotary: bool = False, rope_reader: Callable = rope_fields, **variant
+) -> ModelArgs:
     """The fields every dense class here shares (Llama's), plus `variant` (biases, norms, window);
-    `partial_rotary`: the class reads partial_rotary_factor (Phi-3; the others refuse it)."""
+    `partial_rotary`: the class reads partial_rotary_factor (Phi-3; the others refuse it); `rope_reader`:
+    the class's reader of its RoPE (`rope`)."""
     cfg.expect("hidden_act", "silu", "SwiGLU feed-forward")
     cfg.expect("attention_dropout", 0.0, "attention (no dropout)")
     cfg.expect("mlp_bias", False, "feed-forward")
@@ -194,7 +199,7 @@ def dense_args(cfg: HFConfig, partial_rotary: bool = False, **variant) -> ModelA
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         ffn_dim=cfg.need("intermediate_size"),
         max_seq_len=cfg.get("max_position_embeddings", default=2048),
-        **rope(cfg, size if partial_rotary else None),
+        **rope(cfg, size if partial_rotary else None, rope_reader),
         norm_eps=float(cfg.get("rms_norm_eps", float, 1e-6)),
         tie_embeddings=cfg.get("tie_word_embeddings", bool, False),
         init_std=float(cfg.get("initializer_range", float, 0.02)),
@@ -295,8 +300,8 @@ def olmo2_args(cfg: HFConfig) -> ModelArgs:
 PHI3_NO_MATH = (
     (
         "original_max_position_embeddings",
-        "longrope's pretraining context (longrope is refused by name); without longrope transformers reads it "
-        "only to drop a generation cache once past it, which changes no logit",
+        "longrope's pretraining context (read with the longrope table, `fivecut.weights.longrope`); without "
+        "longrope transformers reads it only to drop a generation cache once past it, which changes no logit",
     ),
 )
 
@@ -304,25 +309,12 @@ PHI3_NO_MATH = (
 def phi3_args(cfg: HFConfig) -> ModelArgs:
     """Phi-3 / Phi-4: Llama with q, k, v fused in one projection and gate and up in another (their rows
     are fivecut's wq, wk, wv and w1, w3), partial rotary (partial_rotary_factor), a window on every
-    layer when sliding_window is set; longrope is refused by the RoPE reader (not built)."""
+    layer when sliding_window is set, LongRoPE (rope_type longrope, or 'su' and 'yarn', which the class
+    reads as longrope: `fivecut.weights.longrope`)."""
     for key in ("resid_pdrop", "embd_pdrop"):
         cfg.expect(key, 0.0, "Phi-3 (no dropout)")
     cfg.skip(*dict(PHI3_NO_MATH))
-    refuse_longrope(cfg)
-    return dense_args(cfg, partial_rotary=True, sliding_window=cfg.get("sliding_window") or 0)
-
-
-def refuse_longrope(cfg: HFConfig) -> None:
-    """Phi-3's config class reads a RoPE type 'su' or 'yarn' as 'longrope' (its short and long factors), which
-    fivecut does not build: refused by name here, before the RoPE reader would take 'yarn' for YaRN."""
-    table = cfg.raw.get("rope_scaling") or cfg.raw.get("rope_parameters") or {}
-    kind = table.get("rope_type", table.get("type")) if isinstance(table, dict) else None
-    if kind in ("su", "yarn", "longrope"):
-        key = "rope_scaling" if cfg.raw.get("rope_scaling") else "rope_parameters"
-        raise ArchitectureError(
-            f"{cfg.path}: {key}.rope_type = {kind!r} is Phi-3's longrope (transformers reads 'su' and 'yarn' as "
-            "longrope for this class), which fivecut does not implement; use a Phi-3 without longrope (the 4k ones)"
-        )
+    return dense_args(cfg, True, phi3_rope_fields, sliding_window=cfg.get("sliding_window") or 0)
 
 
 # ---------------------------------------------------------------- ModelArgs -> config.json
@@ -400,13 +392,17 @@ def olmo2_config(args: ModelArgs) -> dict:
 
 
 def phi3_config(args: ModelArgs) -> dict:
-    return dense_config(args, "Phi3ForCausalLM", "phi3") | {
-        "sliding_window": args.sliding_window or None,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "original_max_position_embeddings": args.max_seq_len,
-        "pad_token_id": NO_PAD,
-    }
+    return (
+        dense_config(args, "Phi3ForCausalLM", "phi3")
+        | {
+            "sliding_window": args.sliding_window or None,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "original_max_position_embeddings": args.max_seq_len,
+            "pad_token_id": NO_PAD,
+        }
+        | longrope_config(args)
+    )
 
 
 # ---------------------------------------------------------------- which shapes each class holds
@@ -414,7 +410,7 @@ def phi3_config(args: ModelArgs) -> dict:
 # the block variants a class holds only where its `holds` says so (`dense_problem`'s `own`)
 VARIANTS = ("qk_norm_whole", "nope_interval", "norm_after", "rope_partial_dim", *moe.GPT_OSS_ONLY, "sandwich_norms",
             "scale_embeddings", "rope_local_theta", "query_scale_dim", "attn_softcap",
-            "logit_softcap")  # fmt: skip
+            "logit_softcap", "rope_long_factors")  # fmt: skip
 
 
 def dense_problem(args: ModelArgs, own: tuple[str, ...] = ()) -> str | None:
@@ -467,7 +463,7 @@ def holds_olmo2(args: ModelArgs) -> str | None:
 def holds_phi3(args: ModelArgs) -> str | None:
     if args.qkv_bias or args.qk_norm or args.full_attention_layers:
         return "Phi-3 has no q/k/v biases or q/k norms, and its window covers every layer"
-    return dense_problem(args, own=("rope_partial_dim",))
+    return dense_problem(args, own=("rope_partial_dim", "rope_long_factors"))
 
 
 # ---------------------------------------------------------------- tensor names
@@ -585,7 +581,7 @@ DEFAULTS = {
     "qwen3": {"head_dim": 128, "max_window_layers": 28, "sliding_window": 4096},
     "smollm3": {"rope_theta": 2e6, "tie_word_embeddings": True},
     "olmo2": {"rms_norm_eps": 1e-5},
-    "phi3": {"rms_norm_eps": 1e-5},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
 }
 
 AnyArchitecture = Architecture | moe.Architecture

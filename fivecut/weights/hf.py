@@ -91,7 +91,9 @@ def fivecut_args(config: dict, path: Path) -> ModelArgs:
     if not isinstance(record, dict) or not record.keys() <= fields:
         raise WeightsError(f"{path}: model_type {FIVECUT_TYPE!r} without a valid 'fivecut' record of ModelArgs fields")
     defaults = ModelArgs()
-    return ModelArgs(**{k: optional(record, k, v, path, type(v)) for k, v in dataclasses.asdict(defaults).items()})
+    values = dataclasses.asdict(defaults)
+    kinds = {k: list if isinstance(v, tuple) else type(v) for k, v in values.items()}  # JSON writes tuples as lists
+    return ModelArgs(**{k: optional(record, k, v, path, kinds[k]) for k, v in values.items()})
 
 
 class HFSource:

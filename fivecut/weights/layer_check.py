@@ -189,7 +189,7 @@ def compare_layers(spec: str, folder: Path, batch: int, seq: int, seed: int, dty
     low = dtype == "bf16"
     x = torch.randn(batch, seq, args.dim, generator=torch.Generator().manual_seed(seed))  # [b, s, dim]
     x = x.to(torch.bfloat16).float() if low else x  # the values bf16 holds: both models see the same
-    cos, sin = rope_tables(args)
+    cos, sin = rope_tables(args, long=args.rope_long(seq))  # the tables of a sequence of `seq` (LongRoPE)
     results = []
     for kind, i in layer_kinds(args).items():
         block = fivecut_block(spec, args, i)
