@@ -60,22 +60,29 @@ class VocabShard:
 WHOLE = VocabShard()
 
 
-def cross_entropy_in_place(work: torch.Tensor, targets: torch.Tensor, shard: VocabShard = WHOLE) -> torch.Tensor:
+def cross_entropy_in_place(
+    work: torch.Tensor, targets: torch.Tensor, shard: VocabShard = WHOLE, stats: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each token's cross-entropy [C] (fp32) from its logits `work` [C, V/t] (fp32), which become
     d(sum of the losses)/d logits = softmax - onehot(target), row by row; a row whose target is
-    negative (IGNORE) gets loss 0 and gradient 0, as F.cross_entropy's ignore_index."""
+    negative (IGNORE) gets loss 0 and gradient 0, as F.cross_entropy's ignore_index. `stats` [3, C]
+    fp32: where the rows' max, sum of exponentials and target logit go, the tensors tp's all-reduces
+    read and write (a caller's buffer, alive across its chunks: a backend may hold a reduced tensor a
+    moment after the call returns; None: made here)."""
+    stats = torch.empty(3, work.shape[0], dtype=torch.float32, device=work.device) if stats is None else stats
+    top, sums = stats[0], stats[1:]  # [C]; [2, C]: the sum of exponentials and the target logit, one all-reduce
     local = targets - shard.start  # [C] the target's column in this shard
     mine = (local >= 0) & (local < work.shape[-1])  # the target lies in this shard
     index = local.clamp(0, work.shape[-1] - 1).unsqueeze(-1)  # [C, 1]
     real = shard.vocab_size - shard.start  # this shard's columns before the padding
     if shard.vocab_size and real < work.shape[-1]:
         work[:, max(real, 0) :] = float("-inf")  # the vocabulary's padding columns: probability 0
-    top = work.amax(dim=-1)  # [C]
+    torch.amax(work, dim=-1, out=top)
     shard.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
     work.sub_(top.unsqueeze(-1))  # [C, V/t] logits - max
-    picked = work.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)  # [C] target logit - max
+    sums[1].copy_(work.gather(-1, index).squeeze(-1)).masked_fill_(~mine, 0.0)  # target logit - max
     work.exp_()
-    sums = torch.stack([work.sum(dim=-1), picked])  # [2, C]: one all-reduce for both
+    torch.sum(work, dim=-1, out=sums[0])
     shard.all_reduce(sums)
     total, picked = sums[0], sums[1]
     kept = targets >= 0
@@ -101,10 +108,11 @@ class TokenLoss:
     shard: VocabShard = WHOLE
     cap: float = 0.0
 
-    def __call__(self, work: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Token losses [C] (fp32) of logits `work` [C, V/t] (fp32), which become d(their sum)/d logits."""
+    def __call__(self, work: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        """Token losses [C] (fp32) of logits `work` [C, V/t] (fp32), which become d(their sum)/d logits;
+        `stats`: `cross_entropy_in_place`'s."""
         slope = soft_cap_in_place(work, self.cap) if self.cap else None  # [C, V/t]
-        losses = cross_entropy_in_place(work, targets, self.shard)
+        losses = cross_entropy_in_place(work, targets, self.shard, stats)
         if slope is not None:
             work.mul_(slope)  # through the cap: d/d logits = d/d capped * (1 - tanh^2)
         return losses
@@ -133,11 +141,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_weight = None  # a frozen head ([lora]) has no d/dW to make
         if weight.requires_grad:
             grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)  # [V/t, h]
+        # the chunks' statistics (max, sum of exponentials, target logit): one buffer for all, [3, C] each
+        stats = torch.empty(3 * min(chunk, hidden.shape[0]), dtype=torch.float32, device=hidden.device)
         for i, (start, end) in enumerate(chunk_bounds(hidden.shape[0], chunk)):
             rows = slice(start, end)
-            run_chunk(
-                hidden[rows].detach(), w, targets[rows], loss, losses[rows], grad_hidden[rows], grad_weight, i == 0
-            )
+            out = ChunkOut(losses[rows], grad_hidden[rows], stats[: 3 * (end - start)].view(3, end - start))
+            run_chunk(hidden[rows].detach(), w, targets[rows], loss, out, grad_weight, i == 0)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return losses.sum()
@@ -151,22 +160,32 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden.mul_(grad), dw, None, None, None
 
 
-def run_chunk(hidden, w, targets, loss: TokenLoss, losses, grad_hidden, grad_weight, first: bool) -> None:
-    """One chunk of C tokens: its token losses into `losses` [C], d/dhidden into `grad_hidden` [C, h],
-    d/dW written (`first`) or added into `grad_weight` [V/t, h] (fp32; None: a frozen head). Its
-    logits' gradient [C, V/t] dies on return, before the next chunk makes its own."""
+@dataclass
+class ChunkOut:
+    """Where one chunk of C tokens writes: its token losses [C], d/dhidden [C, h] (views of the whole
+    step's buffers) and its statistics [3, C] (`cross_entropy_in_place`)."""
+
+    losses: torch.Tensor
+    grad_hidden: torch.Tensor
+    stats: torch.Tensor
+
+
+def run_chunk(hidden, w, targets, loss: TokenLoss, out: ChunkOut, grad_weight, first: bool) -> None:
+    """One chunk of C tokens: its token losses and d/dhidden into `out`, d/dW written (`first`) or added
+    into `grad_weight` [V/t, h] (fp32; None: a frozen head). Its logits' gradient [C, V/t] dies on
+    return, before the next chunk makes its own."""
     x = hidden.to(w.dtype)  # [C, h]
-    grad_logits = chunk_gradient(x, w, targets, loss, losses)  # [C, V/t]
-    grad_hidden.copy_(grad_logits @ w)  # back in the hidden state's dtype
+    grad_logits = chunk_gradient(x, w, targets, loss, out)  # [C, V/t]
+    out.grad_hidden.copy_(grad_logits @ w)  # back in the hidden state's dtype
     if grad_weight is not None:
         add_weight_gradient(grad_weight, x, grad_logits, first)
 
 
-def chunk_gradient(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TokenLoss, losses) -> torch.Tensor:
-    """One chunk of C tokens: its token losses written into `losses` [C]; returns d(their sum)/d logits
+def chunk_gradient(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, loss: TokenLoss, out: ChunkOut):
+    """One chunk of C tokens: its token losses written into `out.losses` [C]; returns d(their sum)/d logits
     [C, V/t] in the matmuls' dtype (w's). The chunk's logits and their gradient are one buffer."""
     work = F.linear(x, w).float()  # [C, V/t]: the matmul's own output in fp32, an fp32 copy under bf16
-    losses.copy_(loss(work, targets))
+    out.losses.copy_(loss(work, targets, out.stats))
     return work.to(w.dtype)
 
 

@@ -486,7 +486,8 @@ def stage_activation_bytes(
     return {"kept": kept, "transient": transient, "peak": kept + transient}
 
 
-CE_TOKEN_BYTES = 39  # `cross_entropy_in_place`'s per-token tensors at their most (targets int64)
+CE_TOKEN_BYTES = 27  # `cross_entropy_in_place`'s own per-token tensors at their most (targets int64)
+CE_STATS_BYTES = 12  # its statistics a token (max, sum of exponentials, target logit: fp32), the caller's buffer
 
 
 def loss_peak_bytes(
@@ -505,25 +506,27 @@ def loss_peak_bytes(
     min(C, T) tokens a chunk, a = the matmuls' bytes (`BYTES[precision]`), r = the residual
     stream's (4; 2 for "bf16-params"), u = 1 when the logits are upcast to fp32 (a < 4):
         chunked          buffers kept over the chunks: the token losses (4 T), d hidden (r T h), dW
-                         (4 V' h, fp32); under bf16 the weight cast once for all chunks (2 V' h) and
-                         the chunk's input cast (2 C' h). Then the most of: the logits and their fp32
-                         copy at the upcast ((a + 4) C' V'), or (fp32) the logits becoming their own
-                         gradient in `cross_entropy_in_place` with its per-token tensors (4 C' V' +
-                         39 C'); the gradient and d hidden's product (a C' V' + a C' h); under
-                         bf16, the gradient and dW's product before its fp32 add (2 C' V' + 2 V' h).
-                         Backward scales both buffers in place.
+                         (4 V' h, fp32), the chunks' statistics (12 C': max, sum of exponentials and
+                         target logit, which tp's all-reduces read); under bf16 the weight cast once
+                         for all chunks (2 V' h) and the chunk's input cast (2 C' h). Then the most
+                         of: the logits and their fp32 copy at the upcast ((a + 4) C' V'), or (fp32)
+                         the logits becoming their own gradient in `cross_entropy_in_place` with its
+                         per-token tensors (4 C' V' + 27 C'); the gradient and d hidden's product
+                         (a C' V' + a C' h); under bf16, the gradient and dW's product before its
+                         fp32 add (2 C' V' + 2 V' h). Backward scales both buffers in place.
         full, one rank   torch's log-softmax: 12 T V' at its backward (its saved fp32 output, the
                          fp32 gradient it receives and the one it makes); under bf16 the head's
                          cast of its input, saved by its matmul (2 T h)
         full, tp > 1     the vocabulary-parallel cross-entropy: forward, the logits and the fp32
                          copy that becomes their gradient, with its per-token tensors ((a + 4) T V'
-                         + 39 T); backward, under bf16 that gradient cast to bf16 ((4 + a) T V'),
-                         in fp32 the gradient with the head's products d hidden (4 T h) and dW (4 V'
-                         h), and under SP the head's input gathered again (4 T h)
+                         + 39 T: its statistics 12, the rest 27); backward, under bf16 that gradient
+                         cast to bf16 ((4 + a) T V'), in fp32 the gradient with the head's products d
+                         hidden (4 T h) and dW (4 V' h), and under SP the head's input gathered again
+                         (4 T h)
     Exact (`tests/test_loss_ledger.py`) where the moment named is the peak. [lora]: a frozen head
     (`head_trained` false) makes no dW, and a head weight already held in bf16 (`head_cast` false:
     frozen and untied) is not cast. Soft-capped logits (Gemma 2's logit_softcap): chunked, the cap's
-    slope 1 - tanh^2 beside the capped logits (8 C' V' + 39 C' at the cross-entropy); the full logits
+    slope 1 - tanh^2 beside the capped logits (8 C' V' + 27 C' at the cross-entropy); the full logits
     keep the cap's tanh (a T V')."""
     columns, a, h = -(-args.vocab_size // tp), BYTES[precision], args.dim
     casts, capped = precision == "bf16", bool(args.logit_softcap)
@@ -534,7 +537,7 @@ def loss_peak_bytes(
     if tp == 1:
         return 12 * tokens * columns + (2 * tokens * h if casts else 0) + tanh
     input_cast = 2 * tokens * h if casts else 0
-    forward = input_cast + (a + 4) * tokens * columns + CE_TOKEN_BYTES * tokens + tanh
+    forward = input_cast + (a + 4) * tokens * columns + (CE_STATS_BYTES + CE_TOKEN_BYTES) * tokens + tanh
     if a < FP32:
         return max(forward, input_cast + (4 + a) * tokens * columns + tanh)
     backward = 4 * tokens * columns + 4 * tokens * h * (1 + sp) + (4 * columns * h if head_trained else 0)
@@ -549,6 +552,7 @@ def chunked_loss_peak(
     a, casts = BYTES[precision], precision == "bf16"
     residual = 2 if precision == "bf16-params" else FP32
     buffers = FP32 * tokens + residual * tokens * h + (FP32 * columns * h if head_trained else 0)
+    buffers += CE_STATS_BYTES * rows  # the chunks' statistics [3, C'] (max, sum of exponentials, target logit)
     buffers += 2 * columns * h * head_cast + 2 * rows * h if casts else 0
     logits = (a + 4) * rows * columns if a < FP32 else 4 * rows * columns + CE_TOKEN_BYTES * rows
     if capped:
