@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_hf_dense import COMMON as DENSE_COMMON
 from test_hf_dense import (
     assert_each_exports_to_itself,
     assert_each_gives_its_logits,
@@ -34,21 +35,10 @@ from test_import import import_config, logits_of
 from fivecut.launch import spawn
 
 RTOL = ATOL = 1e-5
-VOCAB = 321
+VOCAB = DENSE_COMMON["vocab_size"]
 TOKENS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))  # [b, s]
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    pad_token_id=0,  # the classes' defaults lie outside a vocabulary of 321
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# test_hf_dense's shape, with special ids inside the vocabulary (these classes' defaults lie outside 321)
+COMMON = DENSE_COMMON | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # class -> (config class, the architecture's own keys)
 MODELS = {
     "SmolLM3ForCausalLM": ("SmolLM3Config", dict(no_rope_layer_interval=2, rope_theta=5000.0)),

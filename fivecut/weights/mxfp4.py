@@ -52,9 +52,10 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Mxfp4Experts:
-    """A fivecut expert weight [E, in, out] held in MXFP4 as `name`_blocks and `name`_scales (a `moe.Stored`):
-    `half` 0 or 1: the even or odd out columns (GPT-OSS's gate_up_proj holds gate and up interleaved);
-    None: all of them (down_proj)."""
+    """A fivecut expert weight [E, in, out] held in MXFP4 as `name`_blocks and `name`_scales, read as a
+    `moe.Stored` is (import only: an export builds its maps without the folder's files, so it writes the
+    plain, unquantized tensors): `half` 0 or 1: the even or odd out columns (GPT-OSS's gate_up_proj holds
+    gate and up interleaved); None: all of them (down_proj)."""
 
     name: str
     half: int | None
@@ -84,6 +85,3 @@ class Mxfp4Experts:
         values = dequantize(blocks, scales)[..., r0 - first : r1 - first]  # [e, out', in box]
         values = values.transpose(1, 2)  # [e, in box, out']
         return values if self.half is None else values[..., self.half :: 2]
-
-    def parts(self, shape: tuple[int, ...]) -> list:
-        raise NotImplementedError("exports write the experts unquantized")
